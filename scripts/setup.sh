@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Set up everything kvbridge's tests and demo need on a fresh Debian/Ubuntu machine:
+# system libraries, the virtual environment at ./.venv, and kvbridge with its extras.
+# Idempotent: re-running skips what is already done (a stamp records the inputs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+PYTHON=${PYTHON:-python3}
+STAMP="$VENV/.kvbridge-setup"
+inputs_hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+# --- system packages: Mooncake's transfer engine links libibverbs and libnl ------------
+DEBS="libibverbs1 libnl-3-200 libnl-route-3-200"
+missing=""
+for p in $DEBS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else
+    echo "missing Debian packages:$missing; install them as root: apt-get install -y$missing" >&2; exit 1
+  fi
+  log "installing Debian packages:$missing"
+  $SUDO apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q $missing >/dev/null
+fi
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ]; then
+  log "environment is up to date ($VENV)"
+  exit 0
+fi
+
+# --- Python environment -------------------------------------------------------------------
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "kvbridge needs Python >= 3.10" >&2; exit 1; }
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+[ -d /opt/wheels ] && PIP+=(--find-links /opt/wheels)
+
+# NIXL's wheels depend on torch: install the CPU build first, or pip pulls CUDA torch (GBs).
+if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+  log "installing CPU torch"
+  "${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  "$VENV/bin/python" -c 'import torch' || { echo "torch did not install" >&2; exit 1; }
+fi
+log "installing kvbridge with its nixl, mooncake and test extras"
+"${PIP[@]}" -e ".[nixl,mooncake,test,bench]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c 'import kvbridge, nixl, mooncake.engine' || { echo "kvbridge install failed" >&2; exit 1; }
+
+echo "$inputs_hash" > "$STAMP"
+log "done: $VENV"

@@ -1,0 +1,269 @@
+"""User configuration: msgspec Structs, strict.
+
+Who calls: the engine adapters, once per process, with the user's
+``kv_connector_extra_config`` (vLLM) or the SGLang backend options; the CLI and tests.
+The result is frozen and shared read-only by every component of that process.
+
+Strictness: an unknown key, a wrong type or an out-of-range value raises
+:class:`~kvbridge.errors.ConfigError` naming the dotted key, the valid keys or choices,
+and (for a likely typo) the closest valid key.
+
+Example::
+
+    >>> cfg = load_config({"transport": "mooncake", "timeouts": {"lease_s": 30}})
+    >>> cfg.transport, cfg.timeouts.lease_s
+    ('mooncake', 30.0)
+    >>> load_config({"transprot": "nixl"})
+    Traceback (most recent call last):
+    ...
+    kvbridge.errors.ConfigError: unknown config key 'transprot' (fix: did you mean 'transport'? valid keys: host, mooncake, nixl, timeouts, transport)
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+
+from kvbridge.errors import ConfigError
+
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+MooncakeQueueLimit = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+TransportName = Literal["nixl", "mooncake"]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base of every config section: strict, immutable, keyword-only."""
+
+
+class Timeouts(_Section):
+    """Deadlines, in seconds. Every wait in kvbridge is bounded by one of these."""
+
+    handshake_s: PositiveFloat = 10.0
+    """Exchanging agent metadata with a new peer."""
+
+    transfer_s: PositiveFloat = 30.0
+    """One posted transfer (a layer, or a whole request) from post to completion."""
+
+    receive_s: PositiveFloat = 120.0
+    """How long the decode side waits, after sending its destination, for the first KV
+    data. Covers the prefill side's queueing and compute; on expiry the load fails and
+    the engine's load-failure policy (recompute or fail) applies."""
+
+    lease_s: PositiveFloat = 60.0
+    """How long a prefill instance holds a finished request's blocks waiting for the
+    decode side (its destination, or its pull in the P-first flow) before freeing them."""
+
+    abort_ack_s: PositiveFloat = 5.0
+    """How long an aborted request waits for in-flight transfers to drain before its
+    blocks are released anyway."""
+
+
+class NixlOptions(_Section):
+    """Options of the NIXL transport."""
+
+    backends: tuple[str, ...] = ("UCX",)
+    """NIXL backend plugins to instantiate, in preference order."""
+
+    progress_thread: Union[bool, None] = None
+    """NIXL's own progress thread. ``None`` (default): off for host memory (on a few
+    cores it spins a core and costs throughput), on for device memory. kvbridge's
+    notification pump drives progress either way."""
+
+    num_threads: NonNegativeInt = 0
+    """Worker threads of multi-threaded backends (UCX); 0 keeps the backend default."""
+
+
+class MooncakeOptions(_Section):
+    """Options of the Mooncake transfer-engine transport."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    """Wire protocol. Mooncake silently falls back to TCP for an unknown protocol or a
+    missing RDMA device; kvbridge refuses instead."""
+
+    device_name: str = ""
+    """RDMA device(s) for ``protocol: rdma`` (e.g. ``"mlx5_0"``); empty: auto-detect."""
+
+    workers: PositiveInt = 4
+    """Threads submitting batches (the engine releases the GIL while it transfers)."""
+
+    max_queued_transfers_per_peer: MooncakeQueueLimit = 65535
+    """Sets ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` unless already set; Mooncake's
+    default (1024) makes batches of thousands of descriptors fail with "queue-full";
+    the engine accepts at most 65535."""
+
+    max_pending_admissions_per_peer: MooncakeQueueLimit = 65535
+    """Sets ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` unless already set."""
+
+
+class KVBridgeConfig(_Section):
+    """Top-level configuration. Every key has a default; ``{}`` is a valid config."""
+
+    transport: TransportName = "nixl"
+    """Which transport moves the KV cache: ``nixl`` or ``mooncake``."""
+
+    host: str = "127.0.0.1"
+    """Address this instance advertises to peers (transport endpoints, side channel)."""
+
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    nixl: NixlOptions = msgspec.field(default_factory=NixlOptions)
+    mooncake: MooncakeOptions = msgspec.field(default_factory=MooncakeOptions)
+
+
+def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBridgeConfig:
+    """Build a :class:`KVBridgeConfig` from a mapping or a JSON document.
+
+    Args:
+        source: a mapping (e.g. vLLM's ``kv_connector_extra_config``), a JSON object as
+            text, or ``None`` for all defaults.
+
+    Raises:
+        ConfigError: the document is not a JSON object, or a key is unknown, mistyped or
+            out of range. The message names the dotted key and the valid keys or choices.
+    """
+    if source is None:
+        return KVBridgeConfig()
+    if isinstance(source, (str, bytes)):
+        try:
+            source = json.loads(source)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"kvbridge config is not valid JSON: {exc}",
+                fix="pass a JSON object such as '{\"transport\": \"nixl\"}'",
+            ) from exc
+    if not isinstance(source, Mapping):
+        raise ConfigError(
+            f"kvbridge config must be a JSON object / mapping, got {type(source).__name__}",
+            fix="pass a mapping of config keys, e.g. {\"transport\": \"nixl\"}",
+        )
+    _check_keys(KVBridgeConfig, source, prefix="")
+    try:
+        return msgspec.convert(dict(source), KVBridgeConfig, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _explain(exc) from exc
+
+
+def config_keys(cls: type[msgspec.Struct] = KVBridgeConfig, prefix: str = "") -> list[str]:
+    """All dotted leaf keys of a config Struct, in declaration order (for docs and errors)."""
+    keys: list[str] = []
+    for field in msgspec.structs.fields(cls):
+        sub = _struct_type(field.type)
+        if sub is not None:
+            keys.extend(config_keys(sub, f"{prefix}{field.name}."))
+        else:
+            keys.append(f"{prefix}{field.name}")
+    return keys
+
+
+# --- error reporting ---------------------------------------------------------------------
+
+
+def _struct_type(tp: Any) -> type[msgspec.Struct] | None:
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return tp
+    return None
+
+
+def _fields(cls: type[msgspec.Struct]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in msgspec.structs.fields(cls)}
+
+
+def _check_keys(cls: type[msgspec.Struct], data: Mapping[str, Any], prefix: str) -> None:
+    fields = _fields(cls)
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            valid = sorted(fields)
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"unknown config key '{dotted}'",
+                key=dotted,
+                fix=f"{hint}valid keys: {', '.join(valid)}",
+            )
+        sub = _struct_type(fields[key])
+        if sub is not None and isinstance(value, Mapping):
+            _check_keys(sub, value, prefix=f"{dotted}.")
+
+
+_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _explain(exc: msgspec.ValidationError) -> ConfigError:
+    """Turn msgspec's ``... - at `$.a.b``` message into one naming the key and choices."""
+    m = _PATH_RE.match(str(exc))
+    assert m is not None  # the pattern matches any string
+    msg = m.group("msg")
+    path = (m.group("path") or "").lstrip(".")
+    path = re.sub(r"\[\d+\]", "", path)
+    choices = _choices_at(path)
+    fix = f"valid choices: {', '.join(map(repr, choices))}" if choices else None
+    if fix is None:
+        tp = _type_at(path)
+        fix = f"'{path}' takes {_describe(tp)}" if tp is not None else None
+    where = f"config key '{path}'" if path else "kvbridge config"
+    return ConfigError(f"{where}: {msg[0].lower()}{msg[1:]}", key=path or None, fix=fix)
+
+
+def _type_at(path: str) -> Any:
+    cls: Any = KVBridgeConfig
+    tp: Any = None
+    for part in path.split(".") if path else []:
+        if _struct_type(cls) is None:
+            return None
+        tp = _fields(cls).get(part)
+        cls = tp
+    return tp
+
+
+def _choices_at(path: str) -> tuple[Any, ...]:
+    tp = _type_at(path)
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    return ()
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        bounds = []
+        for m in meta:
+            if isinstance(m, msgspec.Meta):
+                if m.gt is not None:
+                    bounds.append(f"> {m.gt}")
+                if m.ge is not None:
+                    bounds.append(f">= {m.ge}")
+        return f"{_describe(base)} {' and '.join(bounds)}".strip()
+    if origin is Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    sub = _struct_type(tp)
+    if sub is not None:
+        return f"an object with keys {', '.join(_fields(sub))}"
+    return getattr(tp, "__name__", str(tp))
+
+
+__all__ = [
+    "KVBridgeConfig",
+    "MooncakeOptions",
+    "NixlOptions",
+    "Timeouts",
+    "TransportName",
+    "config_keys",
+    "load_config",
+]

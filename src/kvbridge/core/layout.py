@@ -1,0 +1,220 @@
+"""KV cache layout geometry: where each (layer, block) of a paged KV cache lives in memory.
+
+Vocabulary
+----------
+- *block*: ``block_size`` consecutive tokens of one request (vLLM "block", SGLang "page").
+- *plane*: one array of blocks for one layer. A layer has one plane when K and V share
+  each block (``fused``), two (K then V) when they are stored apart (``nhd``, ``hnd``).
+- *slot*: one (layer, plane, block) triple; its bytes are contiguous in memory. Slots are
+  numbered ``(layer * planes_per_layer + plane) * num_blocks + block``; transports
+  prepare one descriptor table over all slots once, and transfers select slots by index.
+
+Layouts (shape of one block inside one plane, row-major)
+--------------------------------------------------------
+- ``fused``: ``(num_kv_heads, block_size, 2 * head_dim)``; K in ``[..., :head_dim]``, V in
+  ``[..., head_dim:]``. vLLM's CPU backend: a layer is one tensor
+  ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``.
+- ``nhd``: K and V planes, each block ``(block_size, num_kv_heads, head_dim)``. vLLM's
+  FlashAttention layer tensor ``(2, num_blocks, block_size, num_kv_heads, head_dim)``;
+  SGLang's per-layer ``k_buffer`` / ``v_buffer`` of ``(num_pages * page_size, heads, dim)``.
+- ``hnd``: K and V planes, each block ``(num_kv_heads, block_size, head_dim)``
+  (FlashInfer's HND).
+
+>>> spec = CacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64,
+...                  dtype="bfloat16", layout="nhd")
+>>> spec.planes_per_layer, spec.block_bytes
+(2, 4096)
+>>> geo = CacheGeometry(spec=spec, num_blocks=8, plane_bases=(0x10000, 0x20000, 0x30000, 0x40000))
+>>> geo.slot(layer=1, plane=0, block=3), hex(geo.slot_address(19))
+(19, '0x33000')
+
+This module is pure Python (numpy only); the engine adapters compute base addresses
+from their tensors and build a :class:`CacheGeometry` once per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from kvbridge.errors import PlanError
+
+Layout = Literal["fused", "nhd", "hnd"]
+MemoryKind = Literal["host", "device"]
+
+#: Bytes per element of the cache dtypes kvbridge moves (torch dtype names, no prefix).
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What two caches must share for a block-for-block copy between them.
+
+    Everything here except addresses and block counts; it is part of the compatibility
+    check of every handshake.
+    """
+
+    num_layers: int
+    block_size: int
+    """Tokens per block (vLLM block size, SGLang page size)."""
+    num_kv_heads: int
+    """KV heads held by this rank (after tensor-parallel split)."""
+    head_dim: int
+    dtype: str
+    """Element type, a torch dtype name without ``torch.`` (``"bfloat16"``)."""
+    layout: Layout
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CacheSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(
+                f"CacheSpec.dtype {self.dtype!r} is not supported; "
+                f"supported: {', '.join(sorted(DTYPE_SIZES))}"
+            )
+        if self.layout not in ("fused", "nhd", "hnd"):
+            raise ValueError(f"CacheSpec.layout {self.layout!r} is not one of fused, nhd, hnd")
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def planes_per_layer(self) -> int:
+        return 1 if self.layout == "fused" else 2
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one plane."""
+        per_token_head = self.head_dim * (2 if self.layout == "fused" else 1)
+        return self.block_size * self.num_kv_heads * per_token_head * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers and planes of this rank."""
+        return self.block_bytes * self.planes_per_layer * self.num_layers // self.block_size
+
+
+class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one rank's paged KV cache lives: a :class:`CacheSpec` plus addresses.
+
+    Built once per worker by the engine adapter after the cache is allocated; sent to
+    peers in the handshake so they can address our blocks. Immutable.
+    """
+
+    spec: CacheSpec
+    num_blocks: int
+    plane_bases: tuple[int, ...]
+    """Address of block 0 of every plane, ordered (layer, plane)."""
+    block_stride: int = 0
+    """Bytes from block ``b`` to ``b + 1`` within a plane; 0 means ``spec.block_bytes``
+    (blocks packed back to back). Larger when blocks of several layers interleave."""
+    memory: MemoryKind = "host"
+    device: int = 0
+    """CUDA device index for ``memory="device"``; 0 for host memory."""
+
+    def __post_init__(self) -> None:
+        expected = self.spec.num_layers * self.spec.planes_per_layer
+        if len(self.plane_bases) != expected:
+            raise ValueError(
+                f"CacheGeometry needs {expected} plane bases "
+                f"({self.spec.num_layers} layers x {self.spec.planes_per_layer} planes), "
+                f"got {len(self.plane_bases)}"
+            )
+        if self.num_blocks <= 0:
+            raise ValueError(f"CacheGeometry.num_blocks must be positive, got {self.num_blocks}")
+        if self.block_stride and self.block_stride < self.spec.block_bytes:
+            raise ValueError(
+                f"CacheGeometry.block_stride {self.block_stride} is smaller than one block "
+                f"({self.spec.block_bytes} bytes): blocks would overlap"
+            )
+        if any(b <= 0 for b in self.plane_bases):
+            raise ValueError("CacheGeometry.plane_bases must be positive addresses")
+
+    # --- slots ---------------------------------------------------------------------------
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.spec.block_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.plane_bases) * self.num_blocks
+
+    def slot(self, layer: int, plane: int, block: int) -> int:
+        """Index of one (layer, plane, block) in the slot numbering."""
+        return (layer * self.spec.planes_per_layer + plane) * self.num_blocks + block
+
+    def slot_address(self, slot: int) -> int:
+        plane, block = divmod(slot, self.num_blocks)
+        return self.plane_bases[plane] + block * self.stride
+
+    def slot_table(self) -> np.ndarray:
+        """``(num_slots, 3)`` uint64 array of ``(address, length, device)`` in slot order.
+
+        Transports prepare this once per cache (ours and each peer's)."""
+        bases = np.asarray(self.plane_bases, dtype=np.uint64)
+        offsets = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.stride)
+        table = np.empty((self.num_slots, 3), dtype=np.uint64)
+        table[:, 0] = (bases[:, None] + offsets[None, :]).reshape(-1)
+        table[:, 1] = self.spec.block_bytes
+        table[:, 2] = self.device
+        return table
+
+    def slots(self, block_ids: Sequence[int] | np.ndarray, layers: Iterable[int] | None = None) -> np.ndarray:
+        """Slot indices of ``block_ids`` in ``layers`` (default all), every plane.
+
+        Ordered layer-major, then plane, then position in ``block_ids``, so that two
+        caches with the same spec give position-wise matching slots.
+
+        Raises:
+            PlanError: a block id or layer is out of range.
+        """
+        blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            bad = blocks[(blocks < 0) | (blocks >= self.num_blocks)][0]
+            raise PlanError(f"block id {int(bad)} out of range [0, {self.num_blocks})")
+        layer_ids = np.arange(self.spec.num_layers) if layers is None else np.fromiter(layers, dtype=np.int64)
+        if layer_ids.size and (layer_ids.min() < 0 or layer_ids.max() >= self.spec.num_layers):
+            raise PlanError(f"layer out of range [0, {self.spec.num_layers}): {layer_ids.tolist()}")
+        p = self.spec.planes_per_layer
+        planes = (layer_ids[:, None] * p + np.arange(p)[None, :]).reshape(-1)
+        return (planes[:, None] * self.num_blocks + blocks[None, :]).reshape(-1)
+
+    # --- registration ----------------------------------------------------------------------
+
+    def regions(self) -> list[tuple[int, int]]:
+        """Memory spans ``(address, length)`` covering every slot, adjacent and overlapping
+        spans merged; what a transport must register for this cache."""
+        span = (self.num_blocks - 1) * self.stride + self.spec.block_bytes
+        return merge_regions((base, span) for base in self.plane_bases)
+
+
+def merge_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sort ``(address, length)`` spans and merge those that touch or overlap.
+
+    >>> merge_regions([(100, 10), (0, 50), (50, 10), (105, 20)])
+    [(0, 60), (100, 25)]
+    """
+    merged: list[tuple[int, int]] = []
+    for addr, length in sorted(regions):
+        if merged and addr <= merged[-1][0] + merged[-1][1]:
+            start, prev_len = merged[-1]
+            merged[-1] = (start, max(prev_len, addr + length - start))
+        else:
+            merged.append((addr, length))
+    return merged
+
+
+__all__ = ["DTYPE_SIZES", "CacheGeometry", "CacheSpec", "Layout", "MemoryKind", "merge_regions"]

@@ -1,0 +1,152 @@
+"""Transfer plans: which bytes go where, as descriptor lists. Pure; no I/O.
+
+A plan pairs slots (see :mod:`kvbridge.core.layout`) of a local cache with slots of a
+remote cache, position by position. Transports consume it two ways:
+
+- as slot indices into descriptor tables prepared once per cache (NIXL's
+  ``prep_xfer_dlist`` + ``make_prepped_xfer``), where the backend merges adjacent
+  descriptors itself;
+- as coalesced ``(src, dst, length)`` regions (:func:`coalesce`), where runs of blocks
+  that are adjacent on both sides become one region (Mooncake, and any backend that
+  pays per descriptor).
+
+Who calls: the engine adapters' worker side, once per (request, layer) for layer-wise
+streaming or once per request otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.errors import PlanError
+
+class TransferPlan(NamedTuple):
+    """Position-wise paired slot indices; ``local_slots[i]`` moves to/from
+    ``remote_slots[i]``. Both are int32 (NIXL's index type)."""
+
+    local_slots: np.ndarray
+    remote_slots: np.ndarray
+    slot_bytes: int
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.local_slots.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_descriptors * self.slot_bytes
+
+
+class Regions(NamedTuple):
+    """Descriptor list as three equal-length uint64 arrays."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+def check_direct_compatible(local: CacheSpec, remote: CacheSpec) -> None:
+    """Raise :class:`PlanError` unless blocks can be copied byte for byte."""
+    if local != remote:
+        diffs = [
+            f"{f}: {getattr(local, f)!r} vs {getattr(remote, f)!r}"
+            for f in local.__struct_fields__
+            if getattr(local, f) != getattr(remote, f)
+        ]
+        raise PlanError("caches differ, a block-for-block copy is impossible: " + "; ".join(diffs))
+
+
+def plan_blocks(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int] | np.ndarray,
+    remote_blocks: Sequence[int] | np.ndarray,
+    layers: Iterable[int] | None = None,
+) -> TransferPlan:
+    """Pair ``local_blocks[i]`` with ``remote_blocks[i]`` in every plane of ``layers``.
+
+    Raises:
+        PlanError: the specs differ, the block lists differ in length, or a block id
+            or layer is out of range for its cache.
+    """
+    check_direct_compatible(local.spec, remote.spec)
+    if len(local_blocks) != len(remote_blocks):
+        raise PlanError(
+            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
+        )
+    layer_list = None if layers is None else list(layers)
+    lslots = local.slots(local_blocks, layer_list)
+    rslots = remote.slots(remote_blocks, layer_list)
+    return TransferPlan(
+        local_slots=lslots.astype(np.int32),
+        remote_slots=rslots.astype(np.int32),
+        slot_bytes=local.spec.block_bytes,
+    )
+
+
+def plan_regions(plan: TransferPlan, local: CacheGeometry, remote: CacheGeometry) -> Regions:
+    """The plan as coalesced (local -> remote) address regions."""
+    lt = _addresses(local, plan.local_slots)
+    rt = _addresses(remote, plan.remote_slots)
+    lengths = np.full(lt.size, plan.slot_bytes, dtype=np.uint64)
+    return coalesce(lt, rt, lengths)
+
+
+def _addresses(geo: CacheGeometry, slots: np.ndarray) -> np.ndarray:
+    plane, block = np.divmod(slots.astype(np.int64), geo.num_blocks)
+    bases = np.asarray(geo.plane_bases, dtype=np.uint64)
+    return bases[plane] + block.astype(np.uint64) * np.uint64(geo.stride)
+
+
+def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, sort: bool = True) -> Regions:
+    """Merge descriptors that are adjacent on both sides into one region.
+
+    Order inside one transfer is irrelevant, so by default entries are first sorted by
+    source address; pairs stay together. Zero-length entries are dropped.
+
+    >>> r = coalesce(np.array([0, 16, 32, 96]), np.array([100, 116, 200, 216]), np.array([16, 16, 16, 16]))
+    >>> r.src.tolist(), r.dst.tolist(), r.length.tolist()
+    ([0, 32, 96], [100, 200, 216], [32, 16, 16])
+    """
+    src = np.asarray(src, dtype=np.uint64).reshape(-1)
+    dst = np.asarray(dst, dtype=np.uint64).reshape(-1)
+    length = np.asarray(length, dtype=np.uint64).reshape(-1)
+    if not (src.size == dst.size == length.size):
+        raise PlanError(f"descriptor arrays differ in length: {src.size}, {dst.size}, {length.size}")
+    keep = length > 0
+    if not keep.all():
+        src, dst, length = src[keep], dst[keep], length[keep]
+    if src.size == 0:
+        return Regions(src, dst, length)
+    if sort:
+        order = np.argsort(src, kind="stable")
+        src, dst, length = src[order], dst[order], length[order]
+    starts = np.ones(src.size, dtype=bool)
+    starts[1:] = (src[1:] != src[:-1] + length[:-1]) | (dst[1:] != dst[:-1] + length[:-1])
+    group = np.cumsum(starts) - 1
+    first = np.flatnonzero(starts)
+    merged_len = np.zeros(first.size, dtype=np.uint64)
+    np.add.at(merged_len, group, length)
+    return Regions(src[first], dst[first], merged_len)
+
+
+__all__ = [
+    "PlanError",
+    "Regions",
+    "TransferPlan",
+    "check_direct_compatible",
+    "coalesce",
+    "plan_blocks",
+    "plan_regions",
+]

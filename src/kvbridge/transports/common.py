@@ -1,0 +1,531 @@
+"""Shared implementation of the transport contract; backends fill in ``_hooks``.
+
+:class:`TransportBase` does everything that is the same for every backend: argument
+and descriptor validation (so a bad descriptor gets a clear error before the backend
+sees it), bookkeeping of registrations, peers, prepared tables and live transfers (so
+``close`` releases each exactly once), the notification inbox and the pump thread that
+fills it, and bounded waiting.
+
+Backend modules subclass it and implement the ``_`` hooks, mapping their exceptions to
+kvbridge errors. Hooks are called with the base's bookkeeping already checked.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import numpy as np
+
+from kvbridge.core.layout import MemoryKind, merge_regions
+from kvbridge.errors import (
+    DeadlineExceeded,
+    InvalidDescriptorError,
+    KVBridgeError,
+    PeerDisconnectedError,
+    PeerUnreachableError,
+    TransportError,
+    UnknownPeerError,
+)
+from kvbridge.transports.base import (
+    DescTable,
+    Notification,
+    Op,
+    PeerMetadata,
+    Registration,
+    Xfer,
+    as_descs,
+    decode_metadata,
+    encode_metadata,
+)
+
+log = logging.getLogger(__name__)
+
+
+class RegionIndex:
+    """Registered memory of one side, for vectorised "is this descriptor inside?" checks.
+
+    Thread-safe: mutations hold a lock; lookups read an immutable snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._sorted: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def add(self, regions: Sequence[tuple[int, int]], memory: str, device: int) -> None:
+        with self._lock:
+            self._regions.setdefault((memory, device), []).extend((int(a), int(n)) for a, n in regions)
+            self._rebuild((memory, device))
+
+    def remove(self, regions: Sequence[tuple[int, int]], memory: str, device: int) -> None:
+        with self._lock:
+            held = self._regions.get((memory, device), [])
+            for a, n in regions:
+                if (int(a), int(n)) in held:
+                    held.remove((int(a), int(n)))
+            self._rebuild((memory, device))
+
+    def as_list(self) -> list[tuple[int, int, int, str]]:
+        with self._lock:
+            return [(a, n, dev, mem) for (mem, dev), held in self._regions.items() for a, n in held]
+
+    def _rebuild(self, key: tuple[str, int]) -> None:
+        # touching spans are merged so a descriptor crossing two adjacent registrations
+        # (e.g. a coalesced run over two tensors) is accepted
+        merged = merge_regions(self._regions.get(key, []))
+        starts = np.array([a for a, _ in merged], dtype=np.uint64)
+        ends = np.array([a + n for a, n in merged], dtype=np.uint64)
+        self._sorted = {**self._sorted, key: (starts, ends)}
+
+    def first_outside(self, descs: np.ndarray, memory: str) -> tuple[int, int] | None:
+        """The first ``(address, length)`` of ``descs`` that is not inside a registered
+        region of ``memory`` on its device, or ``None`` if all are inside."""
+        if descs.shape[0] == 0:
+            return None
+        snapshot = self._sorted
+        ok = np.zeros(descs.shape[0], dtype=bool)
+        for dev in np.unique(descs[:, 2]):
+            starts, ends = snapshot.get((memory, int(dev)), (None, None))
+            if starts is None or starts.size == 0:
+                continue
+            rows = descs[:, 2] == dev
+            addr, length = descs[rows, 0], descs[rows, 1]
+            pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+            inside = pos >= 0
+            inside &= addr + length <= ends[np.where(inside, pos, 0)]
+            ok[rows] = inside
+        if ok.all():
+            return None
+        i = int(np.flatnonzero(~ok)[0])
+        return int(descs[i, 0]), int(descs[i, 1])
+
+
+class Inbox:
+    """Notifications waiting to be taken; each is handed out exactly once."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: deque[Notification] = deque()
+        self._closed = False
+
+    def put(self, items: Sequence[Notification]) -> None:
+        if not items:
+            return
+        with self._cond:
+            self._items.extend(items)
+            self._cond.notify_all()
+
+    def take(self, timeout: float) -> list[Notification]:
+        """Everything queued; waits up to ``timeout`` seconds for the first item."""
+        with self._cond:
+            if not self._items and timeout > 0 and not self._closed:
+                self._cond.wait_for(lambda: self._items or self._closed, timeout)
+            out = list(self._items)
+            self._items.clear()
+            return out
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class Pump:
+    """A daemon thread calling ``step`` until stopped; ``step`` returns how much work it
+    found. Idle steps back off from ``min_interval`` to ``max_interval`` seconds.
+
+    Backends with no blocking "wait for notification" call (NIXL, Mooncake) poll; this
+    bounds the poll rate when idle and reacts within ``max_interval`` when not.
+    """
+
+    def __init__(self, name: str, step: Callable[[], int], min_interval: float = 1e-4, max_interval: float = 2e-3) -> None:
+        self._step = step
+        self._stop = threading.Event()
+        self._min, self._max = min_interval, max_interval
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._errors = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self._min
+        while not self._stop.is_set():
+            try:
+                found = self._step()
+            except Exception:  # keep pumping: one bad poll must not stop notifications
+                self._errors += 1
+                if self._errors == 1 or self._errors % 1000 == 0:
+                    log.exception("%s: notification poll failed (%d so far)", self._thread.name, self._errors)
+                found = 0
+            interval = self._min if found else min(interval * 2, self._max)
+            self._stop.wait(interval)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s did not stop within %.1fs", self._thread.name, timeout)
+
+
+class TransportBase(abc.ABC):
+    """Backend-independent half of a transport. See :mod:`kvbridge.transports.base`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, agent_name: str) -> None:
+        if not agent_name:
+            raise ValueError("agent_name must be non-empty")
+        self.agent_name = agent_name
+        self._lock = threading.RLock()
+        self._local = RegionIndex()
+        self._registrations: list[Registration] = []
+        self._peers: dict[str, RegionIndex] = {}
+        self._tables: set[DescTable] = set()
+        self._xfers: set[Xfer] = set()
+        self._inbox = Inbox()
+        self._pump: Pump | None = None
+        self._closed = False
+        self._reached: set[str] = set()
+        """Peers a transfer has completed with; a failure before that is 'unreachable'."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.agent_name!r} peers={len(self._peers)}>"
+
+    def __enter__(self) -> TransportBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_pump(self) -> None:
+        def step() -> int:
+            got = self._drain_notifications()
+            self._inbox.put(got)
+            return len(got)
+
+        self._pump = Pump(f"kvbridge-{self.name}-pump", step)
+        self._pump.start()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"{self.name} transport {self.agent_name!r} is closed")
+
+    # --- memory ----------------------------------------------------------------------------
+
+    def register(self, regions: Sequence[tuple[int, int]], memory: MemoryKind = "host", device: int = 0) -> Registration:
+        """Register memory so it can be a transfer source or target. Call before
+        :meth:`metadata`: peers learn our regions from it."""
+        self._check_open()
+        if memory not in ("host", "device"):
+            raise InvalidDescriptorError(f"memory must be 'host' or 'device', got {memory!r}")
+        spans = tuple((int(a), int(n)) for a, n in regions)
+        if not spans or any(a <= 0 or n <= 0 for a, n in spans):
+            raise InvalidDescriptorError(f"regions must be non-empty (address > 0, length > 0): {spans[:4]}")
+        handle = self._register(spans, memory, device)
+        reg = Registration(spans, memory, device, handle)
+        with self._lock:
+            self._registrations.append(reg)
+            self._local.add(spans, memory, device)
+        return reg
+
+    def deregister(self, registration: Registration) -> None:
+        with self._lock:
+            if registration not in self._registrations:
+                return
+            self._registrations.remove(registration)
+            self._local.remove(registration.regions, registration.memory, registration.device)
+        self._deregister(registration)
+
+    # --- peers -----------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """Our agent metadata for peers, as of now (re-send after registering more)."""
+        self._check_open()
+        return encode_metadata(
+            PeerMetadata(
+                transport=self.name,
+                agent=self.agent_name,
+                payload=self._backend_metadata(),
+                regions=self._local.as_list(),
+            )
+        )
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its peer id (its agent name). Adding a peer id
+        that is already known replaces it (the peer re-registered memory)."""
+        self._check_open()
+        md = decode_metadata(metadata, self.name)
+        if md.agent == self.agent_name:
+            raise TransportError(
+                f"peer metadata carries our own agent name {md.agent!r}",
+                fix="give every instance a unique agent name (engine id + epoch + rank)",
+            )
+        index = RegionIndex()
+        for addr, length, dev, mem in md.regions:
+            index.add([(addr, length)], mem, dev)
+        with self._lock:
+            known = md.agent in self._peers
+        if known:
+            self.remove_peer(md.agent)
+        self._add_peer(md)
+        with self._lock:
+            self._peers[md.agent] = index
+        return md.agent
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer; its prepared tables are released. Unknown peers are ignored."""
+        with self._lock:
+            if self._peers.pop(peer, None) is None:
+                return
+            self._reached.discard(peer)
+            tables = [t for t in self._tables if t.peer == peer]
+        for t in tables:
+            self.release_table(t)
+        self._remove_peer(peer)
+
+    @property
+    def peers(self) -> list[str]:
+        with self._lock:
+            return list(self._peers)
+
+    def _peer_lost(self, peer: str | None, what: str, cause: object) -> KVBridgeError:
+        """The error for a peer that stopped answering: unreachable if no transfer with it
+        ever completed, disconnected otherwise."""
+        if peer is not None and peer not in self._reached:
+            return PeerUnreachableError(
+                f"could not reach peer {peer!r} during {what} ({cause})",
+                fix="check that the peer process is running and the metadata it sent is current",
+            )
+        return PeerDisconnectedError(f"peer {peer!r} disconnected during {what} ({cause})")
+
+    def _peer_index(self, peer: str) -> RegionIndex:
+        with self._lock:
+            index = self._peers.get(peer)
+        if index is None:
+            raise UnknownPeerError(
+                f"unknown peer {peer!r}",
+                fix="add the peer with add_peer(<its metadata from the handshake>) first",
+            )
+        return index
+
+    # --- descriptor tables -----------------------------------------------------------------
+
+    def prepare(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable:
+        """Prepare ``(address, length[, device])`` descriptors of our memory (``peer`` is
+        None) or of a peer's, for use by index in :meth:`post`."""
+        self._check_open()
+        arr = as_descs(descs)
+        if arr.shape[0] == 0:
+            raise InvalidDescriptorError("cannot prepare an empty descriptor list")
+        if (arr[:, 1] == 0).any():
+            raise InvalidDescriptorError("descriptor lengths must be positive")
+        index = self._local if peer is None else self._peer_index(peer)
+        outside = index.first_outside(arr, memory)
+        if outside is not None:
+            whose = "our" if peer is None else f"peer {peer!r}'s"
+            raise InvalidDescriptorError(
+                f"descriptor at 0x{outside[0]:x} (+{outside[1]} bytes) is outside {whose} registered {memory} memory",
+                fix="register the memory before preparing descriptors for it"
+                + ("" if peer is None else ", then re-send metadata to the peer"),
+            )
+        table = DescTable(arr, memory, peer)
+        table.handle = self._prepare(table)
+        with self._lock:
+            self._tables.add(table)
+        return table
+
+    def release_table(self, table: DescTable) -> None:
+        with self._lock:
+            if table.released or table not in self._tables:
+                return
+            table.released = True
+            self._tables.discard(table)
+        self._release_table(table)
+
+    # --- transfers -------------------------------------------------------------------------
+
+    def post(
+        self,
+        op: Op,
+        local: DescTable,
+        local_idx: np.ndarray | Sequence[int],
+        remote: DescTable,
+        remote_idx: np.ndarray | Sequence[int],
+        notify: bytes | None = None,
+    ) -> Xfer:
+        """Start moving ``local[local_idx[i]]`` to (``write``) or from (``read``)
+        ``remote[remote_idx[i]]`` for every i; ``notify`` is delivered to the peer once
+        all of it has landed. Returns at once; complete with :meth:`wait`/:meth:`poll`
+        then :meth:`release`."""
+        self._check_open()
+        if op not in ("write", "read"):
+            raise InvalidDescriptorError(f"op must be 'write' or 'read', got {op!r}")
+        if local.peer is not None or remote.peer is None:
+            raise InvalidDescriptorError("post(local, ..., remote, ...) needs a local table and a peer's table")
+        if local.released or remote.released:
+            raise InvalidDescriptorError("descriptor table was released")
+        self._peer_index(remote.peer)
+        lidx = _indices(local_idx, len(local), "local")
+        ridx = _indices(remote_idx, len(remote), "remote")
+        if lidx.size != ridx.size:
+            raise InvalidDescriptorError(f"index lists differ in length: {lidx.size} local vs {ridx.size} remote")
+        if lidx.size == 0:
+            raise InvalidDescriptorError("empty transfer", fix="send a bare notification with notify()")
+        llen = local.descs[lidx, 1]
+        if not np.array_equal(llen, remote.descs[ridx, 1]):
+            i = int(np.flatnonzero(llen != remote.descs[ridx, 1])[0])
+            raise InvalidDescriptorError(
+                f"descriptor {i}: local length {int(llen[i])} != remote length {int(remote.descs[ridx[i], 1])}"
+            )
+        xfer = self._post(op, local, lidx, remote, ridx, notify, int(llen.sum()))
+        with self._lock:
+            self._xfers.add(xfer)
+            if xfer.done:
+                self._reached.add(xfer.peer)
+        return xfer
+
+    def poll(self, xfer: Xfer) -> bool:
+        """True once ``xfer`` completed; raises its mapped error if it failed."""
+        if xfer.error is not None:
+            raise xfer.error
+        if xfer.done:
+            return True
+        if xfer.released:
+            raise TransportError("transfer was released before it completed")
+        self._check_open()
+        try:
+            xfer.done = self._poll(xfer)
+        except KVBridgeError as exc:
+            xfer.error = exc
+            raise
+        if xfer.done:
+            self._reached.add(xfer.peer)
+        return xfer.done
+
+    def wait(self, xfer: Xfer, timeout: float) -> None:
+        """Block until ``xfer`` completes; raises its error, or
+        :class:`~kvbridge.errors.DeadlineExceeded` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0
+        while not self.poll(xfer):
+            now = time.monotonic()
+            if now >= deadline:
+                raise DeadlineExceeded(
+                    f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within {timeout:g}s",
+                    fix="check that the peer is alive; raise timeouts.transfer_s for very large transfers",
+                )
+            # no blocking completion call in the backends: back off from a yield to 1 ms
+            time.sleep(min(delay, deadline - now))
+            delay = min(max(delay * 2, 2e-5), 1e-3)
+
+    def release(self, xfer: Xfer) -> None:
+        """Free the transfer's backend resources. Idempotent. Releasing an unfinished
+        transfer asks the backend to cancel it."""
+        with self._lock:
+            if xfer.released:
+                return
+            xfer.released = True
+            self._xfers.discard(xfer)
+        self._release(xfer)
+
+    # --- notifications ---------------------------------------------------------------------
+
+    def notify(self, peer: str, payload: bytes) -> None:
+        """Send a notification not tied to a transfer."""
+        self._check_open()
+        self._peer_index(peer)
+        self._notify(peer, bytes(payload))
+
+    def take_notifications(self, timeout: float = 0.0) -> list[Notification]:
+        """Every notification received so far, each exactly once; waits up to
+        ``timeout`` seconds for the first one."""
+        return self._inbox.take(timeout)
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything this transport holds and stop its threads. Idempotent;
+        never raises (failures are logged)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._pump is not None:
+            self._pump.stop()
+        steps: list[tuple[str, Callable[[], None]]] = []
+        steps += [("release transfer", lambda x=x: self.release(x)) for x in list(self._xfers)]
+        steps += [("release table", lambda t=t: self.release_table(t)) for t in list(self._tables)]
+        steps += [("remove peer", lambda p=p: self._remove_peer(p)) for p in list(self._peers)]
+        steps += [("deregister", lambda r=r: self._deregister(r)) for r in list(self._registrations)]
+        steps.append(("close backend", self._close_backend))
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                log.warning("%s: %s failed during close", self.agent_name, what, exc_info=True)
+        self._peers.clear()
+        self._registrations.clear()
+        self._inbox.close()
+
+    # --- backend hooks ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object: ...
+
+    @abc.abstractmethod
+    def _deregister(self, registration: Registration) -> None: ...
+
+    @abc.abstractmethod
+    def _backend_metadata(self) -> bytes: ...
+
+    @abc.abstractmethod
+    def _add_peer(self, md: PeerMetadata) -> None: ...
+
+    @abc.abstractmethod
+    def _remove_peer(self, peer: str) -> None: ...
+
+    @abc.abstractmethod
+    def _prepare(self, table: DescTable) -> object: ...
+
+    @abc.abstractmethod
+    def _release_table(self, table: DescTable) -> None: ...
+
+    @abc.abstractmethod
+    def _post(
+        self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
+    ) -> Xfer: ...
+
+    @abc.abstractmethod
+    def _poll(self, xfer: Xfer) -> bool: ...
+
+    @abc.abstractmethod
+    def _release(self, xfer: Xfer) -> None: ...
+
+    @abc.abstractmethod
+    def _notify(self, peer: str, payload: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _drain_notifications(self) -> list[Notification]: ...
+
+    @abc.abstractmethod
+    def _close_backend(self) -> None: ...
+
+
+def _indices(idx: np.ndarray | Sequence[int], size: int, side: str) -> np.ndarray:
+    arr = np.asarray(idx)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidDescriptorError(f"{side} indices must be a 1-D integer array")
+    if arr.size and (arr.min() < 0 or arr.max() >= size):
+        raise InvalidDescriptorError(f"{side} index out of range [0, {size}): min {arr.min()}, max {arr.max()}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+__all__ = ["Inbox", "Pump", "RegionIndex", "TransportBase"]

@@ -1,0 +1,119 @@
+"""In-process test double: transports of one process moving bytes with ``memmove``.
+
+For unit tests of the core and the adapters, never as evidence that NIXL or Mooncake
+work. It honours the whole contract (validation, notifications exactly once, close)
+because it shares :class:`~kvbridge.transports.common.TransportBase` with them, and it
+can simulate a dead peer with :meth:`LoopbackTransport.kill`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvbridge.core.layout import MemoryKind
+from kvbridge.core.plan import coalesce
+from kvbridge.errors import InvalidDescriptorError, TransportUnavailableError
+from kvbridge.transports.base import DescTable, Notification, Op, PeerMetadata, Registration, Xfer
+from kvbridge.transports.common import TransportBase
+
+if TYPE_CHECKING:
+    from kvbridge.config import KVBridgeConfig
+
+_fabric: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakValueDictionary()
+_fabric_lock = threading.Lock()
+
+
+class LoopbackTransport(TransportBase):
+    """Transfers complete inside :meth:`post`; notifications land in the peer's inbox."""
+
+    name = "loopback"
+
+    def __init__(self, agent_name: str) -> None:
+        super().__init__(agent_name)
+        self.alive = True
+        with _fabric_lock:
+            if agent_name in _fabric:
+                raise ValueError(f"a loopback transport named {agent_name!r} already exists")
+            _fabric[agent_name] = self
+
+    @classmethod
+    def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> LoopbackTransport:
+        if memory != "host":
+            raise TransportUnavailableError("the loopback transport moves host memory only")
+        return cls(agent_name)
+
+    def kill(self) -> None:
+        """Simulate a dead process: every transfer or notification to it now fails."""
+        self.alive = False
+
+    def _target(self, peer: str) -> LoopbackTransport:
+        other = _fabric.get(peer)
+        if other is None or not other.alive or other._closed:
+            raise self._peer_lost(peer, "transfer", "loopback peer is gone")
+        return other
+
+    def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object:
+        if memory != "host":
+            raise InvalidDescriptorError("the loopback transport moves host memory only")
+        return None
+
+    def _deregister(self, registration: Registration) -> None:
+        pass
+
+    def _backend_metadata(self) -> bytes:
+        return b""
+
+    def _add_peer(self, md: PeerMetadata) -> None:
+        pass
+
+    def _remove_peer(self, peer: str) -> None:
+        pass
+
+    def _prepare(self, table: DescTable) -> object:
+        return None
+
+    def _release_table(self, table: DescTable) -> None:
+        pass
+
+    def _post(
+        self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
+    ) -> Xfer:
+        peer = remote.peer
+        assert peer is not None
+        target = self._target(peer)
+        regions = coalesce(local.descs[lidx, 0], remote.descs[ridx, 0], local.descs[lidx, 1])
+        for src, dst, n in zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist()):
+            if op == "write":
+                ctypes.memmove(dst, src, n)
+            else:
+                ctypes.memmove(src, dst, n)
+        if notify:
+            target._inbox.put([Notification(self.agent_name, bytes(notify))])
+        xfer = Xfer(peer, nbytes, len(regions))
+        xfer.done = True
+        return xfer
+
+    def _poll(self, xfer: Xfer) -> bool:
+        return True
+
+    def _release(self, xfer: Xfer) -> None:
+        pass
+
+    def _notify(self, peer: str, payload: bytes) -> None:
+        self._target(peer)._inbox.put([Notification(self.agent_name, payload)])
+
+    def _drain_notifications(self) -> list[Notification]:
+        return []
+
+    def _close_backend(self) -> None:
+        with _fabric_lock:
+            if _fabric.get(self.agent_name) is self:
+                del _fabric[self.agent_name]
+
+
+__all__ = ["LoopbackTransport"]

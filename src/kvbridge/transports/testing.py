@@ -1,0 +1,180 @@
+"""A transport in another process, driven over a pipe: the far side for the
+conformance suite, the benchmarks and ``kvbridge doctor``.
+
+:class:`Peer` spawns :func:`serve` in a fresh interpreter (``spawn``), which creates a
+real transport, registers a buffer and then answers commands. Every call has a
+deadline: a peer that stops answering raises ``TimeoutError`` instead of hanging the
+caller. Not used by the engine integrations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing as mp
+import os
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+
+_names = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    """An agent name no other transport of this machine uses right now."""
+    return f"{prefix}-{os.getpid()}-{next(_names)}"
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """Deterministic pseudo-random bytes; both processes can regenerate them."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def digest(buf: np.ndarray) -> str:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(buf))).hexdigest()
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def py_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate())
+
+
+def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> None:
+    """Peer process main: create the transport, then answer commands until 'close'."""
+    from kvbridge.transports.registry import create_transport, load
+
+    try:
+        load(transport)  # threads a backend starts at import are not the transport's to stop
+        baseline = (py_threads(), os_threads())
+        t = create_transport(transport, None, agent_name=agent_name)
+    except Exception as exc:
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+        return
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    t.register([(buf.ctypes.data, buf.nbytes)])
+    conn.send(("ok", (t.metadata(), buf.ctypes.data, buf.nbytes)))
+
+    def take(count: int, timeout: float) -> list[tuple[str, bytes]]:
+        got: list[tuple[str, bytes]] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got += [(n.peer, n.payload) for n in t.take_notifications(left)]
+        return got
+
+    def close() -> dict[str, Any]:
+        t.close()
+        # C++ threads of the backend exit as the agent/engine is destroyed; give them a
+        # bounded moment, polling, before reporting
+        deadline = time.monotonic() + 5
+        while os_threads() > baseline[1] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"baseline": baseline, "after": (py_threads(), os_threads())}
+
+    commands = {
+        "add_peer": lambda md: t.add_peer(md),
+        "fill": lambda seed: buf.__setitem__(slice(None), pattern(seed, buf.nbytes)),
+        "zero": lambda: buf.fill(0),
+        "digest": lambda off, n: digest(buf[off : off + n]),
+        "take": take,
+        "close": close,
+    }
+    while True:
+        if not conn.poll(120):  # the test process is gone or stuck: do not linger
+            return
+        name, args = conn.recv()
+        try:
+            result = commands[name](*args)
+        except Exception as exc:  # report, keep serving
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+            continue
+        conn.send(("ok", result))
+        if name == "close":
+            return
+
+
+class Peer:
+    """Handle on a peer process. Use as a context manager or call :meth:`stop`."""
+
+    def __init__(self, transport: str, agent_name: str, nbytes: int = 64 << 20, start_timeout: float = 60) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child, transport, agent_name, nbytes), daemon=True)
+        self.process.start()
+        child.close()
+        self.agent_name = agent_name
+        self.metadata, self.base, self.nbytes = self._reply(start_timeout, "start")
+
+    def _reply(self, timeout: float, what: str) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer {self.agent_name} did not answer {what!r} within {timeout}s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {self.agent_name} failed {what!r}: {value}")
+        return value
+
+    def call(self, name: str, *args: Any, timeout: float = 60) -> Any:
+        self._conn.send((name, args))
+        return self._reply(timeout, name)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("close", timeout=30)
+            except (TimeoutError, RuntimeError, OSError, EOFError):
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Local:
+    """Our side: a transport in this process with a registered buffer of ``nbytes``."""
+
+    def __init__(self, transport: str, nbytes: int = 64 << 20, agent_name: str | None = None) -> None:
+        from kvbridge.transports.registry import create_transport
+
+        self.t = create_transport(transport, None, agent_name=agent_name or unique("local"))
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.reg = self.t.register([(self.buf.ctypes.data, self.buf.nbytes)])
+
+    @property
+    def base(self) -> int:
+        return self.buf.ctypes.data
+
+    def table(self, offsets: np.ndarray, length: int, peer: str | None = None, base: int | None = None):
+        """Prepare equal-length descriptors at ``offsets`` from ``base`` (default: ours)."""
+        start = self.base if base is None else base
+        descs = np.stack(
+            [np.uint64(start) + np.asarray(offsets).astype(np.uint64), np.full(len(offsets), length, dtype=np.uint64)],
+            axis=1,
+        )
+        return self.t.prepare(descs, peer=peer)
+
+    def connect(self, peer: Peer) -> str:
+        """Exchange metadata with ``peer`` both ways; returns its peer id."""
+        pid = self.t.add_peer(peer.metadata)
+        peer.call("add_peer", self.t.metadata())
+        return pid
+
+    def close(self) -> None:
+        self.t.close()

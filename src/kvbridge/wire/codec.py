@@ -1,0 +1,108 @@
+"""Framing and two-phase decoding of kvbridge messages. Never unpickles anything.
+
+A frame is a MessagePack array ``[protocol_version, compat_hash, body]``. Decoding
+checks, in order:
+
+1. the frame parses and has that shape (else :class:`~kvbridge.errors.WireError`);
+2. the protocol version (else :class:`~kvbridge.errors.ProtocolVersionError`);
+3. the compatibility hash (else :class:`~kvbridge.errors.IncompatiblePeerError`, which
+   lists the differing properties when the body is a handshake carrying them);
+4. only then the body, into the typed :data:`~kvbridge.wire.messages.Message` union.
+
+Who calls: the side channel on every received frame, and the receiving side of a
+transport notification. One :class:`Codec` per process (per compatibility class); its
+encoder and decoders are created once and reused. msgspec runs with the GIL held, so a
+codec may be shared by threads.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvbridge.errors import IncompatiblePeerError, ProtocolVersionError, WireError
+from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo, compat_diff, compat_hash
+from kvbridge.wire.messages import Message
+
+#: Upper bound on a frame kvbridge will try to decode (a handshake with a large
+#: geometry is a few KiB; per-request messages are smaller still).
+MAX_FRAME_BYTES = 16 << 20
+
+
+class _Frame(msgspec.Struct, array_like=True, frozen=True):
+    v: int
+    compat: str
+    body: msgspec.Raw
+
+
+class _HandshakeCompat(msgspec.Struct):
+    """Lenient view of a Hello/Welcome body: only what explains a compat mismatch."""
+
+    t: str
+    compat: CompatInfo
+
+
+class Codec:
+    """Encode and decode :data:`Message` frames for one :class:`CompatInfo`.
+
+    >>> from kvbridge.wire.messages import Abort
+    >>> info = CompatInfo(model="m", dtype="float32", layout="fused", block_size=32,
+    ...                   num_layers=2, num_kv_heads=2, head_dim=64)
+    >>> codec = Codec(info)
+    >>> codec.decode(codec.encode(Abort(transfer_id="r1", reason="client gone")))
+    Abort(transfer_id='r1', reason='client gone')
+    """
+
+    _frame_encoder = msgspec.msgpack.Encoder()
+    _frame_decoder = msgspec.msgpack.Decoder(_Frame)
+    _body_decoder = msgspec.msgpack.Decoder(Message)
+    _handshake_decoder = msgspec.msgpack.Decoder(_HandshakeCompat)
+
+    def __init__(self, compat: CompatInfo) -> None:
+        self.compat = compat
+        self.compat_hash = compat_hash(compat)
+
+    def encode(self, msg: Message) -> bytes:
+        body = msgspec.Raw(self._frame_encoder.encode(msg))
+        return self._frame_encoder.encode(_Frame(PROTOCOL_VERSION, self.compat_hash, body))
+
+    def decode(self, data: bytes | bytearray | memoryview) -> Message:
+        """Decode one frame; raises a :class:`WireError` subclass for anything amiss."""
+        if len(data) > MAX_FRAME_BYTES:
+            raise WireError(f"frame of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        try:
+            frame = self._frame_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(
+                f"undecodable kvbridge frame ({exc})",
+                fix="check that the peer address points at a kvbridge side channel",
+            ) from exc
+        if frame.v != PROTOCOL_VERSION:
+            raise ProtocolVersionError(
+                f"peer speaks kvbridge wire protocol {frame.v}, this process speaks {PROTOCOL_VERSION}",
+                fix="install the same kvbridge version on prefill and decode instances",
+            )
+        if frame.compat != self.compat_hash:
+            raise self._incompatible(frame)
+        try:
+            return self._body_decoder.decode(frame.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"malformed kvbridge message from peer: {exc}") from exc
+
+    def _incompatible(self, frame: _Frame) -> IncompatiblePeerError:
+        try:
+            theirs = self._handshake_decoder.decode(frame.body).compat
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return IncompatiblePeerError(
+                f"peer's KV cache is incompatible (compat hash {frame.compat} != ours {self.compat_hash})",
+                fix="run prefill and decode with the same model, dtype, block size and parallelism",
+            )
+        diffs = compat_diff(self.compat, theirs)
+        detail = "; ".join(f"{k}: ours={a!r}, peer={b!r}" for k, (a, b) in diffs.items())
+        return IncompatiblePeerError(
+            f"peer's KV cache is incompatible: {detail or 'compat hash differs'}",
+            differences=diffs,
+            fix="start prefill and decode with identical " + (", ".join(diffs) or "cache settings"),
+        )
+
+
+__all__ = ["MAX_FRAME_BYTES", "Codec"]

@@ -1,0 +1,73 @@
+"""Compatibility of two kvbridge instances: what must match before any KV moves.
+
+:class:`CompatInfo` lists the properties; :func:`compat_hash` condenses them into the
+short string carried by every frame (checked before the frame body is even decoded);
+:func:`compat_diff` explains a mismatch property by property.
+
+>>> a = CompatInfo(model="m", dtype="bfloat16", layout="nhd", block_size=16,
+...                num_layers=32, num_kv_heads=8, head_dim=128)
+>>> b = msgspec.structs.replace(a, block_size=32)
+>>> compat_hash(a) == compat_hash(b)
+False
+>>> compat_diff(a, b)
+{'block_size': (16, 32)}
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from kvbridge.core.layout import CacheSpec
+
+#: Version of the kvbridge wire protocol. Bumped only for incompatible changes; new
+#: optional fields (with defaults, at the end of a Struct) do not bump it.
+PROTOCOL_VERSION = 1
+
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Properties two peers must share for their KV caches to be exchanged."""
+
+    model: str
+    """Model identity as the engine names it (path or hub id)."""
+    dtype: str
+    layout: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    """KV heads per rank."""
+    head_dim: int
+    tp_size: int = 1
+
+    @classmethod
+    def from_spec(cls, spec: CacheSpec, *, model: str, tp_size: int = 1) -> CompatInfo:
+        return cls(
+            model=model,
+            dtype=spec.dtype,
+            layout=spec.layout,
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            tp_size=tp_size,
+        )
+
+
+def compat_hash(info: CompatInfo) -> str:
+    """16 hex characters identifying ``info`` (stable across processes and versions of
+    msgspec: fields are encoded in declaration order)."""
+    payload = msgspec.msgpack.encode(info)
+    return hashlib.sha256(b"kvbridge-compat-v1\0" + payload).hexdigest()[:16]
+
+
+def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object, object]]:
+    """``{field: (ours, theirs)}`` for every property that differs."""
+    return {
+        f: (getattr(ours, f), getattr(theirs, f))
+        for f in ours.__struct_fields__
+        if getattr(ours, f) != getattr(theirs, f)
+    }
+
+
+__all__ = ["PROTOCOL_VERSION", "CompatInfo", "compat_diff", "compat_hash"]

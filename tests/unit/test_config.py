@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.config import KVBridgeConfig, config_keys, load_config
+from kvbridge.errors import ConfigError
+
+
+def test_defaults_and_overrides() -> None:
+    assert load_config(None) == KVBridgeConfig() == load_config({}) == load_config("{}")
+    cfg = load_config({"transport": "mooncake", "timeouts": {"lease_s": 7}, "nixl": {"backends": ["UCX", "GDS"]}})
+    assert cfg.transport == "mooncake"
+    assert cfg.timeouts.lease_s == 7.0 and cfg.timeouts.transfer_s == KVBridgeConfig().timeouts.transfer_s
+    assert cfg.nixl.backends == ("UCX", "GDS")
+
+
+@pytest.mark.parametrize(
+    ("doc", "key", "in_message"),
+    [
+        ({"transprot": "nixl"}, "transprot", "did you mean 'transport'"),
+        ({"timeouts": {"lease": 3}}, "timeouts.lease", "did you mean 'timeouts.lease_s'"),
+        ({"nixl": {"bogus": 1}}, "nixl.bogus", "valid keys: backends, num_threads, progress_thread"),
+        ({"transport": "tcp"}, "transport", "valid choices: 'nixl', 'mooncake'"),
+        ({"mooncake": {"protocol": "ib"}}, "mooncake.protocol", "valid choices: 'tcp', 'rdma'"),
+        ({"timeouts": {"lease_s": -1}}, "timeouts.lease_s", "takes float > 0"),
+        ({"timeouts": {"lease_s": "30"}}, "timeouts.lease_s", "expected `float`, got `str`"),
+        ({"mooncake": {"max_queued_transfers_per_peer": 70000}}, "mooncake.max_queued_transfers_per_peer", "<= 65535"),
+        ({"nixl": {"backends": "UCX"}}, "nixl.backends", "takes a list of str"),
+        ({"timeouts": 5}, "timeouts", "an object with keys handshake_s"),
+    ],
+)
+def test_bad_keys_name_the_key_and_the_fix(doc: dict, key: str, in_message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(doc)
+    assert info.value.key == key
+    assert key in str(info.value)
+    assert in_message in str(info.value)
+
+
+@pytest.mark.parametrize("doc", ["[1, 2]", "{not json", 42])
+def test_documents_that_are_not_objects(doc: object) -> None:
+    with pytest.raises(ConfigError, match="fix: pass a"):
+        load_config(doc)  # type: ignore[arg-type]
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config({})
+    with pytest.raises(AttributeError):
+        cfg.transport = "mooncake"  # type: ignore[misc]
+
+
+def test_config_keys_lists_every_leaf() -> None:
+    keys = config_keys()
+    assert "transport" in keys and "timeouts.lease_s" in keys and "mooncake.workers" in keys
+    assert not any(k in ("timeouts", "nixl", "mooncake") for k in keys)

@@ -1,0 +1,191 @@
+"""Geometry and planning checked against real numpy caches: numpy indexing is the
+reference for which bytes a (layer, block) holds."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.plan import coalesce, plan_blocks, plan_regions
+from kvbridge.errors import PlanError
+
+L, N, BS, H, D = 3, 6, 4, 2, 8
+
+
+def read(addr: int, nbytes: int) -> bytes:
+    return ctypes.string_at(addr, nbytes)
+
+
+def make_cache(layout: str, seed: int, dtype=np.float32, cross_layer: bool = False):
+    """A KV cache laid out as the named engine does, plus its geometry and a function
+    returning the exact bytes of (layer, plane, block) by numpy indexing."""
+    rng = np.random.default_rng(seed)
+    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=D, dtype=np.dtype(dtype).name, layout=layout)
+    if cross_layer:  # blocks of all layers interleaved: (N, L, 2, BS, H, D)
+        arr = rng.standard_normal((N, L, 2, BS, H, D)).astype(dtype)
+        bases = tuple(arr[0, l, p].ctypes.data for l in range(L) for p in range(2))
+        geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases, block_stride=arr[0].nbytes)
+        return [arr], geo, lambda l, p, b: arr[b, l, p].tobytes()
+    if layout == "fused":  # vLLM CPU: per layer (N, H, BS, 2D)
+        layers = [rng.standard_normal((N, H, BS, 2 * D)).astype(dtype) for _ in range(L)]
+        bases = tuple(t.ctypes.data for t in layers)
+        block = lambda l, p, b: layers[l][b].tobytes()  # noqa: E731
+    else:  # per layer (2, N, BS, H, D) for nhd, (2, N, H, BS, D) for hnd
+        shape = (2, N, BS, H, D) if layout == "nhd" else (2, N, H, BS, D)
+        layers = [rng.standard_normal(shape).astype(dtype) for _ in range(L)]
+        bases = tuple(t[p].ctypes.data for t in layers for p in range(2))
+        block = lambda l, p, b: layers[l][p, b].tobytes()  # noqa: E731
+    return layers, CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases), block
+
+
+@pytest.mark.parametrize("layout", ["fused", "nhd", "hnd"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_slot_addresses_match_numpy_indexing(layout: str, dtype) -> None:
+    keep, geo, block = make_cache(layout, 0, dtype)
+    planes = 1 if layout == "fused" else 2
+    assert geo.spec.planes_per_layer == planes
+    assert geo.num_slots == L * planes * N
+    table = geo.slot_table()
+    for l in range(L):
+        for p in range(planes):
+            for b in range(N):
+                s = geo.slot(l, p, b)
+                addr, length, dev = (int(v) for v in table[s])
+                assert (addr, dev) == (geo.slot_address(s), 0)
+                assert read(addr, length) == block(l, p, b)
+    # bytes per token across the whole cache, from the arrays themselves
+    total = sum(t.nbytes for t in keep)
+    assert geo.spec.bytes_per_token == total // (N * BS)
+
+
+def test_cross_layer_stride() -> None:
+    _, geo, block = make_cache("nhd", 1, cross_layer=True)
+    for s in geo.slots([0, 5, 2]):
+        l_p, b = divmod(int(s), N)
+        assert read(geo.slot_address(int(s)), geo.spec.block_bytes) == block(l_p // 2, l_p % 2, b)
+    # the interleaved cache is one region
+    assert len(geo.regions()) == 1
+
+
+def test_regions_cover_every_slot_and_merge() -> None:
+    keep, geo, _ = make_cache("nhd", 2)
+    regions = geo.regions()
+    # each layer tensor holds K then V back to back: one region per layer
+    assert sorted(regions) == sorted((t.ctypes.data, t.nbytes) for t in keep)
+    table = geo.slot_table()
+    for addr, length, _ in table.tolist():
+        assert any(a <= addr and addr + length <= a + n for a, n in regions)
+
+
+def test_slots_order_and_bounds() -> None:
+    _, geo, _ = make_cache("nhd", 3)
+    slots = geo.slots([4, 1], layers=[2, 0])
+    expected = [geo.slot(l, p, b) for l in (2, 0) for p in (0, 1) for b in (4, 1)]
+    assert slots.tolist() == expected
+    with pytest.raises(PlanError, match="block id 6 out of range"):
+        geo.slots([6])
+    with pytest.raises(PlanError, match="block id -1"):
+        geo.slots([-1])
+    with pytest.raises(PlanError, match="layer out of range"):
+        geo.slots([0], layers=[3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"plane_bases": (4096,)}, "needs 6 plane bases"),
+        ({"num_blocks": 0}, "num_blocks must be positive"),
+        ({"block_stride": 8}, "blocks would overlap"),
+    ],
+)
+def test_geometry_rejects_inconsistent_input(kwargs: dict, message: str) -> None:
+    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="nhd")
+    args = {"spec": spec, "num_blocks": N, "plane_bases": tuple(range(4096, 4096 * 7, 4096))} | kwargs
+    with pytest.raises(ValueError, match=message):
+        CacheGeometry(**args)
+
+
+def test_spec_rejects_unknown_dtype_and_layout() -> None:
+    with pytest.raises(ValueError, match="dtype 'complex64' is not supported"):
+        CacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="complex64", layout="nhd")
+    with pytest.raises(ValueError, match="layout 'nhwc'"):
+        CacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32", layout="nhwc")  # type: ignore[arg-type]
+
+
+def naive_coalesce(src, dst, length):
+    """Reference: walk the pairs sorted by source, extending the current run."""
+    runs: list[list[int]] = []
+    for s, d, n in sorted(zip(src, dst, length)):
+        if n == 0:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += n
+        else:
+            runs.append([s, d, n])
+    return runs
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.sampled_from([0, 4, 8])), max_size=30, unique_by=lambda t: t[0])
+)
+def test_coalesce_matches_reference(triples) -> None:
+    src = [t[0] * 8 for t in triples]
+    dst = [t[1] * 8 for t in triples]
+    lens = [t[2] for t in triples]
+    r = coalesce(np.array(src), np.array(dst), np.array(lens))
+    assert [list(x) for x in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist())] == naive_coalesce(src, dst, lens)
+    assert r.nbytes == sum(lens)
+
+
+def test_coalesce_rejects_ragged_input() -> None:
+    with pytest.raises(PlanError, match="differ in length"):
+        coalesce(np.array([0, 8]), np.array([0]), np.array([8, 8]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["fused", "nhd", "hnd"]),
+    st.permutations(range(N)),
+    st.permutations(range(N)),
+    st.integers(1, N),
+    st.sets(st.integers(0, L - 1), min_size=1),
+)
+def test_plan_moves_the_right_bytes(layout, src_perm, dst_perm, count, layers) -> None:
+    """Executing a plan with memmove equals copying block by block with numpy."""
+    _, src_geo, src_block = make_cache(layout, 10)
+    dst_keep, dst_geo, dst_block = make_cache(layout, 11)
+    src_blocks, dst_blocks = list(src_perm[:count]), list(dst_perm[:count])
+    before = {(l, p, b): dst_block(l, p, b) for l in range(L) for p in range(src_geo.spec.planes_per_layer) for b in range(N)}
+    plan = plan_blocks(src_geo, dst_geo, src_blocks, dst_blocks, layers=sorted(layers))
+    assert plan.nbytes == count * len(layers) * src_geo.spec.planes_per_layer * src_geo.spec.block_bytes
+    regions = plan_regions(plan, src_geo, dst_geo)
+    assert regions.nbytes == plan.nbytes and len(regions) <= plan.num_descriptors
+    for s, d, n in zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist()):
+        ctypes.memmove(d, s, n)
+    moved = {(l, p, db): sb for sb, db in zip(src_blocks, dst_blocks) for l in layers for p in range(src_geo.spec.planes_per_layer)}
+    for key, old in before.items():
+        want = src_block(key[0], key[1], moved[key]) if key in moved else old
+        assert dst_block(*key) == want, key
+
+
+def test_contiguous_blocks_coalesce_to_one_region_per_plane() -> None:
+    _, a, _ = make_cache("nhd", 20)
+    _, b, _ = make_cache("nhd", 21)
+    plan = plan_blocks(a, b, [1, 2, 3, 4], [0, 1, 2, 3])
+    assert plan.num_descriptors == 4 * L * 2
+    assert len(plan_regions(plan, a, b)) == L * 2
+
+
+def test_plan_refuses_different_specs_and_lengths() -> None:
+    _, a, _ = make_cache("nhd", 30)
+    _, b, _ = make_cache("hnd", 31)
+    with pytest.raises(PlanError, match="layout: 'nhd' vs 'hnd'"):
+        plan_blocks(a, b, [0], [0])
+    with pytest.raises(PlanError, match="1 local vs 2 remote"):
+        plan_blocks(a, a, [0], [0, 1])

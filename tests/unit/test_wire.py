@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.errors import IncompatiblePeerError, ProtocolVersionError, WireError
+from kvbridge.wire import messages as m
+from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
+from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo, compat_hash
+
+SPEC = CacheSpec(num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype="float32", layout="fused")
+GEO = CacheGeometry(spec=SPEC, num_blocks=10, plane_bases=(1 << 20, 1 << 21))
+INFO = CompatInfo.from_spec(SPEC, model="tiny-llama")
+PEER = m.PeerId(engine_id="prefill-0", epoch="5f3a", rank=0)
+
+ALL_MESSAGES = [
+    m.Hello(peer=PEER, compat=INFO, transport="nixl", transport_metadata=b"\x00\x01", geometry=GEO),
+    m.Welcome(peer=PEER, compat=INFO, transport="mooncake", transport_metadata=b"127.0.0.1:1", geometry=GEO),
+    m.Destination(transfer_id="r1", peer=PEER, block_ids=[3, 4, 5], num_tokens=90, skip_tokens=32),
+    m.Pull(transfer_id="r1", peer=PEER, block_ids=[1]),
+    m.LayerDone(transfer_id="r1", layers=[0, 1]),
+    m.Done(transfer_id="r1", ok=False, reason="lease expired"),
+    m.Abort(transfer_id="r1", reason="client gone"),
+    m.AbortAck(transfer_id="r1"),
+    m.Heartbeat(peer=PEER),
+]
+
+
+@pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda x: type(x).__name__)
+def test_every_message_round_trips(msg: m.Message) -> None:
+    codec = Codec(INFO)
+    out = codec.decode(codec.encode(msg))
+    assert out == msg and type(out) is type(msg)
+
+
+def test_frame_layout_is_version_hash_body() -> None:
+    frame = msgspec.msgpack.decode(Codec(INFO).encode(m.AbortAck(transfer_id="x")))
+    assert frame[0] == PROTOCOL_VERSION and frame[1] == compat_hash(INFO)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(frame[2])) == {"t": "abort_ack", "transfer_id": "x"}
+
+
+def test_compat_hash_is_checked_before_the_body() -> None:
+    theirs = msgspec.structs.replace(INFO, dtype="bfloat16", block_size=16)
+    hello = m.Hello(peer=PEER, compat=theirs, transport="nixl", transport_metadata=b"", geometry=GEO)
+    with pytest.raises(IncompatiblePeerError) as info:
+        Codec(INFO).decode(Codec(theirs).encode(hello))
+    assert info.value.differences == {"dtype": ("float32", "bfloat16"), "block_size": (32, 16)}
+    assert "dtype: ours='float32', peer='bfloat16'" in str(info.value)
+    assert "fix: start prefill and decode with identical dtype, block_size" in str(info.value)
+    # a non-handshake frame only has the hash to go on, and its body is never decoded
+    garbage_body = msgspec.msgpack.encode([PROTOCOL_VERSION, compat_hash(theirs), b"\xc1 not msgpack"])
+    with pytest.raises(IncompatiblePeerError, match="compat hash"):
+        Codec(INFO).decode(garbage_body)
+
+
+def test_protocol_version_mismatch() -> None:
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, compat_hash(INFO), {"t": "abort_ack", "transfer_id": "x"}])
+    with pytest.raises(ProtocolVersionError, match="same kvbridge version"):
+        Codec(INFO).decode(frame)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "undecodable"),
+        (b"\xff\xfe garbage", "undecodable"),
+        (msgspec.msgpack.encode({"v": 1}), "undecodable"),
+        (msgspec.msgpack.encode([PROTOCOL_VERSION, compat_hash(INFO), {"t": "nope"}]), "malformed"),
+        (msgspec.msgpack.encode([PROTOCOL_VERSION, compat_hash(INFO), {"t": "dest", "transfer_id": "r"}]), "malformed"),
+        (
+            msgspec.msgpack.encode(
+                [PROTOCOL_VERSION, compat_hash(INFO), {"t": "dest", "transfer_id": "r", "peer": {"engine_id": "e", "epoch": "1"}, "block_ids": "3", "num_tokens": 1}]
+            ),
+            "malformed",
+        ),
+    ],
+)
+def test_malformed_frames_raise_wire_error(data: bytes, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        Codec(INFO).decode(data)
+
+
+def test_oversized_frame_is_refused_before_decoding() -> None:
+    with pytest.raises(WireError, match="exceeds"):
+        Codec(INFO).decode(b"\x00" * (MAX_FRAME_BYTES + 1))
+
+
+def test_unknown_fields_from_newer_peers_are_tolerated() -> None:
+    """Schema evolution: a newer peer may append fields; an older one ignores them."""
+    body = {"t": "abort", "transfer_id": "r", "reason": "x", "added_in_v1_1": [1, 2]}
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION, compat_hash(INFO), body])
+    assert Codec(INFO).decode(frame) == m.Abort(transfer_id="r", reason="x")
+
+
+def test_compat_hash_changes_with_every_property() -> None:
+    base = compat_hash(INFO)
+    changes = {"model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128, "tp_size": 2}
+    hashes = {compat_hash(msgspec.structs.replace(INFO, **{k: v})) for k, v in changes.items()}
+    assert base not in hashes and len(hashes) == len(changes)
