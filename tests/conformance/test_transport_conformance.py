@@ -3,6 +3,8 @@ the peer in another process on loopback."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -271,3 +273,20 @@ def test_close_releases_everything_and_stops_threads(transport_name: str) -> Non
         (base_py, base_os), (after_py, after_os) = report["baseline"], report["after"]
         assert after_py == base_py, "python threads left running after close"
         assert after_os <= base_os, f"OS threads: {base_os} before the transport, {after_os} after close"
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "not-closed"])
+def test_process_using_the_transport_exits_cleanly(transport_name: str, close: bool) -> None:
+    """A worker that used the transport exits with status 0, whether or not it closed
+    it. NIXL's bundled libraries once crashed every such process at exit; an unclosed
+    agent aborted about one exit in five, hence several runs."""
+    script = (
+        "import numpy as np\n"
+        "from kvbridge.transports.testing import Local\n"
+        f"loc = Local({transport_name!r}, nbytes=1 << 20)\n"
+        "loc.t.prepare(np.array([[loc.base, 4096]], dtype=np.uint64))\n"
+        + ("loc.close()\n" if close else "")
+    )
+    for _ in range(1 if close else 5):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-2000:]}"

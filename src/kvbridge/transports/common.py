@@ -13,9 +13,12 @@ kvbridge errors. Hooks are called with the base's bookkeeping already checked.
 from __future__ import annotations
 
 import abc
+import atexit
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -45,6 +48,19 @@ from kvbridge.transports.base import (
 )
 
 log = logging.getLogger(__name__)
+
+_WAIT_MAX_SLEEP = 2e-4
+"""Longest sleep between two polls in :meth:`TransportBase.wait`. NIXL without its
+progress thread only advances while polled; longer sleeps measurably slow multi-region
+transfers, shorter ones only burn the waiting thread's CPU."""
+
+
+def rdma_devices() -> list[str]:
+    """RDMA devices the kernel exposes (``/sys/class/infiniband``); empty without any."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
 
 
 class RegionIndex:
@@ -175,6 +191,18 @@ class Pump:
                 log.warning("%s did not stop within %.1fs", self._thread.name, timeout)
 
 
+_live: weakref.WeakSet[TransportBase] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_transports() -> None:
+    """Close transports the application did not close, before the interpreter tears
+    down: a pump thread still inside the backend while its agent is destroyed aborts
+    the process (NIXL: "terminate called without an active exception")."""
+    for transport in list(_live):
+        transport.close()
+
+
 class TransportBase(abc.ABC):
     """Backend-independent half of a transport. See :mod:`kvbridge.transports.base`."""
 
@@ -195,6 +223,7 @@ class TransportBase(abc.ABC):
         self._closed = False
         self._reached: set[str] = set()
         """Peers a transfer has completed with; a failure before that is 'unreachable'."""
+        _live.add(self)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.agent_name!r} peers={len(self._peers)}>"
@@ -422,9 +451,9 @@ class TransportBase(abc.ABC):
                     f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within {timeout:g}s",
                     fix="check that the peer is alive; raise timeouts.transfer_s for very large transfers",
                 )
-            # no blocking completion call in the backends: back off from a yield to 1 ms
+            # no blocking completion call in the backends: back off from a yield
             time.sleep(min(delay, deadline - now))
-            delay = min(max(delay * 2, 2e-5), 1e-3)
+            delay = min(max(delay * 2, 2e-5), _WAIT_MAX_SLEEP)
 
     def release(self, xfer: Xfer) -> None:
         """Free the transfer's backend resources. Idempotent. Releasing an unfinished
@@ -528,4 +557,4 @@ def _indices(idx: np.ndarray | Sequence[int], size: int, side: str) -> np.ndarra
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-__all__ = ["Inbox", "Pump", "RegionIndex", "TransportBase"]
+__all__ = ["Inbox", "Pump", "RegionIndex", "TransportBase", "rdma_devices"]

@@ -42,7 +42,7 @@ from kvbridge.errors import (
     WireError,
 )
 from kvbridge.transports.base import DescTable, Notification, Op, PeerMetadata, Registration, Xfer
-from kvbridge.transports.common import TransportBase
+from kvbridge.transports.common import TransportBase, rdma_devices
 
 try:
     from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
@@ -56,14 +56,6 @@ log = logging.getLogger(__name__)
 
 _ENDPOINT_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
 _OPCODES = {"write": TransferOpcode.Write, "read": TransferOpcode.Read}
-
-
-def rdma_devices() -> list[str]:
-    """RDMA devices the kernel exposes (``/sys/class/infiniband``)."""
-    try:
-        return sorted(os.listdir("/sys/class/infiniband"))
-    except OSError:
-        return []
 
 
 class MooncakeTransport(TransportBase):
@@ -118,6 +110,16 @@ class MooncakeTransport(TransportBase):
     @classmethod
     def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> MooncakeTransport:
         return cls(agent_name, config.mooncake, host=config.host, transfer_timeout_s=config.timeouts.transfer_s)
+
+    @property
+    def engine(self) -> TransferEngine:
+        """The underlying ``TransferEngine``, for diagnostics and baseline benchmarks."""
+        return self._engine
+
+    def peer_endpoint(self, peer: str) -> str:
+        """``host:port`` of a known peer's engine."""
+        self._peer_index(peer)
+        return self._endpoints[peer]
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -235,4 +237,4 @@ class MooncakeTransport(TransportBase):
         self._engine = None  # type: ignore[assignment]
 
 
-__all__ = ["MooncakeTransport", "rdma_devices"]
+__all__ = ["MooncakeTransport"]

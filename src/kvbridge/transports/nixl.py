@@ -14,12 +14,15 @@ How it uses NIXL:
   thread calls ``get_new_notifs`` regularly, which also drives UCX progress on the
   target side: without some progress there, transfers into it stall;
 - NIXL raises ``nixlRemoteDisconnectError`` from ``transfer``/``check_xfer_state`` when the
-  peer dies (its docstrings say "ERR" is returned; both are handled).
+  peer dies (its docstrings say "ERR" is returned; both are handled);
+- ``NIXL_LOG_LEVEL`` defaults to WARN (unless set): NIXL logs each agent at INFO;
+- ``UCX_MODULES`` defaults to ``^ib`` on machines without RDMA devices (see below).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +37,19 @@ from kvbridge.errors import (
     UnknownPeerError,
 )
 from kvbridge.transports.base import DescTable, Notification, Op, PeerMetadata, Registration, Xfer
-from kvbridge.transports.common import TransportBase
+from kvbridge.transports.common import TransportBase, rdma_devices
+
+# NIXL logs every agent creation at INFO on stdout; keep warnings and errors only
+# unless the user asked for more.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+# Without an RDMA device UCX's InfiniBand modules are useless, and loading them is
+# harmful: NIXL's wheel bundles libibverbs/libnl, the bundled libibverbs loads the
+# system's verbs providers, which bring the system's libibverbs/libnl (installed for
+# Mooncake) into the same process, and the two libnl-route copies crash the process
+# at exit (SIGSEGV in rtnl_tc_unregister). Skip the modules unless the user chose.
+if "UCX_MODULES" not in os.environ and not rdma_devices():
+    os.environ["UCX_MODULES"] = "^ib"
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -100,6 +115,12 @@ class NixlTransport(TransportBase):
     @classmethod
     def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> NixlTransport:
         return cls(agent_name, config.nixl, memory)
+
+    @property
+    def agent(self) -> nixl_agent:
+        """The underlying ``nixl_agent``, for diagnostics and baseline benchmarks. Never
+        release kvbridge-owned handles through it."""
+        return self._agent
 
     # --- error mapping ---------------------------------------------------------------------
 

@@ -117,7 +117,13 @@ class Peer:
     def _reply(self, timeout: float, what: str) -> Any:
         if not self._conn.poll(timeout):
             raise TimeoutError(f"peer {self.agent_name} did not answer {what!r} within {timeout}s")
-        status, value = self._conn.recv()
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(
+                f"peer {self.agent_name} exited (code {self.process.exitcode}) before answering {what!r}"
+            ) from None
         if status != "ok":
             raise RuntimeError(f"peer {self.agent_name} failed {what!r}: {value}")
         return value

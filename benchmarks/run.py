@@ -1,0 +1,121 @@
+"""kvbridge benchmark driver: one entry point, routines by name.
+
+    python benchmarks/run.py transfer [--transports nixl,mooncake] [--blocks 16,64,256]
+                                      [--reps 15] [--quick] [--out benchmarks/results]
+
+Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
+machine, the versions) and ``<out>/<routine>.png``. Ratios compare methods measured in
+the same run on the same machine; absolute numbers vary run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import transfer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+console = Console(width=130)
+
+
+def machine() -> dict:
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "versions": {d: version(d) for d in ("kvbridge", "nixl", "mooncake-transfer-engine-non-cuda", "numpy")},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def transfer_routine(args: argparse.Namespace) -> dict:
+    transports = args.transports.split(",")
+    blocks = [int(b) for b in (args.blocks or ("16,64" if args.quick else "16,64,256")).split(",")]
+    reps = args.reps or (5 if args.quick else 15)
+    results = transfer.run(transports, blocks, reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    summary = transfer.summarize(results)
+
+    table = Table(title=f"KV-shaped transfers, 32 layers x 64 blocks, target in another process: GB/s, best of {reps}")
+    for col in ("transport", "block", "block ids", "regions", "kvbridge", "per-layer", "raw large", "memcpy", "kvbridge/raw"):
+        table.add_column(col, justify="right")
+    for s in summary:
+        table.add_row(
+            s["transport"], f"{s['block_kib']} KiB", s["scenario"], str(s["descriptors_after_coalescing"]),
+            f"{s['request_best_gbps']:.2f}", f"{s['per_layer_best_gbps']:.2f}", f"{s['raw_best_gbps']:.2f}",
+            f"{s['memcpy_best_gbps']:.2f}", f"{s['request_vs_raw']:.0%}",
+        )
+    console.print(table)
+    return {"routine": "transfer", "machine": machine(), "reps": reps, "summary": summary, "results": [r.to_json() for r in results]}
+
+
+def plot_transfer(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = ["kvbridge request", "kvbridge per-layer", "raw large", "memcpy"]
+    transports = sorted({r["transport"] for r in doc["results"]})
+    fig, axes = plt.subplots(1, len(transports), figsize=(6.5 * len(transports), 4.2), squeeze=False)
+    for ax, tname in zip(axes[0], transports):
+        rows = [r for r in doc["results"] if r["transport"] == tname]
+        groups = sorted({(r["block_kib"], r["scenario"]) for r in rows if r["scenario"] != "any"})
+        width = 0.8 / len(methods)
+
+        def best(kib: int, scenario: str, method: str) -> float:
+            return next(r["best_gbps"] for r in rows if r["block_kib"] == kib and r["method"] == method and r["scenario"] in (scenario, "any"))
+
+        for i, method in enumerate(methods):
+            vals = [best(kib, sc, method) for kib, sc in groups]
+            ax.bar([j + i * width for j in range(len(groups))], vals, width, label=method)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+        ax.set_xticklabels([f"{kib} KiB\n{sc}" for kib, sc in groups], fontsize=8)
+        ax.set_title(f"{tname}: 32 layers x 64 blocks")
+        ax.set_ylabel("GB/s (best of runs)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"kvbridge transfer benchmark ({doc['machine']['cpus']} CPUs, {doc['machine']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+ROUTINES = {"transfer": (transfer_routine, plot_transfer)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("routine", choices=sorted(ROUTINES))
+    parser.add_argument("--transports", default="nixl,mooncake")
+    parser.add_argument("--blocks", help="block sizes in KiB, comma separated (16, 64, 256)")
+    parser.add_argument("--reps", type=int, help="timed repetitions per method, interleaved (default 15; 5 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (the demo)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    measure, plot = ROUTINES[args.routine]
+    doc = measure(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.routine}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, out / f"{args.routine}.png")
+    console.print(f"wrote {out / (args.routine + '.json')} and {out / (args.routine + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

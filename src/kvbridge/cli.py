@@ -1,0 +1,78 @@
+"""The ``kvbridge`` command.
+
+    kvbridge doctor [--json] [--transport NAME ...]   which transports work here, and fixes
+    kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from kvbridge import __version__
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from kvbridge import doctor
+
+    console = Console(stderr=args.json)
+    if not args.json:
+        console.print(f"kvbridge {__version__}: checking transports with a real transfer between two processes ...")
+    report = doctor.run(args.transport or None)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        env = report["environment"]
+        console.print(
+            f"python {env['python']}, {env['cpus']} CPUs, RDMA devices: {', '.join(env['rdma_devices']) or 'none'}"
+        )
+        table = Table()
+        for col in ("transport", "imports", "works", "detail", "fix"):
+            table.add_column(col)
+        for c in report["transports"]:
+            mark = lambda ok: "[green]yes[/green]" if ok else "[red]no[/red]"  # noqa: E731
+            table.add_row(c["transport"], mark(c["imports"]), mark(c["works"]), c["detail"], c["fix"] or "")
+        console.print(table)
+    return 0 if all(c["works"] for c in report["transports"]) else 1
+
+
+def _config(args: argparse.Namespace) -> int:
+    from kvbridge.config import load_config
+    from kvbridge.errors import ConfigError
+
+    source = args.source
+    if source and source.startswith("@"):
+        source = Path(source[1:]).read_text()
+    try:
+        cfg = load_config(source or None)
+    except ConfigError as exc:
+        print(f"kvbridge config error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(msgspec.to_builtins(cfg), indent=None if args.json else 2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvbridge", description="KV-cache transfer for disaggregated LLM serving")
+    parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="check which transports import and work on this machine")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.add_argument("--transport", action="append", help="check only this transport (repeatable)")
+    p.set_defaults(func=_doctor)
+    p = sub.add_parser("config", help="validate a kvbridge config and print the effective values")
+    p.add_argument("source", nargs="?", help="JSON text, or @path/to/file.json; omit for the defaults")
+    p.add_argument("--json", action="store_true", help="one line of JSON")
+    p.set_defaults(func=_config)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
