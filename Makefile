@@ -19,7 +19,8 @@ conformance: setup
 
 ## the demonstration (until the vLLM connector lands: the transport benchmark, quick)
 demo: setup
-	$(BIN)/kvbridge demo
+	$(BIN)/kvbridge doctor
+	$(BIN)/python benchmarks/run.py transfer --quick
 
 bench: setup
 	$(BIN)/python benchmarks/run.py transfer

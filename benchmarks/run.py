@@ -25,7 +25,7 @@ import transfer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-console = Console(width=130)
+console = Console(width=150)
 
 
 def machine() -> dict:
@@ -52,13 +52,16 @@ def transfer_routine(args: argparse.Namespace) -> dict:
     summary = transfer.summarize(results)
 
     table = Table(title=f"KV-shaped transfers, 32 layers x 64 blocks, target in another process: GB/s, best of {reps}")
-    for col in ("transport", "block", "block ids", "regions", "kvbridge", "per-layer", "raw large", "memcpy", "kvbridge/raw"):
+    cols = ("transport", "block", "block ids", "regions", "kvbridge", "per-layer", "raw regions", "raw large", "memcpy",
+            "vs raw regions", "vs raw large", "(medians)")
+    for col in cols:
         table.add_column(col, justify="right")
     for s in summary:
         table.add_row(
             s["transport"], f"{s['block_kib']} KiB", s["scenario"], str(s["descriptors_after_coalescing"]),
-            f"{s['request_best_gbps']:.2f}", f"{s['per_layer_best_gbps']:.2f}", f"{s['raw_best_gbps']:.2f}",
-            f"{s['memcpy_best_gbps']:.2f}", f"{s['request_vs_raw']:.0%}",
+            f"{s['request_best_gbps']:.2f}", f"{s['per_layer_best_gbps']:.2f}", f"{s['raw_regions_best_gbps']:.2f}",
+            f"{s['raw_best_gbps']:.2f}", f"{s['memcpy_best_gbps']:.2f}", f"{s['request_vs_raw_regions']:.0%}",
+            f"{s['request_vs_raw']:.0%}", f"{s['request_vs_raw_median']:.0%}",
         )
     console.print(table)
     return {"routine": "transfer", "machine": machine(), "reps": reps, "summary": summary, "results": [r.to_json() for r in results]}
@@ -70,7 +73,7 @@ def plot_transfer(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = ["kvbridge request", "kvbridge per-layer", "raw large", "memcpy"]
+    methods = ["kvbridge request", "kvbridge per-layer", "raw regions", "raw large", "memcpy"]
     transports = sorted({r["transport"] for r in doc["results"]})
     fig, axes = plt.subplots(1, len(transports), figsize=(6.5 * len(transports), 4.2), squeeze=False)
     for ax, tname in zip(axes[0], transports):
@@ -89,9 +92,10 @@ def plot_transfer(doc: dict, path: Path) -> None:
         ax.set_title(f"{tname}: 32 layers x 64 blocks")
         ax.set_ylabel("GB/s (best of runs)")
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
     fig.suptitle(f"kvbridge transfer benchmark ({doc['machine']['cpus']} CPUs, {doc['machine']['date']})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
 

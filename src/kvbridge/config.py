@@ -93,7 +93,8 @@ class MooncakeOptions(_Section):
     """RDMA device(s) for ``protocol: rdma`` (e.g. ``"mlx5_0"``); empty: auto-detect."""
 
     workers: PositiveInt = 4
-    """Threads submitting batches (the engine releases the GIL while it transfers)."""
+    """Threads per peer submitting batches (the engine releases the GIL while it
+    transfers). Per peer, so a frozen peer's stuck batches cannot starve the others."""
 
     max_queued_transfers_per_peer: MooncakeQueueLimit = 65535
     """Sets ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` unless already set; Mooncake's

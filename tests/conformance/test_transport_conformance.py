@@ -3,6 +3,8 @@ the peer in another process on loopback."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from kvbridge.config import load_config
 from kvbridge.errors import (
     DeadlineExceeded,
     IncompatiblePeerError,
@@ -290,3 +293,45 @@ def test_process_using_the_transport_exits_cleanly(transport_name: str, close: b
     for _ in range(1 if close else 5):
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-2000:]}"
+
+
+def test_hung_peer_does_not_block_other_peers(transport_name: str) -> None:
+    """A SIGSTOPped peer neither answers nor dies. Transfers and notifications to it
+    may stall (bounded by their deadlines), but never those to other peers."""
+    with Peer(transport_name, unique("hung")) as hung, Peer(transport_name, unique("healthy")) as healthy:
+        loc = Local(transport_name, config=load_config({"timeouts": {"transfer_s": 5}}))
+        try:
+            hid, bid = loc.connect(hung), loc.connect(healthy)
+            lt = loc.table(np.array([0]), 64 * MiB)
+            ht = loc.table(np.array([0]), 64 * MiB, peer=hid, base=hung.base)
+            bt = loc.table(np.array([0]), 64 * MiB, peer=bid, base=healthy.base)
+            os.kill(hung.process.pid, signal.SIGSTOP)
+            outcome: dict[str, object] = {}
+
+            def talk_to_hung() -> None:
+                try:
+                    x = loc.t.post("write", lt, [0], ht, [0], notify=b"to-hung")
+                    loc.t.notify(hid, b"bare-to-hung")
+                    loc.t.wait(x, 5)
+                    outcome["hung"] = "completed"
+                except KVBridgeError as exc:
+                    outcome["hung"] = exc
+
+            side = threading.Thread(target=talk_to_hung)
+            side.start()
+            loc.buf[:] = pattern(66, loc.buf.nbytes)
+            start = time.monotonic()
+            for _ in range(3):
+                y = loc.t.post("write", lt, [0], bt, [0], notify=b"to-healthy")
+                loc.t.wait(y, 20)
+                loc.t.release(y)
+            healthy_s = time.monotonic() - start
+            assert healthy.call("digest", 0, 64 * MiB) == digest(loc.buf)
+            assert healthy_s < 10, f"writes to the healthy peer took {healthy_s:.1f}s while another peer hung"
+            side.join(60)
+            assert not side.is_alive(), "talking to the hung peer never returned"
+            # cma (NIXL) may complete a write into a stopped process; otherwise the wait ends in an error
+            assert outcome["hung"] == "completed" or isinstance(outcome["hung"], (DeadlineExceeded, TransportError)), outcome
+        finally:
+            os.kill(hung.process.pid, signal.SIGCONT)
+            loc.close()

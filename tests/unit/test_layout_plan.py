@@ -189,3 +189,19 @@ def test_plan_refuses_different_specs_and_lengths() -> None:
         plan_blocks(a, b, [0], [0])
     with pytest.raises(PlanError, match="1 local vs 2 remote"):
         plan_blocks(a, a, [0], [0, 1])
+
+
+def test_layer_slices_equal_single_layer_plans() -> None:
+    _, a, _ = make_cache("hnd", 40)
+    _, b, _ = make_cache("hnd", 41)
+    whole = plan_blocks(a, b, [5, 0, 3], [1, 2, 4])
+    for layer in range(L):
+        single = plan_blocks(a, b, [5, 0, 3], [1, 2, 4], layers=[layer])
+        part = whole.for_layer(layer)
+        assert part.layers == (layer,)
+        np.testing.assert_array_equal(part.local_slots, single.local_slots)
+        np.testing.assert_array_equal(part.remote_slots, single.remote_slots)
+    partial = plan_blocks(a, b, [1], [1], layers=[2, 0])
+    np.testing.assert_array_equal(partial.for_layer(0).local_slots, plan_blocks(a, b, [1], [1], layers=[0]).local_slots)
+    with pytest.raises(PlanError, match="layer 1 is not part of this plan"):
+        partial.for_layer(1)

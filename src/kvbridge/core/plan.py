@@ -26,11 +26,13 @@ from kvbridge.errors import PlanError
 
 class TransferPlan(NamedTuple):
     """Position-wise paired slot indices; ``local_slots[i]`` moves to/from
-    ``remote_slots[i]``. Both are int32 (NIXL's index type)."""
+    ``remote_slots[i]``. Both are int32 (NIXL's index type), ordered layer-major, so
+    the slots of ``layers[k]`` are the k-th of ``len(layers)`` equal slices."""
 
     local_slots: np.ndarray
     remote_slots: np.ndarray
     slot_bytes: int
+    layers: tuple[int, ...]
 
     @property
     def num_descriptors(self) -> int:
@@ -39,6 +41,17 @@ class TransferPlan(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.num_descriptors * self.slot_bytes
+
+    def for_layer(self, layer: int) -> TransferPlan:
+        """The part of this plan that moves ``layer`` (views, no copy). Layer-wise
+        streaming plans a request once and posts one slice per finished layer."""
+        try:
+            k = self.layers.index(layer)
+        except ValueError:
+            raise PlanError(f"layer {layer} is not part of this plan (layers {list(self.layers)})") from None
+        per = self.num_descriptors // len(self.layers)
+        part = slice(k * per, (k + 1) * per)
+        return TransferPlan(self.local_slots[part], self.remote_slots[part], self.slot_bytes, (layer,))
 
 
 class Regions(NamedTuple):
@@ -85,13 +98,14 @@ def plan_blocks(
         raise PlanError(
             f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
         )
-    layer_list = None if layers is None else list(layers)
+    layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
     lslots = local.slots(local_blocks, layer_list)
     rslots = remote.slots(remote_blocks, layer_list)
     return TransferPlan(
         local_slots=lslots.astype(np.int32),
         remote_slots=rslots.astype(np.int32),
         slot_bytes=local.spec.block_bytes,
+        layers=tuple(layer_list),
     )
 
 

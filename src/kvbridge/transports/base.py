@@ -63,7 +63,7 @@ class DescTable:
     :meth:`Transport.prepare`; freed by :meth:`Transport.release_table` or ``close``.
     """
 
-    __slots__ = ("descs", "handle", "memory", "peer", "released")
+    __slots__ = ("descs", "handle", "memory", "peer", "released", "uniform_length")
 
     def __init__(self, descs: np.ndarray, memory: MemoryKind, peer: str | None, handle: object = None) -> None:
         self.descs = descs
@@ -71,6 +71,9 @@ class DescTable:
         self.peer = peer
         self.handle = handle
         self.released = False
+        lengths = descs[:, 1]
+        self.uniform_length: int | None = int(lengths[0]) if lengths.size and (lengths == lengths[0]).all() else None
+        """The length of every descriptor when all are equal (KV slot tables), else None."""
 
     def __len__(self) -> int:
         return int(self.descs.shape[0])
@@ -151,7 +154,7 @@ class PeerMetadata(msgspec.Struct, frozen=True, kw_only=True):
     transport: str
     agent: str
     payload: bytes
-    regions: list[tuple[int, int, int, str]] = []
+    regions: list[tuple[int, int, int, Literal["host", "device"]]] = []
 
 
 _md_encoder = msgspec.msgpack.Encoder()

@@ -49,10 +49,11 @@ from kvbridge.transports.base import (
 
 log = logging.getLogger(__name__)
 
-_WAIT_MAX_SLEEP = 2e-4
-"""Longest sleep between two polls in :meth:`TransportBase.wait`. NIXL without its
-progress thread only advances while polled; longer sleeps measurably slow multi-region
-transfers, shorter ones only burn the waiting thread's CPU."""
+_WAIT_MAX_SLEEP = 1e-3
+"""Longest sleep between two polls in :meth:`TransportBase.wait`."""
+_WAIT_SLEEP_FRACTION = 1 / 32
+"""Sleep at most this fraction of the time waited so far: completion is noticed within
+~3% of the transfer's duration, and long transfers are polled rarely."""
 
 
 def rdma_devices() -> list[str]:
@@ -154,16 +155,20 @@ class Inbox:
 
 class Pump:
     """A daemon thread calling ``step`` until stopped; ``step`` returns how much work it
-    found. Idle steps back off from ``min_interval`` to ``max_interval`` seconds.
+    found.
 
-    Backends with no blocking "wait for notification" call (NIXL, Mooncake) poll; this
-    bounds the poll rate when idle and reacts within ``max_interval`` when not.
+    A ``blocking`` step waits for work itself (briefly, so stop stays prompt) and is
+    called back to back. Otherwise idle steps back off from ``min_interval`` to
+    ``max_interval`` seconds: NIXL has no blocking "wait for notification" call, so it is
+    polled, reacting within ``max_interval``.
     """
 
-    def __init__(self, name: str, step: Callable[[], int], min_interval: float = 1e-4, max_interval: float = 2e-3) -> None:
+    def __init__(
+        self, name: str, step: Callable[[], int], min_interval: float = 1e-4, max_interval: float = 2e-3, blocking: bool = False
+    ) -> None:
         self._step = step
         self._stop = threading.Event()
-        self._min, self._max = min_interval, max_interval
+        self._min, self._max = (0.0, 0.0) if blocking else (min_interval, max_interval)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._errors = 0
 
@@ -181,7 +186,8 @@ class Pump:
                     log.exception("%s: notification poll failed (%d so far)", self._thread.name, self._errors)
                 found = 0
             interval = self._min if found else min(interval * 2, self._max)
-            self._stop.wait(interval)
+            if interval:
+                self._stop.wait(interval)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -234,13 +240,16 @@ class TransportBase(abc.ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start_pump(self) -> None:
+    def _start_pump(self, blocking: bool = False) -> None:
+        """Start collecting notifications; ``blocking`` when ``_drain_notifications``
+        waits (briefly) for them itself."""
+
         def step() -> int:
             got = self._drain_notifications()
             self._inbox.put(got)
             return len(got)
 
-        self._pump = Pump(f"kvbridge-{self.name}-pump", step)
+        self._pump = Pump(f"kvbridge-{self.name}-pump", step, blocking=blocking)
         self._pump.start()
 
     def _check_open(self) -> None:
@@ -298,8 +307,11 @@ class TransportBase(abc.ABC):
                 fix="give every instance a unique agent name (engine id + epoch + rank)",
             )
         index = RegionIndex()
+        grouped: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for addr, length, dev, mem in md.regions:
-            index.add([(addr, length)], mem, dev)
+            grouped.setdefault((mem, dev), []).append((addr, length))
+        for (mem, dev), spans in grouped.items():
+            index.add(spans, mem, dev)
         with self._lock:
             known = md.agent in self._peers
         if known:
@@ -366,8 +378,9 @@ class TransportBase(abc.ABC):
                 + ("" if peer is None else ", then re-send metadata to the peer"),
             )
         table = DescTable(arr, memory, peer)
-        table.handle = self._prepare(table)
         with self._lock:
+            self._check_open()
+            table.handle = self._prepare(table)
             self._tables.add(table)
         return table
 
@@ -377,7 +390,9 @@ class TransportBase(abc.ABC):
                 return
             table.released = True
             self._tables.discard(table)
-        self._release_table(table)
+            if self._closed:
+                return  # close() released everything it tracked
+            self._release_table(table)
 
     # --- transfers -------------------------------------------------------------------------
 
@@ -408,14 +423,17 @@ class TransportBase(abc.ABC):
             raise InvalidDescriptorError(f"index lists differ in length: {lidx.size} local vs {ridx.size} remote")
         if lidx.size == 0:
             raise InvalidDescriptorError("empty transfer", fix="send a bare notification with notify()")
-        llen = local.descs[lidx, 1]
-        if not np.array_equal(llen, remote.descs[ridx, 1]):
-            i = int(np.flatnonzero(llen != remote.descs[ridx, 1])[0])
-            raise InvalidDescriptorError(
-                f"descriptor {i}: local length {int(llen[i])} != remote length {int(remote.descs[ridx[i], 1])}"
-            )
-        xfer = self._post(op, local, lidx, remote, ridx, notify, int(llen.sum()))
-        with self._lock:
+        if local.uniform_length is not None and local.uniform_length == remote.uniform_length:
+            nbytes = lidx.size * local.uniform_length  # equal-length tables: pairs match
+        else:
+            llen, rlen = local.descs[lidx, 1], remote.descs[ridx, 1]
+            if not np.array_equal(llen, rlen):
+                i = int(np.flatnonzero(llen != rlen)[0])
+                raise InvalidDescriptorError(f"descriptor {i}: local length {int(llen[i])} != remote length {int(rlen[i])}")
+            nbytes = int(llen.sum())
+        with self._lock:  # close() cannot run between posting and recording the transfer
+            self._check_open()
+            xfer = self._post(op, local, lidx, remote, ridx, notify, nbytes)
             self._xfers.add(xfer)
             if xfer.done:
                 self._reached.add(xfer.peer)
@@ -427,23 +445,24 @@ class TransportBase(abc.ABC):
             raise xfer.error
         if xfer.done:
             return True
-        if xfer.released:
-            raise TransportError("transfer was released before it completed")
-        self._check_open()
-        try:
-            xfer.done = self._poll(xfer)
-        except KVBridgeError as exc:
-            xfer.error = exc
-            raise
-        if xfer.done:
-            self._reached.add(xfer.peer)
+        with self._lock:
+            if xfer.released:
+                raise TransportError("transfer was released before it completed")
+            self._check_open()
+            try:
+                xfer.done = self._poll(xfer)
+            except KVBridgeError as exc:
+                xfer.error = exc
+                raise
+            if xfer.done:
+                self._reached.add(xfer.peer)
         return xfer.done
 
     def wait(self, xfer: Xfer, timeout: float) -> None:
         """Block until ``xfer`` completes; raises its error, or
         :class:`~kvbridge.errors.DeadlineExceeded` after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        delay = 0.0
+        start = time.monotonic()
+        deadline = start + timeout
         while not self.poll(xfer):
             now = time.monotonic()
             if now >= deadline:
@@ -451,9 +470,9 @@ class TransportBase(abc.ABC):
                     f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within {timeout:g}s",
                     fix="check that the peer is alive; raise timeouts.transfer_s for very large transfers",
                 )
-            # no blocking completion call in the backends: back off from a yield
-            time.sleep(min(delay, deadline - now))
-            delay = min(max(delay * 2, 2e-5), _WAIT_MAX_SLEEP)
+            # the backends have no blocking completion call: sleep in proportion to the
+            # time waited so far, so the wake-up overshoot stays a small share of it
+            time.sleep(min((now - start) * _WAIT_SLEEP_FRACTION, _WAIT_MAX_SLEEP, deadline - now))
 
     def release(self, xfer: Xfer) -> None:
         """Free the transfer's backend resources. Idempotent. Releasing an unfinished
@@ -463,15 +482,20 @@ class TransportBase(abc.ABC):
                 return
             xfer.released = True
             self._xfers.discard(xfer)
-        self._release(xfer)
+            if self._closed:
+                return  # close() released everything it tracked
+            self._release(xfer)
 
     # --- notifications ---------------------------------------------------------------------
 
     def notify(self, peer: str, payload: bytes) -> None:
         """Send a notification not tied to a transfer."""
-        self._check_open()
         self._peer_index(peer)
-        self._notify(peer, bytes(payload))
+        with self._lock:
+            self._check_open()
+            waiter = self._notify(peer, bytes(payload))
+        if waiter is not None:
+            waiter()  # outside the lock: a slow peer must not stall other peers' transfers
 
     def take_notifications(self, timeout: float = 0.0) -> list[Notification]:
         """Every notification received so far, each exactly once; waits up to
@@ -482,26 +506,35 @@ class TransportBase(abc.ABC):
 
     def close(self) -> None:
         """Release everything this transport holds and stop its threads. Idempotent;
-        never raises (failures are logged)."""
+        never raises (failures are logged). Waits for a post or poll in progress on
+        another thread; afterwards every method but ``release``/``close`` raises."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            xfers, tables = list(self._xfers), list(self._tables)
+            peers, registrations = list(self._peers), list(self._registrations)
+            self._xfers.clear()
+            self._tables.clear()
+            self._peers.clear()
+            self._registrations.clear()
         if self._pump is not None:
             self._pump.stop()
+        for x in xfers:
+            x.released = True
+        for t in tables:
+            t.released = True
         steps: list[tuple[str, Callable[[], None]]] = []
-        steps += [("release transfer", lambda x=x: self.release(x)) for x in list(self._xfers)]
-        steps += [("release table", lambda t=t: self.release_table(t)) for t in list(self._tables)]
-        steps += [("remove peer", lambda p=p: self._remove_peer(p)) for p in list(self._peers)]
-        steps += [("deregister", lambda r=r: self._deregister(r)) for r in list(self._registrations)]
+        steps += [("release transfer", lambda x=x: self._release(x)) for x in xfers]
+        steps += [("release table", lambda t=t: self._release_table(t)) for t in tables]
+        steps += [("remove peer", lambda p=p: self._remove_peer(p)) for p in peers]
+        steps += [("deregister", lambda r=r: self._deregister(r)) for r in registrations]
         steps.append(("close backend", self._close_backend))
         for what, step in steps:
             try:
                 step()
             except Exception:
                 log.warning("%s: %s failed during close", self.agent_name, what, exc_info=True)
-        self._peers.clear()
-        self._registrations.clear()
         self._inbox.close()
 
     # --- backend hooks ---------------------------------------------------------------------
@@ -539,7 +572,9 @@ class TransportBase(abc.ABC):
     def _release(self, xfer: Xfer) -> None: ...
 
     @abc.abstractmethod
-    def _notify(self, peer: str, payload: bytes) -> None: ...
+    def _notify(self, peer: str, payload: bytes) -> Callable[[], None] | None:
+        """Send; return None when sent, or a callable that blocks (bounded) until the
+        backend confirms and raises a mapped error; it is called without the lock."""
 
     @abc.abstractmethod
     def _drain_notifications(self) -> list[Notification]: ...

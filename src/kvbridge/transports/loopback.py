@@ -106,6 +106,7 @@ class LoopbackTransport(TransportBase):
 
     def _notify(self, peer: str, payload: bytes) -> None:
         self._target(peer)._inbox.put([Notification(self.agent_name, payload)])
+        return None
 
     def _drain_notifications(self) -> list[Notification]:
         return []

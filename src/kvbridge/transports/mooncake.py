@@ -3,22 +3,30 @@
 Only this module imports ``mooncake``; the registry imports this module on first use.
 
 How it uses the engine (``mooncake.engine.TransferEngine``, P2P handshake, no
-metadata server):
+metadata server), and what it avoids:
 
 - the protocol is validated here: the engine silently falls back to TCP for an unknown
   protocol string or when RDMA is asked for without a device;
-- a transfer is one ``batch_transfer_sync`` call (the only batch call that can carry a
-  notification) run on a small thread pool; the engine releases the GIL, so workers
-  overlap. Descriptors are coalesced first (runs adjacent on both sides merge): the
-  engine pays per descriptor, and ~16 KiB descriptors run at a fraction of the
-  bandwidth of large ones;
+- a transfer is one ``batch_transfer_sync`` call, run on a thread pool *per peer* (the
+  engine releases the GIL). A batch to a frozen peer blocks its thread for a minute
+  and more whatever ``MC_TRANSFER_TIMEOUT`` says; per-peer pools keep that from
+  starving transfers to other peers. Descriptors are coalesced first (runs adjacent on
+  both sides merge): the engine pays per descriptor;
+- notifications do not use the engine's ``TransferNotify``: it is delivered by an RPC
+  under the engine's global lock, so one frozen peer stalls every transfer. They go
+  over ZeroMQ (:mod:`.notifier`), sent by the worker after the engine reports the
+  batch complete (the TCP transport acknowledges data applied on the target);
+- the engine opens a peer's segment (a handshake RPC, also under that lock) on the
+  first transfer; ``add_peer`` does it at once with a zero-length write, while the
+  handshake shows the peer is alive, and reports an unreachable peer there;
 - ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` / ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``
-  are raised (unless set) so batches of thousands of descriptors are not refused with
-  "queue-full"; ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s`` and
-  ``MC_LOG_LEVEL`` defaults to ERROR (each unless already set);
-- a bare notification is a zero-length transfer carrying it;
-- the engine returns -1 for any failure; ``send_probe`` then tells a dead peer from a
-  rejected transfer.
+  are raised (unless set) so batches of thousands of descriptors are not refused;
+  ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s`` and ``MC_LOG_LEVEL`` defaults
+  to ERROR (each unless the user set it);
+- the engine returns -1 for any failure; the worker then runs ``send_probe`` to tell a
+  dead peer from a rejected transfer;
+- ``close`` waits a bounded time for batches in flight; batches stuck on a frozen peer
+  keep the engine alive (parked, with a warning) rather than being pulled from under.
 """
 
 from __future__ import annotations
@@ -27,8 +35,11 @@ import concurrent.futures as cf
 import logging
 import os
 import re
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from kvbridge.core.layout import MemoryKind
@@ -43,9 +54,10 @@ from kvbridge.errors import (
 )
 from kvbridge.transports.base import DescTable, Notification, Op, PeerMetadata, Registration, Xfer
 from kvbridge.transports.common import TransportBase, rdma_devices
+from kvbridge.transports.notifier import ZmqNotifier
 
 try:
-    from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+    from mooncake.engine import TransferEngine, TransferOpcode
 except ImportError as _exc:  # pragma: no cover - exercised through the registry
     raise ImportError(f"Mooncake transfer engine is not importable: {_exc}") from _exc
 
@@ -54,8 +66,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ENDPOINT_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
+_USER_TIMEOUT = "MC_TRANSFER_TIMEOUT" in os.environ
+"""Whether the user set the engine's timeout; if not, each transport sets its own."""
+
+_ENGINE_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
 _OPCODES = {"write": TransferOpcode.Write, "read": TransferOpcode.Read}
+
+_parked: list[object] = []
+"""Engines (with their pools) closed while a frozen peer still held batches; kept alive
+so no worker thread ever runs inside a destroyed engine."""
+
+
+class _Endpoints(msgspec.Struct, frozen=True):
+    """The Mooncake payload of :class:`~kvbridge.transports.base.PeerMetadata`."""
+
+    engine: str
+    """``host:port`` of the transfer engine's RPC server."""
+    notify: str
+    """``tcp://host:port`` of the notification socket."""
 
 
 class MooncakeTransport(TransportBase):
@@ -64,7 +92,7 @@ class MooncakeTransport(TransportBase):
     Args:
         agent_name: unique name of this agent (peers see it on notifications).
         options: ``mooncake`` section of the kvbridge config.
-        host: address the engine listens on and advertises.
+        host: address the engine and the notification socket listen on and advertise.
         transfer_timeout_s: the engine's own per-transfer timeout (at least 5 s).
     """
 
@@ -92,7 +120,9 @@ class MooncakeTransport(TransportBase):
         os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(options.max_queued_transfers_per_peer))
         os.environ.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer))
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # kvbridge reports failures itself
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s)))))
+        if not _USER_TIMEOUT:  # the engine reads it at construction: follow this config
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(transfer_timeout_s))))
+        self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
         self._engine = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", options.protocol, options.device_name)
         if rc != 0:
@@ -102,10 +132,14 @@ class MooncakeTransport(TransportBase):
             )
         self.protocol = options.protocol
         self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
-        self._pool = cf.ThreadPoolExecutor(options.workers, thread_name_prefix="kvbridge-mooncake")
+        self._notifier = ZmqNotifier(host)
+        self._workers = options.workers
+        self._pools: dict[str, cf.ThreadPoolExecutor] = {}
+        self._draining: list[cf.ThreadPoolExecutor] = []
         self._endpoints: dict[str, str] = {}
-        self._notify_target: dict[str, int] = {}
-        self._start_pump()
+        self._inflight: set[cf.Future] = set()
+        self._inflight_lock = threading.Lock()
+        self._start_pump(blocking=True)
 
     @classmethod
     def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> MooncakeTransport:
@@ -120,6 +154,42 @@ class MooncakeTransport(TransportBase):
         """``host:port`` of a known peer's engine."""
         self._peer_index(peer)
         return self._endpoints[peer]
+
+    # --- workers ---------------------------------------------------------------------------
+
+    def _submit(self, peer: str, fn: Callable[..., object], *args: object) -> cf.Future:
+        future = self._pools[peer].submit(fn, *args)
+        with self._inflight_lock:
+            self._inflight.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future: cf.Future) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(future)
+
+    def _batch(
+        self, peer: str, endpoint: str, src: list[int], dst: list[int], length: list[int], opcode: object, notify: bytes | None
+    ) -> tuple[int, int]:
+        """Worker side: run one batch; on success send its notification, on failure
+        probe the peer (every engine call here may block)."""
+        engine = self._engine  # close() may drop the attribute while we run; not the engine
+        rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+        if rc == 0:
+            if notify is not None:
+                self._notifier.send(peer, self.agent_name, notify)
+            return 0, 0
+        return rc, engine.send_probe(endpoint)
+
+    def _check(self, rc: int, probe: int, peer: str, what: str) -> None:
+        if rc == 0:
+            return
+        if probe != 0:
+            raise self._peer_lost(peer, what, f"Mooncake rc={rc}, the peer does not answer a probe")
+        raise TransferFailedError(
+            f"Mooncake {what} to {peer!r} failed (rc={rc}) although the peer answers a probe",
+            fix="check that the target addresses are registered on the peer",
+        )
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -140,27 +210,45 @@ class MooncakeTransport(TransportBase):
             self._engine.unregister_memory(addr)
 
     def _backend_metadata(self) -> bytes:
-        return self.endpoint.encode()
+        return msgspec.msgpack.encode(_Endpoints(engine=self.endpoint, notify=self._notifier.endpoint))
 
     def _add_peer(self, md: PeerMetadata) -> None:
         try:
-            endpoint = md.payload.decode("ascii")
-        except UnicodeDecodeError as exc:
-            raise WireError("Mooncake peer metadata has a non-ASCII endpoint") from exc
-        if not _ENDPOINT_RE.match(endpoint):
-            raise WireError(f"Mooncake peer metadata has a malformed endpoint {endpoint!r}")
+            ends = msgspec.msgpack.decode(md.payload, type=_Endpoints)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError(f"Mooncake peer metadata is malformed: {exc}") from exc
+        if not _ENGINE_RE.match(ends.engine):
+            raise WireError(f"Mooncake peer metadata has a malformed engine endpoint {ends.engine!r}")
         if not md.regions:
-            raise TransportError(
-                f"Mooncake peer {md.agent!r} has no registered memory",
-                fix="register memory on the peer before taking its metadata",
-            )
-        self._endpoints[md.agent] = endpoint
-        # bare notifications ride on a zero-length write to the peer's first region
-        self._notify_target[md.agent] = md.regions[0][0]
+            raise TransportError(f"Mooncake peer {md.agent!r} has no registered memory", fix="register memory on the peer before taking its metadata")
+        sources = [r[0] for r in self._local.as_list()]
+        if not sources:
+            raise InvalidDescriptorError("register local memory before adding Mooncake peers")
+        self._pools[md.agent] = cf.ThreadPoolExecutor(self._workers, thread_name_prefix=f"kvbridge-mooncake-{md.agent}")
+        self._notifier.connect(md.agent, ends.notify)
+        # open the engine's segment now (see the module docstring); moves nothing
+        future = self._submit(md.agent, self._batch, md.agent, ends.engine, [sources[0]], [md.regions[0][0]], [0], TransferOpcode.Write, None)
+        try:
+            try:
+                rc, probe = future.result(timeout=self._engine_timeout_s + 5)
+            except cf.TimeoutError:
+                raise self._peer_lost(md.agent, "add_peer", f"no answer from {ends.engine}") from None
+            self._check(rc, probe, md.agent, "add_peer")
+        except Exception:
+            self._drop_peer(md.agent)
+            raise
+        self._endpoints[md.agent] = ends.engine
 
     def _remove_peer(self, peer: str) -> None:
         self._endpoints.pop(peer, None)
-        self._notify_target.pop(peer, None)
+        self._drop_peer(peer)
+
+    def _drop_peer(self, peer: str) -> None:
+        self._notifier.disconnect(peer)
+        pool = self._pools.pop(peer, None)
+        if pool is not None:
+            pool.shutdown(wait=False)  # its batches finish on their own; close() waits for them
+            self._draining.append(pool)
 
     def _prepare(self, table: DescTable) -> object:
         return None  # the engine takes raw addresses; nothing to prepare
@@ -174,15 +262,8 @@ class MooncakeTransport(TransportBase):
         peer = remote.peer
         assert peer is not None
         regions = coalesce(local.descs[lidx, 0], remote.descs[ridx, 0], local.descs[lidx, 1])
-        note = TransferNotify(self.agent_name, notify.decode("latin-1")) if notify else None
-        future = self._pool.submit(
-            self._engine.batch_transfer_sync,
-            self._endpoints[peer],
-            regions.src.tolist(),
-            regions.dst.tolist(),
-            regions.length.tolist(),
-            _OPCODES[op],
-            note,
+        future = self._submit(
+            peer, self._batch, peer, self._endpoints[peer], regions.src.tolist(), regions.dst.tolist(), regions.length.tolist(), _OPCODES[op], notify
         )
         return Xfer(peer, nbytes, len(regions), future)
 
@@ -190,7 +271,13 @@ class MooncakeTransport(TransportBase):
         future: cf.Future = xfer.handle  # type: ignore[assignment]
         if not future.done():
             return False
-        self._check_rc(future.result(), xfer.peer, "transfer")
+        try:
+            rc, probe = future.result()
+        except TransportError:
+            raise
+        except Exception as exc:  # pragma: no cover - defensive: a worker bug
+            raise TransferFailedError(f"Mooncake worker failed: {type(exc).__name__}: {exc}") from exc
+        self._check(rc, probe, xfer.peer, "transfer")
         return True
 
     def wait(self, xfer: Xfer, timeout: float) -> None:
@@ -203,37 +290,34 @@ class MooncakeTransport(TransportBase):
                 fix="check that the peer is alive; raise timeouts.transfer_s for very large transfers",
             )
 
-    def _check_rc(self, rc: int, peer: str, what: str) -> None:
-        if rc == 0:
-            return
-        endpoint = self._endpoints.get(peer)
-        if endpoint is None or self._engine.send_probe(endpoint) != 0:
-            raise self._peer_lost(peer, what, f"Mooncake rc={rc}, probe of {endpoint} failed")
-        raise TransferFailedError(
-            f"Mooncake {what} to {peer!r} failed (rc={rc}) although the peer answers a probe",
-            fix="check that the target addresses are registered on the peer",
-        )
-
     def _release(self, xfer: Xfer) -> None:
         xfer.handle.cancel()  # type: ignore[attr-defined]  # a started batch runs to completion
 
     def _notify(self, peer: str, payload: bytes) -> None:
-        sources = [r[0] for r in self._local.as_list()]
-        if not sources:
-            raise InvalidDescriptorError("Mooncake needs registered local memory to send a notification")
-        note = TransferNotify(self.agent_name, payload.decode("latin-1"))
-        rc = self._engine.batch_transfer_sync(
-            self._endpoints[peer], [sources[0]], [self._notify_target[peer]], [0], TransferOpcode.Write, note
-        )
-        self._check_rc(rc, peer, "notify")
+        self._notifier.send(peer, self.agent_name, payload)
+        return None
 
     def _drain_notifications(self) -> list[Notification]:
-        return [Notification(n.name, n.msg.encode("latin-1")) for n in self._engine.get_notifies()]
+        return self._notifier.receive(timeout_ms=20)
 
     def _close_backend(self) -> None:
-        # Workers may still be inside the engine (bounded by MC_TRANSFER_TIMEOUT); the
-        # engine must outlive them, so wait for them before dropping it.
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        pools = list(self._pools.values()) + self._draining
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
+        with self._inflight_lock:
+            running = list(self._inflight)
+        bound = self._engine_timeout_s + 5
+        _, stuck = cf.wait(running, timeout=bound)
+        self._notifier.close()
+        if stuck:
+            log.warning(
+                "%s: %d Mooncake batches still running %.0fs after close (a peer is frozen); "
+                "the engine stays alive until they end",
+                self.agent_name, len(stuck), bound,
+            )
+            _parked.append((self._engine, pools))
+        self._pools.clear()
+        self._draining.clear()
         self._engine = None  # type: ignore[assignment]
 
 

@@ -221,6 +221,7 @@ class NixlTransport(TransportBase):
             self._agent.send_notif(peer, payload)
         except Exception as exc:
             raise self._map(exc, "notify", peer) from exc
+        return None
 
     def _drain_notifications(self) -> list[Notification]:
         got = self._agent.get_new_notifs()

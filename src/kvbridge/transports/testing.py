@@ -156,10 +156,10 @@ class Peer:
 class Local:
     """Our side: a transport in this process with a registered buffer of ``nbytes``."""
 
-    def __init__(self, transport: str, nbytes: int = 64 << 20, agent_name: str | None = None) -> None:
+    def __init__(self, transport: str, nbytes: int = 64 << 20, agent_name: str | None = None, config=None) -> None:
         from kvbridge.transports.registry import create_transport
 
-        self.t = create_transport(transport, None, agent_name=agent_name or unique("local"))
+        self.t = create_transport(transport, config, agent_name=agent_name or unique("local"))
         self.buf = np.zeros(nbytes, dtype=np.uint8)
         self.reg = self.t.register([(self.buf.ctypes.data, self.buf.nbytes)])
 
