@@ -4,7 +4,8 @@
                                       [--reps 15] [--quick] [--out benchmarks/results]
 
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
-machine, the versions) and ``<out>/<routine>.png``. Ratios compare methods measured in
+machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
+README shows). ``--from-json FILE`` re-renders a saved run without measuring. Ratios compare methods measured in
 the same run on the same machine; absolute numbers vary run to run.
 """
 
@@ -67,6 +68,26 @@ def transfer_routine(args: argparse.Namespace) -> dict:
     return {"routine": "transfer", "machine": machine(), "reps": reps, "summary": summary, "results": [r.to_json() for r in results]}
 
 
+def markdown_transfer(doc: dict) -> str:
+    """The summary as a Markdown table (what README shows), from the JSON document."""
+    m = doc["machine"]
+    lines = [
+        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), nixl {m['versions']['nixl']}, "
+        f"mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; GB/s, best of {doc['reps']} interleaved runs.",
+        "",
+        "| transport | block | block ids | regions | kvbridge | per-layer | raw regions | raw large | memcpy | kvbridge / raw regions | kvbridge / raw large (median) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in doc["summary"]:
+        lines.append(
+            f"| {s['transport']} | {s['block_kib']} KiB | {s['scenario']} | {s['descriptors_after_coalescing']} "
+            f"| {s['request_best_gbps']:.2f} | {s['per_layer_best_gbps']:.2f} | {s['raw_regions_best_gbps']:.2f} "
+            f"| {s['raw_best_gbps']:.2f} | {s['memcpy_best_gbps']:.2f} | {s['request_vs_raw_regions']:.0%} "
+            f"| {s['request_vs_raw']:.0%} ({s['request_vs_raw_median']:.0%}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot_transfer(doc: dict, path: Path) -> None:
     import matplotlib
 
@@ -99,7 +120,7 @@ def plot_transfer(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-ROUTINES = {"transfer": (transfer_routine, plot_transfer)}
+ROUTINES = {"transfer": (transfer_routine, plot_transfer, markdown_transfer)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,14 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, help="timed repetitions per method, interleaved (default 15; 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (the demo)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--from-json", help="re-render the table, plot and Markdown of a saved run")
     args = parser.parse_args(argv)
-    measure, plot = ROUTINES[args.routine]
-    doc = measure(args)
+    measure, plot, markdown = ROUTINES[args.routine]
     out = Path(args.out)
+    if args.from_json:  # re-render a saved run
+        doc = json.loads(Path(args.from_json).read_text())
+    else:
+        doc = measure(args)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.routine}.json").write_text(json.dumps(doc, indent=1))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.routine}.json").write_text(json.dumps(doc, indent=1))
     plot(doc, out / f"{args.routine}.png")
-    console.print(f"wrote {out / (args.routine + '.json')} and {out / (args.routine + '.png')}")
+    (out / f"{args.routine}.md").write_text(markdown(doc))
+    console.print(f"wrote {out}/{args.routine}.json, .png and .md")
     return 0
 
 

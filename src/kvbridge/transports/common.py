@@ -26,6 +26,7 @@ from typing import ClassVar
 import numpy as np
 
 from kvbridge.core.layout import MemoryKind, merge_regions
+from kvbridge.core.plan import Regions, coalesce
 from kvbridge.errors import (
     DeadlineExceeded,
     InvalidDescriptorError,
@@ -316,21 +317,22 @@ class TransportBase(abc.ABC):
             known = md.agent in self._peers
         if known:
             self.remove_peer(md.agent)
-        self._add_peer(md)
+        self._add_peer(md)  # unlocked: it may wait on the peer (bounded)
         with self._lock:
+            if self._closed:
+                raise TransportError(f"{self.name} transport {self.agent_name!r} was closed while adding peer {md.agent!r}")
             self._peers[md.agent] = index
         return md.agent
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer; its prepared tables are released. Unknown peers are ignored."""
         with self._lock:
-            if self._peers.pop(peer, None) is None:
+            if self._closed or self._peers.pop(peer, None) is None:
                 return
             self._reached.discard(peer)
-            tables = [t for t in self._tables if t.peer == peer]
-        for t in tables:
-            self.release_table(t)
-        self._remove_peer(peer)
+            for t in [t for t in self._tables if t.peer == peer]:
+                self.release_table(t)
+            self._remove_peer(peer)
 
     @property
     def peers(self) -> list[str]:
@@ -554,11 +556,18 @@ class TransportBase(abc.ABC):
     @abc.abstractmethod
     def _remove_peer(self, peer: str) -> None: ...
 
-    @abc.abstractmethod
-    def _prepare(self, table: DescTable) -> object: ...
+    def _prepare(self, table: DescTable) -> object:
+        """Backend handle for a new table; backends that take raw addresses keep none."""
+        return None
 
-    @abc.abstractmethod
-    def _release_table(self, table: DescTable) -> None: ...
+    def _release_table(self, table: DescTable) -> None:
+        """Free what :meth:`_prepare` made."""
+
+    @staticmethod
+    def _regions(local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray) -> Regions:
+        """The selected descriptor pairs as coalesced (local, remote, length) regions,
+        for backends that pay per descriptor."""
+        return coalesce(local.descs[lidx, 0], remote.descs[ridx, 0], local.descs[lidx, 1])
 
     @abc.abstractmethod
     def _post(

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbridge.core.layout import MemoryKind
-from kvbridge.core.plan import coalesce
 from kvbridge.errors import InvalidDescriptorError, TransportUnavailableError
 from kvbridge.transports.base import DescTable, Notification, Op, PeerMetadata, Registration, Xfer
 from kvbridge.transports.common import TransportBase
@@ -74,19 +73,13 @@ class LoopbackTransport(TransportBase):
     def _remove_peer(self, peer: str) -> None:
         pass
 
-    def _prepare(self, table: DescTable) -> object:
-        return None
-
-    def _release_table(self, table: DescTable) -> None:
-        pass
-
     def _post(
         self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
     ) -> Xfer:
         peer = remote.peer
         assert peer is not None
         target = self._target(peer)
-        regions = coalesce(local.descs[lidx, 0], remote.descs[ridx, 0], local.descs[lidx, 1])
+        regions = self._regions(local, lidx, remote, ridx)
         for src, dst, n in zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist()):
             if op == "write":
                 ctypes.memmove(dst, src, n)

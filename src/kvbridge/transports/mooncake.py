@@ -43,7 +43,6 @@ import msgspec
 import numpy as np
 
 from kvbridge.core.layout import MemoryKind
-from kvbridge.core.plan import coalesce
 from kvbridge.errors import (
     DeadlineExceeded,
     InvalidDescriptorError,
@@ -250,18 +249,12 @@ class MooncakeTransport(TransportBase):
             pool.shutdown(wait=False)  # its batches finish on their own; close() waits for them
             self._draining.append(pool)
 
-    def _prepare(self, table: DescTable) -> object:
-        return None  # the engine takes raw addresses; nothing to prepare
-
-    def _release_table(self, table: DescTable) -> None:
-        pass
-
     def _post(
         self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
     ) -> Xfer:
         peer = remote.peer
         assert peer is not None
-        regions = coalesce(local.descs[lidx, 0], remote.descs[ridx, 0], local.descs[lidx, 1])
+        regions = self._regions(local, lidx, remote, ridx)
         future = self._submit(
             peer, self._batch, peer, self._endpoints[peer], regions.src.tolist(), regions.dst.tolist(), regions.length.tolist(), _OPCODES[op], notify
         )
