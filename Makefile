@@ -20,7 +20,7 @@ conformance: setup
 ## the demonstration (until the vLLM connector lands: the transport benchmark, quick)
 demo: setup
 	$(BIN)/kvbridge doctor
-	$(BIN)/python benchmarks/run.py transfer --quick
+	$(BIN)/python benchmarks/run.py transfer --quick --out benchmarks/results/demo
 
 bench: setup
 	$(BIN)/python benchmarks/run.py transfer
