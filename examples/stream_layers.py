@@ -67,7 +67,7 @@ def prefill(conn, transport_name: str) -> None:
     xfers = []
     for layer in range(LAYERS):  # an engine does this from save_kv_layer, as layers finish
         part = plan.for_layer(layer)
-        note = CODEC.encode(LayerDone(transfer_id=dest.transfer_id, layers=[layer]))
+        note = CODEC.encode(LayerDone(transfer_id=dest.transfer_id, layers=[layer], first_block=0, num_blocks=len(my_blocks)))
         xfers.append(t.post("write", local_table, part.local_slots, remote_table, part.remote_slots, notify=note))
     for x in xfers:
         t.wait(x, timeout=30)

@@ -66,6 +66,11 @@ class Timeouts(_Section):
     """How long an aborted request waits for in-flight transfers to drain before its
     blocks are released anyway."""
 
+    heartbeat_s: PositiveFloat = 1.0
+    """The decode side checks every prefill instance it waits on this often; three
+    missed beats (or a new epoch: the instance restarted) fail its transfers at once
+    instead of at ``receive_s``."""
+
 
 class NixlOptions(_Section):
     """Options of the NIXL transport."""
@@ -113,6 +118,22 @@ class KVBridgeConfig(_Section):
 
     host: str = "127.0.0.1"
     """Address this instance advertises to peers (transport endpoints, side channel)."""
+
+    side_channel_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port of this instance's side channel (worker rank r uses port + r); 0 picks free
+    ports. Peers learn it from ``kv_transfer_params``, so 0 suits most deployments."""
+
+    secret: Union[str, None] = None
+    """Shared secret: when set (identically on prefill and decode), side-channel
+    messages are authenticated with HMAC-SHA256 and others are refused."""
+
+    layerwise: bool = True
+    """Stream each layer as soon as the prefill computed it (the transfer hides behind
+    the remaining layers). Off: send everything once the prefill is done."""
+
+    layerwise_min_tokens: NonNegativeInt = 128
+    """Prompts shorter than this are sent once after the prefill, not per layer: for
+    short prompts per-layer transfers cost more than they hide."""
 
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     nixl: NixlOptions = msgspec.field(default_factory=NixlOptions)

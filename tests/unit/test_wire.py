@@ -18,12 +18,12 @@ ALL_MESSAGES = [
     m.Hello(peer=PEER, compat=INFO, transport="nixl", transport_metadata=b"\x00\x01", geometry=GEO),
     m.Welcome(peer=PEER, compat=INFO, transport="mooncake", transport_metadata=b"127.0.0.1:1", geometry=GEO),
     m.Destination(transfer_id="r1", peer=PEER, block_ids=[3, 4, 5], num_tokens=90, skip_tokens=32),
-    m.Pull(transfer_id="r1", peer=PEER, block_ids=[1]),
-    m.LayerDone(transfer_id="r1", layers=[0, 1]),
+    m.Release(transfer_id="r1", peer=PEER, ok=False, reason="read failed"),
+    m.LayerDone(transfer_id="r1", layers=[0, 1], first_block=2, num_blocks=3),
     m.Done(transfer_id="r1", ok=False, reason="lease expired"),
-    m.Abort(transfer_id="r1", reason="client gone"),
-    m.AbortAck(transfer_id="r1"),
+    m.Abort(transfer_id="r1", peer=PEER, reason="client gone"),
     m.Heartbeat(peer=PEER),
+    m.Reply(ok=False, code="unknown_peer", detail="say Hello", epoch="e2"),
 ]
 
 
@@ -35,9 +35,9 @@ def test_every_message_round_trips(msg: m.Message) -> None:
 
 
 def test_frame_layout_is_version_hash_body() -> None:
-    frame = msgspec.msgpack.decode(Codec(INFO).encode(m.AbortAck(transfer_id="x")))
+    frame = msgspec.msgpack.decode(Codec(INFO).encode(m.Done(transfer_id="x")))
     assert frame[0] == PROTOCOL_VERSION and frame[1] == compat_hash(INFO)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(frame[2])) == {"t": "abort_ack", "transfer_id": "x"}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(frame[2])) == {"t": "done", "transfer_id": "x", "ok": True, "reason": ""}
 
 
 def test_compat_hash_is_checked_before_the_body() -> None:
@@ -55,7 +55,7 @@ def test_compat_hash_is_checked_before_the_body() -> None:
 
 
 def test_protocol_version_mismatch() -> None:
-    frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, compat_hash(INFO), {"t": "abort_ack", "transfer_id": "x"}])
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, compat_hash(INFO), {"t": "done", "transfer_id": "x"}])
     with pytest.raises(ProtocolVersionError, match="same kvbridge version"):
         Codec(INFO).decode(frame)
 
@@ -88,9 +88,9 @@ def test_oversized_frame_is_refused_before_decoding() -> None:
 
 def test_unknown_fields_from_newer_peers_are_tolerated() -> None:
     """Schema evolution: a newer peer may append fields; an older one ignores them."""
-    body = {"t": "abort", "transfer_id": "r", "reason": "x", "added_in_v1_1": [1, 2]}
+    body = {"t": "done", "transfer_id": "r", "reason": "x", "added_in_v1_1": [1, 2]}
     frame = msgspec.msgpack.encode([PROTOCOL_VERSION, compat_hash(INFO), body])
-    assert Codec(INFO).decode(frame) == m.Abort(transfer_id="r", reason="x")
+    assert Codec(INFO).decode(frame) == m.Done(transfer_id="r", reason="x")
 
 
 def test_compat_hash_changes_with_every_property() -> None:

@@ -11,9 +11,10 @@ Vocabulary
 
 Layouts (shape of one block inside one plane, row-major)
 --------------------------------------------------------
-- ``fused``: ``(num_kv_heads, block_size, 2 * head_dim)``; K in ``[..., :head_dim]``, V in
-  ``[..., head_dim:]``. vLLM's CPU backend: a layer is one tensor
-  ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``.
+- ``fused``: ``(num_kv_heads, 2, block_size, head_dim)``: per KV head, the block's keys
+  then its values. vLLM's CPU backend allocates a layer as one tensor
+  ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)`` and reads it as
+  ``(num_blocks, num_kv_heads, 2 * block_size, head_dim)`` split in halves along dim 2.
 - ``nhd``: K and V planes, each block ``(block_size, num_kv_heads, head_dim)``. vLLM's
   FlashAttention layer tensor ``(2, num_blocks, block_size, num_kv_heads, head_dim)``;
   SGLang's per-layer ``k_buffer`` / ``v_buffer`` of ``(num_pages * page_size, heads, dim)``.

@@ -44,12 +44,12 @@ class _HandshakeCompat(msgspec.Struct):
 class Codec:
     """Encode and decode :data:`Message` frames for one :class:`CompatInfo`.
 
-    >>> from kvbridge.wire.messages import Abort
+    >>> from kvbridge.wire.messages import Done
     >>> info = CompatInfo(model="m", dtype="float32", layout="fused", block_size=32,
     ...                   num_layers=2, num_kv_heads=2, head_dim=64)
     >>> codec = Codec(info)
-    >>> codec.decode(codec.encode(Abort(transfer_id="r1", reason="client gone")))
-    Abort(transfer_id='r1', reason='client gone')
+    >>> codec.decode(codec.encode(Done(transfer_id="r1", ok=False, reason="lease expired")))
+    Done(transfer_id='r1', ok=False, reason='lease expired')
     """
 
     _frame_encoder = msgspec.msgpack.Encoder()

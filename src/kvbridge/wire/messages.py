@@ -4,14 +4,19 @@ All are frozen msgspec Structs in one tagged union, :data:`Message`. Evolution r
 new fields get defaults and go at the end; a field's type never changes; a tag is never
 reused. Anything else needs a new :data:`~kvbridge.wire.compat.PROTOCOL_VERSION`.
 
-Flows (see DESIGN.md):
+Directions. The decode side (D) talks to the prefill side (P) over P's side channel;
+every such message is a request answered by a :class:`Reply`. P talks to D through
+transport notifications, which arrive after the data written with them.
 
-- handshake: ``Hello`` -> ``Welcome`` (or the sender gets a decode error naming what
-  differs), exchanging identities, transport metadata and cache geometry once per peer;
-- layer-wise push: D -> P ``Destination``; P writes layers, each write carrying a
-  ``LayerDone`` notification; then P -> D ``Done``;
-- P-first: P holds blocks; D -> P ``Pull`` (P writes them into D's blocks, then ``Done``);
-- failure: either side ``Abort`` -> ``AbortAck``; ``Heartbeat`` keeps liveness.
+- handshake, D -> P: ``Hello`` -> ``Welcome`` (identities, transport metadata, cache
+  geometry; the frame's compatibility hash is checked first);
+- layer-wise push: D -> P ``Destination``; P writes layers as they are computed, each
+  write carrying a ``LayerDone`` naming the layers and destination blocks it covers, so
+  D knows it has everything when the coverage is complete; P -> D ``Done(ok=False)``
+  if P gives up;
+- P-first: P holds the blocks; D reads them, then D -> P ``Release``;
+- either way: D -> P ``Abort``; D -> P ``Heartbeat`` while waiting (the reply carries
+  P's epoch, so a restarted P is noticed at once).
 """
 
 from __future__ import annotations
@@ -64,8 +69,8 @@ class Welcome(_Msg, tag="welcome"):
 class Destination(_Msg, tag="dest"):
     """D -> P: where the KV of ``transfer_id`` goes.
 
-    ``block_ids`` are D's blocks for prompt tokens ``[skip_tokens, num_tokens)``; the
-    first ``skip_tokens`` (a whole number of blocks) D already has in its prefix cache.
+    ``block_ids`` are D's blocks for prompt tokens ``[skip_tokens, num_tokens)``, in
+    order; the first ``skip_tokens`` (a whole number of blocks) D already has.
     """
 
     transfer_id: str
@@ -75,24 +80,28 @@ class Destination(_Msg, tag="dest"):
     skip_tokens: int = 0
 
 
-class Pull(_Msg, tag="pull"):
-    """D -> P (P-first flow): push the blocks held for ``transfer_id`` into these."""
+class Release(_Msg, tag="release"):
+    """D -> P (P-first flow): D has read the blocks held for ``transfer_id`` (or gave
+    up, ``ok=False``); P frees them."""
 
     transfer_id: str
     peer: PeerId
-    block_ids: list[int]
-    skip_tokens: int = 0
+    ok: bool = True
+    reason: str = ""
 
 
 class LayerDone(_Msg, tag="layer"):
-    """P -> D, as the notification of a transfer: ``layers`` of ``transfer_id`` landed."""
+    """P -> D, the notification of a write: ``layers`` of destination blocks
+    ``block_ids[first_block : first_block + num_blocks]`` of ``transfer_id`` landed."""
 
     transfer_id: str
     layers: list[int]
+    first_block: int
+    num_blocks: int
 
 
 class Done(_Msg, tag="done"):
-    """P -> D: every block of ``transfer_id`` was written (``ok``), or P gave up."""
+    """P -> D: P will send nothing more for ``transfer_id``; ``ok=False`` says why."""
 
     transfer_id: str
     ok: bool = True
@@ -100,25 +109,38 @@ class Done(_Msg, tag="done"):
 
 
 class Abort(_Msg, tag="abort"):
-    """Either side: stop ``transfer_id``; the receiver releases what it holds for it."""
+    """D -> P: stop ``transfer_id`` and release what is held for it."""
 
     transfer_id: str
+    peer: PeerId
     reason: str = ""
 
 
-class AbortAck(_Msg, tag="abort_ack"):
-    transfer_id: str
-
-
 class Heartbeat(_Msg, tag="hb"):
+    """D -> P while D waits on P; the reply's epoch tells D whether P restarted."""
+
     peer: PeerId
 
 
-Message = Union[Hello, Welcome, Destination, Pull, LayerDone, Done, Abort, AbortAck, Heartbeat]
+class Reply(_Msg, tag="reply"):
+    """P's answer to every D -> P request.
+
+    ``code``: ``ok``; ``unknown_peer`` (P has no handshake with this D, e.g. P restarted:
+    D must say Hello again); ``unknown_transfer``; ``incompatible`` (``compat`` carries
+    P's properties, so D's error names what differs); ``error`` (``detail`` says what).
+    """
+
+    ok: bool
+    code: str = "ok"
+    detail: str = ""
+    epoch: str = ""
+    compat: Union[CompatInfo, None] = None
+
+
+Message = Union[Hello, Welcome, Destination, Release, LayerDone, Done, Abort, Heartbeat, Reply]
 
 __all__ = [
     "Abort",
-    "AbortAck",
     "Destination",
     "Done",
     "Heartbeat",
@@ -126,6 +148,7 @@ __all__ = [
     "LayerDone",
     "Message",
     "PeerId",
-    "Pull",
+    "Release",
+    "Reply",
     "Welcome",
 ]

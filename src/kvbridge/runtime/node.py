@@ -1,0 +1,198 @@
+"""One kvbridge instance in one worker process: identity, transport, peers.
+
+A :class:`Node` owns the transport, the registered KV cache (geometry and its slot table
+prepared once) and the peers it has shaken hands with. The prefill-side sender and the
+decode-side receiver are built on it. Engine adapters create one per worker, after the
+KV cache is allocated, and close it at shutdown.
+
+Handshake: the decode side calls :meth:`Node.connect` with a prefill instance's
+side-channel address; ``Hello`` carries our identity, transport metadata and geometry,
+``Welcome`` the same from the other side (the codec checks compatibility before either
+is read). Both sides then add each other to the transport and prepare the other's slot
+table once. A peer is identified by engine id, rank and a per-process *epoch*: a
+restarted process is a new peer even on the same address.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+
+from kvbridge.config import KVBridgeConfig
+from kvbridge.core.layout import CacheGeometry
+from kvbridge.errors import IncompatiblePeerError, KVBridgeError, TransportError
+from kvbridge.runtime.sidechannel import SideChannelClient
+from kvbridge.transports.base import DescTable
+from kvbridge.transports.common import TransportBase
+from kvbridge.transports.registry import create_transport
+from kvbridge.wire.codec import Codec
+from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.messages import Hello, PeerId, Reply, Welcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer we shook hands with."""
+
+    id: PeerId
+    agent: str
+    """Its transport peer id."""
+    geometry: CacheGeometry
+    table: DescTable
+    """Its slot table, prepared once."""
+    address: str | None = None
+    """Its side-channel address, for peers we connected to."""
+
+
+class Node:
+    """kvbridge's state in one worker process.
+
+    Args:
+        config: the kvbridge configuration.
+        geometry: where this worker's KV cache lives (already allocated).
+        compat: what peers must share with us (model, dtype, layout, ...).
+        engine_id: the engine instance's id; ``rank``: the worker's rank in it.
+        transport: an already-created transport (tests); default: from ``config``.
+    """
+
+    def __init__(
+        self,
+        config: KVBridgeConfig,
+        geometry: CacheGeometry,
+        compat: CompatInfo,
+        engine_id: str,
+        rank: int = 0,
+        transport: TransportBase | None = None,
+    ) -> None:
+        self.config = config
+        self.geometry = geometry
+        self.codec = Codec(compat)
+        self.id = PeerId(engine_id=engine_id, epoch=uuid.uuid4().hex[:12], rank=rank)
+        self.transport = transport or create_transport(
+            config.transport, config, agent_name=f"{engine_id}-{self.id.epoch}-r{rank}", memory=geometry.memory
+        )
+        try:
+            self.transport.register(geometry.regions(), memory=geometry.memory, device=geometry.device)
+            self.table = self.transport.prepare(geometry.slot_table(), memory=geometry.memory)
+        except Exception:
+            self.transport.close()
+            raise
+        self._client: SideChannelClient | None = None
+        self._lock = threading.Lock()
+        self._peers: dict[tuple[str, int, str], Peer] = {}
+        self._by_address: dict[str, Peer] = {}
+        self._connecting: dict[str, threading.Lock] = {}
+
+    # --- identities ----------------------------------------------------------------------
+
+    @staticmethod
+    def _key(pid: PeerId) -> tuple[str, int, str]:
+        return (pid.engine_id, pid.rank, pid.epoch)
+
+    def knows(self, pid: PeerId) -> bool:
+        with self._lock:
+            return self._key(pid) in self._peers
+
+    def peer(self, pid: PeerId) -> Peer | None:
+        with self._lock:
+            return self._peers.get(self._key(pid))
+
+    def _hello(self, cls: type[Hello] | type[Welcome]):
+        return cls(
+            peer=self.id,
+            compat=self.codec.compat,
+            transport=self.transport.name,
+            transport_metadata=self.transport.metadata(),
+            geometry=self.geometry,
+        )
+
+    def _add(self, msg: Hello | Welcome, address: str | None) -> Peer:
+        if msg.transport != self.transport.name:
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} uses transport {msg.transport!r}, this instance {self.transport.name!r}",
+                differences={"transport": (self.transport.name, msg.transport)},
+                fix="set the same 'transport' in the kvbridge config of prefill and decode",
+            )
+        if msg.geometry.spec != self.geometry.spec:
+            # the compat hash covers the spec; a mismatch here means a hand-made frame
+            raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
+        agent = self.transport.add_peer(msg.transport_metadata)
+        table = self.transport.prepare(msg.geometry.slot_table(), memory=msg.geometry.memory, peer=agent)
+        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address)
+        with self._lock:
+            # a restart of a peer (same engine and rank, new epoch) replaces the old one
+            stale = [k for k in self._peers if k[:2] == (msg.peer.engine_id, msg.peer.rank) and k[2] != msg.peer.epoch]
+            gone = [self._peers.pop(k) for k in stale]
+            for old in gone:
+                if old.address is not None and self._by_address.get(old.address) is old:
+                    del self._by_address[old.address]
+            self._peers[self._key(msg.peer)] = peer
+            if address is not None:
+                self._by_address[address] = peer
+        for old in gone:
+            self.transport.remove_peer(old.agent)
+        log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
+        return peer
+
+    # --- server side ---------------------------------------------------------------------
+
+    def welcome(self, hello: Hello) -> Welcome:
+        """Answer a ``Hello`` (side-channel handler, prefill side)."""
+        self._add(hello, None)
+        return self._hello(Welcome)
+
+    # --- client side ---------------------------------------------------------------------
+
+    @property
+    def client(self) -> SideChannelClient:
+        with self._lock:
+            if self._client is None:
+                self._client = SideChannelClient(self.codec, self.config.secret)
+            return self._client
+
+    def connect(self, address: str, *, epoch: str | None = None, fresh: bool = False) -> Peer:
+        """The peer serving ``address``, shaking hands first if needed (bounded by
+        ``timeouts.handshake_s``). ``epoch``: the epoch the caller expects (e.g. from
+        ``kv_transfer_params``); a different one raises. ``fresh``: forget the cached
+        handshake (the peer said it does not know us: it restarted)."""
+        with self._lock:
+            gate = self._connecting.setdefault(address, threading.Lock())
+        with gate:  # one handshake per address at a time
+            with self._lock:
+                peer = None if fresh else self._by_address.get(address)
+            if peer is None:
+                reply = self.client.request(address, self._hello(Hello), self.config.timeouts.handshake_s)
+                if isinstance(reply, Reply):
+                    raise KVBridgeError(f"handshake with {address} refused: {reply.detail or reply.code}")
+                if not isinstance(reply, Welcome):
+                    raise TransportError(f"handshake with {address}: unexpected {type(reply).__name__}")
+                peer = self._add(reply, address)
+        if epoch is not None and peer.id.epoch != epoch:
+            raise KVBridgeError(
+                f"the prefill instance at {address} restarted (epoch {peer.id.epoch}, expected {epoch}); "
+                "the KV it held is gone",
+            )
+        return peer
+
+    def forget(self, address: str) -> None:
+        """Drop the cached handshake with ``address`` (the peer died or restarted)."""
+        with self._lock:
+            peer = self._by_address.pop(address, None)
+            if peer is not None:
+                self._peers.pop(self._key(peer.id), None)
+        if peer is not None:
+            self.transport.remove_peer(peer.agent)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+        self.transport.close()
+
+
+__all__ = ["Node", "Peer"]

@@ -1,0 +1,350 @@
+"""Decode side: ask for a request's KV, track what arrived, report the outcome.
+
+Who calls what (the engine adapter, on the decode worker):
+
+- :meth:`Receiver.expect_push` (layer-wise push): the blocks D allocated for the prompt
+  are sent to the prefill instance as a ``Destination``; its writes arrive with
+  ``LayerDone`` notifications, and the request is complete when every layer of every
+  destination block is covered;
+- :meth:`Receiver.expect_pull` (P-first): the prefill instance already holds the
+  blocks; D reads them, then sends ``Release``;
+- :meth:`Receiver.take_finished` once per engine step: transfer ids that completed and
+  ones that failed, each reported exactly once (then the engine's load-failure
+  policy recomputes or fails the failed ones);
+- :meth:`Receiver.abort` when the engine drops the request.
+
+Nothing here blocks the caller: side-channel calls (handshake, destination, release,
+heartbeats) run on a small pool, reads are polled by the control thread, and
+notifications are handled by their own thread. Every wait is bounded by the request's
+deadline (``receive_s`` before the first data, ``transfer_s`` between arrivals) and by
+heartbeats: a prefill instance that stops answering (``3 x heartbeat_s``) or restarts
+(new epoch) fails its requests at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.core.lifecycle import RecvPhase, RecvRequest
+from kvbridge.core.plan import plan_blocks
+from kvbridge.errors import KVBridgeError, WireError
+from kvbridge.runtime.node import Node, Peer
+from kvbridge.runtime.stats import TransferStats
+from kvbridge.transports.base import Xfer
+from kvbridge.wire.messages import Abort, Destination, Done, Heartbeat, LayerDone, Release, Reply
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _In:
+    req: RecvRequest
+    address: str
+    block_ids: list[int]
+    num_tokens: int
+    skip_tokens: int
+    pull: bool
+    remote_blocks: list[int]
+    epoch: str | None
+    coverage: np.ndarray | None = None
+    peer: Peer | None = None
+    xfer: Xfer | None = None
+    started: float = 0.0
+    nbytes: int = 0
+
+
+class Receiver:
+    """Decode-side transfers of one worker. Thread-safe."""
+
+    def __init__(self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic) -> None:
+        self.node = node
+        self.stats = stats
+        self.clock = clock
+        self.cfg = node.config
+        self._layers = node.geometry.spec.num_layers
+        self._slot_bytes = node.geometry.spec.block_bytes * node.geometry.spec.planes_per_layer
+        self._lock = threading.Condition()
+        self._in: dict[str, _In] = {}
+        self._finished: list[str] = []
+        self._failed: list[str] = []
+        self._beats: dict[str, float] = {}
+        self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvbridge-recv-io")
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._control, name="kvbridge-recv-control", daemon=True),
+            threading.Thread(target=self._notifications, name="kvbridge-recv-notify", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # --- engine-facing -------------------------------------------------------------------
+
+    def expect_push(self, transfer_id: str, address: str, block_ids: list[int], num_tokens: int, skip_tokens: int = 0) -> None:
+        """Layer-wise push: ask the prefill instance at ``address`` to write the prompt's
+        KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids``."""
+        entry = self._new(transfer_id, address, block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[], epoch=None)
+        entry.coverage = np.zeros((self._layers, len(block_ids)), dtype=bool)
+        self._pool.submit(self._send_destination, entry)
+
+    def expect_pull(
+        self,
+        transfer_id: str,
+        address: str,
+        epoch: str | None,
+        remote_blocks: list[int],
+        block_ids: list[int],
+        num_tokens: int,
+        skip_tokens: int = 0,
+    ) -> None:
+        """P-first: read ``remote_blocks`` (the prefill's, whole prompt) into ``block_ids``
+        (D's, for tokens from ``skip_tokens``), then release them on the prefill side."""
+        entry = self._new(transfer_id, address, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks, epoch=epoch)
+        self._pool.submit(self._start_read, entry)
+
+    def _new(self, transfer_id: str, address: str, block_ids: list[int], num_tokens: int, skip_tokens: int, **kw: object) -> _In:
+        now = self.clock()
+        entry = _In(
+            req=RecvRequest(transfer_id, block_ids, self.cfg.timeouts, now),
+            address=address,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            skip_tokens=skip_tokens,
+            started=now,
+            **kw,  # type: ignore[arg-type]
+        )
+        with self._lock:
+            if transfer_id in self._in:
+                raise KVBridgeError(f"transfer {transfer_id!r} is already expected by this decode worker")
+            self._in[transfer_id] = entry
+            if not block_ids:  # D's prefix cache already holds everything
+                entry.req.complete(now)
+            self._lock.notify()
+        return entry
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """The engine dropped the request; tell the prefill side to let go."""
+        with self._lock:
+            entry = self._in.get(transfer_id)
+            if entry is None or not entry.req.abort(reason, self.clock()):
+                return
+            self._lock.notify()
+        if entry.peer is not None:
+            self._pool.submit(self._tell, entry, Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason))
+
+    def take_finished(self) -> tuple[list[str], list[str]]:
+        """(completed, failed) transfer ids since the last call; each exactly once."""
+        with self._lock:
+            done, failed = self._finished, self._failed
+            self._finished, self._failed = [], []
+        return done, failed
+
+    def wait_finished(self, timeout: float) -> tuple[list[str], list[str]]:
+        """Like :meth:`take_finished`, waiting up to ``timeout`` seconds for an outcome."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._finished or self._failed or self._stop, timeout)
+        return self.take_finished()
+
+    def phase(self, transfer_id: str) -> RecvPhase | None:
+        with self._lock:
+            entry = self._in.get(transfer_id)
+            return None if entry is None else entry.req.phase
+
+    # --- side-channel work (pool threads) --------------------------------------------------
+
+    def _connect(self, entry: _In, fresh: bool = False) -> Peer:
+        peer = self.node.connect(entry.address, epoch=entry.epoch, fresh=fresh)
+        with self._lock:
+            entry.peer = peer
+        return peer
+
+    def _send_destination(self, entry: _In) -> None:
+        msg = None
+        try:
+            for attempt in range(2):
+                self._connect(entry, fresh=attempt > 0)
+                msg = Destination(
+                    transfer_id=entry.req.transfer_id,
+                    peer=self.node.id,
+                    block_ids=entry.block_ids,
+                    num_tokens=entry.num_tokens,
+                    skip_tokens=entry.skip_tokens,
+                )
+                reply = self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
+                if isinstance(reply, Reply) and reply.code == "unknown_peer":
+                    continue  # the prefill instance restarted since our handshake
+                break
+            if not isinstance(reply, Reply) or not reply.ok:
+                raise KVBridgeError(f"prefill at {entry.address} refused the destination: {getattr(reply, 'detail', reply)}")
+        except (KVBridgeError, WireError) as exc:
+            self._fail(entry, f"destination not delivered: {exc}")
+            return
+        with self._lock:
+            if entry.req.phase is RecvPhase.ALLOCATED:
+                entry.req.destination_sent(self.clock())
+
+    def _start_read(self, entry: _In) -> None:
+        try:
+            peer = self._connect(entry)
+            skip = entry.skip_tokens // self.node.geometry.spec.block_size
+            plan = plan_blocks(self.node.geometry, peer.geometry, entry.block_ids, entry.remote_blocks[skip : skip + len(entry.block_ids)])
+            with self._lock:
+                if entry.req.terminal:
+                    return
+                entry.req.destination_sent(self.clock())
+                entry.req.posted("read")
+            xfer = self.node.transport.post("read", self.node.table, plan.local_slots, peer.table, plan.remote_slots)
+        except KVBridgeError as exc:
+            with self._lock:
+                if entry.req.inflight:
+                    entry.req.settled("read", self.clock())
+            self._fail(entry, f"read failed: {exc}")
+            return
+        with self._lock:
+            entry.xfer = xfer
+            entry.nbytes = xfer.nbytes
+            self._lock.notify()
+
+    def _tell(self, entry: _In, msg: Release | Abort) -> None:
+        try:
+            self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
+        except KVBridgeError as exc:  # the prefill side's lease frees the blocks anyway
+            log.info("kvbridge: could not send %s for %s: %s", type(msg).__name__, entry.req.transfer_id, exc)
+
+    def _heartbeat(self, address: str, epoch: str) -> None:
+        try:
+            reply = self.node.client.request(address, Heartbeat(peer=self.node.id), 3 * self.cfg.timeouts.heartbeat_s)
+            if not isinstance(reply, Reply):
+                raise WireError(f"unexpected {type(reply).__name__} to a heartbeat")
+            if reply.epoch != epoch:
+                raise KVBridgeError(f"prefill at {address} restarted (epoch {reply.epoch}, was {epoch}); its KV is gone")
+        except (KVBridgeError, WireError) as exc:
+            self.node.forget(address)
+            with self._lock:
+                victims = [e for e in self._in.values() if e.address == address and not e.req.terminal and not e.pull]
+            for e in victims:
+                self._fail(e, f"prefill instance lost: {exc}")
+
+    # --- notifications thread ------------------------------------------------------------
+
+    def _notifications(self) -> None:
+        while not self._stop:
+            for note in self.node.transport.take_notifications(timeout=0.1):
+                try:
+                    msg = self.node.codec.decode(note.payload)
+                except WireError as exc:
+                    log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
+                    continue
+                if isinstance(msg, LayerDone):
+                    self._on_layers(msg)
+                elif isinstance(msg, Done) and not msg.ok:
+                    with self._lock:
+                        entry = self._in.get(msg.transfer_id)
+                    if entry is not None:
+                        self._fail(entry, f"prefill gave up: {msg.reason}")
+
+    def _on_layers(self, msg: LayerDone) -> None:
+        now = self.clock()
+        with self._lock:
+            entry = self._in.get(msg.transfer_id)
+            if entry is None or entry.coverage is None or entry.req.terminal:
+                return  # late data for a finished or failed request: ignored
+            end = msg.first_block + msg.num_blocks
+            if msg.first_block < 0 or end > entry.coverage.shape[1] or not all(0 <= l < self._layers for l in msg.layers):
+                log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
+                return
+            entry.coverage[msg.layers, msg.first_block:end] = True
+            entry.nbytes += len(msg.layers) * msg.num_blocks * self._slot_bytes
+            entry.req.layer_arrived(now)
+            if entry.coverage.all():
+                entry.req.complete(now)
+            self._lock.notify()
+
+    # --- control thread ------------------------------------------------------------------
+
+    def _control(self) -> None:
+        while True:
+            with self._lock:
+                if self._stop:
+                    return
+                reads = [e for e in self._in.values() if e.xfer is not None and not e.req.terminal]
+            for entry in reads:
+                self._poll_read(entry)
+            self._beat()
+            self._settle()
+            with self._lock:
+                if self._stop:
+                    return
+                self._lock.wait(0.0005 if reads else 0.05)
+
+    def _poll_read(self, entry: _In) -> None:
+        assert entry.xfer is not None
+        try:
+            done = self.node.transport.poll(entry.xfer)
+            error = None
+        except KVBridgeError as exc:
+            done, error = True, exc
+        if not done:
+            return
+        self.node.transport.release(entry.xfer)
+        now = self.clock()
+        with self._lock:
+            entry.xfer = None
+            entry.req.settled("read", now)
+            if error is None:
+                entry.req.complete(now)
+        if error is not None:
+            self._fail(entry, f"read failed: {error}")
+            self._pool.submit(self._tell, entry, Release(transfer_id=entry.req.transfer_id, peer=self.node.id, ok=False, reason=str(error)))
+        else:
+            self._pool.submit(self._tell, entry, Release(transfer_id=entry.req.transfer_id, peer=self.node.id))
+
+    def _beat(self) -> None:
+        now = self.clock()
+        with self._lock:
+            waiting = {(e.address, e.peer.id.epoch) for e in self._in.values() if not e.pull and e.peer is not None and not e.req.terminal}
+        for address, epoch in waiting:
+            if now >= self._beats.get(address, 0.0):
+                self._beats[address] = now + self.cfg.timeouts.heartbeat_s
+                self._pool.submit(self._heartbeat, address, epoch)
+
+    def _settle(self) -> None:
+        now = self.clock()
+        with self._lock:
+            for tid, entry in list(self._in.items()):
+                if entry.req.poll(now) and entry.req.phase is RecvPhase.FAILED:
+                    self.stats.add(failures=1)
+                    log.warning("kvbridge: receiving %s failed: %s", tid, entry.req.reason)
+                if entry.req.releasable:
+                    entry.req.release()
+                    del self._in[tid]
+                    if entry.req.phase is RecvPhase.RECEIVED:
+                        self._finished.append(tid)
+                        self.stats.add(requests_received=1, bytes_received=entry.nbytes)
+                    else:
+                        self._failed.append(tid)
+                    self._lock.notify_all()
+
+    def _fail(self, entry: _In, reason: str) -> None:
+        with self._lock:
+            if entry.req.fail(reason, self.clock()):
+                self.stats.add(failures=1)
+                log.warning("kvbridge: receiving %s failed: %s", entry.req.transfer_id, reason)
+            self._lock.notify()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join(5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["Receiver"]

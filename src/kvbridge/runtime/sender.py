@@ -1,0 +1,407 @@
+"""Prefill side: hold a request's blocks, write them to the decode side, release them.
+
+Who calls what (the engine adapter, on the prefill worker):
+
+- :meth:`Sender.track` when a request that will be handed off starts prefill (its
+  blocks are held from then on, under a lease);
+- :meth:`Sender.layer_done` from the forward pass, after each attention layer, with
+  how many prompt tokens that layer has computed so far (every chunk of a chunked
+  prefill). O(1), never blocks: the sender thread does the I/O;
+- :meth:`Sender.prefill_done` when the last chunk is computed;
+- :meth:`Sender.take_released` once per engine step: requests whose blocks the engine
+  may free now (sent, expired, aborted or failed; in every case no transfer still
+  reads them). Each transfer id is returned exactly once.
+
+The decode side drives the rest through the side channel: ``Destination`` (layer-wise
+push: where to write; it may arrive before or after :meth:`track`, before, during or
+after the prefill), ``Release`` (P-first: D has read the blocks itself), ``Abort``.
+
+Writes: for every layer, the blocks that are both computed and not yet sent (and that
+the decode side lacks) are planned against the peer's slot table and posted, each
+write carrying a ``LayerDone`` naming its layers and destination blocks; layers ready
+at the same time go out as one transfer. Short prompts (``layerwise_min_tokens``) and
+``layerwise: false`` send everything in one transfer after the prefill.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvbridge.core.lifecycle import SendPhase, SendRequest
+from kvbridge.core.plan import plan_blocks
+from kvbridge.errors import KVBridgeError
+from kvbridge.runtime.node import Node, Peer
+from kvbridge.runtime.stats import TransferStats
+from kvbridge.transports.base import Xfer
+from kvbridge.wire.messages import Abort, Destination, Done, LayerDone, Release, Reply
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Out:
+    req: SendRequest
+    blocks: list[int]
+    num_tokens: int
+    stream: bool
+    pull: bool
+    ready: list[int]
+    """Per layer: prompt tokens computed so far."""
+    posted: list[int]
+    """Per layer: prompt blocks posted so far (absolute index)."""
+    prefill_done: bool = False
+    dest: Destination | None = None
+    peer: Peer | None = None
+    t_prefill_done: float | None = None
+    t_first_post: float | None = None
+    told_peer: bool = False
+    inflight: dict[int, tuple[Xfer, float]] = field(default_factory=dict)
+
+
+class Sender:
+    """Prefill-side transfers of one worker. Thread-safe.
+
+    Args:
+        node: this worker's node (transport, geometry, peers).
+        stats: where transfer statistics are recorded.
+        clock: monotonic seconds (tests may inject one).
+    """
+
+    def __init__(self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic) -> None:
+        self.node = node
+        self.stats = stats
+        self.clock = clock
+        self.cfg = node.config
+        self._bs = node.geometry.spec.block_size
+        self._layers = node.geometry.spec.num_layers
+        self._lock = threading.Condition()
+        self._out: dict[str, _Out] = {}
+        self._early: dict[str, tuple[Destination, float]] = {}
+        self._released: list[str] = []
+        self._keys = itertools.count()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvbridge-sender", daemon=True)
+        self._thread.start()
+
+    # --- engine-facing -------------------------------------------------------------------
+
+    def track(self, transfer_id: str, blocks: list[int], num_tokens: int, computed_tokens: int = 0, pull: bool = False) -> None:
+        """Start holding ``blocks`` (the prompt's, in order) for ``transfer_id``.
+
+        ``computed_tokens``: tokens already in the cache before this prefill (prefix
+        cache hits), ready in every layer. ``pull``: P-first flow, the decode side reads
+        the blocks itself and sends ``Release``.
+        """
+        now = self.clock()
+        with self._lock:
+            if transfer_id in self._out:
+                raise KVBridgeError(f"transfer {transfer_id!r} is already tracked by this prefill worker")
+            stream = self.cfg.layerwise and num_tokens >= self.cfg.layerwise_min_tokens
+            out = _Out(
+                req=SendRequest(transfer_id, blocks, self.cfg.timeouts, now),
+                blocks=list(blocks),
+                num_tokens=num_tokens,
+                stream=stream,
+                pull=pull,
+                ready=[computed_tokens] * self._layers,
+                posted=[0] * self._layers,
+            )
+            self._out[transfer_id] = out
+            early = self._early.pop(transfer_id, None)
+            if early is not None:
+                self._accept(out, early[0], now)
+            self._lock.notify()
+
+    def add_blocks(self, transfer_id: str, blocks: list[int]) -> None:
+        """More blocks of the same prompt (a later chunk of a chunked prefill)."""
+        with self._lock:
+            out = self._out.get(transfer_id)
+            if out is None or out.req.terminal:
+                return
+            out.blocks.extend(blocks)
+            out.req.hold(blocks)
+
+    def layer_done(self, transfer_id: str, layer: int, computed_tokens: int) -> None:
+        """``layer`` holds KV for the first ``computed_tokens`` prompt tokens. Hot path."""
+        with self._lock:
+            out = self._out.get(transfer_id)
+            if out is None:
+                return
+            if computed_tokens > out.ready[layer]:
+                out.ready[layer] = computed_tokens
+                if out.stream and out.dest is not None:
+                    self._lock.notify()
+
+    def prefill_done(self, transfer_id: str) -> None:
+        """Every layer holds the whole prompt."""
+        now = self.clock()
+        with self._lock:
+            out = self._out.get(transfer_id)
+            if out is None:
+                return
+            out.ready = [out.num_tokens] * self._layers
+            out.prefill_done = True
+            out.t_prefill_done = now
+            self._lock.notify()
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """The engine gave up on the request (client gone, ...)."""
+        with self._lock:
+            out = self._out.get(transfer_id)
+            if out is not None and out.req.abort(reason, self.clock()):
+                self.stats.add(aborted=1)
+                self._lock.notify()
+
+    def take_released(self) -> list[str]:
+        """Transfer ids whose blocks the engine may free now, each exactly once."""
+        with self._lock:
+            out, self._released = self._released, []
+        return out
+
+    def wait_released(self, timeout: float) -> list[str]:
+        """Like :meth:`take_released`, waiting up to ``timeout`` seconds for one."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._released or self._stop, timeout)
+        return self.take_released()
+
+    def phase(self, transfer_id: str) -> SendPhase | None:
+        with self._lock:
+            out = self._out.get(transfer_id)
+            return None if out is None else out.req.phase
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._out)
+
+    # --- side-channel handlers (the side channel's thread) -------------------------------
+
+    def on_destination(self, msg: Destination) -> Reply:
+        now = self.clock()
+        with self._lock:
+            out = self._out.get(msg.transfer_id)
+            if out is None:
+                # D may see the request before this prefill worker does: keep it
+                self._early[msg.transfer_id] = (msg, now + self.cfg.timeouts.lease_s)
+                return Reply(ok=True, epoch=self.node.id.epoch)
+            if out.req.terminal:
+                return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already ended ({out.req.phase.value}: {out.req.reason})")
+            if out.dest is not None:
+                return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already has a destination")
+            err = self._accept(out, msg, now)
+            self._lock.notify()
+        if err:
+            return Reply(ok=False, code="error", detail=err, epoch=self.node.id.epoch)
+        return Reply(ok=True, epoch=self.node.id.epoch)
+
+    def _accept(self, out: _Out, msg: Destination, now: float) -> str | None:
+        """Attach a destination (lock held). Returns an error text, or None."""
+        expected = math.ceil(out.num_tokens / self._bs) - msg.skip_tokens // self._bs
+        if msg.num_tokens != out.num_tokens or len(msg.block_ids) != expected or msg.skip_tokens % self._bs:
+            reason = (
+                f"destination of {msg.transfer_id} does not fit: {len(msg.block_ids)} blocks for tokens "
+                f"[{msg.skip_tokens}, {msg.num_tokens}), this prefill has {out.num_tokens} tokens in blocks of {self._bs}"
+            )
+            out.req.fail(reason, now)
+            return reason
+        out.dest = msg
+        out.peer = self.node.peer(msg.peer)
+        if out.peer is None:
+            out.req.fail(f"destination from {msg.peer}, which never shook hands", now)
+            return "unknown peer"
+        out.req.start_sending(now)
+        return None
+
+    def on_release(self, msg: Release) -> Reply:
+        now = self.clock()
+        with self._lock:
+            out = self._out.get(msg.transfer_id)
+            if out is None:
+                return Reply(ok=False, code="unknown_transfer", detail=f"no blocks held for {msg.transfer_id}", epoch=self.node.id.epoch)
+            if out.req.phase is SendPhase.HELD:
+                out.req.start_sending(now)
+                out.req.finish(now)
+            self._lock.notify()
+        return Reply(ok=True, epoch=self.node.id.epoch)
+
+    def on_abort(self, msg: Abort) -> Reply:
+        with self._lock:
+            out = self._out.get(msg.transfer_id)
+            self._early.pop(msg.transfer_id, None)
+            if out is not None and out.req.abort(f"decode side aborted: {msg.reason}", self.clock()):
+                out.told_peer = True  # D asked; no need to tell it
+                self.stats.add(aborted=1)
+                self._lock.notify()
+        return Reply(ok=True, epoch=self.node.id.epoch)
+
+    # --- the sender thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stop:
+                    return
+                work = self._plan_posts()
+            for out, posts in work:
+                self._post(out, posts)
+            busy = self._poll_inflight()
+            self._apply_deadlines()
+            with self._lock:
+                if self._stop:
+                    return
+                if not busy and not self._has_postable():
+                    self._lock.wait(0.05)  # woken by any event; 50 ms bounds deadline checks
+                elif busy:
+                    self._lock.wait(0.0002)
+
+    def _has_postable(self) -> bool:
+        return any(self._postable(out) for out in self._out.values())
+
+    def _postable(self, out: _Out) -> list[tuple[list[int], int, int]]:
+        """(layers, first block, end block) groups ready to post (lock held)."""
+        if out.dest is None or out.peer is None or out.req.phase is not SendPhase.SENDING or out.pull:
+            return []
+        if not out.stream and not out.prefill_done:
+            return []
+        total = math.ceil(out.num_tokens / self._bs)
+        skip = out.dest.skip_tokens // self._bs
+        groups: dict[tuple[int, int], list[int]] = {}
+        for layer in range(self._layers):
+            ready = total if out.ready[layer] >= out.num_tokens else min(out.ready[layer] // self._bs, total)
+            start = max(out.posted[layer], skip)
+            if ready > start:
+                groups.setdefault((start, ready), []).append(layer)
+        return [(layers, a, b) for (a, b), layers in groups.items()]
+
+    def _plan_posts(self) -> list[tuple[_Out, list[tuple[list[int], int, int]]]]:
+        work = []
+        for out in self._out.values():
+            posts = self._postable(out)
+            if posts:
+                for layers, _, end in posts:
+                    for layer in layers:
+                        out.posted[layer] = end
+                work.append((out, posts))
+        return work
+
+    def _post(self, out: _Out, posts: list[tuple[list[int], int, int]]) -> None:
+        assert out.dest is not None and out.peer is not None
+        skip = out.dest.skip_tokens // self._bs
+        for layers, start, end in posts:
+            now = self.clock()
+            key = next(self._keys)
+            registered = False
+            try:
+                plan = plan_blocks(
+                    self.node.geometry, out.peer.geometry, out.blocks[start:end], out.dest.block_ids[start - skip : end - skip], layers=layers
+                )
+                note = LayerDone(transfer_id=out.dest.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start)
+                with self._lock:
+                    if out.req.terminal:
+                        return
+                    out.req.posted(key)
+                    registered = True
+                xfer = self.node.transport.post(
+                    "write", self.node.table, plan.local_slots, out.peer.table, plan.remote_slots, notify=self.node.codec.encode(note)
+                )
+            except KVBridgeError as exc:
+                with self._lock:
+                    if registered:
+                        out.req.settled(key, now)
+                    self._fail(out, f"write failed: {exc}", now)
+                return
+            with self._lock:
+                out.inflight[key] = (xfer, now)
+                out.t_first_post = out.t_first_post or now
+            self.stats.add(transfers=1, descriptors=xfer.num_descs, bytes_sent=xfer.nbytes)
+
+    def _poll_inflight(self) -> bool:
+        """Poll posted writes; settle the finished ones. True while any is in flight."""
+        with self._lock:
+            items = [(out, key, xfer, t0) for out in self._out.values() for key, (xfer, t0) in list(out.inflight.items())]
+        for out, key, xfer, t0 in items:
+            try:
+                done = self.node.transport.poll(xfer)
+                error = None
+            except KVBridgeError as exc:
+                done, error = True, exc
+            if not done:
+                continue
+            now = self.clock()
+            self.node.transport.release(xfer)
+            with self._lock:
+                out.inflight.pop(key, None)
+                out.req.settled(key, now)
+                if error is not None:
+                    self._fail(out, f"write failed: {error}", now)
+                else:
+                    self.stats.observe("transfer_s", now - t0)
+                    self._maybe_finish(out, now)
+        with self._lock:
+            return any(out.inflight for out in self._out.values())
+
+    def _maybe_finish(self, out: _Out, now: float) -> None:
+        """All of the prompt posted and landed: done (lock held)."""
+        if out.req.phase is not SendPhase.SENDING or not out.prefill_done or out.dest is None:
+            return
+        total = math.ceil(out.num_tokens / self._bs)
+        if all(p >= total for p in out.posted) and not out.inflight:
+            out.req.finish(now)
+            self.stats.add(requests_sent=1)
+            if out.t_prefill_done is not None:
+                self.stats.observe("exposed_s", max(0.0, now - out.t_prefill_done))
+            if out.t_first_post is not None:
+                self.stats.observe("request_transfer_s", now - out.t_first_post)
+
+    def _fail(self, out: _Out, reason: str, now: float) -> None:
+        if out.req.fail(reason, now):
+            self.stats.add(failures=1)
+            log.warning("kvbridge: transfer %s failed: %s", out.req.transfer_id, reason)
+
+    def _apply_deadlines(self) -> None:
+        now = self.clock()
+        tell: list[tuple[Peer, Done]] = []
+        with self._lock:
+            for tid, (_, deadline) in list(self._early.items()):
+                if now >= deadline:
+                    del self._early[tid]
+            for tid, out in list(self._out.items()):
+                if out.prefill_done and out.dest is not None:
+                    self._maybe_finish(out, now)
+                if out.req.poll(now):
+                    if out.req.phase is SendPhase.EXPIRED:
+                        self.stats.add(leases_expired=1)
+                        log.warning("kvbridge: %s: %s", tid, out.req.reason)
+                    elif out.req.phase is SendPhase.FAILED:
+                        self.stats.add(failures=1)
+                if out.req.terminal and out.req.phase is not SendPhase.DONE and not out.told_peer and out.peer is not None and out.dest is not None:
+                    out.told_peer = True
+                    tell.append((out.peer, Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)))
+                if out.req.releasable:
+                    for key, (xfer, _) in out.inflight.items():  # abandoned after the drain deadline
+                        self.node.transport.release(xfer)
+                    out.inflight.clear()
+                    out.req.release()
+                    del self._out[tid]
+                    self._released.append(tid)
+                    self._lock.notify_all()
+        for peer, msg in tell:  # best effort: D also has its own deadlines
+            try:
+                self.node.transport.notify(peer.agent, self.node.codec.encode(msg))
+            except KVBridgeError as exc:
+                log.debug("could not tell %s that %s ended: %s", peer.id, msg.transfer_id, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(5)
+
+
+__all__ = ["Sender"]

@@ -1,0 +1,218 @@
+"""The side channel: small control messages between instances, over ZeroMQ.
+
+The prefill side serves a :class:`SideChannelServer` (one ROUTER socket, one thread);
+the decode side sends it requests through a :class:`SideChannelClient` (one DEALER
+socket per server address) and gets a :class:`~kvbridge.wire.messages.Reply` (or a
+``Welcome``) back. Every request has a deadline.
+
+Frames: ``[request id, kvbridge frame]`` plus, when a shared secret is configured, an
+HMAC-SHA256 of both as a third frame; a frame that fails authentication or decoding is
+answered with an error and never acted on. Replies echo the request id, so a reply
+that arrives after its request timed out is recognised and dropped.
+
+Threads: the server runs the handler on its own thread, one request at a time; keep
+handlers short. Client methods may be called from any thread (one lock per address).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from kvbridge.errors import IncompatiblePeerError, KVBridgeError, PeerUnreachableError, WireError
+from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
+from kvbridge.wire.messages import Message, Reply
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Message]
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class SideChannelServer:
+    """Answers requests on ``host:port`` (``port=0``: any free port; see :attr:`address`).
+
+    Args:
+        codec: frames are decoded with it (compatibility checked first).
+        handler: maps each request to its reply; exceptions become error replies.
+        secret: shared secret; when set, unauthenticated frames are refused.
+    """
+
+    def __init__(self, codec: Codec, host: str, port: int, handler: Handler, secret: str | None = None) -> None:
+        self._codec = codec
+        self._handler = handler
+        self._secret = secret.encode() if secret else None
+        self._ctx = zmq.Context(io_threads=1)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        try:
+            self._sock.bind(tcp_address(host, port))
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise KVBridgeError(
+                f"cannot bind the kvbridge side channel on {host}:{port}: {exc}",
+                fix="set 'side_channel_port' to a free port (0 picks one) and 'host' to an address of this machine",
+            ) from exc
+        self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvbridge-sidechannel", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):  # wake up regularly to notice close()
+                continue
+            try:
+                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            if len(frames) < 3:
+                log.warning("side channel: dropped a message of %d frames", len(frames))
+                continue
+            identity, rid, payload, *rest = frames
+            reply = self._answer(rid, payload, rest)
+            out = self._codec.encode(reply)
+            parts = [identity, rid, out]
+            if self._secret is not None:
+                parts.append(_mac(self._secret, rid, out))
+            try:
+                self._sock.send_multipart(parts, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the client went away meanwhile
+                log.debug("side channel: reply not sent: %s", exc)
+
+    def _answer(self, rid: bytes, payload: bytes, rest: list[bytes]) -> Message:
+        if self._secret is not None and (len(rest) != 1 or not hmac.compare_digest(rest[0], _mac(self._secret, rid, payload))):
+            log.warning("side channel: refused a request that failed authentication")
+            return Reply(ok=False, code="error", detail="authentication failed: set the same 'secret' on prefill and decode")
+        try:
+            msg = self._codec.decode(payload)
+        except IncompatiblePeerError as exc:
+            log.warning("side channel: refused an incompatible peer: %s", exc)
+            # our CompatInfo lets the peer's codec name every property that differs
+            return Reply(ok=False, code="incompatible", detail=str(exc), compat=self._codec.compat)
+        except WireError as exc:
+            log.warning("side channel: refused a request: %s", exc)
+            return Reply(ok=False, code="error", detail=str(exc))
+        try:
+            return self._handler(msg)
+        except KVBridgeError as exc:
+            return Reply(ok=False, code="error", detail=str(exc))
+        except Exception as exc:  # a handler bug must not kill the channel
+            log.exception("side channel handler failed on %s", type(msg).__name__)
+            return Reply(ok=False, code="error", detail=f"{type(exc).__name__}: {exc}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        self._sock.close()
+        self._ctx.term()
+
+
+class SideChannelClient:
+    """Sends requests to side-channel servers and waits (bounded) for their replies."""
+
+    def __init__(self, codec: Codec, secret: str | None = None) -> None:
+        self._codec = codec
+        self._secret = secret.encode() if secret else None
+        self._ctx = zmq.Context(io_threads=1)
+        self._socks: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    def _socket(self, address: str) -> tuple[zmq.Socket, threading.Lock]:
+        with self._lock:
+            if self._closed:
+                raise KVBridgeError("side channel client is closed")
+            entry = self._socks.get(address)
+            if entry is None:
+                sock = self._ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+                sock.connect(address)
+                entry = self._socks[address] = (sock, threading.Lock())
+            return entry
+
+    def request(self, address: str, msg: Message, timeout: float) -> Message:
+        """Send ``msg`` to the server at ``address``; return its reply.
+
+        Raises:
+            PeerUnreachableError: no reply within ``timeout`` seconds (nobody listens
+                there, or the peer is stuck); the socket is reset for the next call.
+            WireError: the reply did not decode, or failed authentication.
+        """
+        sock, lock = self._socket(address)
+        rid = str(next(self._ids)).encode()
+        payload = self._codec.encode(msg)
+        parts = [rid, payload] + ([_mac(self._secret, rid, payload)] if self._secret is not None else [])
+        deadline = time.monotonic() + timeout
+        with lock:
+            sock.send_multipart(parts)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    self._reset(address)
+                    raise PeerUnreachableError(
+                        f"no reply from the kvbridge side channel at {address} within {timeout:g}s",
+                        fix="check that the prefill instance is running with kvbridge and that the address is reachable",
+                    )
+                frames = sock.recv_multipart()
+                if len(frames) < 2 or frames[0] != rid:
+                    continue  # a late reply to an earlier, timed-out request
+                if self._secret is not None and (len(frames) != 3 or not hmac.compare_digest(frames[2], _mac(self._secret, frames[0], frames[1]))):
+                    raise WireError(f"reply from {address} failed authentication", fix="set the same 'secret' on prefill and decode")
+                return self._codec.decode(frames[1])
+
+    def _reset(self, address: str) -> None:
+        """Drop a socket whose peer did not answer: queued requests must not reach a
+        restarted peer later."""
+        with self._lock:
+            entry = self._socks.pop(address, None)
+        if entry is not None:
+            entry[0].close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries = list(self._socks.values())
+            self._socks.clear()
+        for sock, lock in entries:
+            with lock:
+                sock.close()
+        self._ctx.term()
+
+
+__all__ = ["SideChannelClient", "SideChannelServer", "tcp_address"]

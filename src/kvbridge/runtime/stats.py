@@ -1,0 +1,68 @@
+"""Transfer statistics, engine-agnostic. The sender and receiver record into a
+:class:`TransferStats`; engine adapters take a snapshot per reporting interval
+(:meth:`TransferStats.take`) and export it their way (vLLM: connector stats and
+Prometheus). Thread-safe; recording is O(1)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StatsSnapshot:
+    """Everything recorded since the previous snapshot. Plain data (picklable, JSON)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfers: int = 0
+    """Posted transfers (one per layer group and destination range)."""
+    descriptors: int = 0
+    requests_sent: int = 0
+    requests_received: int = 0
+    failures: int = 0
+    leases_expired: int = 0
+    aborted: int = 0
+    transfer_s: list[float] = field(default_factory=list)
+    """Per posted transfer: post to completion."""
+    exposed_s: list[float] = field(default_factory=list)
+    """Per request: prefill compute finished to its last byte landed (what streaming
+    did not hide)."""
+    request_transfer_s: list[float] = field(default_factory=list)
+    """Per request: first post to last completion."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def merge(self, other: StatsSnapshot) -> StatsSnapshot:
+        out = StatsSnapshot()
+        for name, value in asdict(self).items():
+            other_value = getattr(other, name)
+            setattr(out, name, value + other_value)
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.transfers or self.requests_received or self.failures or self.leases_expired or self.aborted)
+
+
+class TransferStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cur = StatsSnapshot()
+
+    def add(self, **counters: int) -> None:
+        with self._lock:
+            for name, value in counters.items():
+                setattr(self._cur, name, getattr(self._cur, name) + value)
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            getattr(self._cur, name).append(seconds)
+
+    def take(self) -> StatsSnapshot:
+        with self._lock:
+            out, self._cur = self._cur, StatsSnapshot()
+        return out
+
+
+__all__ = ["StatsSnapshot", "TransferStats"]

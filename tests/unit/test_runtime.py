@@ -1,0 +1,203 @@
+"""The engine-agnostic runtime (side channel, handshake, sender, receiver) on the
+in-process loopback transport, with real numpy KV caches on both sides."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbridge.config import load_config
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.runtime.endpoint import Endpoint
+from kvbridge.transports.loopback import LoopbackTransport
+from kvbridge.wire.compat import CompatInfo
+
+L, N, BS, H, HD = 4, 48, 16, 2, 32
+SPEC = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused")
+_names = itertools.count()
+
+
+def make_cache(seed: int | None, spec: CacheSpec = SPEC) -> tuple[np.ndarray, CacheGeometry]:
+    shape = (spec.num_layers, N, spec.num_kv_heads, spec.block_size, 2 * spec.head_dim)
+    arr = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) if seed is not None else np.zeros(shape, np.float32)
+    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(arr[i].ctypes.data for i in range(spec.num_layers)))
+    return arr, geo
+
+
+def endpoint(role: str, arr_geo, timeouts: dict | None = None, spec: CacheSpec = SPEC, **cfg) -> Endpoint:
+    config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, **(timeouts or {})}, **cfg})
+    _, geo = arr_geo
+    name = f"{role}-{next(_names)}"
+    return Endpoint(
+        config, geo, CompatInfo.from_spec(spec, model="m"), role, send=role == "P", receive=role == "D", transport=LoopbackTransport(name)
+    )
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll a condition that has no event of its own (bytes landing in memory)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple]:
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    P, D = endpoint("P", p_cache), endpoint("D", d_cache)
+    yield P, D, p_cache[0], d_cache[0]
+    D.close()
+    P.close()
+
+
+def test_layerwise_push_streams_layer_by_layer_across_chunks(pd) -> None:
+    P, D, pa, da = pd
+    n, pblocks, dblocks = 200, list(range(13)), list(range(30, 43))  # 200 tokens: 13 blocks
+    D.receiver.expect_push("r", P.address, dblocks, n)
+    P.sender.track("r", pblocks, n)
+    # chunk 1: 64 tokens = 4 full blocks, layer by layer; each layer lands before the next is computed
+    for layer in range(L):
+        P.sender.layer_done("r", layer, 64)
+        eventually(lambda: np.array_equal(da[layer, dblocks[:4]], pa[layer, pblocks[:4]]))
+        assert not da[layer, dblocks[4:]].any(), "blocks not computed yet were sent"
+        if layer + 1 < L:
+            assert not da[layer + 1].any(), "a layer was sent before it was computed"
+    # chunk 2 (the rest, last block partial) completes the prompt
+    for layer in range(L):
+        P.sender.layer_done("r", layer, n)
+    P.sender.prefill_done("r")
+    assert D.receiver.wait_finished(5) == (["r"], [])
+    np.testing.assert_array_equal(da[:, dblocks], pa[:, pblocks])
+    assert P.sender.wait_released(5) == ["r"]
+    stats = P.stats.take()
+    # chunk 1: one transfer per layer (each awaited); chunk 2: layers that became ready
+    # together may share a transfer
+    assert L + 1 <= stats.transfers <= 2 * L
+    assert stats.requests_sent == 1 and stats.bytes_sent == L * 13 * SPEC.block_bytes
+    assert D.stats.take().bytes_received == L * 13 * SPEC.block_bytes
+
+
+def test_short_prompt_goes_in_one_transfer_after_prefill(pd) -> None:
+    P, D, pa, da = pd
+    P.sender.track("s", [5, 6], 20)  # below layerwise_min_tokens
+    D.receiver.expect_push("s", P.address, [1, 2], 20)
+    for layer in range(L):
+        P.sender.layer_done("s", layer, 20)
+    P.sender.prefill_done("s")
+    assert D.receiver.wait_finished(5) == (["s"], [])
+    np.testing.assert_array_equal(da[:, [1, 2]], pa[:, [5, 6]])
+    assert P.stats.take().transfers == 1
+
+
+def test_pull_flow_reads_then_releases(pd) -> None:
+    P, D, pa, da = pd
+    P.sender.track("q", [7, 8, 9], 40, pull=True)
+    P.sender.prefill_done("q")
+    assert P.sender.wait_released(0.2) == [], "held until the decode side read them"
+    D.receiver.expect_pull("q", P.address, P.epoch, [7, 8, 9], [8, 9], 40, skip_tokens=16)  # D has block 0 cached
+    assert D.receiver.wait_finished(5) == (["q"], [])
+    np.testing.assert_array_equal(da[:, [8, 9]], pa[:, [8, 9]])
+    assert P.sender.wait_released(5) == ["q"]
+
+
+def test_destination_before_the_prefill_starts(pd) -> None:
+    P, D, pa, da = pd
+    D.receiver.expect_push("e", P.address, [40, 41], 64, skip_tokens=32)
+    eventually(lambda: D.receiver.phase("e").value == "waiting")  # P has the destination
+    P.sender.track("e", [12, 13, 14, 15], 64)
+    for layer in range(L):
+        P.sender.layer_done("e", layer, 64)
+    P.sender.prefill_done("e")
+    assert D.receiver.wait_finished(5) == (["e"], [])
+    np.testing.assert_array_equal(da[:, [40, 41]], pa[:, [14, 15]])
+
+
+def test_lease_expires_when_the_decode_side_never_comes() -> None:
+    p_cache = make_cache(1)
+    P = endpoint("P", p_cache, {"lease_s": 0.3})
+    try:
+        P.sender.track("x", [1], 10)
+        P.sender.prefill_done("x")
+        assert P.sender.wait_released(5) == ["x"]
+        assert P.stats.take().leases_expired == 1
+    finally:
+        P.close()
+
+
+def test_silent_prefill_fails_the_load_at_receive_s() -> None:
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 0.5})
+    try:
+        start = time.monotonic()
+        D.receiver.expect_push("z", P.address, [1], 10)  # P never computes it
+        assert D.receiver.wait_finished(5) == ([], ["z"])
+        assert 0.4 < time.monotonic() - start < 3
+    finally:
+        D.close()
+        P.close()
+
+
+def test_dead_prefill_is_detected_by_heartbeats_long_before_receive_s() -> None:
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 60, "heartbeat_s": 0.2})
+    try:
+        D.receiver.expect_push("h", P.address, [1], 10)
+        eventually(lambda: D.receiver.phase("h").value == "waiting")
+        P.close()  # the prefill process goes away
+        start = time.monotonic()
+        assert D.receiver.wait_finished(10) == ([], ["h"])
+        assert time.monotonic() - start < 3, "heartbeats should notice within a few beats"
+    finally:
+        D.close()
+
+
+def test_decode_abort_releases_prefill_blocks(pd) -> None:
+    P, D, _, _ = pd
+    P.sender.track("a", [1, 2], 30)
+    D.receiver.expect_push("a", P.address, [3, 4], 30)
+    eventually(lambda: D.receiver.phase("a").value == "waiting")
+    D.receiver.abort("a", "client disconnected")
+    assert P.sender.wait_released(5) == ["a"]
+    assert D.receiver.wait_finished(5) == ([], ["a"])
+
+
+def test_prefill_abort_fails_the_decode_side_at_once(pd) -> None:
+    P, D, _, _ = pd
+    P.sender.track("b", [1, 2], 30)
+    D.receiver.expect_push("b", P.address, [3, 4], 30)
+    eventually(lambda: P.sender.phase("b").value == "sending")
+    P.sender.abort("b", "engine aborted the request")
+    start = time.monotonic()
+    assert D.receiver.wait_finished(5) == ([], ["b"])
+    assert time.monotonic() - start < 2
+    assert P.sender.wait_released(5) == ["b"]
+
+
+def test_destination_that_does_not_fit_fails_both_sides(pd) -> None:
+    P, D, _, _ = pd
+    P.sender.track("m", [1, 2, 3], 40)
+    D.receiver.expect_push("m", P.address, [5], 40)  # 1 block for 3 blocks of prompt
+    assert D.receiver.wait_finished(5) == ([], ["m"])
+    assert P.sender.wait_released(5) == ["m"]
+
+
+def test_pull_from_a_restarted_prefill_fails_at_once(pd) -> None:
+    P, D, _, _ = pd
+    D.receiver.expect_pull("w", P.address, "an-old-epoch", [1], [1], 10)
+    assert D.receiver.wait_finished(5) == ([], ["w"])
+
+
+def test_incompatible_peer_is_refused_naming_what_differs(caplog: pytest.LogCaptureFixture) -> None:
+    other = msgspec.structs.replace(SPEC, block_size=32)
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None, other), spec=other)
+    try:
+        D.receiver.expect_push("i", P.address, [1], 10)
+        assert D.receiver.wait_finished(5) == ([], ["i"])
+        assert any("block_size: ours=32, peer=16" in r.getMessage() for r in caplog.records)
+    finally:
+        D.close()
+        P.close()
