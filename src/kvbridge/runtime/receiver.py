@@ -42,6 +42,9 @@ from kvbridge.wire.messages import Abort, Destination, Done, Heartbeat, LayerDon
 
 log = logging.getLogger(__name__)
 
+_REMOTE = "prefill-writes"
+"""In-flight key standing for the prefill side's writes into a push destination."""
+
 
 @dataclass
 class _In:
@@ -186,8 +189,13 @@ class Receiver:
             self._fail(entry, f"destination not delivered: {exc}")
             return
         with self._lock:
+            if entry.req.terminal:
+                return  # aborted meanwhile; abort() told the prefill side
             if entry.req.phase is RecvPhase.ALLOCATED:
                 entry.req.destination_sent(self.clock())
+            # from now on the prefill side may write into our blocks: they stay ours
+            # until its writes are known to have stopped (coverage, Done, or its death)
+            entry.req.posted(_REMOTE)
 
     def _start_read(self, entry: _In) -> None:
         try:
@@ -213,9 +221,14 @@ class Receiver:
 
     def _tell(self, entry: _In, msg: Release | Abort) -> None:
         try:
-            self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
+            reply = self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
         except KVBridgeError as exc:  # the prefill side's lease frees the blocks anyway
             log.info("kvbridge: could not send %s for %s: %s", type(msg).__name__, entry.req.transfer_id, exc)
+            return
+        if isinstance(reply, Reply) and reply.code == "stopped":
+            with self._lock:  # the prefill side holds nothing for it: no write can follow
+                self._writes_stopped(entry, self.clock())
+                self._lock.notify()
 
     def _heartbeat(self, address: str, epoch: str) -> None:
         try:
@@ -227,7 +240,9 @@ class Receiver:
         except (KVBridgeError, WireError) as exc:
             self.node.forget(address)
             with self._lock:
-                victims = [e for e in self._in.values() if e.address == address and not e.req.terminal and not e.pull]
+                victims = [e for e in self._in.values() if e.address == address and not e.pull and _REMOTE in e.req._inflight_keys()]
+                for e in victims:
+                    self._writes_stopped(e, self.clock())  # it is gone: no more writes
             for e in victims:
                 self._fail(e, f"prefill instance lost: {exc}")
 
@@ -243,18 +258,26 @@ class Receiver:
                     continue
                 if isinstance(msg, LayerDone):
                     self._on_layers(msg)
-                elif isinstance(msg, Done) and not msg.ok:
+                elif isinstance(msg, Done):
                     with self._lock:
                         entry = self._in.get(msg.transfer_id)
-                    if entry is not None:
+                        if entry is None:
+                            continue
+                        self._writes_stopped(entry, self.clock())  # Done comes after the last write
+                    if not msg.ok:
                         self._fail(entry, f"prefill gave up: {msg.reason}")
+
+    def _writes_stopped(self, entry: _In, now: float) -> None:
+        """The prefill side will not write into this destination any more (lock held)."""
+        if entry.coverage is not None and _REMOTE in entry.req._inflight_keys():
+            entry.req.settled(_REMOTE, now)
 
     def _on_layers(self, msg: LayerDone) -> None:
         now = self.clock()
         with self._lock:
             entry = self._in.get(msg.transfer_id)
-            if entry is None or entry.coverage is None or entry.req.terminal:
-                return  # late data for a finished or failed request: ignored
+            if entry is None or entry.coverage is None or entry.req.phase is RecvPhase.RECEIVED:
+                return  # late data for a finished request: ignored
             end = msg.first_block + msg.num_blocks
             if msg.first_block < 0 or end > entry.coverage.shape[1] or not all(0 <= l < self._layers for l in msg.layers):
                 log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
@@ -263,6 +286,7 @@ class Receiver:
             entry.nbytes += len(msg.layers) * msg.num_blocks * self._slot_bytes
             entry.req.layer_arrived(now)
             if entry.coverage.all():
+                self._writes_stopped(entry, now)
                 entry.req.complete(now)
             self._lock.notify()
 
@@ -317,10 +341,13 @@ class Receiver:
     def _settle(self) -> None:
         now = self.clock()
         with self._lock:
+            deadline_failed = []
             for tid, entry in list(self._in.items()):
-                if entry.req.poll(now) and entry.req.phase is RecvPhase.FAILED:
+                if entry.req.poll(now) and entry.req.phase is RecvPhase.FAILED and entry.req.inflight:
                     self.stats.add(failures=1)
                     log.warning("kvbridge: receiving %s failed: %s", tid, entry.req.reason)
+                    if not entry.pull and entry.peer is not None:
+                        deadline_failed.append(entry)
                 if entry.req.releasable:
                     entry.req.release()
                     del self._in[tid]
@@ -330,13 +357,19 @@ class Receiver:
                     else:
                         self._failed.append(tid)
                     self._lock.notify_all()
+        for entry in deadline_failed:  # timed out: ask the prefill side to stop writing
+            self._pool.submit(self._tell, entry, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "timeout"))
 
     def _fail(self, entry: _In, reason: str) -> None:
         with self._lock:
-            if entry.req.fail(reason, self.clock()):
+            ended = entry.req.fail(reason, self.clock())
+            if ended:
                 self.stats.add(failures=1)
                 log.warning("kvbridge: receiving %s failed: %s", entry.req.transfer_id, reason)
+            stop_peer = ended and entry.peer is not None and not entry.pull and _REMOTE in entry.req._inflight_keys()
             self._lock.notify()
+        if stop_peer:  # the prefill side may still be writing: ask it to stop
+            self._pool.submit(self._tell, entry, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason))
 
     def close(self) -> None:
         with self._lock:

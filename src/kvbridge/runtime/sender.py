@@ -60,7 +60,6 @@ class _Out:
     peer: Peer | None = None
     t_prefill_done: float | None = None
     t_first_post: float | None = None
-    told_peer: bool = False
     inflight: dict[int, tuple[Xfer, float]] = field(default_factory=dict)
 
 
@@ -231,11 +230,14 @@ class Sender:
         return Reply(ok=True, epoch=self.node.id.epoch)
 
     def on_abort(self, msg: Abort) -> Reply:
+        """Reply ``stopped`` when nothing will be written for the transfer any more (the
+        decode side may reuse its blocks at once); otherwise ``Done`` follows the drain."""
         with self._lock:
             out = self._out.get(msg.transfer_id)
             self._early.pop(msg.transfer_id, None)
-            if out is not None and out.req.abort(f"decode side aborted: {msg.reason}", self.clock()):
-                out.told_peer = True  # D asked; no need to tell it
+            if out is None:
+                return Reply(ok=True, code="stopped", epoch=self.node.id.epoch)
+            if out.req.abort(f"decode side aborted: {msg.reason}", self.clock()):
                 self.stats.add(aborted=1)
                 self._lock.notify()
         return Reply(ok=True, epoch=self.node.id.epoch)
@@ -380,9 +382,6 @@ class Sender:
                         log.warning("kvbridge: %s: %s", tid, out.req.reason)
                     elif out.req.phase is SendPhase.FAILED:
                         self.stats.add(failures=1)
-                if out.req.terminal and out.req.phase is not SendPhase.DONE and not out.told_peer and out.peer is not None and out.dest is not None:
-                    out.told_peer = True
-                    tell.append((out.peer, Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)))
                 if out.req.releasable:
                     for key, (xfer, _) in out.inflight.items():  # abandoned after the drain deadline
                         self.node.transport.release(xfer)
@@ -391,6 +390,9 @@ class Sender:
                     del self._out[tid]
                     self._released.append(tid)
                     self._lock.notify_all()
+                    if out.req.phase is not SendPhase.DONE and out.peer is not None and out.dest is not None:
+                        # after the drain: the decode side may reuse its blocks once it reads this
+                        tell.append((out.peer, Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)))
         for peer, msg in tell:  # best effort: D also has its own deadlines
             try:
                 self.node.transport.notify(peer.agent, self.node.codec.encode(msg))

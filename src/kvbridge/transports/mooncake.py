@@ -22,9 +22,10 @@ metadata server), and what it avoids:
 - ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` / ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``
   are raised (unless set) so batches of thousands of descriptors are not refused;
   ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s`` and ``MC_LOG_LEVEL`` defaults
-  to ERROR (each unless the user set it);
+  to WARNING, as INFO logs every batch (each unless the user set it);
 - the engine returns -1 for any failure; the worker then runs ``send_probe`` to tell a
-  dead peer from a rejected transfer;
+  dead peer from a rejected transfer, and retries once when the peer is alive (a TCP
+  lane can fail transiently; the bytes are simply moved again);
 - ``close`` waits a bounded time for batches in flight; batches stuck on a frozen peer
   keep the engine alive (parked, with a warning) rather than being pulled from under.
 """
@@ -118,7 +119,7 @@ class MooncakeTransport(TransportBase):
                 )
         os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(options.max_queued_transfers_per_peer))
         os.environ.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer))
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # kvbridge reports failures itself
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # INFO logs every batch
         if not _USER_TIMEOUT:  # the engine reads it at construction: follow this config
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(transfer_timeout_s))))
         self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
@@ -174,11 +175,20 @@ class MooncakeTransport(TransportBase):
         probe the peer (every engine call here may block)."""
         engine = self._engine  # close() may drop the attribute while we run; not the engine
         rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+        probe = 0
+        if rc != 0:
+            probe = engine.send_probe(endpoint)
+            if probe == 0:
+                # the peer is alive: a transient TCP session or queue failure (seen
+                # rarely after a lane sat idle). Moving the same bytes again is
+                # harmless, and the notification only follows success.
+                log.info("Mooncake batch to %s failed (rc=%s) with the peer alive; retrying once", peer, rc)
+                rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
         if rc == 0:
             if notify is not None:
                 self._notifier.send(peer, self.agent_name, notify)
             return 0, 0
-        return rc, engine.send_probe(endpoint)
+        return rc, (probe if probe != 0 else engine.send_probe(endpoint))
 
     def _check(self, rc: int, probe: int, peer: str, what: str) -> None:
         if rc == 0:

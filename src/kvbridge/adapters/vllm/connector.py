@@ -1,0 +1,162 @@
+"""``KVBridgeConnector``: the class vLLM instantiates, a thin facade.
+
+vLLM creates one instance per process and role: the scheduler-side instance (engine
+core) forwards to :class:`~kvbridge.adapters.vllm.scheduler.SchedulerSide`, the
+worker-side instance (each worker) to :class:`~kvbridge.adapters.vllm.worker.WorkerSide`.
+See ``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` for when each hook runs.
+
+Configuration: ``kv_connector_extra_config`` is kvbridge's config (see README), checked
+strictly at start-up; ``kv_role`` picks the side: ``kv_producer`` prefills and sends,
+``kv_consumer`` receives and decodes, ``kv_both`` does both.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.adapters.vllm.compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+    check_version,
+)
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
+from kvbridge.adapters.vllm.scheduler import SchedulerSide
+from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.config import load_config
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvbridge's vLLM V1 KV connector (layer-wise push and P-first flows)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        check_version()
+        ktc = vllm_config.kv_transfer_config
+        self.config = load_config(ktc.kv_connector_extra_config or {})
+        self.engine_id = str(ktc.engine_id)
+        kv_role = ktc.kv_role
+        send = kv_role in ("kv_producer", "kv_both")
+        receive = kv_role in ("kv_consumer", "kv_both")
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                self.config,
+                self.engine_id,
+                get_tensor_model_parallel_rank(),
+                model=str(vllm_config.model_config.model),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                block_size=block_size,
+                send=send,
+                receive=receive,
+            )
+
+    # --- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        if len(block_ids) != 1:
+            raise NotImplementedError("kvbridge supports models with one KV cache group")
+        return self._scheduler.request_finished(request, list(block_ids[0]))
+
+    def update_connector_output(self, connector_output) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_output(connector_output.finished_sending, connector_output.finished_recving)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake({(0, rank): m for rank, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata) -> None:
+        if self._scheduler is not None:
+            self._scheduler.set_handshake(metadata)
+
+    # --- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self):
+        return None if self._worker is None else self._worker.handshake()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeMetadata)
+        self._worker.bind(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous and complete before the request is scheduled."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_kv_connector_stats(self):
+        if self._worker is None:
+            return None
+        snap = self._worker.stats()
+        return None if snap is None else KVBridgeStats(snap.to_dict())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVBridgeStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+__all__ = ["KVBridgeConnector"]

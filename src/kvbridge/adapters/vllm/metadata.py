@@ -1,0 +1,70 @@
+"""What the scheduler-side connector tells the worker-side connector each step, and
+what workers tell the scheduler once at start-up.
+
+Built by :meth:`SchedulerSide.build_meta` once per engine step and bound on every
+worker before the forward pass; read-only afterwards. Plain dataclasses: vLLM pickles
+them to worker processes (in-process IPC between one engine's own processes, never
+network input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbridge.adapters.vllm.compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+
+@dataclass
+class RecvTask:
+    """Decode side: fetch the prompt KV of ``req_id`` into ``block_ids``."""
+
+    req_id: str
+    transfer_id: str
+    flow: str
+    address: str
+    epoch: str
+    block_ids: list[int]
+    num_tokens: int
+    skip_tokens: int
+    remote_blocks: list[int] | None = None
+
+
+@dataclass
+class SendStep:
+    """Prefill side: ``req_id`` computes prompt tokens ``[computed_before, computed_after)``
+    this step. ``new_blocks`` were allocated for it this step (all of them on its first)."""
+
+    req_id: str
+    transfer_id: str
+    flow: str
+    num_tokens: int
+    new_blocks: list[int]
+    computed_before: int
+    computed_after: int
+    first: bool
+
+    @property
+    def last(self) -> bool:
+        return self.computed_after >= self.num_tokens
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    recv: list[RecvTask] = field(default_factory=list)
+    send: list[SendStep] = field(default_factory=list)
+    abort_send: dict[str, str] = field(default_factory=dict)
+    """req_id -> transfer_id of prefill requests the engine gave up on."""
+    abort_recv: dict[str, str] = field(default_factory=dict)
+    """req_id -> transfer_id of decode requests the engine gave up on."""
+
+
+@dataclass
+class KVBridgeHandshake(KVConnectorHandshakeMetadata):
+    """One worker's side-channel address, reported to the scheduler at start-up."""
+
+    address: str | None
+    epoch: str
+    engine_id: str
+
+
+__all__ = ["KVBridgeHandshake", "KVBridgeMetadata", "RecvTask", "SendStep"]

@@ -1,0 +1,115 @@
+"""``kv_transfer_params``: decoded once, at the boundary, into a typed :class:`Handoff`.
+
+vLLM hands connectors an untyped dict per request. kvbridge reads two dialects:
+
+- its own block, ``{"kvbridge": {...}}`` (:class:`KVBridgeParams`), which the
+  ``kvbridge proxy`` sends for the layer-wise push flow and which the prefill side
+  returns for the P-first flow;
+- vLLM's P-first fields, so existing routers work: ``{"do_remote_decode": true}`` on a
+  prefill request; on a decode request ``{"do_remote_prefill": true, ...}`` with the
+  ``kvbridge`` block the prefill side put next to vLLM's own ``remote_*`` fields.
+
+A malformed block is logged and the request is served without a handoff (computed
+locally): a client's typo costs compute, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal, Union
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+class PrefillAddress(msgspec.Struct, frozen=True):
+    """Where the decode side reaches the prefill instance's side channel."""
+
+    address: str
+    engine_id: str = ""
+    epoch: str = ""
+
+
+Flow = Literal["push", "pull", "discover"]
+
+
+class KVBridgeParams(msgspec.Struct, frozen=True):
+    """The ``kvbridge`` block of ``kv_transfer_params``.
+
+    ``flow: discover`` (prefill role, any tiny prompt): nothing is held or sent; the
+    response's ``kv_transfer_params.kvbridge.prefill`` says where this prefill
+    instance's side channel is (how ``kvbridge proxy`` learns it).
+    """
+
+    transfer_id: str
+    role: Literal["prefill", "decode"]
+    flow: Flow = "push"
+    prefill: Union[PrefillAddress, None] = None
+    """Decode side: the prefill instance to ask (push) or read from (pull)."""
+    remote_blocks: Union[list[int], None] = None
+    """P-first decode side: the prefill's blocks holding the prompt, in order."""
+
+
+class Handoff(msgspec.Struct, frozen=True):
+    """What this instance does for one request."""
+
+    role: Literal["prefill", "decode"]
+    flow: Flow
+    transfer_id: str
+    prefill: Union[PrefillAddress, None] = None
+    remote_blocks: Union[list[int], None] = None
+
+
+def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
+    """The handoff a request asks for, or None (no kvbridge transfer)."""
+    if not params:
+        return None
+    block = params.get("kvbridge")
+    if block is not None:
+        try:
+            kb = msgspec.convert(block, KVBridgeParams)
+        except msgspec.ValidationError as exc:
+            log.warning("kvbridge: request %s has malformed kv_transfer_params.kvbridge (%s); computing it locally", request_id, exc)
+            return None
+        if kb.role == "decode" and (kb.prefill is None or kb.flow == "discover"):
+            log.warning("kvbridge: request %s: decode params without a prefill address; computing it locally", request_id)
+            return None
+        if kb.flow == "pull" and kb.role == "decode" and not params.get("do_remote_prefill", True):
+            return None  # vLLM cleared the flag: the transfer was already handled
+        return Handoff(role=kb.role, flow=kb.flow, transfer_id=kb.transfer_id, prefill=kb.prefill, remote_blocks=kb.remote_blocks)
+    if params.get("do_remote_decode"):
+        # vLLM's P-first protocol, request to the prefill instance
+        return Handoff(role="prefill", flow="pull", transfer_id=request_id)
+    if params.get("do_remote_prefill"):
+        log.warning(
+            "kvbridge: request %s carries do_remote_prefill without kvbridge's block (params from another connector?); computing it locally",
+            request_id,
+        )
+    return None
+
+
+def pull_response(transfer_id: str, prefill: PrefillAddress, engine_id: str, blocks: list[int], num_tokens: int, host: str, port: int) -> dict[str, Any]:
+    """``kv_transfer_params`` the prefill side returns in the P-first flow: vLLM's own
+    fields (so generic routers pass it on) plus kvbridge's block for the decode side."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": transfer_id,
+        "remote_block_ids": blocks,
+        "remote_host": host,
+        "remote_port": port,
+        "remote_num_tokens": num_tokens,
+        "kvbridge": msgspec.to_builtins(
+            KVBridgeParams(transfer_id=transfer_id, role="decode", flow="pull", prefill=prefill, remote_blocks=blocks)
+        ),
+    }
+
+
+def discover_response(prefill: PrefillAddress) -> dict[str, Any]:
+    """``kv_transfer_params`` answering a ``discover`` request."""
+    return {"kvbridge": {"prefill": msgspec.to_builtins(prefill)}}
+
+
+__all__ = ["Handoff", "KVBridgeParams", "PrefillAddress", "discover_response", "parse", "pull_response"]

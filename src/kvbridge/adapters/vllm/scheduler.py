@@ -1,0 +1,207 @@
+"""Scheduler-side half of the vLLM connector (runs in the engine-core process).
+
+vLLM calls, per request: ``get_num_new_matched_tokens`` (maybe repeatedly),
+``update_state_after_alloc`` after blocks are allocated, ``request_finished`` exactly
+once; per step: ``build_connector_meta``, then ``update_connector_output`` with what
+the workers reported. This class keeps the per-request bookkeeping and turns it into
+:class:`~kvbridge.adapters.vllm.metadata.KVBridgeMetadata` for the workers; it does no
+I/O.
+
+Ownership: on the prefill side, a handed-off request's blocks stay with kvbridge after
+it finishes (``request_finished`` returns True) until a worker reports them in
+``finished_sending``; on the decode side, a request aborted while its KV is still
+arriving is held the same way, so no write lands in a block vLLM reallocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.adapters.vllm import params as kvparams
+from kvbridge.adapters.vllm.compat import FINISHED_OK, yield_req_data
+from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
+
+log = logging.getLogger(__name__)
+
+_NONE = kvparams.Handoff(role="prefill", flow="push", transfer_id="")  # cached "no handoff"
+
+
+@dataclass
+class _Prefill:
+    transfer_id: str
+    flow: str
+    num_tokens: int
+    started: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, block_size: int, engine_id: str, host: str) -> None:
+        self.block_size = block_size
+        self.engine_id = engine_id
+        self.host = host
+        self._handoffs: dict[str, kvparams.Handoff] = {}
+        self._recv_new: list[RecvTask] = []
+        self._recv_active: dict[str, str] = {}  # req_id -> transfer_id, KV still arriving
+        self._recv_done: set[str] = set()  # received once: a preempted request recomputes
+        self._prefill: dict[str, _Prefill] = {}
+        self._held: set[str] = set()
+        self._abort_send: dict[str, str] = {}
+        self._abort_recv: dict[str, str] = {}
+        self._workers: dict[int, KVBridgeHandshake] = {}
+
+    # --- handshake metadata from the workers ----------------------------------------------
+
+    def set_handshake(self, metadata: dict[tuple[int, int], Any]) -> None:
+        for (pp_rank, tp_rank), meta in metadata.items():
+            if isinstance(meta, KVBridgeHandshake) and pp_rank == 0:
+                self._workers[tp_rank] = meta
+
+    def _address(self) -> kvparams.PrefillAddress | None:
+        worker = self._workers.get(0)
+        if worker is None or worker.address is None:
+            return None
+        return kvparams.PrefillAddress(address=worker.address, engine_id=worker.engine_id, epoch=worker.epoch)
+
+    # --- per request -----------------------------------------------------------------------
+
+    def handoff(self, request) -> kvparams.Handoff | None:
+        h = self._handoffs.get(request.request_id)
+        if h is None:
+            h = kvparams.parse(request.kv_transfer_params, request.request_id) or _NONE
+            self._handoffs[request.request_id] = h
+        return None if h is _NONE else h
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode side: the prompt tokens this instance lacks, loaded asynchronously."""
+        h = self.handoff(request)
+        if h is None or h.role != "decode" or request.request_id in self._recv_active or request.request_id in self._recv_done:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        h = self.handoff(request)
+        if h is None:
+            return
+        if h.role == "prefill":
+            if h.flow == "discover":
+                return
+            if request.request_id not in self._prefill:
+                self._prefill[request.request_id] = _Prefill(h.transfer_id, h.flow, request.num_prompt_tokens)
+            return
+        if num_external_tokens <= 0 or request.request_id in self._recv_active:
+            return
+        assert h.prefill is not None
+        all_ids = blocks.get_block_ids()[0]
+        new_ids = blocks.get_unhashed_block_ids()
+        skip_blocks = len(all_ids) - len(new_ids)  # prefix-cache hits come first
+        needed = math.ceil(request.num_prompt_tokens / self.block_size) - skip_blocks
+        self._recv_new.append(
+            RecvTask(
+                req_id=request.request_id,
+                transfer_id=h.transfer_id,
+                flow=h.flow,
+                address=h.prefill.address,
+                epoch=h.prefill.epoch,
+                block_ids=list(new_ids[:needed]),
+                num_tokens=request.num_prompt_tokens,
+                skip_tokens=skip_blocks * self.block_size,
+                remote_blocks=h.remote_blocks,
+            )
+        )
+        self._recv_active[request.request_id] = h.transfer_id
+
+    def build_meta(self, scheduler_output) -> KVBridgeMetadata:
+        meta = KVBridgeMetadata(recv=self._recv_new, abort_send=self._abort_send, abort_recv=self._abort_recv)
+        self._recv_new, self._abort_send, self._abort_recv = [], {}, {}
+        if self._prefill:
+            computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            preempted = scheduler_output.preempted_req_ids or set()
+            for req_id, new_blocks, resumed in yield_req_data(scheduler_output):
+                p = self._prefill.get(req_id)
+                if p is None:
+                    continue
+                if resumed and p.started:
+                    # preemption freed the blocks the transfer was reading: give up on it
+                    # (the decode side's load fails and its failure policy applies)
+                    self._abort_send[req_id] = p.transfer_id
+                    del self._prefill[req_id]
+                    continue
+                before = computed[req_id]
+                if before >= p.num_tokens:
+                    continue  # decoding (max_tokens > 1): nothing more to send
+                after = min(before + scheduler_output.num_scheduled_tokens[req_id], p.num_tokens)
+                meta.send.append(
+                    SendStep(
+                        req_id=req_id,
+                        transfer_id=p.transfer_id,
+                        flow=p.flow,
+                        num_tokens=p.num_tokens,
+                        new_blocks=list(new_blocks[0]) if new_blocks else [],
+                        computed_before=before,
+                        computed_after=after,
+                        first=not p.started,
+                    )
+                )
+                p.started = True
+            for req_id in preempted & set(self._prefill):
+                if self._prefill[req_id].started:
+                    meta.abort_send[req_id] = self._prefill.pop(req_id).transfer_id
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once per request before vLLM frees its blocks. True: kvbridge holds
+        them until a worker reports ``finished_sending``."""
+        req_id = request.request_id
+        self._recv_done.discard(req_id)
+        h = self._handoffs.pop(req_id, None)
+        if h is None or h is _NONE:
+            return False, None
+        if h.role == "decode":
+            transfer_id = self._recv_active.get(req_id)
+            if transfer_id is None:
+                return False, None
+            # aborted while its KV is still arriving: hold the blocks until the prefill side stops
+            self._abort_recv[req_id] = transfer_id
+            self._held.add(req_id)
+            return True, None
+        if h.flow == "discover":
+            address = self._address()
+            return False, (None if address is None else kvparams.discover_response(address))
+        p = self._prefill.pop(req_id, None)
+        if p is None or not p.started:
+            return False, None  # never computed, nothing was sent or held
+        self._held.add(req_id)
+        if request.status not in FINISHED_OK:
+            self._abort_send[req_id] = p.transfer_id
+            return True, None
+        if p.flow == "pull":
+            address = self._address()
+            if address is None:
+                log.warning("kvbridge: no side-channel address known yet; request %s cannot be pulled", req_id)
+                self._abort_send[req_id] = p.transfer_id
+                return True, None
+            port = int(address.address.rsplit(":", 1)[1])
+            return True, kvparams.pull_response(p.transfer_id, address, self.engine_id, list(block_ids), p.num_tokens, self.host, port)
+        # push: tell the caller where we are (a proxy notices a restarted prefill here)
+        address = self._address()
+        return True, (None if address is None else kvparams.discover_response(address))
+
+    def update_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
+        for req_id in finished_sending or ():
+            self._held.discard(req_id)
+        for req_id in finished_recving or ():
+            if self._recv_active.pop(req_id, None) is not None:
+                self._recv_done.add(req_id)
+
+    def has_pending_work(self) -> bool:
+        """Keep the engine stepping while kvbridge holds blocks it must hand back."""
+        return bool(self._held)
+
+
+__all__ = ["SchedulerSide"]

@@ -1,0 +1,98 @@
+"""kvbridge's transfer statistics through vLLM's connector stats and Prometheus hooks.
+
+Workers return a :class:`KVBridgeStats` from ``get_kv_connector_stats`` each step they
+have something to say; vLLM aggregates them across workers, logs :meth:`reduce` and
+feeds the data to :class:`KVBridgePromMetrics`, which exports:
+
+- ``vllm:kvbridge_bytes_sent_total`` / ``..._bytes_received_total``,
+- ``vllm:kvbridge_transfers_total``, ``vllm:kvbridge_requests_sent_total`` /
+  ``..._received_total``,
+- ``vllm:kvbridge_failures_total``, ``vllm:kvbridge_leases_expired_total``,
+  ``vllm:kvbridge_aborted_total``,
+- histograms ``vllm:kvbridge_transfer_seconds`` (per posted transfer),
+  ``vllm:kvbridge_exposed_transfer_seconds`` (per request: prefill done -> last byte
+  landed, what streaming did not hide) and ``vllm:kvbridge_request_transfer_seconds``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from kvbridge.adapters.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
+from kvbridge.runtime.stats import StatsSnapshot
+
+_COUNTERS = ("bytes_sent", "bytes_received", "transfers", "requests_sent", "requests_received", "failures", "leases_expired", "aborted")
+_HISTOGRAMS = {
+    "transfer_s": ("transfer_seconds", "Posted kvbridge KV transfers, post to completion"),
+    "exposed_s": ("exposed_transfer_seconds", "Per request: prefill finished to last KV byte landed (not hidden by streaming)"),
+    "request_transfer_s": ("request_transfer_seconds", "Per request: first KV transfer posted to last one completed"),
+}
+
+
+class KVBridgeStats(KVConnectorStats):
+    """``data`` is a :class:`~kvbridge.runtime.stats.StatsSnapshot` as a dict."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        super().__init__(data=dict(data) if data else StatsSnapshot().to_dict())
+
+    def snapshot(self) -> StatsSnapshot:
+        return StatsSnapshot(**self.data)
+
+    def reset(self) -> None:
+        self.data = StatsSnapshot().to_dict()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if isinstance(other, KVBridgeStats):
+            self.data = self.snapshot().merge(other.snapshot()).to_dict()
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        s = self.snapshot()
+        out: dict[str, int | float] = {
+            "KV sent (MB)": round(s.bytes_sent / 1e6, 3),
+            "KV received (MB)": round(s.bytes_received / 1e6, 3),
+            "transfers": s.transfers,
+            "failures": s.failures,
+            "leases expired": s.leases_expired,
+        }
+        if s.transfer_s:
+            out["transfer p50 (ms)"] = round(statistics.median(s.transfer_s) * 1e3, 3)
+        if s.exposed_s:
+            out["exposed p50 (ms)"] = round(statistics.median(s.exposed_s) * 1e3, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return self.snapshot().is_empty()
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {name.replace('_', ' ')}", labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name in _COUNTERS
+        }
+        buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        self._histograms = {
+            key: create_metric_per_engine(
+                self._histogram_cls(name=f"vllm:kvbridge_{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for key, (name, doc) in _HISTOGRAMS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, metric in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for key, metric in self._histograms.items():
+            for value in transfer_stats_data.get(key, ()):
+                metric[engine_idx].observe(value)
+
+
+__all__ = ["KVBridgePromMetrics", "KVBridgeStats"]

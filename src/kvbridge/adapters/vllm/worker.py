@@ -1,0 +1,168 @@
+"""Worker-side half of the vLLM connector (runs in each worker process).
+
+vLLM calls: ``register_kv_caches`` once after allocating the cache (we build the
+:class:`~kvbridge.runtime.endpoint.Endpoint` there); per step ``bind_connector_metadata``
+-> ``start_load_kv`` -> the forward pass with ``save_kv_layer`` after every attention
+layer -> ``wait_for_save`` -> ``get_transfer_results``; ``shutdown`` at exit.
+
+The forward pass is never blocked: ``save_kv_layer`` only records that a layer is
+done (O(requests in the batch)); the sender thread does the transfers. Completions are
+reported to vLLM exactly once: a prefill request in ``finished_sending`` only after the
+scheduler finished it (vLLM's contract) and the sender released its blocks; a decode
+request in ``finished_recving`` (and ``failed_recving`` when its load failed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
+from kvbridge.adapters.vllm.compat import extract_layer_index
+from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
+from kvbridge.config import KVBridgeConfig
+from kvbridge.runtime.endpoint import Endpoint
+from kvbridge.runtime.stats import StatsSnapshot
+from kvbridge.wire.compat import CompatInfo
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: KVBridgeConfig, engine_id: str, rank: int, model: str, tp_size: int, block_size: int, send: bool, receive: bool) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.rank = rank
+        self.model = model
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.send = send
+        self.receive = receive
+        self.endpoint: Endpoint | None = None
+        self._layer_index: dict[str, int] = {}
+        self._steps: list[SendStep] = []
+        self._send_req: dict[str, str] = {}  # transfer id -> req id, prefill side
+        self._recv_req: dict[str, str] = {}  # transfer id -> req id, decode side
+        self._aborted_recv: set[str] = set()  # decode req ids the scheduler finished early
+        self._released: set[str] = set()  # prefill req ids released, not yet finished by the scheduler
+        self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
+
+    # --- start-up --------------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ordered = layer_order(list(kv_caches), extract_layer_index)
+        self._layer_index = {name: i for i, name in enumerate(ordered)}
+        geometry = geometry_from_tensors(kv_caches, ordered, self.block_size)
+        compat = CompatInfo.from_spec(geometry.spec, model=self.model, tp_size=self.tp_size)
+        self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive)
+        log.info(
+            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s), side channel %s",
+            self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.endpoint.address,
+        )
+
+    def handshake(self) -> KVBridgeHandshake | None:
+        if self.endpoint is None:
+            return None
+        return KVBridgeHandshake(address=self.endpoint.address, epoch=self.endpoint.epoch, engine_id=self.engine_id)
+
+    # --- per step --------------------------------------------------------------------------
+
+    def bind(self, meta: KVBridgeMetadata) -> None:
+        """Start what this step's metadata asks for; called before the forward pass."""
+        ep = self.endpoint
+        if ep is None:
+            return
+        if ep.receiver is not None:
+            for task in meta.recv:
+                self._recv_req[task.transfer_id] = task.req_id
+                if task.flow == "pull":
+                    ep.receiver.expect_pull(
+                        task.transfer_id, task.address, task.epoch or None, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens
+                    )
+                else:
+                    ep.receiver.expect_push(task.transfer_id, task.address, task.block_ids, task.num_tokens, task.skip_tokens)
+            for req_id, tid in meta.abort_recv.items():
+                self._aborted_recv.add(req_id)
+                ep.receiver.abort(tid, "the engine finished the request before its KV arrived")
+        if ep.sender is not None:
+            for req_id, tid in meta.abort_send.items():
+                self._send_req.setdefault(tid, req_id)
+                ep.sender.abort(tid, "the prefill request was aborted or preempted")
+            self._steps = meta.send
+            for step in self._steps:
+                if step.first:
+                    self._send_req[step.transfer_id] = step.req_id
+                    ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull")
+                elif step.new_blocks:
+                    ep.sender.add_blocks(step.transfer_id, step.new_blocks)
+
+    def save_layer(self, layer_name: str) -> None:
+        """An attention layer finished this step's tokens. Hot path."""
+        if not self._steps or self.endpoint is None or self.endpoint.sender is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        sender = self.endpoint.sender
+        for step in self._steps:
+            sender.layer_done(step.transfer_id, layer, step.computed_after)
+
+    def after_forward(self) -> None:
+        """The step's forward pass is over: every layer holds its tokens."""
+        if self.endpoint is None or self.endpoint.sender is None:
+            return
+        for step in self._steps:
+            if step.last:
+                self.endpoint.sender.prefill_done(step.transfer_id)
+        self._steps = []
+
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step."""
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        ep = self.endpoint
+        if ep is None:
+            return sending, recving, failed
+        if ep.sender is not None:
+            tracked = set(self._send_req.values())
+            self._finished |= finished_req_ids & tracked
+            for tid in ep.sender.take_released():
+                req_id = self._send_req.pop(tid, None)
+                if req_id is not None:
+                    self._released.add(req_id)
+            sending = self._released & self._finished
+            self._released -= sending
+            self._finished -= sending
+        if ep.receiver is not None:
+            done, bad = ep.receiver.take_finished()
+            for tid in done + bad:
+                req_id = self._recv_req.pop(tid, None)
+                if req_id is None:
+                    continue
+                if req_id in self._aborted_recv:  # the scheduler holds its blocks: free them now
+                    self._aborted_recv.discard(req_id)
+                    sending.add(req_id)
+                elif tid in bad:
+                    recving.add(req_id)  # failed loads are reported as finished, too
+                    failed.add(req_id)
+                else:
+                    recving.add(req_id)
+        return sending, recving, failed
+
+    def stats(self) -> StatsSnapshot | None:
+        if self.endpoint is None:
+            return None
+        snap = self.endpoint.stats.take()
+        return None if snap.is_empty() else snap
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+
+__all__ = ["WorkerSide"]

@@ -1,0 +1,247 @@
+"""A tiny random-weight Llama model with a locally trained tokenizer, for demos and tests.
+
+No model hub is needed: :func:`build_tiny_model` writes a Hugging Face model directory
+that vLLM (and SGLang) load like any other: ``config.json`` + ``model.safetensors``
+(2 layers, hidden 128, 4 attention heads, 2 KV heads, vocab 2048, float32, about 3 MB)
+and a byte-level BPE tokenizer of exactly 2048 tokens with a chat template.
+
+Contract:
+
+- Deterministic: the same ``seed`` gives the same weights; the tokenizer is the same for
+  every seed (so models of different seeds share token ids, e.g. to test a KV cache
+  arriving from the wrong model).
+- Atomic: the model is built in a temporary directory beside ``path`` and renamed into
+  place, with a marker file written last. A crashed build never leaves a partial model at
+  ``path``; its leftover temporary directory is removed by the next build.
+- Safe to call from several processes at once: builders serialise on a lock file beside
+  ``path`` (``fcntl.flock``); the second one finds the first one's model and returns.
+- ``torch``, ``transformers`` and ``tokenizers`` are imported inside the build only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvbridge.errors import DeadlineExceeded, KVBridgeError
+
+RECIPE = 1
+"""Bump when the weights or the tokenizer a seed produces change."""
+MARKER = "kvbridge-model.json"
+"""Written last into a complete model directory."""
+
+VOCAB_SIZE = 2048
+MAX_POSITIONS = 8192
+UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
+
+
+def default_model_dir() -> Path:
+    """``$KVBRIDGE_CACHE_DIR/tiny-llama``, else ``~/.cache/kvbridge/tiny-llama``."""
+    root = os.environ.get("KVBRIDGE_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "kvbridge") / "tiny-llama"
+
+
+def read_marker(path: Path) -> dict | None:
+    """The build record of a complete model at ``path``; ``None`` when there is none."""
+    try:
+        return json.loads((Path(path) / MARKER).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+def build_tiny_model(path: Path, *, seed: int = 0, lock_timeout: float = 600.0) -> Path:
+    """Build the tiny model at ``path`` unless a complete one is already there.
+
+    Returns ``path``. Raises :class:`~kvbridge.errors.KVBridgeError` when ``path`` holds
+    something else (another seed or recipe, or a directory that is not ours), and
+    :class:`~kvbridge.errors.DeadlineExceeded` when another builder holds the lock for
+    more than ``lock_timeout`` seconds.
+    """
+    path = Path(path).expanduser().absolute()
+    want = {"recipe": RECIPE, "seed": seed, "vocab_size": VOCAB_SIZE}
+    if _check(path, want):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent / f".{path.name}.lock", lock_timeout):
+        if _check(path, want):  # built by another process while we waited
+            return path
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # crashed builds; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        if path.exists():
+            try:
+                path.rmdir()  # an empty directory is harmless; anything else is not ours
+            except OSError:
+                raise KVBridgeError(
+                    f"{path} exists but holds no complete kvbridge model ({MARKER} is missing)",
+                    fix=f"remove {path}, or pass another path",
+                ) from None
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            _build(tmp, seed)
+            (tmp / MARKER).write_text(json.dumps(want, indent=1) + "\n")
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return path
+
+
+def _check(path: Path, want: dict) -> bool:
+    """True if ``path`` holds the model ``want`` describes; raises if it holds another."""
+    have = read_marker(path)
+    if have is None:
+        return False
+    if {k: have.get(k) for k in want} != want:
+        raise KVBridgeError(
+            f"{path} holds a different tiny model ({have}, wanted {want})",
+            fix=f"remove {path}, or pass another path",
+        )
+    return True
+
+
+class _locked:
+    """``flock`` on ``lock_path``, polled until ``timeout`` (flock itself has no deadline)."""
+
+    def __init__(self, lock_path: Path, timeout: float) -> None:
+        self.lock_path, self.timeout = lock_path, timeout
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self.fd)
+                    raise DeadlineExceeded(
+                        f"another process held {self.lock_path} for more than {self.timeout}s",
+                        fix="wait for the other build to finish, or stop it",
+                    ) from None
+                time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _build(out: Path, seed: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _build_tokenizer(out)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        # larger than Llama's 0.02 so logits are peaked: greedy decoding then has clear
+        # winners and outputs compare token for token across batchings and instances
+        initializer_range=0.2,
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with _quiet_progress_bars():
+        model.save_pretrained(out)
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any text encodes
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(random.Random(_TOKENIZER_SEED)), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise KVBridgeError(f"the tokenizer has {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}",
+                            fix="the training corpus is too small: this is a kvbridge bug")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        pad_token=PAD,
+        model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(out)
+    # the class name transformers 4 knows too (5 calls it TokenizersBackend, an alias)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+_ENGLISH = (
+    "The quick brown fox jumps over the lazy dog. A prefill instance computes the KV cache "
+    "of a prompt and a decode instance generates the answer one token at a time. "
+    "Hello, world! What is the capital of France? Paris is the capital of France. "
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 2048 4096. user assistant system"
+)
+
+
+def _corpus(rng: random.Random) -> Iterator[str]:
+    """Deterministic text: English snippets plus made-up words, rich enough in byte pairs
+    to train a 2048-token BPE vocabulary."""
+    consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    syllables = [c + v for c in consonants for v in vowels] + [v + c for v in vowels for c in "nrst"]
+    words = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(4000)})
+    weights = [1.0 / (rank + 1) for rank in range(len(words))]  # Zipf-like
+    for i in range(3000):
+        if i % 10 == 0:
+            yield _ENGLISH
+        n = rng.randint(4, 16)
+        sentence = " ".join(rng.choices(words, weights, k=n))
+        yield sentence.capitalize() + rng.choice([".", ".", "!", "?", ","]) + f" {rng.randint(0, 9999)}"

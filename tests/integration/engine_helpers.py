@@ -1,0 +1,95 @@
+"""Helpers of the engine integration tests: real vLLM servers started in parallel, the
+two handoff flows driven directly (as a proxy would), and Prometheus metrics read from
+``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvbridge.demo.servers import Completion, VllmServer, complete
+
+BLOCK = 32
+CHUNK = 256
+COMMON_ARGS = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
+"""Every test server: small blocks (page-boundary cases are cheap), chunked prefill
+above 256 tokens."""
+
+
+def kv_args(role: str, transport: str, extra: dict[str, Any] | None = None, *, policy: str | None = None, module_path: bool = False) -> list[str]:
+    cfg: dict[str, Any] = {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"transport": transport, **(extra or {})},
+    }
+    if policy:
+        cfg["kv_load_failure_policy"] = policy
+    if module_path:
+        cfg["kv_connector_module_path"] = "kvbridge.adapters.vllm.connector"
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+def start_all(servers: Sequence[VllmServer], timeout: float = 400) -> None:
+    """Start servers together and wait until all are ready (or stop them all)."""
+    for s in servers:
+        s.start()
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda s: s.wait_ready(timeout), servers))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+
+
+def discover(prefill_url: str) -> dict[str, str]:
+    """The prefill instance's side-channel address (kvbridge's ``discover`` flow)."""
+    c = complete(prefill_url, [5, 6, 7], max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}})
+    assert c.kv_transfer_params and "kvbridge" in c.kv_transfer_params, c.raw
+    return c.kv_transfer_params["kvbridge"]["prefill"]
+
+
+def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens: int, address: dict[str, str] | None = None, **kw: Any) -> Completion:
+    """Prefill on P, decode on D, KV through kvbridge. ``push``: both at once (layer-wise);
+    ``pull``: P first, its ``kv_transfer_params`` passed to D (vLLM's protocol)."""
+    if flow == "pull":
+        p = complete(p_url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        return complete(d_url, prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, **kw)
+    assert address is not None
+    tid = uuid.uuid4().hex
+    with ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(complete, p_url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        fd = pool.submit(
+            complete, d_url, prompt, max_tokens=max_tokens, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}}, **kw
+        )
+        out = fd.result()
+        fp.result()
+    return out
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a metric over its label sets (0 when absent)."""
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, metrics(url), re.M))
+
+
+def wait_metric(url: str, name: str, done: Callable[[float], bool], timeout: float = 30) -> float:
+    """Poll ``/metrics`` until ``done(value)`` (vLLM exports connector stats on its
+    logging interval, so there is no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric(url, name)
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)

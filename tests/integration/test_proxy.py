@@ -1,0 +1,183 @@
+"""``kvbridge proxy`` in front of real vLLM prefill/decode instances: OpenAI endpoints,
+streaming or not, request fields passed through, concurrency, dead instances."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from engine_helpers import COMMON_ARGS, kv_args, start_all
+
+from kvbridge.demo.servers import ServerError, VllmServer, chat, complete, free_port, post_json, random_prompt
+
+MAX_TOKENS = 10
+
+
+class ProxyProcess:
+    def __init__(self, prefill: list[str], decode: list[str], flow: str = "push", log: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "kvbridge.cli", "proxy", "--port", str(self.port), "--flow", flow, "--timeout", "60"]
+        for u in prefill:
+            args += ["--prefill", u]
+        for u in decode:
+            args += ["--decode", u]
+        self._log = open(log or "/dev/null", "wb")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:  # the proxy has no readiness event to wait on: poll /health
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except urllib.error.HTTPError:
+                return  # answering (503: an instance is down) is ready enough
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvbridge proxy did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
+    logs = tmp_path_factory.mktemp("proxy")
+    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
+    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", policy="recompute"), log_path=logs / "D.log")
+    c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
+    start_all([p, d, c])
+    yield p, d, c
+    for s in (p, d, c):
+        s.stop()
+
+
+@pytest.fixture(scope="module", params=["push", "pull"])
+def proxy(request: pytest.FixtureRequest, servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    p, d, _ = servers
+    proc = ProxyProcess([p.url], [d.url], flow=request.param, log=tmp_path_factory.mktemp("proxylog") / "proxy.log")
+    yield proc
+    proc.stop()
+
+
+def sse_text(url: str, path: str, body: dict) -> tuple[str, list[int]]:
+    """Stream from ``url``; concatenated text and token ids of the chunks."""
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps(dict(body, stream=True)).encode(), headers={"Content-Type": "application/json"})
+    text, ids = "", []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            ids += choice.get("token_ids") or []
+    return text, ids
+
+
+def test_completions_match_colocated(proxy: ProxyProcess, servers) -> None:
+    _, _, c = servers
+    for n in (7, 70, 300):
+        prompt = random_prompt(n, seed=1000 + n)
+        ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+        out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS)
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+
+
+def test_streaming_completions_match(proxy: ProxyProcess, servers) -> None:
+    _, _, c = servers
+    prompt = random_prompt(90, seed=7)
+    ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    text, ids = sse_text(proxy.url, "/v1/completions", body)
+    assert text == ref.text and ids == ref.token_ids
+
+
+def test_chat_completions_streaming_and_not(proxy: ProxyProcess, servers) -> None:
+    _, _, c = servers
+    messages = [{"role": "user", "content": "tell me about the quick brown fox and the lazy dog"}]
+    ref = chat(c.url, messages, max_tokens=MAX_TOKENS)
+    out = chat(proxy.url, messages, max_tokens=MAX_TOKENS)
+    assert out.text == ref.text
+    text, _ = sse_text(proxy.url, "/v1/chat/completions", {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    assert text == ref.text
+
+
+def test_unknown_fields_and_token_prompts_pass_through(proxy: ProxyProcess, servers) -> None:
+    _, _, c = servers
+    prompt = random_prompt(40, seed=11)
+    extras = {"top_k": 1, "repetition_penalty": 1.3, "logprobs": 2, "seed": 5}
+    ref = complete(c.url, prompt, max_tokens=MAX_TOKENS, **extras)
+    out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS, **extras)
+    assert out.token_ids == ref.token_ids
+    assert out.raw["choices"][0]["logprobs"]["top_logprobs"] == ref.raw["choices"][0]["logprobs"]["top_logprobs"]
+
+
+def test_concurrent_requests_through_the_proxy(proxy: ProxyProcess, servers) -> None:
+    _, _, c = servers
+    prompts = [random_prompt(n, seed=50 + n) for n in (5, 33, 64, 120, 257, 400)]
+    refs = [complete(c.url, p, max_tokens=MAX_TOKENS).token_ids for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: complete(proxy.url, p, max_tokens=MAX_TOKENS).token_ids, prompts))
+    assert outs == refs
+
+
+def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> None:
+    p, d, c = servers
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = ProxyProcess([dead, p.url], [dead, d.url], log=tmp_path / "proxy.log")
+    try:
+        prompt = random_prompt(50, seed=3)
+        ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+        outcomes = []
+        for _ in range(4):  # the first requests may be routed to the dead instances
+            try:
+                outcomes.append(complete(proxy.url, prompt, max_tokens=MAX_TOKENS, timeout=60).token_ids == ref.token_ids)
+            except ServerError as exc:
+                assert exc.status == 502 and dead in str(exc), exc
+                outcomes.append("502")
+        assert outcomes[-1] is True, outcomes  # after a failure the dead ones are skipped
+        health = json.loads(urllib.request.urlopen(f"{proxy.url}/health", timeout=5).read())
+        assert any(i["url"] == dead and not i["up"] for i in health["prefill"] + health["decode"])
+    finally:
+        proxy.stop()
+
+
+def test_unreachable_decode_gives_a_clear_error_quickly(servers, tmp_path: Path) -> None:
+    p, _, _ = servers
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = ProxyProcess([p.url], [dead], log=tmp_path / "proxy.log")
+    try:
+        start = time.monotonic()
+        with pytest.raises(ServerError) as info:
+            complete(proxy.url, random_prompt(20, seed=9), max_tokens=4, timeout=60)
+        assert info.value.status == 502 and "decode instance" in str(info.value) and dead in str(info.value)
+        assert time.monotonic() - start < 15
+    finally:
+        proxy.stop()
+
+
+def test_prefill_rejecting_the_request_cancels_decode(servers, tmp_path: Path) -> None:
+    p, d, _ = servers
+    proxy = ProxyProcess([p.url], [d.url], log=tmp_path / "proxy.log")
+    try:
+        start = time.monotonic()
+        with pytest.raises(ServerError) as info:  # longer than --max-model-len: P answers 400
+            post_json(f"{proxy.url}/v1/completions", {"prompt": random_prompt(5000, seed=1), "max_tokens": 4}, timeout=60)
+        assert info.value.status == 400
+        assert time.monotonic() - start < 15, "the decode request must not wait for KV that never comes"
+        # the decode instance is still fine afterwards
+        assert complete(d.url, random_prompt(10, seed=2), max_tokens=2).token_ids
+    finally:
+        proxy.stop()

