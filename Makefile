@@ -17,10 +17,9 @@ unit: setup
 conformance: setup
 	$(BIN)/python -m pytest tests/conformance -ra
 
-## the demonstration (until the vLLM connector lands: the transport benchmark, quick)
+## the demonstration: prefill + decode vLLM instances, proxy, colocated reference
 demo: setup
-	$(BIN)/kvbridge doctor
-	$(BIN)/python benchmarks/run.py transfer --quick --out benchmarks/results/demo
+	$(BIN)/kvbridge demo
 
 bench: setup
 	$(BIN)/python benchmarks/run.py transfer

@@ -4,6 +4,7 @@
     kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
     kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull]
                                                       OpenAI-compatible prefill/decode proxy
+    kvbridge demo [--transport nixl|mooncake]         P/D disaggregation on this machine
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvbridge.demo.run import run
+
+    lengths = tuple(int(n) for n in args.prompt_tokens.split(","))
+    return run(args.transport, lengths, args.max_tokens, args.flow, Path(args.logs) if args.logs else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbridge", description="KV-cache transfer for disaggregated LLM serving")
     parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
@@ -95,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flow", choices=("push", "pull"), default="push", help="push: layer-wise, P and D at once (default); pull: P first, vLLM's protocol")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take end to end")
     p.set_defaults(func=_proxy)
+    p = sub.add_parser("demo", help="run prefill/decode disaggregation on this machine and check it against colocated")
+    p.add_argument("--transport", choices=("nixl", "mooncake"), default="nixl")
+    p.add_argument("--flow", choices=("push", "pull"), default="push")
+    p.add_argument("--prompt-tokens", default="64,512,1024,2048", help="comma-separated prompt lengths")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
+    p.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return args.func(args)
 

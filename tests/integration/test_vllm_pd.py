@@ -102,6 +102,27 @@ def test_push_works_whichever_side_sees_the_request_first(pd: PD, colocated: Vll
     assert out.token_ids == ref.token_ids
 
 
+def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer) -> None:
+    """The destination is at the prefill before it starts: every chunk's layers are
+    written during that chunk's forward pass (from save_kv_layer), not once at the end."""
+    n = 2 * CHUNK + 88  # three prefill chunks
+    prompt = fresh_prompt(n)
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+    sent = "vllm:kvbridge_requests_sent_total"
+    before, before_sent = metric(pd.p.url, "vllm:kvbridge_transfers_total"), metric(pd.p.url, sent)
+    tid = uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        fd = pool.submit(
+            complete, pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
+        )
+        time.sleep(1.0)  # precondition, not synchronisation: D's destination reaches P first
+        complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        assert fd.result().token_ids == ref.token_ids
+    assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, "P never reported the request as sent"
+    transfers = metric(pd.p.url, "vllm:kvbridge_transfers_total") - before
+    assert transfers >= 3, f"{transfers:.0f} transfer(s) for a 3-chunk prefill: layers were not streamed as computed"
+
+
 def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:
     cases = [(flow, n) for flow in ("push", "pull") for n in (BLOCK + 1, 3 * BLOCK, CHUNK + 40, 7)]
     prompts = {case: fresh_prompt(case[1]) for case in cases}

@@ -201,3 +201,18 @@ def test_incompatible_peer_is_refused_naming_what_differs(caplog: pytest.LogCapt
     finally:
         D.close()
         P.close()
+
+
+@pytest.mark.parametrize("field", ["bytes_received", "requests_sent", "descriptors", "exposed_s", "request_transfer_s", "transfer_s"])
+def test_a_snapshot_with_any_single_record_is_not_empty(field: str) -> None:
+    """Workers drop empty snapshots after taking them: nothing recorded may be dropped."""
+    from kvbridge.runtime.stats import TransferStats
+
+    stats = TransferStats()
+    if field.endswith("_s"):
+        stats.observe(field, 0.25)
+    else:
+        stats.add(**{field: 1})
+    snap = stats.take()
+    assert not snap.is_empty()
+    assert stats.take().is_empty()

@@ -42,7 +42,8 @@ class StatsSnapshot:
         return out
 
     def is_empty(self) -> bool:
-        return not (self.transfers or self.requests_received or self.failures or self.leases_expired or self.aborted)
+        """Nothing recorded: every counter zero and every histogram empty."""
+        return not any(asdict(self).values())
 
 
 class TransferStats:

@@ -114,11 +114,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self):
         return None if self._worker is None else self._worker.handshake()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before every forward pass: the prefill side must know this step's requests
+        before ``save_kv_layer`` runs (``start_load_kv`` may come after the forward)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVBridgeMetadata):
+            self._worker.bind_send(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBridgeMetadata)
-        self._worker.bind(meta)
+        self._worker.bind_recv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous and complete before the request is scheduled."""

@@ -2,8 +2,10 @@
 
 vLLM calls: ``register_kv_caches`` once after allocating the cache (we build the
 :class:`~kvbridge.runtime.endpoint.Endpoint` there); per step ``bind_connector_metadata``
--> ``start_load_kv`` -> the forward pass with ``save_kv_layer`` after every attention
-layer -> ``wait_for_save`` -> ``get_transfer_results``; ``shutdown`` at exit.
+-> the forward pass with ``save_kv_layer`` after every attention layer ->
+``start_load_kv`` (vLLM 0.32 starts asynchronous loads after the forward) ->
+``wait_for_save`` -> ``get_transfer_results``; ``shutdown`` at exit. So the prefill
+side binds its steps in ``bind_connector_metadata``, never in ``start_load_kv``.
 
 The forward pass is never blocked: ``save_kv_layer`` only records that a layer is
 done (O(requests in the batch)); the sender thread does the transfers. Completions are
@@ -70,34 +72,39 @@ class WorkerSide:
 
     # --- per step --------------------------------------------------------------------------
 
-    def bind(self, meta: KVBridgeMetadata) -> None:
-        """Start what this step's metadata asks for; called before the forward pass."""
+    def bind_send(self, meta: KVBridgeMetadata) -> None:
+        """Prefill side of this step's metadata; called before the forward pass (vLLM
+        binds metadata before it, but may start loads only after it)."""
         ep = self.endpoint
-        if ep is None:
+        if ep is None or ep.sender is None:
             return
-        if ep.receiver is not None:
-            for task in meta.recv:
-                self._recv_req[task.transfer_id] = task.req_id
-                if task.flow == "pull":
-                    ep.receiver.expect_pull(
-                        task.transfer_id, task.address, task.epoch or None, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens
-                    )
-                else:
-                    ep.receiver.expect_push(task.transfer_id, task.address, task.block_ids, task.num_tokens, task.skip_tokens)
-            for req_id, tid in meta.abort_recv.items():
-                self._aborted_recv.add(req_id)
-                ep.receiver.abort(tid, "the engine finished the request before its KV arrived")
-        if ep.sender is not None:
-            for req_id, tid in meta.abort_send.items():
-                self._send_req.setdefault(tid, req_id)
-                ep.sender.abort(tid, "the prefill request was aborted or preempted")
-            self._steps = meta.send
-            for step in self._steps:
-                if step.first:
-                    self._send_req[step.transfer_id] = step.req_id
-                    ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull")
-                elif step.new_blocks:
-                    ep.sender.add_blocks(step.transfer_id, step.new_blocks)
+        for req_id, tid in meta.abort_send.items():
+            self._send_req.setdefault(tid, req_id)
+            ep.sender.abort(tid, "the prefill request was aborted or preempted")
+        self._steps = meta.send
+        for step in self._steps:
+            if step.first:
+                self._send_req[step.transfer_id] = step.req_id
+                ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull")
+            elif step.new_blocks:
+                ep.sender.add_blocks(step.transfer_id, step.new_blocks)
+
+    def bind_recv(self, meta: KVBridgeMetadata) -> None:
+        """Decode side of this step's metadata: start the asynchronous loads."""
+        ep = self.endpoint
+        if ep is None or ep.receiver is None:
+            return
+        for task in meta.recv:
+            self._recv_req[task.transfer_id] = task.req_id
+            if task.flow == "pull":
+                ep.receiver.expect_pull(
+                    task.transfer_id, task.address, task.epoch or None, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens
+                )
+            else:
+                ep.receiver.expect_push(task.transfer_id, task.address, task.block_ids, task.num_tokens, task.skip_tokens)
+        for req_id, tid in meta.abort_recv.items():
+            self._aborted_recv.add(req_id)
+            ep.receiver.abort(tid, "the engine finished the request before its KV arrived")
 
     def save_layer(self, layer_name: str) -> None:
         """An attention layer finished this step's tokens. Hot path."""

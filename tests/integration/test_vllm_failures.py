@@ -1,0 +1,142 @@
+"""Failures between real vLLM instances: every wait is bounded, nothing leaks, both
+instances keep serving. After each test the instances' KV cache usage returns to where
+it started (blocks released exactly once) and a normal handoff still works."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from engine_helpers import COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+
+from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, random_prompt
+
+LEASE_S = 4
+USAGE = "vllm:kv_cache_usage_perc"
+P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
+D_CONFIG = {"timeouts": {"receive_s": 8, "heartbeat_s": 0.5, "handshake_s": 3}}
+
+
+class Cluster:
+    """P (restartable, fixed side-channel port), D (recompute policy), C (colocated),
+    X (decode with another block size and the fail policy: incompatible)."""
+
+    def __init__(self, model_dir: Path, logs: Path) -> None:
+        self.model_dir, self.logs = model_dir, logs
+        self.side_port = free_port()
+        self.p = self._prefill()
+        self.d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", D_CONFIG, policy="recompute"), log_path=logs / "D.log")
+        self.c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
+        x_args = ["--block-size", "64", "--max-num-batched-tokens", "256"]
+        self.x = VllmServer(model_dir, extra_args=x_args + kv_args("kv_consumer", "nixl", D_CONFIG, policy="fail"), log_path=logs / "X.log")
+        start_all([self.p, self.d, self.c, self.x])
+        self.address = discover(self.p.url)
+
+    def _prefill(self) -> VllmServer:
+        cfg = dict(P_CONFIG, side_channel_port=self.side_port)
+        return VllmServer(self.model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", cfg), log_path=self.logs / f"P-{time.time():.0f}.log")
+
+    def restart_prefill(self) -> None:
+        self.p.kill()
+        self.p = self._prefill()
+        start_all([self.p])
+        self.address = discover(self.p.url)
+
+    def stop(self) -> None:
+        for s in (self.p, self.d, self.c, self.x):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(model_dir, tmp_path_factory.mktemp("failures"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def baseline(cluster: Cluster) -> Iterator[dict[str, float]]:
+    """KV usage before the test; afterwards it must come back and P/D must still work."""
+    p_at_start = cluster.p
+    before = {"P": metric(cluster.p.url, USAGE), "D": metric(cluster.d.url, USAGE)}
+    yield before
+    for name, s in (("P", cluster.p), ("D", cluster.d)):
+        target = before[name] if s is not cluster.p or cluster.p is p_at_start else 0.0  # a restarted P starts empty
+        got = wait_metric(s.url, USAGE, lambda v, t=target: v <= t + 1e-9, timeout=LEASE_S + 20)
+        assert got <= target + 1e-9, f"{name}'s KV cache usage stayed at {got} (was {target}): blocks leaked"
+    prompt = random_prompt(70, seed=uuid.uuid4().int % 2**31)
+    assert handoff("push", cluster.p.url, cluster.d.url, prompt, 4, cluster.address).token_ids == complete(cluster.c.url, prompt, max_tokens=4).token_ids
+
+
+def test_lease_frees_prefill_blocks_when_decode_never_comes(cluster: Cluster, baseline) -> None:
+    before = metric(cluster.p.url, "vllm:kvbridge_leases_expired_total")
+    complete(cluster.p.url, random_prompt(5 * 32, seed=1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert metric(cluster.p.url, USAGE) > baseline["P"], "P must hold the blocks for the decode side"
+    start = time.monotonic()
+    assert wait_metric(cluster.p.url, "vllm:kvbridge_leases_expired_total", lambda v: v > before, timeout=LEASE_S + 20) > before
+    assert time.monotonic() - start < LEASE_S + 20
+
+
+def test_decode_client_abort_releases_both_sides(cluster: Cluster, baseline) -> None:
+    tid = uuid.uuid4().hex
+    prompt = random_prompt(3 * 32, seed=2)
+    # D waits for a prefill that is never sent; the client gives up after 2 s
+    with pytest.raises(Exception):
+        complete(cluster.d.url, prompt, max_tokens=4, timeout=2, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}})
+    # the prefill request arrives late: P computes and holds until its lease ends
+    complete(cluster.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+
+
+def test_killed_prefill_fails_the_load_fast_and_decode_recomputes(cluster: Cluster, baseline) -> None:
+    prompt = random_prompt(4 * 32 + 5, seed=3)
+    ref = complete(cluster.c.url, prompt, max_tokens=8)
+    tid = uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            complete, cluster.d.url, prompt, max_tokens=8, timeout=60,
+            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
+        )
+        time.sleep(1.0)  # let D send its destination and start waiting
+        killed = time.monotonic()
+        cluster.p.kill()
+        out = waiting.result()
+        elapsed = time.monotonic() - killed
+    assert out.token_ids == ref.token_ids, "recompute policy: D computes the prompt itself"
+    assert elapsed < 6, f"D noticed the dead prefill only after {elapsed:.1f}s (heartbeats are 0.5 s)"
+    assert metric(cluster.d.url, "vllm:kvbridge_failures_total") >= 1
+    cluster.restart_prefill()
+
+
+def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:
+    """Same side-channel port, new epoch: D's cached handshake is stale and must be redone;
+    KV promised by the old instance (P-first params) is known to be gone."""
+    prompt = random_prompt(2 * 32 + 9, seed=4)
+    ref = complete(cluster.c.url, prompt, max_tokens=6)
+    assert handoff("push", cluster.p.url, cluster.d.url, prompt, 6, cluster.address).token_ids == ref.token_ids
+    stale = complete(cluster.p.url, random_prompt(50, seed=5), max_tokens=1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    old_epoch = cluster.address["epoch"]
+    cluster.restart_prefill()
+    assert cluster.address["address"].endswith(f":{cluster.side_port}") and cluster.address["epoch"] != old_epoch
+    prompt2 = random_prompt(3 * 32, seed=6)
+    assert handoff("push", cluster.p.url, cluster.d.url, prompt2, 6, cluster.address).token_ids == complete(cluster.c.url, prompt2, max_tokens=6).token_ids
+    start = time.monotonic()
+    out = complete(cluster.d.url, random_prompt(50, seed=5), max_tokens=6, kv_transfer_params=stale)
+    assert out.token_ids == complete(cluster.c.url, random_prompt(50, seed=5), max_tokens=6).token_ids
+    assert time.monotonic() - start < 5, "a restarted prefill must be recognised at once, not after a timeout"
+
+
+def test_incompatible_decode_is_refused_naming_the_difference(cluster: Cluster, baseline) -> None:
+    x_before = metric(cluster.x.url, USAGE)
+    start = time.monotonic()
+    with pytest.raises(ServerError) as info:  # fail policy: the client gets an error
+        handoff("push", cluster.p.url, cluster.x.url, random_prompt(40, seed=7), 4, cluster.address)
+    assert info.value.status >= 500
+    assert time.monotonic() - start < 10
+    log = cluster.x.log_path.read_text(errors="replace")
+    assert "block_size: ours=64, peer=32" in log, "the refusal must say what differs"
+    assert complete(cluster.x.url, random_prompt(30, seed=8), max_tokens=2).token_ids  # still serving
+    assert wait_metric(cluster.x.url, USAGE, lambda v: v <= x_before + 1e-9) <= x_before + 1e-9
