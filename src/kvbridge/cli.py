@@ -2,7 +2,7 @@
 
     kvbridge doctor [--json] [--transport NAME ...]   which transports work here, and fixes
     kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
-    kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull]
+    kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull|sequential]
                                                       OpenAI-compatible prefill/decode proxy
     kvbridge demo [--transport nixl|mooncake]         P/D disaggregation on this machine
 """
@@ -102,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--flow", choices=("push", "pull"), default="push", help="push: layer-wise, P and D at once (default); pull: P first, vLLM's protocol")
+    p.add_argument(
+        "--flow",
+        choices=("push", "pull", "sequential"),
+        default="push",
+        help="push: layer-wise, P and D at once (default); pull: P first, vLLM's kv_transfer_params protocol; "
+        "sequential: P first, no kv_transfer_params needed (storage-sharing connectors such as vLLM's ExampleConnector)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take end to end")
     p.set_defaults(func=_proxy)
     p = sub.add_parser("demo", help="run prefill/decode disaggregation on this machine and check it against colocated")

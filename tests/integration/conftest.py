@@ -19,11 +19,11 @@ def model_dir() -> Path:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """On a failure, attach the recent errors of every engine log of this session (CI
-    keeps only the console output)."""
+    """On a failure (test or fixture), attach the recent errors of every engine log of
+    this session (CI keeps only the console output)."""
     outcome = yield
     report = outcome.get_result()
-    if report.when != "call" or not report.failed:
+    if not report.failed:
         return
     base = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
     for log in sorted(base.rglob("*.log")):

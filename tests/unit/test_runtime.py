@@ -216,3 +216,20 @@ def test_a_snapshot_with_any_single_record_is_not_empty(field: str) -> None:
     snap = stats.take()
     assert not snap.is_empty()
     assert stats.take().is_empty()
+
+
+def test_activity_is_set_by_every_outcome_and_only_then(pd) -> None:
+    """The vLLM adapter sleeps on ``Endpoint.activity`` in idle steps: every release and
+    every finished receive must set it, and nothing else may."""
+    P, D, _, _ = pd
+    P.activity.clear()
+    D.activity.clear()
+    D.receiver.expect_push("a", P.address, [1, 2], 20)
+    P.sender.track("a", [5, 6], 20)
+    for layer in range(L):
+        P.sender.layer_done("a", layer, 10)
+    assert not D.activity.wait(0.2) and not P.activity.is_set(), "set before anything finished"
+    P.sender.prefill_done("a")
+    assert D.activity.wait(5), "a finished receive did not set it"
+    assert P.activity.wait(5), "a release did not set it"
+    assert D.receiver.take_finished() == (["a"], []) and P.sender.take_released() == ["a"]

@@ -1,9 +1,11 @@
 """A tiny random-weight Llama model with a locally trained tokenizer, for demos and tests.
 
 No model hub is needed: :func:`build_tiny_model` writes a Hugging Face model directory
-that vLLM (and SGLang) load like any other: ``config.json`` + ``model.safetensors``
-(2 layers, hidden 128, 4 attention heads, 2 KV heads, vocab 2048, float32, about 3 MB)
-and a byte-level BPE tokenizer of exactly 2048 tokens with a chat template.
+that vLLM (and SGLang) load like any other: ``config.json`` + ``model.safetensors`` and
+a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. Two shapes
+(:data:`SHAPES`): ``tiny`` (2 layers, hidden 128, 4 attention heads, 2 KV heads, about
+3 MB; tests and demo) and ``bench`` (8 layers, hidden 512, 8 heads, 4 KV heads, about
+110 MB; enough compute per layer for the serving benchmark to show streaming).
 
 Contract:
 
@@ -39,6 +41,11 @@ MARKER = "kvbridge-model.json"
 """Written last into a complete model directory."""
 
 VOCAB_SIZE = 2048
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
+}
+"""Model shapes by name (Llama architecture, float32, vocab 2048)."""
 MAX_POSITIONS = 8192
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
@@ -54,10 +61,10 @@ CHAT_TEMPLATE = (
 _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
 
 
-def default_model_dir() -> Path:
-    """``$KVBRIDGE_CACHE_DIR/tiny-llama``, else ``~/.cache/kvbridge/tiny-llama``."""
+def default_model_dir(shape: str = "tiny") -> Path:
+    """``$KVBRIDGE_CACHE_DIR/<shape>-llama``, else ``~/.cache/kvbridge/<shape>-llama``."""
     root = os.environ.get("KVBRIDGE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "kvbridge") / "tiny-llama"
+    return (Path(root) if root else Path.home() / ".cache" / "kvbridge") / f"{shape}-llama"
 
 
 def read_marker(path: Path) -> dict | None:
@@ -68,16 +75,19 @@ def read_marker(path: Path) -> dict | None:
         return None
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, lock_timeout: float = 600.0) -> Path:
-    """Build the tiny model at ``path`` unless a complete one is already there.
+def build_tiny_model(path: Path, *, seed: int = 0, shape: str = "tiny", lock_timeout: float = 600.0) -> Path:
+    """Build the model of ``shape`` (see :data:`SHAPES`) at ``path`` unless a complete
+    one is already there.
 
     Returns ``path``. Raises :class:`~kvbridge.errors.KVBridgeError` when ``path`` holds
     something else (another seed or recipe, or a directory that is not ours), and
     :class:`~kvbridge.errors.DeadlineExceeded` when another builder holds the lock for
     more than ``lock_timeout`` seconds.
     """
+    if shape not in SHAPES:
+        raise KVBridgeError(f"unknown model shape {shape!r}", fix=f"use one of: {', '.join(SHAPES)}")
     path = Path(path).expanduser().absolute()
-    want = {"recipe": RECIPE, "seed": seed, "vocab_size": VOCAB_SIZE}
+    want = {"recipe": RECIPE, "seed": seed, "vocab_size": VOCAB_SIZE, "shape": shape}
     if _check(path, want):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +107,7 @@ def build_tiny_model(path: Path, *, seed: int = 0, lock_timeout: float = 600.0) 
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            _build(tmp, seed)
+            _build(tmp, seed, SHAPES[shape])
             (tmp / MARKER).write_text(json.dumps(want, indent=1) + "\n")
             os.rename(tmp, path)
         except BaseException:
@@ -111,9 +121,10 @@ def _check(path: Path, want: dict) -> bool:
     have = read_marker(path)
     if have is None:
         return False
+    have.setdefault("shape", "tiny")  # markers written before shapes existed
     if {k: have.get(k) for k in want} != want:
         raise KVBridgeError(
-            f"{path} holds a different tiny model ({have}, wanted {want})",
+            f"{path} holds a different model ({have}, wanted {want})",
             fix=f"remove {path}, or pass another path",
         )
     return True
@@ -146,18 +157,14 @@ class _locked:
         os.close(self.fd)
 
 
-def _build(out: Path, seed: int) -> None:
+def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _build_tokenizer(out)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **shape,
         max_position_embeddings=MAX_POSITIONS,
         # larger than Llama's 0.02 so logits are peaked: greedy decoding then has clear
         # winners and outputs compare token for token across batchings and instances

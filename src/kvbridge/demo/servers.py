@@ -237,6 +237,8 @@ class VllmServer:
             Kept after :meth:`stop`.
         max_model_len: ``--max-model-len``.
         ready_timeout: what ``__enter__`` passes to :meth:`wait_ready`.
+        cpus: CPU cores the whole process tree may run on (``sched_setaffinity``; vLLM's
+            CPU worker is bound to them too, one compute thread per core); default: any.
     """
 
     def __init__(
@@ -250,6 +252,7 @@ class VllmServer:
         max_model_len: int = 4096,
         ready_timeout: float = 300.0,
         python: str = sys.executable,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.port = port or free_port()
@@ -263,6 +266,7 @@ class VllmServer:
         self.max_model_len = max_model_len
         self.ready_timeout = ready_timeout
         self.python = python
+        self.cpus = list(cpus) if cpus else None
         self.startup_s: float | None = None
         """Seconds from :meth:`start` until ``/health`` answered 200."""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -301,6 +305,8 @@ class VllmServer:
         env = dict(os.environ)
         for key, value in CPU_ENV.items():
             env.setdefault(key, value)
+        if self.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         env.update(self.env_overrides)
         return env
 
@@ -319,6 +325,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,  # own process group: stop() signals all of it
+                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,  # type: ignore[arg-type]
             )
         self._started_at = time.monotonic()
         _live.add(self)

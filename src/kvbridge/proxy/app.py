@@ -8,7 +8,11 @@ Per request (``/v1/completions``, ``/v1/chat/completions``, streaming or not):
   comes. A prefill that fails before the decode answers cancels the decode request
   (closing it makes vLLM abort it, and the decode side tells the prefill side);
 - P-first (``--flow pull``): vLLM's protocol: prefill with ``do_remote_decode``, then
-  decode with the ``kv_transfer_params`` the prefill returned.
+  decode with the ``kv_transfer_params`` the prefill returned (kvbridge, vLLM's
+  NixlConnector);
+- sequential (``--flow sequential``): the same, but a prefill that returns no
+  ``kv_transfer_params`` is not an error: for connectors that share KV through storage
+  and find it by the prompt (vLLM's ExampleConnector, LMCache).
 
 Everything else in the body (sampling extensions, token-id prompts, ...) passes through
 unchanged. Several instances per role are balanced by requests in flight; an instance
@@ -30,6 +34,8 @@ from aiohttp import web
 from kvbridge.proxy.pool import Instance, Pool
 
 log = logging.getLogger(__name__)
+
+FLOWS = ("push", "pull", "sequential")
 
 BACKOFF_S = 5.0
 """How long an instance that could not be reached is skipped."""
@@ -66,8 +72,8 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
 
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], *, flow: str = "push", timeout: float = 600.0, connect_timeout: float = 10.0) -> None:
-        if flow not in ("push", "pull"):
-            raise ValueError(f"flow must be 'push' or 'pull', got {flow!r}")
+        if flow not in FLOWS:
+            raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {flow!r}")
         self.prefill = Pool("prefill", prefill)
         self.decode = Pool("decode", decode)
         self.flow = flow
@@ -132,7 +138,7 @@ class Proxy:
         p.inflight += 1
         d.inflight += 1
         try:
-            if self.flow == "pull":
+            if self.flow in ("pull", "sequential"):
                 return await self._pull(request, path, body, p, d)
             return await self._push(request, path, body, p, d)
         except UpstreamError as exc:
@@ -170,9 +176,13 @@ class Proxy:
     async def _pull(self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance) -> web.StreamResponse:
         result = await self._call_prefill(p, path, prefill_body(body, {"do_remote_decode": True}))
         params = result.get("kv_transfer_params")
-        if not params:
-            raise _error(502, f"prefill instance {p.url} returned no kv_transfer_params (is it running with kvbridge as kv_producer?)")
-        d_resp = await self._open(d, path, dict(body, kv_transfer_params=params))
+        if not params and self.flow == "pull":
+            raise _error(
+                502,
+                f"prefill instance {p.url} returned no kv_transfer_params (is it running with kvbridge or NixlConnector as "
+                "kv_producer? connectors that share KV through storage need --flow sequential)",
+            )
+        d_resp = await self._open(d, path, dict(body, kv_transfer_params=params) if params else body)
         try:
             return await self._relay(request, d, d_resp)
         finally:

@@ -10,6 +10,7 @@ shutdown (which releases everything, idempotently).
 from __future__ import annotations
 
 import logging
+import threading
 
 from kvbridge.config import KVBridgeConfig
 from kvbridge.core.layout import CacheGeometry
@@ -49,16 +50,19 @@ class Endpoint:
         self.config = config
         self.node = Node(config, geometry, compat, engine_id, rank, transport=transport)
         self.stats = TransferStats()
+        self.activity = threading.Event()
+        """Set whenever the sender released or the receiver finished something; the
+        adapter clears it when it takes them (and may wait on it in between)."""
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
         self.server: SideChannelServer | None = None
         try:
             if send:
-                self.sender = Sender(self.node, self.stats)
+                self.sender = Sender(self.node, self.stats, on_outcome=self.activity.set)
                 port = config.side_channel_port + rank if config.side_channel_port else 0
                 self.server = SideChannelServer(self.node.codec, config.host, port, self._handle, config.secret)
             if receive:
-                self.receiver = Receiver(self.node, self.stats)
+                self.receiver = Receiver(self.node, self.stats, on_outcome=self.activity.set)
         except Exception:
             self.close()
             raise

@@ -64,12 +64,19 @@ class _In:
 
 
 class Receiver:
-    """Decode-side transfers of one worker. Thread-safe."""
+    """Decode-side transfers of one worker. Thread-safe.
 
-    def __init__(self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic) -> None:
+    ``on_outcome`` is called (from a kvbridge thread, lock held: it must not block or call
+    back) whenever :meth:`take_finished` has something new.
+    """
+
+    def __init__(
+        self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic, on_outcome: Callable[[], None] = lambda: None
+    ) -> None:
         self.node = node
         self.stats = stats
         self.clock = clock
+        self._on_outcome = on_outcome
         self.cfg = node.config
         self._layers = node.geometry.spec.num_layers
         self._slot_bytes = node.geometry.spec.block_bytes * node.geometry.spec.planes_per_layer
@@ -357,6 +364,7 @@ class Receiver:
                     else:
                         self._failed.append(tid)
                     self._lock.notify_all()
+                    self._on_outcome()
         for entry in deadline_failed:  # timed out: ask the prefill side to stop writing
             self._pool.submit(self._tell, entry, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "timeout"))
 

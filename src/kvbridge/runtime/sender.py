@@ -70,12 +70,17 @@ class Sender:
         node: this worker's node (transport, geometry, peers).
         stats: where transfer statistics are recorded.
         clock: monotonic seconds (tests may inject one).
+        on_outcome: called (from the sender thread, lock held: it must not block or call
+            back) whenever :meth:`take_released` has something new.
     """
 
-    def __init__(self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic, on_outcome: Callable[[], None] = lambda: None
+    ) -> None:
         self.node = node
         self.stats = stats
         self.clock = clock
+        self._on_outcome = on_outcome
         self.cfg = node.config
         self._bs = node.geometry.spec.block_size
         self._layers = node.geometry.spec.num_layers
@@ -390,6 +395,7 @@ class Sender:
                     del self._out[tid]
                     self._released.append(tid)
                     self._lock.notify_all()
+                    self._on_outcome()
                     if out.req.phase is not SendPhase.DONE and out.peer is not None and out.dest is not None:
                         # after the drain: the decode side may reuse its blocks once it reads this
                         tell.append((out.peer, Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)))

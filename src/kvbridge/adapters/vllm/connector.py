@@ -50,6 +50,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host)
         else:
@@ -118,6 +119,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Before every forward pass: the prefill side must know this step's requests
         before ``save_kv_layer`` runs (``start_load_kv`` may come after the forward)."""
         super().bind_connector_metadata(connector_metadata)
+        self._idle_step = isinstance(connector_metadata, KVBridgeMetadata) and connector_metadata.idle
         if self._worker is not None and isinstance(connector_metadata, KVBridgeMetadata):
             self._worker.bind_send(connector_metadata)
 
@@ -144,7 +146,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sending, recving, failed = self._worker.results(finished_req_ids)
+        idle, self._idle_step = self._idle_step, False
+        sending, recving, failed = self._worker.results(finished_req_ids, idle=idle)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_kv_connector_stats(self):

@@ -56,6 +56,8 @@ class KVBridgeMetadata(KVConnectorMetadata):
     """req_id -> transfer_id of prefill requests the engine gave up on."""
     abort_recv: dict[str, str] = field(default_factory=dict)
     """req_id -> transfer_id of decode requests the engine gave up on."""
+    idle: bool = False
+    """No tokens are computed this step: the engine steps only to poll transfers."""
 
 
 @dataclass

@@ -115,7 +115,9 @@ class SchedulerSide:
         self._recv_active[request.request_id] = h.transfer_id
 
     def build_meta(self, scheduler_output) -> KVBridgeMetadata:
-        meta = KVBridgeMetadata(recv=self._recv_new, abort_send=self._abort_send, abort_recv=self._abort_recv)
+        meta = KVBridgeMetadata(
+            recv=self._recv_new, abort_send=self._abort_send, abort_recv=self._abort_recv, idle=scheduler_output.total_num_scheduled_tokens == 0
+        )
         self._recv_new, self._abort_send, self._abort_recv = [], {}, {}
         if self._prefill:
             computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.005
+"""Longest wait for a transfer outcome in a step that computes nothing (see
+:meth:`WorkerSide.results`)."""
+
 
 class WorkerSide:
     def __init__(self, config: KVBridgeConfig, engine_id: str, rank: int, model: str, tp_size: int, block_size: int, send: bool, receive: bool) -> None:
@@ -126,14 +130,23 @@ class WorkerSide:
                 self.endpoint.sender.prefill_done(step.transfer_id)
         self._steps = []
 
-    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) for this step."""
+    def results(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step.
+
+        ``idle``: the step computes nothing; vLLM steps only to poll transfers and would
+        spin (engine core and worker busy-looping) until they finish. If transfers are
+        pending and no outcome is ready, wait up to :data:`IDLE_WAIT_S` for one: an
+        outcome ends the wait at once, a new request waits at most that long.
+        """
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
         ep = self.endpoint
         if ep is None:
             return sending, recving, failed
+        if idle and (self._send_req or self._recv_req):
+            ep.activity.wait(IDLE_WAIT_S)
+        ep.activity.clear()  # outcomes from here on are taken now or wake the next wait
         if ep.sender is not None:
             tracked = set(self._send_req.values())
             self._finished |= finished_req_ids & tracked
