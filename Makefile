@@ -21,8 +21,10 @@ conformance: setup
 demo: setup
 	$(BIN)/kvbridge demo
 
+## both benchmarks (transfer: ~5 min; serving: ~30 min on 2 cores)
 bench: setup
 	$(BIN)/python benchmarks/run.py transfer
+	$(BIN)/python benchmarks/run.py serving
 
 doctor: setup
 	$(BIN)/kvbridge doctor

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
-from kvbridge.demo.run import prom, stream
-from kvbridge.demo.servers import VllmServer, free_port, random_prompt
+from kvbridge.demo.run import prom, stream, wait_requests_sent
+from kvbridge.demo.servers import VllmServer, free_port, random_prompt, start_proxy
 
 BLOCK = 32
 BENCH_CLIENT = (
@@ -167,15 +167,7 @@ class Deployment:
             if self.cfg.kind == "colocated":
                 self.url = self.servers["colocated"].url
             else:
-                port = free_port()
-                self.url = f"http://127.0.0.1:{port}"
-                with open(self.logs / "proxy.log", "wb") as log:
-                    self.proxy = subprocess.Popen(
-                        [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", self.servers["prefill"].url,
-                         "--decode", self.servers["decode"].url, "--port", str(port), "--flow", self.cfg.flow],
-                        stdout=log, stderr=subprocess.STDOUT,
-                    )  # fmt: skip
-                _wait_http(f"{self.url}/health", self.proxy)
+                self.proxy, self.url = start_proxy(self.servers["prefill"].url, self.servers["decode"].url, self.cfg.flow, self.logs / "proxy.log")
         except BaseException:
             self.__exit__()
             raise
@@ -192,18 +184,6 @@ class Deployment:
     def prefill_url(self) -> str | None:
         s = self.servers.get("prefill")
         return s.url if s else None
-
-
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:  # a subprocess has no readiness event: poll its health endpoint
-        try:
-            urllib.request.urlopen(url, timeout=2).read()
-            return
-        except (urllib.error.URLError, OSError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up") from None
-            time.sleep(0.2)
 
 
 def warm_up(url: str, lengths: list[int], output_len: int, log: Callable[[str], None], attempts: int = 6) -> None:
@@ -245,17 +225,6 @@ def _metric_delta(before: dict[str, float], after: dict[str, float], key: str) -
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def _wait_requests_sent(url: str, before: dict[str, float], count: int, timeout: float = 30) -> dict[str, float]:
-    """vLLM exports connector stats on its logging interval: poll until all arrived."""
-    deadline = time.monotonic() + timeout
-    key = "vllm:kvbridge_requests_sent_total"
-    while True:
-        now = prom(url)
-        if _metric_delta(before, now, key) >= count or time.monotonic() > deadline:
-            return now
-        time.sleep(0.5)
-
-
 def run(
     names: list[str], lengths: list[int], prompts: int, output_len: int, shape: str, out: Path, log: Callable[[str], None]
 ) -> tuple[list[LengthResult], dict[str, Any]]:
@@ -288,7 +257,7 @@ def run(
                         name, n, [t * 1e3 for t in doc["ttfts"] if t], _tpots(doc), doc["input_lens"], int(doc.get("failed", 0))
                     )
                     if cfg.kvbridge and dep.prefill_url:
-                        after = _wait_requests_sent(dep.prefill_url, before, doc["completed"])
+                        after = wait_requests_sent(dep.prefill_url, before, doc["completed"])
                         d = {k: _metric_delta(before, after, k) for k in after}
                         writes = d.get("vllm:kvbridge_transfer_seconds_count", 0.0)
                         reqs = d.get("vllm:kvbridge_exposed_transfer_seconds_count", 0.0)

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
-from kvbridge.demo.servers import VllmServer, free_port, random_prompt
+from kvbridge.demo.servers import VllmServer, random_prompt, start_proxy
 
 BLOCK = 32
 CHUNK = 512
@@ -93,17 +90,10 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
             s.start()
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(lambda s: s.wait_ready(600), servers.values()))
-        port = free_port()
-        proxy_url = f"http://127.0.0.1:{port}"
-        with open(logs / "proxy.log", "wb") as plog:
-            proxy = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", servers["prefill"].url, "--decode", servers["decode"].url, "--port", str(port), "--flow", flow],
-                stdout=plog, stderr=subprocess.STDOUT,
-            )
-        _wait_http(f"{proxy_url}/health", proxy)
+        proxy, proxy_url = start_proxy(servers["prefill"].url, servers["decode"].url, flow, logs / "proxy.log")
         console.print(f"proxy on {proxy_url}; sending {len(lengths)} requests of {max_tokens} tokens each")
         stream(proxy_url, random_prompt(16, seed=1), 2)  # first contact: handshake
-        before = _wait_stats(servers["prefill"].url, {}, 1)  # the warm-up's stats are in
+        before = wait_requests_sent(servers["prefill"].url, {}, 1)  # the warm-up's stats are in
         table = Table(title=f"disaggregated (kvbridge, {transport}) vs colocated, greedy, {max_tokens} output tokens")
         for col in ("prompt tokens", "TTFT P/D (ms)", "TTFT colocated (ms)", "TPOT P/D (ms)", "TPOT colocated (ms)", "same tokens"):
             table.add_column(col, justify="right")
@@ -116,7 +106,7 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
             matched += same
             table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", "[green]yes[/green]" if same else "[red]NO[/red]")
         console.print(table)
-        after = _wait_stats(servers["prefill"].url, before, len(lengths))
+        after = wait_requests_sent(servers["prefill"].url, before, len(lengths))
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         transfers = d.get("vllm:kvbridge_transfer_seconds_count", 0.0)
         exposed, total = d.get("vllm:kvbridge_exposed_transfer_seconds_sum", 0.0), d.get("vllm:kvbridge_request_transfer_seconds_sum", 0.0)
@@ -141,20 +131,9 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
         console.print("all instances stopped")
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while True:  # a subprocess has no readiness event: poll its health endpoint
-        try:
-            urllib.request.urlopen(url, timeout=2).read()
-            return
-        except (urllib.error.URLError, OSError):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up") from None
-            time.sleep(0.1)
-
-
-def _wait_stats(url: str, before: dict[str, float], requests: int, timeout: float = 30) -> dict[str, float]:
-    """vLLM exports connector stats on its logging interval: poll until ours arrived."""
+def wait_requests_sent(url: str, before: dict[str, float], requests: int, timeout: float = 30) -> dict[str, float]:
+    """The prefill instance's kvbridge metrics once ``requests`` more requests than in
+    ``before`` were sent (vLLM exports connector stats on its logging interval: polled)."""
     deadline = time.monotonic() + timeout
     key = "vllm:kvbridge_requests_sent_total"
     while True:
@@ -164,4 +143,4 @@ def _wait_stats(url: str, before: dict[str, float], requests: int, timeout: floa
         time.sleep(0.5)
 
 
-__all__ = ["run", "stream"]
+__all__ = ["prom", "run", "stream", "wait_requests_sent"]

@@ -219,6 +219,28 @@ def _request(req: urllib.request.Request, timeout: float) -> bytes:
         raise ServerError(f"{req.method} {req.full_url}: cannot reach the server ({exc})") from exc
 
 
+def start_proxy(prefill_url: str, decode_url: str, flow: str, log_path: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``kvbridge proxy`` in front of one prefill and one decode instance; return
+    the process and its URL once ``/health`` answers (the caller terminates it)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", prefill_url, "--decode", decode_url, "--port", str(port), "--flow", flow],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while True:  # a subprocess has no readiness event: poll its health endpoint
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).read()
+            return proc, url
+        except (urllib.error.URLError, OSError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise ServerError(f"kvbridge proxy on {url} did not come up (log: {log_path})") from None
+            time.sleep(0.1)
+
+
 class VllmServer:
     """One vLLM OpenAI-compatible server process tree.
 

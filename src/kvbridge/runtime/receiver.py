@@ -138,15 +138,22 @@ class Receiver:
             self._lock.notify()
         return entry
 
-    def abort(self, transfer_id: str, reason: str) -> None:
-        """The engine dropped the request; tell the prefill side to let go."""
+    def abort(self, transfer_id: str, reason: str) -> bool:
+        """The engine dropped the request; tell the prefill side to let go.
+
+        Returns True if :meth:`take_finished` will still report ``transfer_id`` (its
+        blocks are free once it does), False if it already did (they are free now).
+        """
         with self._lock:
             entry = self._in.get(transfer_id)
-            if entry is None or not entry.req.abort(reason, self.clock()):
-                return
+            if entry is None:  # ended: reported already, or waiting to be taken
+                return transfer_id in self._finished or transfer_id in self._failed
+            if not entry.req.abort(reason, self.clock()):
+                return True
             self._lock.notify()
         if entry.peer is not None:
             self._pool.submit(self._tell, entry, Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason))
+        return True
 
     def take_finished(self) -> tuple[list[str], list[str]]:
         """(completed, failed) transfer ids since the last call; each exactly once."""

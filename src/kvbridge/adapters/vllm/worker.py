@@ -107,8 +107,10 @@ class WorkerSide:
             else:
                 ep.receiver.expect_push(task.transfer_id, task.address, task.block_ids, task.num_tokens, task.skip_tokens)
         for req_id, tid in meta.abort_recv.items():
-            self._aborted_recv.add(req_id)
-            ep.receiver.abort(tid, "the engine finished the request before its KV arrived")
+            if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):
+                self._aborted_recv.add(req_id)  # reported in finished_sending once the load stops
+            # else: its load was already reported in finished_recving, which makes vLLM
+            # free the blocks of a finished request itself: report nothing more
 
     def save_layer(self, layer_name: str) -> None:
         """An attention layer finished this step's tokens. Hot path."""
@@ -148,15 +150,17 @@ class WorkerSide:
             ep.activity.wait(IDLE_WAIT_S)
         ep.activity.clear()  # outcomes from here on are taken now or wake the next wait
         if ep.sender is not None:
-            tracked = set(self._send_req.values())
-            self._finished |= finished_req_ids & tracked
+            # the release may come before or after the scheduler finishes the request
+            known = set(self._send_req.values()) | self._released
+            self._finished |= finished_req_ids & known
             for tid in ep.sender.take_released():
                 req_id = self._send_req.pop(tid, None)
                 if req_id is not None:
                     self._released.add(req_id)
-            sending = self._released & self._finished
-            self._released -= sending
-            self._finished -= sending
+            ready = self._released & self._finished
+            self._released -= ready
+            self._finished -= ready
+            sending |= ready
         if ep.receiver is not None:
             done, bad = ep.receiver.take_finished()
             for tid in done + bad:

@@ -1,0 +1,90 @@
+"""The vLLM worker side's bookkeeping between kvbridge's runtime and vLLM's
+``get_finished`` contract (every held request reported in ``finished_sending`` exactly
+once, whatever the order of events), on real runtime endpoints over the loopback
+transport."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from test_runtime import L, endpoint, make_cache
+
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, RecvTask, SendStep
+from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.config import load_config
+
+
+def worker(ep) -> WorkerSide:  # noqa: ANN001
+    ws = WorkerSide(load_config({}), "e", 0, "m", 1, 16, send=ep.sender is not None, receive=ep.receiver is not None)
+    ws.endpoint = ep
+    return ws
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple[WorkerSide, WorkerSide]]:
+    p_ep, d_ep = endpoint("P", make_cache(1)), endpoint("D", make_cache(None))
+    yield worker(p_ep), worker(d_ep)
+    d_ep.close()
+    p_ep.close()
+
+
+def _until(ws: WorkerSide, finished: set[str], want: str, which: int, steps: int = 500) -> list[tuple[set[str], set[str], set[str]]]:
+    """Run idle steps until ``want`` shows up in result ``which`` (0 sending, 1 recving)."""
+    seen = []
+    for _ in range(steps):
+        out = ws.results(finished, idle=True)
+        finished = set()
+        seen.append(out)
+        if want in out[which]:
+            return seen
+    raise AssertionError(f"{want} never reported; saw {seen[-3:]}")
+
+
+def _push(p: WorkerSide, d: WorkerSide, tid: str) -> None:
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", tid, "push", p.endpoint.address, "", [1, 2], 20, 0)]))
+    p.bind_send(KVBridgeMetadata(send=[SendStep("rp", tid, "push", 20, [5, 6], 0, 20, True)]))
+    for layer in range(L):  # what save_kv_layer does, by layer index
+        p.endpoint.sender.layer_done(tid, layer, 20)
+    p.after_forward()
+
+
+def test_release_before_the_scheduler_finishes_the_request_is_still_reported(pd) -> None:
+    p, d = pd
+    _push(p, d, "t1")
+    # the release is taken in a step before vLLM reports the request finished
+    for _ in range(1000):
+        if not p._send_req:
+            break
+        assert p.results(set(), idle=True)[0] == set(), "reported before the scheduler finished it"
+    assert not p._send_req, "the sender never released"
+    sending, _, _ = p.results({"rp"})
+    assert sending == {"rp"}
+    assert p.results(set())[0] == set(), "reported twice"
+
+
+def test_release_after_the_scheduler_finishes_the_request(pd) -> None:
+    p, d = pd
+    _push(p, d, "t2")
+    seen = _until(p, {"rp"}, "rp", 0)
+    assert sum("rp" in s for s, _, _ in seen) == 1
+
+
+def test_decode_abort_after_the_load_was_reported_reports_nothing_more(pd) -> None:
+    """vLLM frees a finished request's blocks itself when its load is reported in
+    ``finished_recving``; a second report (in either set) kills the engine."""
+    p, d = pd
+    _push(p, d, "t3")
+    _until(d, set(), "rd", 1)  # the load finished and was reported
+    # the scheduler finished (aborted) the request in the same step: it asks to abort
+    d.bind_recv(KVBridgeMetadata(abort_recv={"rd": "t3"}))
+    for _ in range(20):
+        assert d.results(set(), idle=True) == (set(), set(), set())
+
+
+def test_decode_abort_while_loading_frees_the_blocks_once_the_load_stops(pd) -> None:
+    p, d = pd
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t4", "push", p.endpoint.address, "", [1, 2], 20, 0)]))
+    d.bind_recv(KVBridgeMetadata(abort_recv={"rd": "t4"}))
+    seen = _until(d, set(), "rd", 0)
+    assert all("rd" not in r for _, r, _ in seen), "an aborted load must not be reported as received"
