@@ -11,6 +11,7 @@ output against the colocated one token for token; shuts everything down.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 import time
@@ -78,10 +79,13 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
     def kv(role: str) -> list[str]:
         return ["--kv-transfer-config", json.dumps({"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": {"transport": transport}})]
 
+    # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1
+    # (the reference runs while the decode instance idles), as if each had its own device
+    cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 else (None, None)
     servers = {
-        "prefill": VllmServer(model, extra_args=common + kv("kv_producer"), log_path=logs / "prefill.log"),
-        "decode": VllmServer(model, extra_args=common + kv("kv_consumer"), log_path=logs / "decode.log"),
-        "colocated": VllmServer(model, extra_args=common, log_path=logs / "colocated.log"),
+        "prefill": VllmServer(model, extra_args=common + kv("kv_producer"), log_path=logs / "prefill.log", cpus=cores[0]),
+        "decode": VllmServer(model, extra_args=common + kv("kv_consumer"), log_path=logs / "decode.log", cpus=cores[1]),
+        "colocated": VllmServer(model, extra_args=common, log_path=logs / "colocated.log", cpus=cores[1]),
     }
     proxy = None
     try:
@@ -100,8 +104,8 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
         matched = 0
         for i, n in enumerate(lengths):
             prompt = random_prompt(n, seed=100 + i)
-            pd = stream(proxy_url, prompt, max_tokens)
             ref = stream(servers["colocated"].url, prompt, max_tokens)
+            pd = stream(proxy_url, prompt, max_tokens)
             same = pd.token_ids == ref.token_ids
             matched += same
             table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", "[green]yes[/green]" if same else "[red]NO[/red]")
