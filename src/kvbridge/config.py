@@ -67,9 +67,11 @@ class Timeouts(_Section):
     blocks are released anyway."""
 
     heartbeat_s: PositiveFloat = 1.0
-    """The decode side checks every prefill instance it waits on this often; three
-    missed beats (or a new epoch: the instance restarted) fail its transfers at once
-    instead of at ``receive_s``."""
+    """The decode side checks every prefill instance it waits on this often. A new
+    epoch (the instance restarted), or three missed beats with its side-channel port
+    closed (the process is gone), fail its transfers at once instead of at
+    ``receive_s``; a prefill that misses beats but still accepts connections is busy,
+    not dead, and its transfers keep their own deadlines."""
 
 
 class NixlOptions(_Section):

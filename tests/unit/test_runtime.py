@@ -233,3 +233,36 @@ def test_activity_is_set_by_every_outcome_and_only_then(pd) -> None:
     assert D.activity.wait(5), "a finished receive did not set it"
     assert P.activity.wait(5), "a release did not set it"
     assert D.receiver.take_finished() == (["a"], []) and P.sender.take_released() == ["a"]
+
+
+def test_busy_prefill_is_not_declared_dead_while_it_still_listens() -> None:
+    """A prefill whose side-channel thread is stuck (the GIL held through a compilation)
+    misses heartbeats but still accepts connections: its transfers go on (and keep their
+    own deadlines) instead of failing as if it were dead."""
+    import threading
+
+    from kvbridge.wire.messages import Heartbeat
+
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.2})
+    stuck = threading.Event()
+    original = P.server._handler  # type: ignore[union-attr]
+
+    def slow(msg):  # noqa: ANN001, ANN202
+        if isinstance(msg, Heartbeat):
+            stuck.wait(10)
+        return original(msg)
+
+    try:
+        D.receiver.expect_push("b", P.address, [1], 10)
+        eventually(lambda: D.receiver.phase("b").value == "waiting")
+        P.server._handler = slow  # type: ignore[union-attr]
+        assert D.receiver.wait_finished(2.0) == ([], []), "a busy but listening prefill was declared dead"
+        P.sender.track("b", [4], 10)
+        for layer in range(L):
+            P.sender.layer_done("b", layer, 10)
+        P.sender.prefill_done("b")
+        assert D.receiver.wait_finished(5) == (["b"], [])
+    finally:
+        stuck.set()
+        D.close()
+        P.close()

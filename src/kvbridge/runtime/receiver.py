@@ -34,8 +34,9 @@ import numpy as np
 
 from kvbridge.core.lifecycle import RecvPhase, RecvRequest
 from kvbridge.core.plan import plan_blocks
-from kvbridge.errors import KVBridgeError, WireError
+from kvbridge.errors import KVBridgeError, PeerUnreachableError, WireError
 from kvbridge.runtime.node import Node, Peer
+from kvbridge.runtime.sidechannel import listening
 from kvbridge.runtime.stats import TransferStats
 from kvbridge.transports.base import Xfer
 from kvbridge.wire.messages import Abort, Destination, Done, Heartbeat, LayerDone, Release, Reply
@@ -245,8 +246,18 @@ class Receiver:
                 self._lock.notify()
 
     def _heartbeat(self, address: str, epoch: str) -> None:
+        """One beat: a new epoch or a closed port fails the peer's transfers at once. No
+        reply while the port still accepts connections is a busy peer (its side-channel
+        thread waits for the GIL, e.g. through a compilation), not a dead one: its
+        transfers keep their own deadlines (``receive_s``, ``transfer_s``)."""
         try:
-            reply = self.node.client.request(address, Heartbeat(peer=self.node.id), 3 * self.cfg.timeouts.heartbeat_s)
+            try:
+                reply = self.node.client.request(address, Heartbeat(peer=self.node.id), 3 * self.cfg.timeouts.heartbeat_s)
+            except PeerUnreachableError:
+                if listening(address, timeout=self.cfg.timeouts.heartbeat_s):
+                    log.info("kvbridge: prefill at %s is slow to answer heartbeats but still listening", address)
+                    return
+                raise
             if not isinstance(reply, Reply):
                 raise WireError(f"unexpected {type(reply).__name__} to a heartbeat")
             if reply.epoch != epoch:

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,23 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
         h.update(len(p).to_bytes(8, "little"))
         h.update(p)
     return h.digest()
+
+
+def listening(address: str, timeout: float = 1.0) -> bool:
+    """Whether a process still listens at a ``tcp://host:port`` side-channel address.
+
+    A TCP connect is accepted by the kernel (and libzmq's I/O thread) even while the
+    server's Python thread is busy, e.g. holding the GIL through a compilation, and is
+    refused at once when the process is gone: this tells a slow peer from a dead one.
+    """
+    if not address.startswith("tcp://"):
+        return True  # no cheap probe: assume alive, the caller's deadlines still apply
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -215,4 +233,4 @@ class SideChannelClient:
         self._ctx.term()
 
 
-__all__ = ["SideChannelClient", "SideChannelServer", "tcp_address"]
+__all__ = ["SideChannelClient", "SideChannelServer", "listening", "tcp_address"]
