@@ -5,14 +5,13 @@ two handoff flows driven directly (as a proxy would), and Prometheus metrics rea
 from __future__ import annotations
 
 import json
-import re
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvbridge.demo.run import prom
 from kvbridge.demo.servers import Completion, VllmServer, complete
 
 BLOCK = 32
@@ -73,15 +72,9 @@ def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens
     return out
 
 
-def metrics(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        return resp.read().decode()
-
-
 def metric(url: str, name: str) -> float:
     """Sum of a metric over its label sets (0 when absent)."""
-    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, metrics(url), re.M))
+    return prom(url, prefix=name).get(name, 0.0)
 
 
 def wait_metric(url: str, name: str, done: Callable[[float], bool], timeout: float = 30) -> float:

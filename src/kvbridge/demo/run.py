@@ -59,11 +59,13 @@ def stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -
     return Timing(first - start, (last - first) / max(1, len(ids) - 1), ids)
 
 
-def prom(url: str) -> dict[str, float]:
-    """kvbridge's metrics of one instance, summed over labels."""
+def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
+    """One instance's Prometheus samples whose names start with ``prefix``, each name
+    summed over its label sets (counters keep their ``_total``, histograms give
+    ``_sum``/``_count``/``_bucket``)."""
     body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
-    for m in re.finditer(r"^(vllm:kvbridge_[a-z_]+)(?:\{[^}]*\})? ([0-9.e+\-]+)$", body, re.M):
+    for m in re.finditer(rf"^({re.escape(prefix)}[A-Za-z0-9_:]*)(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$", body, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
