@@ -5,6 +5,9 @@
     python benchmarks/run.py serving  [--configs colocated,kvbridge-nixl,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
                                       [--output-len 32] [--shape bench] [--quick]
+    python benchmarks/run.py ops      [--geometries llama3-8b,llama3-70b-tp8]
+                                      [--block-sizes 16,32,64] [--lengths 1024,8192,32768]
+                                      (a CUDA GPU: the pack / unpack kernels)
 
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
 machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
@@ -25,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ops  # noqa: E402
 import serving  # noqa: E402
 import transfer  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -236,9 +240,75 @@ def plot_serving(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+OPS_COLUMNS = ("pack", "pack_fp8", "unpack", "unpack_fp8", "index_select", "index_copy")
+
+
+def ops_routine(args: argparse.Namespace) -> dict:
+    geometries = (args.geometries or ",".join(ops.GEOMETRIES)).split(",")
+    block_sizes = [int(b) for b in (args.block_sizes or ("16" if args.quick else "16,32,64")).split(",")]
+    lengths = [int(n) for n in (args.lengths or ("1024,8192" if args.quick else "1024,8192,32768")).split(",")]
+    reps = args.reps or (5 if args.quick else 20)
+    results = ops.run(geometries, block_sizes, lengths, reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    doc = {"routine": "ops", "machine": machine(), "device": ops.device_info(), "reps": reps, "results": results}
+    console.print(ops_table(doc))
+    return doc
+
+
+def ops_table(doc: dict) -> Table:
+    table = Table(title=f"pack / unpack on {doc['device']['gpu']}: GB/s (read + written), share of a device copy's")
+    for col in ("geometry", "block", "tokens", "copy", *OPS_COLUMNS):
+        table.add_column(col, justify="right")
+    for r in doc["results"]:
+        cells = [f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in OPS_COLUMNS]
+        table.add_row(r["geometry"], str(r["block_size"]), str(r["tokens"]), f"{r['gbps']['copy']:.0f}", *cells)
+    return table
+
+
+def markdown_ops(doc: dict) -> str:
+    d, m = doc["device"], doc["machine"]
+    lines = [
+        f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA {d['cuda']}; "
+        f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the share of a "
+        "device-to-device copy's GB/s in the same run.",
+        "",
+        "| geometry | block | tokens | copy GB/s | " + " | ".join(OPS_COLUMNS) + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(OPS_COLUMNS),
+    ]
+    for r in doc["results"]:
+        cells = " | ".join(f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in OPS_COLUMNS)
+        lines.append(f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_ops(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    geos = sorted({r["geometry"] for r in doc["results"]})
+    fig, axes = plt.subplots(1, len(geos), figsize=(6.5 * len(geos), 4.2), squeeze=False)
+    for ax, geo in zip(axes[0], geos):
+        rows = [r for r in doc["results"] if r["geometry"] == geo]
+        labels = [f"b{r['block_size']}/{r['tokens'] // 1024}k" for r in rows]
+        width = 0.8 / len(OPS_COLUMNS)
+        for i, col in enumerate(OPS_COLUMNS):
+            ax.bar([x + i * width for x in range(len(rows))], [r["vs_copy"][col] for r in rows], width, label=col)
+        ax.axhline(0.85, color="grey", ls="--", lw=1)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, rotation=45, fontsize=8)
+        ax.set_ylabel("GB/s / device copy GB/s")
+        ax.set_title(geo)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"kvbridge pack/unpack on {doc['device']['gpu']} ({doc['machine']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
+    "ops": (ops_routine, plot_ops, markdown_ops),
 }
 
 
@@ -250,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, help="timed repetitions per method, interleaved (default 15; 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--configs", help=f"serving: configurations, comma separated (default {SERVING_CONFIGS})")
-    parser.add_argument("--lengths", help="serving: prompt lengths in tokens, comma separated")
+    parser.add_argument("--lengths", help="serving, ops: prompt lengths in tokens, comma separated")
     parser.add_argument("--prompts", type=int, help="serving: measured requests per length (default 8)")
     parser.add_argument("--output-len", type=int, default=32, help="serving: output tokens per request")
     parser.add_argument("--shape", default="bench", help="serving: model shape (bench, tiny)")
+    parser.add_argument("--geometries", help=f"ops: KV geometries, comma separated ({', '.join(ops.GEOMETRIES)})")
+    parser.add_argument("--block-sizes", help="ops: tokens per block, comma separated (default 16,32,64)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--from-json", help="re-render the table, plot and Markdown of a saved run")
     args = parser.parse_args(argv)

@@ -85,6 +85,18 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args.transport, lengths, args.max_tokens, args.flow, Path(args.logs) if args.logs else None)
 
 
+def _build_ops(args: argparse.Namespace) -> int:
+    from kvbridge.errors import KVBridgeError
+    from kvbridge.ops import jit
+
+    try:
+        print(jit.build(args.arch, verbose=args.verbose))
+    except KVBridgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbridge", description="KV-cache transfer for disaggregated LLM serving")
     parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
@@ -118,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
     p.set_defaults(func=_demo)
+    p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
+    p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_build_ops)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,226 @@
+"""kvbridge.ops on CPU: the torch reference (the kernels' specification) against a
+straightforward per-element loop, round trips across layouts, dtypes, block sizes and
+head splits, FP8 error bounds, and rejection of bad input."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import pytest
+import torch
+
+from kvbridge import ops
+from kvbridge.ops import OpsInputError, reference
+from kvbridge.ops.format import PackedFormat
+
+LAYOUTS = ("fused", "nhd", "hnd")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cache(layout, blocks, bs, heads, dim, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = {"fused": (blocks, heads, bs, 2 * dim), "nhd": (2, blocks, bs, heads, dim), "hnd": (2, blocks, heads, bs, dim)}[layout]
+    x = torch.randn(shape, generator=g)
+    x.view(-1, x.shape[-1])[::5] *= 30.0  # rows of very different magnitude
+    return x.to(dtype)
+
+
+def element(c, layout, plane, block, token, head, d):
+    """One element of a cache tensor, read straight from its documented layout."""
+    if layout == "fused":  # per head: the block's keys, then its values (vLLM CPU)
+        bs, dim = c.shape[2], c.shape[3] // 2
+        return c[block, head].reshape(-1)[(plane * bs + token) * dim + d]
+    if layout == "nhd":
+        return c[plane, block, token, head, d]
+    return c[plane, block, head, token, d]
+
+
+def test_kv_planes_match_the_documented_layouts():
+    for layout in LAYOUTS:
+        c = cache(layout, 3, 4, 2, 8)
+        k, v = ops.kv_planes(c, layout)
+        for b, t, h, d in itertools.product(range(3), range(4), range(2), (0, 7)):
+            assert k[b, t, h, d] == element(c, layout, 0, b, t, h, d)
+            assert v[b, t, h, d] == element(c, layout, 1, b, t, h, d)
+
+
+@pytest.mark.parametrize("layout,fp8,chunk", [(lay, f, ch) for lay in LAYOUTS for f in (False, True) for ch in (0, 4)])
+def test_pack_equals_a_per_element_loop(layout, fp8, chunk):
+    bs, heads, dim, tokens, (h0, h1) = 4, 3, 8, 10, (1, 3)
+    c = cache(layout, 6, bs, heads, dim, seed=1)
+    ids = [4, 0, 5]
+    region, fmt = ops.pack(ops.kv_planes(c, layout), ids, tokens, heads=(h0, h1), fp8=fp8, chunk_tokens=chunk)
+    raw = region.numpy().tobytes()
+    ct = chunk or tokens
+    for plane, t, h in itertools.product(range(2), range(tokens), range(h1 - h0)):
+        row = [float(element(c, layout, plane, ids[t // bs], t % bs, h0 + h, d)) for d in range(dim)]
+        j, ti = divmod(t, ct)
+        index = (plane * ct + ti) * (h1 - h0) + h
+        base = j * fmt.chunk_stride
+        if fp8:
+            amax = max(abs(x) for x in row)
+            inv = torch.tensor(448.0) / torch.tensor(amax)
+            want = [torch.tensor(x * float(inv), dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item() for x in row]
+            got = list(raw[base + index * dim : base + (index + 1) * dim])
+            assert got == want, (plane, t, h)
+            (scale,) = struct.unpack_from("<f", raw, base + fmt.scales_offset + 4 * index)
+            assert scale == float(torch.tensor(amax) / torch.tensor(448.0))
+        else:
+            got = struct.unpack_from(f"<{dim}f", raw, base + 4 * index * dim)
+            assert list(got) == row, (plane, t, h)
+
+
+def test_unpack_equals_a_per_element_loop():
+    src = cache("hnd", 5, 4, 2, 8, seed=2)
+    region, fmt = ops.pack(ops.kv_planes(src, "hnd"), [3, 1, 4], 9, fp8=True, chunk_tokens=4)
+    dst = torch.zeros(2, 6, 8, 4, 8, dtype=torch.bfloat16)  # nhd, block size 8, 4 heads
+    ops.unpack(region, fmt, ops.kv_planes(dst, "nhd"), [5, 2], head_start=2)
+    raw = region.numpy().tobytes()
+    for plane, t, h, d in itertools.product(range(2), range(9), range(2), range(8)):
+        j, ti = divmod(t, 4)
+        index = (plane * 4 + ti) * 2 + h
+        q = torch.tensor(raw[j * fmt.chunk_stride + index * 8 + d], dtype=torch.uint8).view(torch.float8_e4m3fn)
+        (scale,) = struct.unpack_from("<f", raw, j * fmt.chunk_stride + fmt.scales_offset + 4 * index)
+        want = (q.float() * torch.tensor(scale)).to(torch.bfloat16)
+        assert dst[plane, [5, 2][t // 8], t % 8, 2 + h, d] == want
+    untouched = dst.clone()
+    untouched[:, 5] = 0
+    untouched[:, 2, :1] = 0  # token 8 is the only one in block 2
+    assert not untouched.any(), "unpack wrote outside its tokens and heads"
+
+
+@pytest.mark.parametrize("src_layout,dst_layout,dtype", list(itertools.product(LAYOUTS, LAYOUTS, DTYPES)))
+def test_exact_round_trip_across_layouts_and_block_sizes(src_layout, dst_layout, dtype):
+    src = cache(src_layout, 10, 16, 4, 32, dtype, seed=3)
+    region, fmt = ops.pack(ops.kv_planes(src, src_layout), [7, 2, 9, 0], 50)
+    dst = torch.zeros_like(cache(dst_layout, 12, 8, 4, 32, dtype))  # block size 8
+    dst_ids = [11, 3, 5, 1, 0, 8, 10]
+    ops.unpack(region, fmt, ops.kv_planes(dst, dst_layout), dst_ids)
+    back, _ = ops.pack(ops.kv_planes(dst, dst_layout), dst_ids, 50)
+    assert torch.equal(back, region)
+
+
+def test_head_split_for_a_different_tp():
+    """P at TP 1 (8 heads) feeds two D ranks at TP 2 (4 heads each), and back."""
+    whole = cache("nhd", 8, 16, 8, 64, torch.bfloat16, seed=4)
+    ids = [1, 6, 3]
+    ranks = [torch.zeros(2, 8, 16, 4, 64, dtype=torch.bfloat16) for _ in range(2)]
+    for r, d in enumerate(ranks):
+        part, fmt = ops.pack(ops.kv_planes(whole, "nhd"), ids, 40, heads=(4 * r, 4 * r + 4))
+        ops.unpack(part, fmt, ops.kv_planes(d, "nhd"), ids)
+        assert torch.equal(d[:, ids, :, :][:, :, :].reshape(2, -1, 4, 64)[:, :40], whole[:, ids][..., 4 * r : 4 * r + 4, :].reshape(2, -1, 4, 64)[:, :40])
+    rebuilt = torch.zeros_like(whole)
+    for r, d in enumerate(ranks):
+        part, fmt = ops.pack(ops.kv_planes(d, "nhd"), ids, 40)
+        ops.unpack(part, fmt, ops.kv_planes(rebuilt, "nhd"), ids, head_start=4 * r)
+    assert torch.equal(rebuilt[:, ids].reshape(2, -1, 8, 64)[:, :40], whole[:, ids].reshape(2, -1, 8, 64)[:, :40])
+
+
+# relative error of FP8 e4m3 with one scale per (plane, token, head): 3 mantissa bits
+# give at most 2^-4 per element, about 2.5-3.5% in the norm on Gaussian rows
+FP8_BOUND = {torch.float32: 0.04, torch.bfloat16: 0.045, torch.float16: 0.04}
+
+
+@pytest.mark.parametrize("layout,dtype", list(itertools.product(LAYOUTS, DTYPES)))
+def test_fp8_round_trip_error_is_bounded(layout, dtype):
+    src = cache(layout, 20, 16, 4, 64, dtype, seed=5)
+    ids = list(range(0, 20, 2))
+    region, fmt = ops.pack(ops.kv_planes(src, layout), ids, 150, fp8=True, chunk_tokens=16)
+    exact, efmt = ops.pack(ops.kv_planes(src, layout), ids, 150)
+    assert region.numel() < exact.numel() / (2 if dtype == torch.float32 else 1.5)
+    dst = torch.zeros_like(src)
+    ops.unpack(region, fmt, ops.kv_planes(dst, layout), ids)
+    back, _ = ops.pack(ops.kv_planes(dst, layout), ids, 150)
+    a = reference.region_rows(exact, efmt)[0].float()
+    b = reference.region_rows(back, efmt)[0].float()
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < FP8_BOUND[dtype], rel
+    row_rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
+    assert row_rel < 0.07, row_rel  # every row, small or large, keeps its precision
+
+
+def test_chunks_are_self_contained():
+    """A chunk (one sender block) unpacks on its own, as the runtime does per arrival."""
+    src = cache("nhd", 6, 8, 2, 16, seed=6)
+    region, fmt = ops.pack(ops.kv_planes(src, "nhd"), [2, 4, 1], 20, fp8=True, chunk_tokens=8)
+    one = PackedFormat(num_tokens=8, num_heads=2, head_dim=16, dtype=fmt.dtype, scaled=True, chunk_tokens=8)
+    assert one.nbytes == fmt.chunk_stride
+    whole, part = torch.zeros_like(src), torch.zeros_like(src)
+    ops.unpack(region, fmt, ops.kv_planes(whole, "nhd"), [0, 1, 2])
+    ops.unpack(region[fmt.chunk_stride : 2 * fmt.chunk_stride].clone(), one, ops.kv_planes(part, "nhd"), [1])
+    assert torch.equal(part[:, 1], whole[:, 1])
+
+
+def test_fp8_cache_bytes_are_copied_as_they_are():
+    src = cache("nhd", 4, 16, 2, 32, seed=7).to(torch.float8_e4m3fn)
+    region, fmt = ops.pack(ops.kv_planes(src, "nhd"), [3, 1], 32)
+    assert fmt.dtype == "float8_e4m3fn" and not fmt.scaled
+    dst = torch.zeros_like(src)
+    ops.unpack(region, fmt, ops.kv_planes(dst, "nhd"), [3, 1])
+    assert torch.equal(dst.view(torch.uint8)[:, [3, 1]], src.view(torch.uint8)[:, [3, 1]])
+
+
+def test_bad_input_is_rejected_with_a_clear_error():
+    c = cache("nhd", 4, 16, 2, 32)
+    k, v = ops.kv_planes(c, "nhd")
+    with pytest.raises(OpsInputError, match="out of range"):
+        ops.pack((k, v), [0, 4], 20)
+    with pytest.raises(OpsInputError, match="need 2 block ids"):
+        ops.pack((k, v), [0], 20)
+    with pytest.raises(OpsInputError, match="head range"):
+        ops.pack((k, v), [0], 10, heads=(1, 3))
+    with pytest.raises(OpsInputError, match="4-D"):
+        ops.pack((c, c), [0], 10)
+    with pytest.raises(OpsInputError, match="contiguous"):
+        ops.pack((k.transpose(2, 3), v.transpose(2, 3)), [0], 10)
+    with pytest.raises(OpsInputError, match="layer 1's planes differ"):
+        ops.pack([(k, v), (k, v[:2])], [0], 10)
+    with pytest.raises(OpsInputError, match="already float8"):
+        ops.pack(ops.kv_planes(c.to(torch.float8_e4m3fn), "nhd"), [0], 10, fp8=True)
+    with pytest.raises(OpsInputError, match="holds 10 bytes"):
+        ops.pack((k, v), [0], 10, out=torch.empty(10, dtype=torch.uint8))
+    with pytest.raises(OpsInputError, match="uint8"):
+        ops.pack((k, v), [0], 10, out=torch.empty(10000, dtype=torch.float32))
+    with pytest.raises(OpsInputError, match="cache dtype torch.int32"):
+        ops.pack((k.int(), v.int()), [0], 10)
+    region, fmt = ops.pack((k, v), [0], 10, fp8=True)
+    with pytest.raises(OpsInputError, match="head_dim 32 differs"):
+        ops.unpack(region, fmt, ops.kv_planes(torch.zeros(2, 4, 16, 2, 16), "nhd"), [0])
+    with pytest.raises(OpsInputError, match="cannot go into a float8 cache"):
+        ops.unpack(region, fmt, ops.kv_planes(c.to(torch.float8_e4m3fn), "nhd"), [0])
+    with pytest.raises(OpsInputError, match="holds .* bytes, the regions need"):
+        ops.unpack(region[:16], fmt, (k, v), [0])
+    with pytest.raises(OpsInputError, match="a fused cache is"):
+        ops.kv_planes(torch.zeros(2, 3, 4), "fused")
+    with pytest.raises(OpsInputError, match="unknown layout"):
+        ops.kv_planes(torch.zeros(2, 3, 4, 5, 6), "xyz")
+
+
+def _per_block_head_error(x: torch.Tensor) -> float:
+    """The alternative granularity: one scale per (block, head) over block_size x head_dim."""
+    amax = x.abs().amax(dim=(1, 3), keepdim=True)  # x: (blocks, block_size, heads, dim)
+    q = (x * (448.0 / amax)).to(torch.float8_e4m3fn)
+    back = q.float() * (amax / 448.0)
+    return ((back - x).norm() / x.norm()).item()
+
+
+@pytest.mark.parametrize("outlier", [1.0, 30.0, 1000.0])
+def test_per_token_head_scales_keep_error_lower_than_per_block_head_scales(outlier):
+    """The measurement behind csrc/PACKED_FORMAT.md's choice: KV-like Gaussian rows where
+    the first token of each block is ``outlier`` times larger (attention-sink-like).
+    Measured: 2.57% vs 2.65% relative error on the other tokens, at every ratio (e4m3's
+    exponent absorbs the block's range); per-row scales are never worse."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 16, 4, 128, generator=g)
+    x[:, 0] *= outlier
+    q, scale = reference.quantize(x)
+    per_row = reference.dequantize(q, scale, torch.float32)
+    amax = x.abs().amax(dim=(1, 3), keepdim=True)  # one scale per (block, head)
+    per_block = (x * (448.0 / amax)).to(torch.float8_e4m3fn).float() * (amax / 448.0)
+    small = x[:, 1:]
+    err_row = ((per_row[:, 1:] - small).norm() / small.norm()).item()
+    err_block = ((per_block[:, 1:] - small).norm() / small.norm()).item()
+    assert err_row < err_block < 0.04, (err_row, err_block)
+    rows = (per_row - x).norm(dim=-1) / x.norm(dim=-1)
+    assert rows.max().item() < 0.07
