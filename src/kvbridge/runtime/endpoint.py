@@ -33,6 +33,8 @@ class Endpoint:
         send: this worker prefills for others (serves the side channel).
         receive: this worker decodes with KV from others.
         transport: an already-created transport (tests); default: from ``config``.
+        planes: per layer its K and V planes, for ``wire_dtype: fp8`` (see
+            :class:`~kvbridge.runtime.node.Node`).
     """
 
     def __init__(
@@ -46,9 +48,10 @@ class Endpoint:
         send: bool,
         receive: bool,
         transport: TransportBase | None = None,
+        planes: list | None = None,
     ) -> None:
         self.config = config
-        self.node = Node(config, geometry, compat, engine_id, rank, transport=transport)
+        self.node = Node(config, geometry, compat, engine_id, rank, transport=transport, planes=planes)
         self.stats = TransferStats()
         self.activity = threading.Event()
         """Set whenever the sender released or the receiver finished something; the

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from kvbridge.config import KVBridgeConfig
 from kvbridge.core.layout import CacheGeometry
-from kvbridge.errors import IncompatiblePeerError, KVBridgeError, TransportError
+from kvbridge.errors import ConfigError, IncompatiblePeerError, KVBridgeError, TransportError
+from kvbridge.runtime.packed import PackedPath, staging_descs
 from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
@@ -46,6 +47,8 @@ class Peer:
     """Its slot table, prepared once."""
     address: str | None = None
     """Its side-channel address, for peers we connected to."""
+    staging: DescTable | None = None
+    """Its staging buffer's slot table, prepared once (``wire_dtype: fp8``)."""
 
 
 class Node:
@@ -57,6 +60,8 @@ class Node:
         compat: what peers must share with us (model, dtype, layout, ...).
         engine_id: the engine instance's id; ``rank``: the worker's rank in it.
         transport: an already-created transport (tests); default: from ``config``.
+        planes: per layer its K and V planes (:func:`kvbridge.ops.kv_planes`); needed
+            by ``wire_dtype: fp8``, which packs from and unpacks into them.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Node:
         engine_id: str,
         rank: int = 0,
         transport: TransportBase | None = None,
+        planes: list | None = None,
     ) -> None:
         self.config = config
         self.geometry = geometry
@@ -78,6 +84,11 @@ class Node:
         try:
             self.transport.register(geometry.regions(), memory=geometry.memory, device=geometry.device)
             self.table = self.transport.prepare(geometry.slot_table(), memory=geometry.memory)
+            self.packed: PackedPath | None = None
+            if config.wire_dtype == "fp8":
+                if planes is None:
+                    raise ConfigError("wire_dtype 'fp8' needs the cache tensors, which this engine adapter does not pass", key="wire_dtype", fix="use wire_dtype 'exact'")
+                self.packed = PackedPath(geometry, planes, config.staging_mb, self.transport)
         except Exception:
             self.transport.close()
             raise
@@ -108,6 +119,7 @@ class Node:
             transport=self.transport.name,
             transport_metadata=self.transport.metadata(),
             geometry=self.geometry,
+            staging=None if self.packed is None else self.packed.info,
         )
 
     def _add(self, msg: Hello | Welcome, address: str | None) -> Peer:
@@ -120,9 +132,17 @@ class Node:
         if msg.geometry.spec != self.geometry.spec:
             # the compat hash covers the spec; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
+        if (self.packed is None) != (msg.staging is None):
+            # the compat hash covers wire_dtype; a mismatch here means a hand-made frame
+            raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
+        if msg.staging is not None and msg.staging.slot_bytes != self.packed.slot.nbytes:
+            raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, this instance {self.packed.slot.nbytes}")
         agent = self.transport.add_peer(msg.transport_metadata)
         table = self.transport.prepare(msg.geometry.slot_table(), memory=msg.geometry.memory, peer=agent)
-        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address)
+        staging = None
+        if msg.staging is not None:
+            staging = self.transport.prepare(staging_descs(msg.staging), memory=msg.staging.memory, peer=agent)
+        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging)
         with self._lock:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one
             stale = [k for k in self._peers if k[:2] == (msg.peer.engine_id, msg.peer.rank) and k[2] != msg.peer.epoch]

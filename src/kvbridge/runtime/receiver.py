@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _REMOTE = "prefill-writes"
 """In-flight key standing for the prefill side's writes into a push destination."""
+_UNPACK = "unpack"
+"""In-flight key of an unpack from staging into the request's blocks (packed path)."""
 
 
 @dataclass
@@ -62,6 +64,10 @@ class _In:
     xfer: Xfer | None = None
     started: float = 0.0
     nbytes: int = 0
+    staging_slot: int = -1
+    """First of the staging slots reserved for this request (packed path), or -1."""
+    wants_staging: bool = False
+    """Packed path: waiting for free staging slots before sending the destination."""
 
 
 class Receiver:
@@ -81,6 +87,8 @@ class Receiver:
         self.cfg = node.config
         self._layers = node.geometry.spec.num_layers
         self._slot_bytes = node.geometry.spec.block_bytes * node.geometry.spec.planes_per_layer
+        if node.packed is not None:  # bytes on the wire per (layer, block)
+            self._slot_bytes = node.packed.slot.nbytes
         self._lock = threading.Condition()
         self._in: dict[str, _In] = {}
         self._finished: list[str] = []
@@ -117,6 +125,9 @@ class Receiver:
         """P-first: read ``remote_blocks`` (the prefill's, whole prompt) into ``block_ids``
         (D's, for tokens from ``skip_tokens``), then release them on the prefill side."""
         entry = self._new(transfer_id, address, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks, epoch=epoch)
+        if self.node.packed is not None and block_ids:
+            self._fail(entry, "wire_dtype 'fp8' packs KV on the prefill side as it is computed: it needs the push flow, not P-first reads (use the proxy's default --flow push)")
+            return
         self._pool.submit(self._start_read, entry)
 
     def _new(self, transfer_id: str, address: str, block_ids: list[int], num_tokens: int, skip_tokens: int, **kw: object) -> _In:
@@ -182,8 +193,32 @@ class Receiver:
             entry.peer = peer
         return peer
 
+    def _reserve(self, entry: _In) -> bool:
+        """Packed path: reserve the request's staging slots (lock not held). False: the
+        buffer is full now; the control thread tries again as slots free up."""
+        packed = self.node.packed
+        if packed is None or entry.staging_slot >= 0:
+            return True
+        need = self._layers * len(entry.block_ids)
+        if need > packed.allocator.num_slots:
+            self._fail(entry, f"the request's packed KV ({need} blocks) exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb")
+            return False
+        slot = packed.allocator.alloc(need)
+        with self._lock:
+            if slot is None:
+                entry.wants_staging = True
+                return False
+            entry.wants_staging = False
+            if entry.req.terminal:  # aborted meanwhile
+                packed.allocator.free(slot, need)
+                return False
+            entry.staging_slot = slot
+        return True
+
     def _send_destination(self, entry: _In) -> None:
         msg = None
+        if not self._reserve(entry):
+            return
         try:
             for attempt in range(2):
                 self._connect(entry, fresh=attempt > 0)
@@ -193,6 +228,7 @@ class Receiver:
                     block_ids=entry.block_ids,
                     num_tokens=entry.num_tokens,
                     skip_tokens=entry.skip_tokens,
+                    staging_slot=entry.staging_slot,
                 )
                 reply = self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
                 if isinstance(reply, Reply) and reply.code == "unknown_peer":
@@ -298,7 +334,6 @@ class Receiver:
             entry.req.settled(_REMOTE, now)
 
     def _on_layers(self, msg: LayerDone) -> None:
-        now = self.clock()
         with self._lock:
             entry = self._in.get(msg.transfer_id)
             if entry is None or entry.coverage is None or entry.req.phase is RecvPhase.RECEIVED:
@@ -307,6 +342,22 @@ class Receiver:
             if msg.first_block < 0 or end > entry.coverage.shape[1] or not all(0 <= l < self._layers for l in msg.layers):
                 log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
                 return
+            slot = entry.staging_slot
+            unpack = self.node.packed is not None and slot >= 0 and not entry.req.terminal
+            if unpack:  # the blocks stay ours until the unpack is done
+                entry.req.posted(_UNPACK)
+        if unpack:  # the bytes are in our staging slots: into the cache
+            try:
+                self._unpack(entry, msg, slot)
+            except Exception as exc:  # noqa: BLE001 - a failed unpack fails the load, never the thread
+                with self._lock:
+                    entry.req.settled(_UNPACK, self.clock())
+                self._fail(entry, f"unpacking layers {msg.layers} failed: {exc}")
+                return
+        now = self.clock()
+        with self._lock:
+            if unpack:
+                entry.req.settled(_UNPACK, now)
             entry.coverage[msg.layers, msg.first_block:end] = True
             entry.nbytes += len(msg.layers) * msg.num_blocks * self._slot_bytes
             entry.req.layer_arrived(now)
@@ -314,6 +365,16 @@ class Receiver:
                 self._writes_stopped(entry, now)
                 entry.req.complete(now)
             self._lock.notify()
+
+    def _unpack(self, entry: _In, msg: LayerDone, slot: int) -> None:
+        """Unpack the layers a ``LayerDone`` announced from our staging slots (the
+        notifications thread; the request keeps its slots until it ends)."""
+        packed = self.node.packed
+        bs, nb = self.node.geometry.spec.block_size, len(entry.block_ids)
+        tokens = packed.tokens(entry.num_tokens, entry.skip_tokens, bs, msg.first_block, msg.num_blocks)
+        blocks = entry.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
+        for layer in msg.layers:
+            packed.unpack(layer, blocks, tokens, slot + layer * nb + msg.first_block)
 
     # --- control thread ------------------------------------------------------------------
 
@@ -325,6 +386,7 @@ class Receiver:
                 reads = [e for e in self._in.values() if e.xfer is not None and not e.req.terminal]
             for entry in reads:
                 self._poll_read(entry)
+            self._retry_staging()
             self._beat()
             self._settle()
             with self._lock:
@@ -354,6 +416,14 @@ class Receiver:
         else:
             self._pool.submit(self._tell, entry, Release(transfer_id=entry.req.transfer_id, peer=self.node.id))
 
+    def _retry_staging(self) -> None:
+        """Send the destinations that waited for staging slots, if some were freed."""
+        with self._lock:
+            waiting = [e for e in self._in.values() if e.wants_staging and not e.req.terminal]
+        for entry in waiting:
+            if self._reserve(entry):
+                self._pool.submit(self._send_destination, entry)
+
     def _beat(self) -> None:
         now = self.clock()
         with self._lock:
@@ -376,6 +446,9 @@ class Receiver:
                 if entry.req.releasable:
                     entry.req.release()
                     del self._in[tid]
+                    if entry.staging_slot >= 0:  # no write can land any more
+                        self.node.packed.allocator.free(entry.staging_slot, self._layers * len(entry.block_ids))
+                        entry.staging_slot = -1
                     if entry.req.phase is RecvPhase.RECEIVED:
                         self._finished.append(tid)
                         self.stats.add(requests_received=1, bytes_received=entry.nbytes)

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvbridge.core.lifecycle import SendPhase, SendRequest
 from kvbridge.core.plan import plan_blocks
 from kvbridge.errors import KVBridgeError
@@ -60,7 +62,8 @@ class _Out:
     peer: Peer | None = None
     t_prefill_done: float | None = None
     t_first_post: float | None = None
-    inflight: dict[int, tuple[Xfer, float]] = field(default_factory=dict)
+    inflight: dict[int, tuple[Xfer, float, tuple[int, int] | None]] = field(default_factory=dict)
+    """Posted writes: key -> (transfer, post time, staging slots it reads or None)."""
 
 
 class Sender:
@@ -90,6 +93,7 @@ class Sender:
         self._released: list[str] = []
         self._keys = itertools.count()
         self._stop = False
+        self._starved = False  # a packed post waits for staging slots
         self._thread = threading.Thread(target=self._run, name="kvbridge-sender", daemon=True)
         self._thread.start()
 
@@ -262,7 +266,7 @@ class Sender:
             with self._lock:
                 if self._stop:
                     return
-                if not busy and not self._has_postable():
+                if not busy and (self._starved or not self._has_postable()):
                     self._lock.wait(0.05)  # woken by any event; 50 ms bounds deadline checks
                 elif busy:
                     self._lock.wait(0.0002)
@@ -286,53 +290,97 @@ class Sender:
                 groups.setdefault((start, ready), []).append(layer)
         return [(layers, a, b) for (a, b), layers in groups.items()]
 
-    def _plan_posts(self) -> list[tuple[_Out, list[tuple[list[int], int, int]]]]:
+    def _plan_posts(self) -> list[tuple[_Out, list[tuple[list[int], int, int, int]]]]:
+        """Posts ready now (lock held): (layers, first block, end block, first staging
+        slot or -1). A packed post waits while the staging buffer is full."""
         work = []
+        packed = self.node.packed
+        self._starved = False
         for out in self._out.values():
-            posts = self._postable(out)
+            posts = []
+            for layers, start, end in self._postable(out):
+                slot = -1
+                if packed is not None:
+                    need = len(layers) * (end - start)
+                    if need > packed.allocator.num_slots:
+                        self._fail(out, f"a post of {need} packed blocks exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb", self.clock())
+                        break
+                    got = packed.allocator.alloc(need)
+                    if got is None:
+                        self._starved = True  # retried when a write settles
+                        continue
+                    slot = got
+                for layer in layers:
+                    out.posted[layer] = end
+                posts.append((layers, start, end, slot))
             if posts:
-                for layers, _, end in posts:
-                    for layer in layers:
-                        out.posted[layer] = end
                 work.append((out, posts))
         return work
 
-    def _post(self, out: _Out, posts: list[tuple[list[int], int, int]]) -> None:
+    def _post(self, out: _Out, posts: list[tuple[list[int], int, int, int]]) -> None:
         assert out.dest is not None and out.peer is not None
         skip = out.dest.skip_tokens // self._bs
-        for layers, start, end in posts:
+        packed = self.node.packed
+        for i, (layers, start, end, slot) in enumerate(posts):
             now = self.clock()
             key = next(self._keys)
             registered = False
+            slots = (slot, len(layers) * (end - start)) if slot >= 0 else None
             try:
-                plan = plan_blocks(
-                    self.node.geometry, out.peer.geometry, out.blocks[start:end], out.dest.block_ids[start - skip : end - skip], layers=layers
-                )
                 note = LayerDone(transfer_id=out.dest.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start)
+                if packed is None:
+                    plan = plan_blocks(
+                        self.node.geometry, out.peer.geometry, out.blocks[start:end], out.dest.block_ids[start - skip : end - skip], layers=layers
+                    )
+                    local, lidx, remote, ridx = self.node.table, plan.local_slots, out.peer.table, plan.remote_slots
+                else:
+                    local, lidx, remote, ridx = self._pack(out, layers, start, end, slot)
                 with self._lock:
                     if out.req.terminal:
+                        self._free_posts(posts[i:])
                         return
                     out.req.posted(key)
                     registered = True
-                xfer = self.node.transport.post(
-                    "write", self.node.table, plan.local_slots, out.peer.table, plan.remote_slots, notify=self.node.codec.encode(note)
-                )
+                xfer = self.node.transport.post("write", local, lidx, remote, ridx, notify=self.node.codec.encode(note))
             except KVBridgeError as exc:
                 with self._lock:
                     if registered:
                         out.req.settled(key, now)
+                    self._free_posts(posts[i:])
                     self._fail(out, f"write failed: {exc}", now)
                 return
             with self._lock:
-                out.inflight[key] = (xfer, now)
+                out.inflight[key] = (xfer, now, slots)
                 out.t_first_post = out.t_first_post or now
             self.stats.add(transfers=1, descriptors=xfer.num_descs, bytes_sent=xfer.nbytes)
+
+    def _pack(self, out: _Out, layers: list[int], start: int, end: int, slot: int):
+        """Pack a post into our staging slots; the slot pairs to write (packed path)."""
+        packed, dest, peer = self.node.packed, out.dest, out.peer
+        assert packed is not None and dest is not None and peer is not None
+        if peer.staging is None or dest.staging_slot < 0:
+            raise KVBridgeError(f"destination of {dest.transfer_id} has no staging slots for packed KV")
+        skip = dest.skip_tokens // self._bs
+        n, nb = end - start, len(dest.block_ids)
+        tokens = min(end * self._bs, out.num_tokens) - start * self._bs
+        packed.pack(layers, out.blocks[start:end], tokens, slot)
+        lidx = np.arange(slot, slot + len(layers) * n, dtype=np.int64)
+        ridx = np.concatenate([dest.staging_slot + layer * nb + (start - skip) + np.arange(n, dtype=np.int64) for layer in layers])
+        return packed.table, lidx, peer.staging, ridx
+
+    def _free_posts(self, posts: list[tuple[list[int], int, int, int]]) -> None:
+        """Give back the staging slots of posts that will not be written."""
+        if self.node.packed is None:
+            return
+        for layers, start, end, slot in posts:
+            if slot >= 0:
+                self.node.packed.allocator.free(slot, len(layers) * (end - start))
 
     def _poll_inflight(self) -> bool:
         """Poll posted writes; settle the finished ones. True while any is in flight."""
         with self._lock:
-            items = [(out, key, xfer, t0) for out in self._out.values() for key, (xfer, t0) in list(out.inflight.items())]
-        for out, key, xfer, t0 in items:
+            items = [(out, key, xfer, t0, slots) for out in self._out.values() for key, (xfer, t0, slots) in list(out.inflight.items())]
+        for out, key, xfer, t0, slots in items:
             try:
                 done = self.node.transport.poll(xfer)
                 error = None
@@ -342,6 +390,8 @@ class Sender:
                 continue
             now = self.clock()
             self.node.transport.release(xfer)
+            if slots is not None:
+                self.node.packed.allocator.free(*slots)
             with self._lock:
                 out.inflight.pop(key, None)
                 out.req.settled(key, now)
@@ -388,8 +438,10 @@ class Sender:
                     elif out.req.phase is SendPhase.FAILED:
                         self.stats.add(failures=1)
                 if out.req.releasable:
-                    for key, (xfer, _) in out.inflight.items():  # abandoned after the drain deadline
+                    for key, (xfer, _, slots) in out.inflight.items():  # abandoned after the drain deadline
                         self.node.transport.release(xfer)
+                        if slots is not None:
+                            self.node.packed.allocator.free(*slots)
                     out.inflight.clear()
                     out.req.release()
                     del self._out[tid]

@@ -39,9 +39,11 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     """KV heads per rank."""
     head_dim: int
     tp_size: int = 1
+    wire_dtype: str = "exact"
+    """How KV travels (config ``wire_dtype``): both sides must pack or neither."""
 
     @classmethod
-    def from_spec(cls, spec: CacheSpec, *, model: str, tp_size: int = 1) -> CompatInfo:
+    def from_spec(cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact") -> CompatInfo:
         return cls(
             model=model,
             dtype=spec.dtype,
@@ -51,6 +53,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             tp_size=tp_size,
+            wire_dtype=wire_dtype,
         )
 
 

@@ -45,6 +45,18 @@ class PeerId(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.engine_id}#{self.epoch}/r{self.rank}"
 
 
+class StagingInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A registered staging buffer for packed KV (``wire_dtype: fp8``): ``num_slots``
+    slots of ``slot_bytes`` from ``base``; one slot holds one block of one layer, packed
+    (a chunk of ``csrc/PACKED_FORMAT.md``)."""
+
+    base: int
+    num_slots: int
+    slot_bytes: int
+    memory: str = "host"
+    device: int = 0
+
+
 class Hello(_Msg, tag="hello"):
     """First message on a new connection: who we are and how to reach our KV cache."""
 
@@ -54,6 +66,7 @@ class Hello(_Msg, tag="hello"):
     transport_metadata: bytes
     """Opaque to the core; decoded by the named transport's ``add_peer``."""
     geometry: CacheGeometry
+    staging: Union[StagingInfo, None] = None
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -64,6 +77,7 @@ class Welcome(_Msg, tag="welcome"):
     transport: str
     transport_metadata: bytes
     geometry: CacheGeometry
+    staging: Union[StagingInfo, None] = None
 
 
 class Destination(_Msg, tag="dest"):
@@ -78,6 +92,10 @@ class Destination(_Msg, tag="dest"):
     block_ids: list[int]
     num_tokens: int
     skip_tokens: int = 0
+    staging_slot: int = -1
+    """Packed KV (``wire_dtype: fp8``): D reserved ``num_layers * len(block_ids)`` slots
+    of its staging buffer from this one, layer-major: layer ``l``'s packed block ``j``
+    (of ``block_ids``) goes to slot ``staging_slot + l * len(block_ids) + j``."""
 
 
 class Release(_Msg, tag="release"):
@@ -150,6 +168,7 @@ __all__ = [
     "Message",
     "PeerId",
     "Release",
+    "StagingInfo",
     "Reply",
     "Welcome",
 ]

@@ -62,11 +62,17 @@ class WorkerSide:
         ordered = layer_order(list(kv_caches), extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(ordered)}
         geometry = geometry_from_tensors(kv_caches, ordered, self.block_size)
-        compat = CompatInfo.from_spec(geometry.spec, model=self.model, tp_size=self.tp_size)
-        self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive)
+        compat = CompatInfo.from_spec(geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype)
+        planes = None
+        if self.config.wire_dtype != "exact":  # the packed path reads and writes the tensors
+            from kvbridge.ops import kv_planes
+
+            planes = [kv_planes(kv_caches[name], geometry.spec.layout) for name in ordered]
+        self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
         log.info(
-            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s), side channel %s",
-            self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.endpoint.address,
+            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s), side channel %s",
+            self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.config.wire_dtype,
+            self.endpoint.address,
         )
 
     def handshake(self) -> KVBridgeHandshake | None:

@@ -1,0 +1,142 @@
+"""The packed data path (``wire_dtype: fp8``) of the runtime on the in-process loopback
+transport, with real torch KV caches on both sides: FP8 on the wire, layer by layer,
+unpacked into the decode cache; staging slots released exactly once; clear errors."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvbridge import ops
+from kvbridge.config import load_config
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.runtime.endpoint import Endpoint
+from kvbridge.transports.loopback import LoopbackTransport
+from kvbridge.wire.compat import CompatInfo
+
+L, N, BS, H, HD = 4, 48, 16, 2, 32
+SPEC = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused")
+_names = itertools.count()
+
+
+def make_cache(seed: int | None, num_blocks: int = N) -> tuple[torch.Tensor, CacheGeometry]:
+    """vLLM-CPU-shaped layers (num_blocks, heads, block_size, 2 * head_dim)."""
+    shape = (L, num_blocks, H, BS, 2 * HD)
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
+    geo = CacheGeometry(spec=SPEC, num_blocks=num_blocks, plane_bases=tuple(t[i].data_ptr() for i in range(L)))
+    return t, geo
+
+
+def endpoint(role: str, cache, wire_dtype: str = "fp8", **cfg) -> Endpoint:
+    t, geo = cache
+    config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5}, "wire_dtype": wire_dtype, **cfg})
+    planes = [ops.kv_planes(t[i], "fused") for i in range(L)]
+    return Endpoint(
+        config, geo, CompatInfo.from_spec(SPEC, model="m", wire_dtype=wire_dtype), role,
+        send=role == "P", receive=role == "D", transport=LoopbackTransport(f"{role}-{next(_names)}"), planes=planes,
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / a.norm()).item()
+
+
+@pytest.fixture
+def pd() -> Iterator[tuple]:
+    p, d = make_cache(1), make_cache(None)
+    P, D = endpoint("P", p), endpoint("D", d)
+    yield P, D, p[0], d[0]
+    D.close()
+    P.close()
+
+
+def _prefill(P: Endpoint, tid: str, blocks: list[int], n: int, chunks: tuple[int, ...]) -> None:
+    P.sender.track(tid, blocks, n)
+    for done in chunks:
+        for layer in range(L):
+            P.sender.layer_done(tid, layer, done)
+    P.sender.prefill_done(tid)
+
+
+def test_fp8_push_lands_every_layer_with_bounded_error_and_a_quarter_of_the_bytes(pd) -> None:
+    P, D, pa, da = pd
+    n, pblocks, dblocks = 200, list(range(13)), list(range(30, 43))  # 13 blocks, last partial
+    D.receiver.expect_push("r", P.address, dblocks, n)
+    _prefill(P, "r", pblocks, n, (64, n))
+    assert D.receiver.wait_finished(5) == (["r"], [])
+    assert P.sender.wait_released(5) == ["r"]
+    k_src, v_src = zip(*(ops.kv_planes(pa[i], "fused") for i in range(L)))
+    k_dst, v_dst = zip(*(ops.kv_planes(da[i], "fused") for i in range(L)))
+    for layer in range(L):
+        src = torch.cat([k_src[layer][pblocks].flatten(0, 1)[:n], v_src[layer][pblocks].flatten(0, 1)[:n]])
+        dst = torch.cat([k_dst[layer][dblocks].flatten(0, 1)[:n], v_dst[layer][dblocks].flatten(0, 1)[:n]])
+        assert 0 < rel_err(src, dst) < 0.04, layer
+    assert not da[:, :30].any() and not da[:, 43:].any(), "unpack wrote outside the destination"
+    sent = P.stats.take().bytes_sent
+    exact = L * len(pblocks) * SPEC.block_bytes  # what the exact path moves: K and V (fused)
+    assert 3.5 < exact / sent <= 4.0, exact / sent  # FP8 values + 4-byte scales per 32 values
+    assert D.stats.take().bytes_received == sent
+    for ep in (P, D):
+        assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
+
+
+def test_requests_wait_for_staging_slots_and_all_complete() -> None:
+    # 4 layers x 13 blocks = 52 slots per request; the decode buffer holds fewer than two
+    p, d = make_cache(1), make_cache(None)
+    slot = ops.PackedFormat(num_tokens=BS, num_heads=H, head_dim=HD, dtype="float8_e4m3fn", scaled=True, chunk_tokens=BS).nbytes
+    mb = -(-(60 * slot) // (1 << 20))
+    P, D = endpoint("P", p), endpoint("D", d, staging_mb=mb)
+    D.node.packed.allocator.alloc(D.node.packed.allocator.num_slots - 60)  # leave 60 slots
+    try:
+        for i, base in enumerate((0, 13, 26)):
+            D.receiver.expect_push(f"w{i}", P.address, list(range(base, base + 13)), 200)
+        for i, base in enumerate((0, 13, 26)):
+            _prefill(P, f"w{i}", list(range(base, base + 13)), 200, (200,))
+        finished: list[str] = []
+        for _ in range(3):
+            done, failed = D.receiver.wait_finished(5)
+            assert not failed
+            finished += done
+            if len(finished) == 3:
+                break
+        assert sorted(finished) == ["w0", "w1", "w2"]
+        assert D.node.packed.allocator.free_slots == 60
+    finally:
+        D.close()
+        P.close()
+
+
+def test_a_request_larger_than_the_staging_buffer_fails_naming_staging_mb(caplog: pytest.LogCaptureFixture) -> None:
+    p, d = make_cache(1, 160), make_cache(None, 160)
+    P, D = endpoint("P", p), endpoint("D", d, staging_mb=1)  # 455 slots of 2304 bytes
+    try:
+        assert D.node.packed.allocator.num_slots < 4 * 120
+        D.receiver.expect_push("big", P.address, list(range(120)), 120 * BS)
+        assert D.receiver.wait_finished(5) == ([], ["big"])
+        assert any("exceeds the staging buffer" in r.getMessage() and "raise staging_mb" in r.getMessage() for r in caplog.records)
+        assert D.node.packed.allocator.free_slots == D.node.packed.allocator.num_slots
+    finally:
+        D.close()
+        P.close()
+
+
+def test_fp8_needs_the_push_flow(caplog: pytest.LogCaptureFixture, pd) -> None:
+    P, D, _, _ = pd
+    P.sender.track("q", [1, 2], 20, pull=True)
+    D.receiver.expect_pull("q", P.address, P.epoch, [1, 2], [3, 4], 20)
+    assert D.receiver.wait_finished(5) == ([], ["q"])
+    assert any("needs the push flow" in r.getMessage() for r in caplog.records)
+
+
+def test_fp8_prefill_and_exact_decode_are_refused_naming_wire_dtype(caplog: pytest.LogCaptureFixture) -> None:
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), wire_dtype="exact")
+    try:
+        D.receiver.expect_push("i", P.address, [1], 10)
+        assert D.receiver.wait_finished(5) == ([], ["i"])
+        assert any("wire_dtype: ours='exact', peer='fp8'" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        D.close()
+        P.close()
