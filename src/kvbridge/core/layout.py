@@ -11,10 +11,11 @@ Vocabulary
 
 Layouts (shape of one block inside one plane, row-major)
 --------------------------------------------------------
-- ``fused``: ``(num_kv_heads, 2, block_size, head_dim)``: per KV head, the block's keys
-  then its values. vLLM's CPU backend allocates a layer as one tensor
-  ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)`` and reads it as
-  ``(num_blocks, num_kv_heads, 2 * block_size, head_dim)`` split in halves along dim 2.
+- ``fused``: per KV head, a half for the block's keys then a half for its values, each
+  ``block_size * head_dim`` elements. vLLM's CPU backend allocates a layer as one tensor
+  ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)`` and splits it in halves; the
+  order inside a half is its kernel's (the ``vec`` kernel keeps keys dim-major, values
+  token-major), so kvbridge moves fused blocks whole and never reads a token out of one.
 - ``nhd``: K and V planes, each block ``(block_size, num_kv_heads, head_dim)``. vLLM's
   FlashAttention layer tensor ``(2, num_blocks, block_size, num_kv_heads, head_dim)``;
   SGLang's per-layer ``k_buffer`` / ``v_buffer`` of ``(num_pages * page_size, heads, dim)``.

@@ -55,7 +55,8 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
     ``layout`` (see :mod:`kvbridge.core.layout`):
 
     - ``"fused"``: vLLM's CPU cache ``(num_blocks, num_heads, block_size, 2 * head_dim)``,
-      per head the block's keys then its values;
+      per head a keys half then a values half, each viewed as ``block_size`` rows of
+      ``head_dim`` (the CPU kernel's own order inside a half: pack such blocks whole);
     - ``"nhd"``: ``(2, num_blocks, block_size, num_heads, head_dim)``, or a pair of K and V
       tensors of ``(num_blocks, block_size, heads, dim)`` or, with ``block_size``, SGLang's
       ``(num_pages * page_size, heads, dim)``;

@@ -147,22 +147,27 @@ class PackedPath:
         """Bytes of slots ``[first, first + n)``."""
         return self.buffer[first * self.slot.nbytes : (first + n) * self.slot.nbytes]
 
-    def pack(self, layers: Sequence[int], block_ids: Sequence[int], num_tokens: int, first: int) -> None:
-        """Pack tokens ``[0, num_tokens)`` held by ``block_ids`` of each of ``layers``
-        into slots from ``first``: layer ``layers[i]``'s block ``j`` in slot
-        ``first + i * len(block_ids) + j``. Returns once the bytes are in place."""
+    def pack(self, layers: Sequence[int], block_ids: Sequence[int], first: int) -> None:
+        """Pack the whole ``block_ids`` of each of ``layers`` into slots from ``first``:
+        layer ``layers[i]``'s block ``j`` in slot ``first + i * len(block_ids) + j``.
+        Returns once the bytes are in place.
+
+        Whole blocks, like the exact path: the order of tokens inside a block is the
+        attention kernel's business (vLLM's CPU kernel keeps a block's keys dim-major),
+        so a block is moved as ``block_size`` opaque rows per head and plane, whatever
+        they hold; only a row's ``head_dim`` values must be contiguous."""
         from kvbridge import ops
 
         n = len(block_ids)
-        ops.pack([self.planes[l] for l in layers], block_ids, num_tokens, fp8=True, chunk_tokens=self.block_size, out=self.view(first, len(layers) * n))
+        ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, fp8=True, chunk_tokens=self.block_size, out=self.view(first, len(layers) * n))
         self._wait()
 
-    def unpack(self, layer: int, block_ids: Sequence[int], num_tokens: int, first: int) -> None:
-        """Unpack slots ``[first, first + len(block_ids))`` (``num_tokens`` tokens of one
-        layer) into ``block_ids`` of this cache. Returns once the cache holds them."""
+    def unpack(self, layer: int, block_ids: Sequence[int], first: int) -> None:
+        """Unpack slots ``[first, first + len(block_ids))`` of one layer into the whole
+        ``block_ids`` of this cache. Returns once the cache holds them."""
         from kvbridge import ops
 
-        fmt = self.slot._replace(num_tokens=num_tokens)
+        fmt = self.slot._replace(num_tokens=len(block_ids) * self.block_size)
         ops.unpack(self.view(first, len(block_ids)), fmt, self.planes[layer], block_ids)
         self._wait()
 
@@ -171,13 +176,6 @@ class PackedPath:
             import torch
 
             torch.cuda.current_stream(self.buffer.device).synchronize()
-
-    @staticmethod
-    def tokens(num_tokens: int, skip_tokens: int, block_size: int, first_block: int, num_blocks: int) -> int:
-        """Prompt tokens held by destination blocks ``[first_block, first_block +
-        num_blocks)`` of a request whose destination starts at ``skip_tokens``."""
-        start = skip_tokens + first_block * block_size
-        return max(0, min(num_blocks * block_size, num_tokens - start))
 
 
 __all__ = ["PackedPath", "SlotAllocator", "slot_format", "staging_descs"]

@@ -370,11 +370,10 @@ class Receiver:
         """Unpack the layers a ``LayerDone`` announced from our staging slots (the
         notifications thread; the request keeps its slots until it ends)."""
         packed = self.node.packed
-        bs, nb = self.node.geometry.spec.block_size, len(entry.block_ids)
-        tokens = packed.tokens(entry.num_tokens, entry.skip_tokens, bs, msg.first_block, msg.num_blocks)
+        nb = len(entry.block_ids)
         blocks = entry.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
         for layer in msg.layers:
-            packed.unpack(layer, blocks, tokens, slot + layer * nb + msg.first_block)
+            packed.unpack(layer, blocks, slot + layer * nb + msg.first_block)
 
     # --- control thread ------------------------------------------------------------------
 

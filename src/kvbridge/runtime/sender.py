@@ -362,8 +362,7 @@ class Sender:
             raise KVBridgeError(f"destination of {dest.transfer_id} has no staging slots for packed KV")
         skip = dest.skip_tokens // self._bs
         n, nb = end - start, len(dest.block_ids)
-        tokens = min(end * self._bs, out.num_tokens) - start * self._bs
-        packed.pack(layers, out.blocks[start:end], tokens, slot)
+        packed.pack(layers, out.blocks[start:end], slot)
         lidx = np.arange(slot, slot + len(layers) * n, dtype=np.int64)
         ridx = np.concatenate([dest.staging_slot + layer * nb + (start - skip) + np.arange(n, dtype=np.int64) for layer in layers])
         return packed.table, lidx, peer.staging, ridx
