@@ -82,7 +82,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.demo.run import run
 
     lengths = tuple(int(n) for n in args.prompt_tokens.split(","))
-    return run(args.transport, lengths, args.max_tokens, args.flow, Path(args.logs) if args.logs else None)
+    return run(args.transport, lengths, args.max_tokens, args.flow, Path(args.logs) if args.logs else None, args.wire_dtype)
 
 
 def _build_ops(args: argparse.Namespace) -> int:
@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", default="64,512,1024,2048", help="comma-separated prompt lengths")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
+    p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
     p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")

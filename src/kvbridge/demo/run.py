@@ -70,16 +70,27 @@ def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
     return out
 
 
-def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048), max_tokens: int = 32, flow: str = "push", logs: Path | None = None) -> int:
+def run(
+    transport: str = "nixl",
+    lengths: tuple[int, ...] = (64, 512, 1024, 2048),
+    max_tokens: int = 32,
+    flow: str = "push",
+    logs: Path | None = None,
+    wire_dtype: str = "exact",
+) -> int:
+    """The demonstration; exit status 0 when every disaggregated output equals the
+    colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
+    the near-tied logits of the random-weight demo model)."""
     console = Console()
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]kvbridge demo[/bold]: prefill/decode over {transport}, {flow} flow; logs in {logs}")
+    console.print(f"[bold]kvbridge demo[/bold]: prefill/decode over {transport}, {flow} flow, wire {wire_dtype}; logs in {logs}")
     model = build_tiny_model(default_model_dir())
     common = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
 
     def kv(role: str) -> list[str]:
-        return ["--kv-transfer-config", json.dumps({"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": {"transport": transport}})]
+        extra = {"transport": transport, "wire_dtype": wire_dtype}
+        return ["--kv-transfer-config", json.dumps({"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": extra})]
 
     # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1
     # (the reference runs while the decode instance idles), as if each had its own device
@@ -110,7 +121,9 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
             pd = stream(proxy_url, prompt, max_tokens)
             same = pd.token_ids == ref.token_ids
             matched += same
-            table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", "[green]yes[/green]" if same else "[red]NO[/red]")
+            equal = next((j for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
+            mark = "[green]yes[/green]" if same else (f"first {equal}" if wire_dtype != "exact" else "[red]NO[/red]")
+            table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", mark)
         console.print(table)
         after = wait_requests_sent(servers["prefill"].url, before, len(lengths))
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -127,6 +140,9 @@ def run(transport: str = "nixl", lengths: tuple[int, ...] = (64, 512, 1024, 2048
             f"[bold]{100 * hidden:.0f}% of the writing hidden behind prefill compute[/bold]"
         )
         console.print(f"outputs equal to the colocated instance: {matched}/{len(lengths)}")
+        if wire_dtype != "exact":
+            console.print("(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)")
+            return 0
         return 0 if matched == len(lengths) else 1
     finally:
         if proxy is not None:
