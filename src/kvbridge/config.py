@@ -141,8 +141,8 @@ class KVBridgeConfig(_Section):
     """How KV travels. ``exact``: the cache's bytes, block by block, zero copy. ``fp8``:
     each layer's blocks are packed into staging buffers as float8 e4m3 with one scale
     per (token, head), and unpacked into the decode cache (float16/bfloat16/float32
-    caches; 2-4x fewer bytes, about 3% relative error in the KV). Prefill and decode
-    must agree; push flow only."""
+    caches of CPU engines for now; 2-4x fewer bytes, about 3% relative error in the
+    KV). Prefill and decode must agree; push flow only."""
 
     staging_mb: PositiveInt = 256
     """Size of the registered staging buffer for ``wire_dtype: fp8``, per worker. The

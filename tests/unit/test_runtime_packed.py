@@ -140,3 +140,20 @@ def test_fp8_prefill_and_exact_decode_are_refused_naming_wire_dtype(caplog: pyte
     finally:
         D.close()
         P.close()
+
+
+def test_fp8_refuses_what_it_cannot_pack_with_the_fix() -> None:
+    import msgspec
+
+    from kvbridge.errors import ConfigError
+    from kvbridge.runtime.packed import PackedPath
+
+    t, geo = make_cache(1)
+    planes = [ops.kv_planes(t[i], "fused") for i in range(L)]
+    with LoopbackTransport("refusals") as tr:
+        fp8_cache = CacheGeometry(spec=msgspec.structs.replace(SPEC, dtype="float8_e4m3fn"), num_blocks=N, plane_bases=geo.plane_bases)
+        with pytest.raises(ConfigError, match="float16, bfloat16 or float32 caches"):
+            PackedPath(fp8_cache, planes, 1, tr)
+        elsewhere = [ops.kv_planes(torch.empty(N, H, BS, 2 * HD, device="meta"), "fused") for _ in range(L)]
+        with pytest.raises(ConfigError, match="use wire_dtype 'exact' on GPU instances"):
+            PackedPath(geo, elsewhere, 1, tr)

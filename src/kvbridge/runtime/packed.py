@@ -12,7 +12,8 @@ blocks into slots it allocates (:meth:`PackedPath.pack`) and frees them when the
 write settles; the receiver reserves a request's slots before sending its
 ``Destination``, unpacks each arrival (:meth:`PackedPath.unpack`) and frees the
 reservation when the request ends. Thread-safe allocator; pack / unpack run on the
-caller's thread (CPU: synchronously; CUDA: the call waits for its stream).
+caller's thread, synchronously. CPU caches only for now: on a GPU the sender would need
+each layer's compute event before packing it, which no adapter passes yet.
 """
 
 from __future__ import annotations
@@ -122,6 +123,14 @@ class PackedPath:
                 key="wire_dtype",
                 fix="use wire_dtype 'exact' (a float8 cache is already as small)",
             )
+        if planes and planes[0][0].device.type != "cpu":
+            # the engine computes a layer on its own stream: packing it needs that layer's
+            # compute event, which no engine adapter passes yet (the kernels are ready)
+            raise ConfigError(
+                "wire_dtype 'fp8' on GPU caches is not wired into the engine adapters yet",
+                key="wire_dtype",
+                fix="use wire_dtype 'exact' on GPU instances (kvbridge.ops packs GPU caches when called directly)",
+            )
         if len(planes) != spec.num_layers:
             raise ValueError(f"{len(planes)} layers of cache planes for a {spec.num_layers}-layer cache")
         self.geometry = geometry
@@ -150,7 +159,7 @@ class PackedPath:
     def pack(self, layers: Sequence[int], block_ids: Sequence[int], first: int) -> None:
         """Pack the whole ``block_ids`` of each of ``layers`` into slots from ``first``:
         layer ``layers[i]``'s block ``j`` in slot ``first + i * len(block_ids) + j``.
-        Returns once the bytes are in place.
+        Returns once the bytes are in place (CPU: the ops run synchronously).
 
         Whole blocks, like the exact path: the order of tokens inside a block is the
         attention kernel's business (vLLM's CPU kernel keeps a block's keys dim-major),
@@ -160,7 +169,6 @@ class PackedPath:
 
         n = len(block_ids)
         ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, fp8=True, chunk_tokens=self.block_size, out=self.view(first, len(layers) * n))
-        self._wait()
 
     def unpack(self, layer: int, block_ids: Sequence[int], first: int) -> None:
         """Unpack slots ``[first, first + len(block_ids))`` of one layer into the whole
@@ -169,13 +177,6 @@ class PackedPath:
 
         fmt = self.slot._replace(num_tokens=len(block_ids) * self.block_size)
         ops.unpack(self.view(first, len(block_ids)), fmt, self.planes[layer], block_ids)
-        self._wait()
-
-    def _wait(self) -> None:
-        if self.buffer.device.type == "cuda":  # the transport reads / the engine reads next
-            import torch
-
-            torch.cuda.current_stream(self.buffer.device).synchronize()
 
 
 __all__ = ["PackedPath", "SlotAllocator", "slot_format", "staging_descs"]
