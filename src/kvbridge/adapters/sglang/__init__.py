@@ -11,8 +11,9 @@ to a JSON file) with the keys of :class:`kvbridge.config.KVBridgeConfig`, e.g.
 identically for the prefill and decode servers.
 """
 
+from kvbridge.adapters.sglang.settings import CONFIG_ENV
+
 BACKEND_NAME = "kvbridge"
-CONFIG_ENV = "KVBRIDGE_CONFIG"
 
 
 def _classes():

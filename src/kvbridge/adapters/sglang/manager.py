@@ -29,7 +29,6 @@ new peer; the prefill's epoch is also part of its bootstrap registration.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -39,10 +38,10 @@ from typing import NamedTuple
 import numpy as np
 import zmq
 
-from kvbridge.adapters.sglang import CONFIG_ENV, compat
+from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
-from kvbridge.config import KVBridgeConfig, load_config
+from kvbridge.adapters.sglang.settings import config_from_env
 from kvbridge.errors import ConfigError, KVBridgeError, PlanError
 from kvbridge.transports.registry import create_transport
 
@@ -53,24 +52,6 @@ Mode = _c.DisaggregationMode
 
 _LOOP_POLL_MS = 200
 """Control loops wake at least this often to notice shutdown."""
-
-
-def config_from_env() -> KVBridgeConfig:
-    """The kvbridge config of this SGLang server: ``KVBRIDGE_CONFIG`` holds a JSON object
-    or ``@/path/to/config.json``; unset or empty means all defaults."""
-    raw = os.environ.get(CONFIG_ENV, "").strip()
-    if raw.startswith("@"):
-        try:
-            with open(raw[1:], encoding="utf-8") as f:
-                raw = f.read()
-        except OSError as exc:
-            raise ConfigError(f"{CONFIG_ENV}: cannot read {raw[1:]!r}: {exc}") from exc
-    cfg = load_config(raw or None)
-    if cfg.wire_dtype != "exact":
-        raise ConfigError(
-            "wire_dtype 'fp8' is not supported by the SGLang backend yet", key="wire_dtype", fix="use wire_dtype 'exact'"
-        )
-    return cfg
 
 
 def _has_state(state_indices) -> bool:
@@ -482,4 +463,4 @@ def classes():
     return KVBridgeKVManager, KVBridgeKVSender, KVBridgeKVReceiver, KVBridgeKVBootstrapServer
 
 
-__all__ = ["KVBridgeKVManager", "KVBridgeKVSender", "KVBridgeKVReceiver", "KVBridgeKVBootstrapServer", "classes", "config_from_env"]
+__all__ = ["KVBridgeKVManager", "KVBridgeKVSender", "KVBridgeKVReceiver", "KVBridgeKVBootstrapServer", "classes"]
