@@ -1,0 +1,138 @@
+"""SGLang's KV pool and metadata buffers as kvbridge descriptor tables. Pure; no I/O.
+
+SGLang describes its caches in ``KVArgs`` as flat lists (see
+docs/sglang-backend-notes.md §5):
+
+- ``kv_data_ptrs`` = ``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]``, one tensor per layer and
+  plane; ``kv_item_lens[i]`` is the bytes of one *page* of tensor ``i``, and page ``p``
+  of tensor ``i`` is at ``kv_data_ptrs[i] + p * kv_item_lens[i]`` (the MHA pool's
+  token-major ``(pages * page_size, heads, head_dim)`` buffers: layout ``nhd``).
+- ``aux_data_ptrs``: the metadata buffers (first token, logprobs, ..., room), one row
+  per request slot, ``aux_item_lens[j]`` bytes per row.
+
+:func:`kv_geometry` turns the first into a :class:`~kvbridge.core.layout.CacheGeometry`
+(planes reordered to kvbridge's (layer, plane) order), so slot tables and slot indices
+come from kvbridge's core. SGLang's decode does not know the head count or dtype
+(``KVArgs.kv_head_num`` is unset there), so the spec describes a page as opaque bytes:
+``uint8`` elements, one "head" of ``page_bytes / page_size`` per token. What a byte copy
+needs to agree on is exactly that, plus the page size; SGLang itself checks the KV dtype
+and layout of both sides before any transfer (``try_ensure_parallel_info``).
+
+>>> geo = kv_geometry(page_size=16, ptrs=[0x1000, 0x9000, 0x5000, 0xd000],
+...                   lens=[0x4000] * 4, item_lens=[0x800] * 4)
+>>> geo.spec.num_layers, geo.num_blocks, [hex(b) for b in geo.plane_bases]
+(2, 8, ['0x1000', '0x5000', '0x9000', '0xd000'])
+>>> geo.slots([3, 4]).tolist()        # layer 0 K, layer 0 V, layer 1 K, layer 1 V
+[3, 4, 11, 12, 19, 20, 27, 28]
+>>> aux = AuxLayout.build(ptrs=[0x100, 0x900], lens=[64, 128], item_lens=[16, 32])
+>>> aux.rows, aux.slots(2, count=2).tolist()
+(4, [2, 6])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvbridge.core.layout import CacheGeometry, CacheSpec, MemoryKind
+from kvbridge.errors import PlanError
+
+
+def kv_geometry(
+    *,
+    page_size: int,
+    ptrs: Sequence[int],
+    lens: Sequence[int],
+    item_lens: Sequence[int],
+    memory: MemoryKind = "host",
+    device: int = 0,
+) -> CacheGeometry:
+    """The geometry of an SGLang MHA KV pool from its ``KVArgs`` lists.
+
+    Raises:
+        PlanError: the pool is not one K and one V tensor per layer with equal pages
+            (MLA, hybrid or draft pools are not supported by this backend yet).
+    """
+    n = len(ptrs)
+    if n == 0 or n % 2 or len(lens) != n or len(item_lens) != n:
+        raise PlanError(
+            f"SGLang KV pool has {n} buffers ({len(lens)} lengths, {len(item_lens)} page sizes); "
+            "kvbridge supports MHA pools: one K and one V buffer per layer"
+        )
+    if len(set(item_lens)) != 1 or len(set(lens)) != 1:
+        raise PlanError(
+            "SGLang KV pool buffers differ in page bytes or length "
+            f"(page bytes {sorted(set(item_lens))}, lengths {sorted(set(lens))}); "
+            "kvbridge supports MHA pools with equal layers (no MLA, hybrid or draft pools yet)"
+        )
+    page_bytes = int(item_lens[0])
+    if page_size <= 0 or page_bytes % page_size:
+        raise PlanError(f"page bytes {page_bytes} are not a multiple of page_size {page_size}")
+    layers = n // 2
+    spec = CacheSpec(
+        num_layers=layers,
+        block_size=page_size,
+        num_kv_heads=1,
+        head_dim=page_bytes // page_size,
+        dtype="uint8",
+        layout="nhd",
+    )
+    bases = tuple(int(ptrs[plane * layers + layer]) for layer in range(layers) for plane in (0, 1))
+    return CacheGeometry(
+        spec=spec, num_blocks=int(lens[0]) // page_bytes, plane_bases=bases, memory=memory, device=device
+    )
+
+
+class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """SGLang's metadata buffers as one descriptor table: buffer ``j``'s row ``r`` is
+    slot ``j * rows + r``. Both sides pair buffers by position."""
+
+    ptrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    rows: int
+
+    @classmethod
+    def build(cls, *, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]) -> AuxLayout:
+        if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
+            raise PlanError(f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} row sizes")
+        rows = {int(length) // int(item) for length, item in zip(lens, item_lens)}
+        if len(rows) != 1:
+            raise PlanError(f"metadata buffers have different row counts: {sorted(rows)}")
+        return cls(ptrs=tuple(int(p) for p in ptrs), item_lens=tuple(int(i) for i in item_lens), rows=rows.pop())
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(p, item * self.rows) for p, item in zip(self.ptrs, self.item_lens)]
+
+    def table(self, device: int = 0) -> np.ndarray:
+        """``(buffers * rows, 3)`` uint64 descriptors ``(address, length, device)``."""
+        rows = np.arange(self.rows, dtype=np.uint64)
+        out = np.empty((len(self.ptrs) * self.rows, 3), dtype=np.uint64)
+        for j, (ptr, item) in enumerate(zip(self.ptrs, self.item_lens)):
+            part = out[j * self.rows : (j + 1) * self.rows]
+            part[:, 0] = np.uint64(ptr) + rows * np.uint64(item)
+            part[:, 1] = item
+            part[:, 2] = device
+        return out
+
+    def slots(self, row: int, count: int | None = None) -> np.ndarray:
+        """Slot indices of ``row`` in the first ``count`` buffers (default all)."""
+        count = len(self.ptrs) if count is None else count
+        if not 0 <= row < self.rows:
+            raise PlanError(f"metadata row {row} out of range [0, {self.rows})")
+        return np.arange(count, dtype=np.int64) * self.rows + row
+
+
+def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
+    """How many leading metadata buffers both sides have with equal row sizes (SGLang
+    pairs them by position and transfers the shorter list)."""
+    count = 0
+    for a, b in zip(local.item_lens, remote.item_lens):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+__all__ = ["AuxLayout", "kv_geometry", "paired_count"]

@@ -1,0 +1,138 @@
+"""kvbridge's messages between SGLang prefill and decode ranks. Pure; no I/O.
+
+They travel on SGLang's own control channel (each rank's ZMQ PULL socket, see
+:mod:`.manager`) as two frames ``[TAG, msgpack]`` next to SGLang's untagged status,
+``ABORT`` and ``ABORT_ACK`` frames; :class:`Done` travels as a transport notification,
+delivered only once the data posted with it has landed.
+
+- :class:`Registration` (decode -> prefill, once per peer): the decode rank's transport
+  metadata, cache geometry and metadata buffers, and its instance epoch.
+- :class:`Destination` (decode -> prefill, per request): the pages and metadata row the
+  decode allocated for a room (SGLang's pre-allocation handshake).
+- :class:`Done` (prefill -> decode, per request): every page and the metadata row of
+  the room have landed.
+
+Network input is decoded into these typed Structs once, at the boundary; a malformed or
+foreign message raises :class:`~kvbridge.errors.WireError`.
+
+>>> msg = Destination(room=7, agent="d", ip="127.0.0.1", port=5, pages=encode_pages([3, 4]),
+...                   aux_index=1, required_dst_info_num=1)
+>>> frames = encode(msg)
+>>> frames[0] == TAG
+True
+>>> got = decode(frames)
+>>> got.room, decode_pages(got.pages).tolist()
+(7, [3, 4])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from kvbridge.adapters.sglang.layout import AuxLayout
+from kvbridge.core.layout import CacheGeometry
+from kvbridge.errors import WireError
+
+PROTOCOL = 1
+TAG = b"KVBRIDGE/%d" % PROTOCOL
+"""First frame of every kvbridge control message (carries the protocol version)."""
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
+    agent: str
+    """The decode rank's transport agent name (includes its epoch)."""
+    epoch: str
+    transport: str
+    transport_md: bytes
+    geometry: CacheGeometry
+    aux: AuxLayout
+    ip: str
+    port: int
+    """The decode rank's control socket (SGLang's ``rank_port``)."""
+
+
+class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
+    room: int
+    agent: str
+    ip: str
+    port: int
+    pages: bytes
+    """Destination page ids, little-endian int32 (:func:`encode_pages`)."""
+    aux_index: Union[int, None]
+    required_dst_info_num: int
+    decode_prefix_len: Union[int, None] = None
+    is_dummy: bool = False
+
+
+class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
+    room: int
+    prefill_rank: int
+    epoch: str
+
+
+Message = Union[Registration, Destination, Done]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_pages(pages: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(pages, dtype="<i4").tobytes()
+
+
+def decode_pages(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise WireError(f"page list of {len(data)} bytes is not a list of int32")
+    return np.frombuffer(data, dtype="<i4").astype(np.int64)
+
+
+def encode(msg: Message) -> list[bytes]:
+    return [TAG, _encoder.encode(msg)]
+
+
+def encode_payload(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_payload(data: bytes) -> Message:
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"malformed kvbridge message: {exc}") from exc
+
+
+def is_ours(frames: Sequence[bytes]) -> bool:
+    return bool(frames) and frames[0].startswith(b"KVBRIDGE/")
+
+
+def decode(frames: Sequence[bytes]) -> Message:
+    """Decode ``[TAG, payload]``; a different protocol version is refused by name."""
+    if len(frames) != 2 or not is_ours(frames):
+        raise WireError(f"not a kvbridge control message ({len(frames)} frames)")
+    if frames[0] != TAG:
+        raise WireError(
+            f"peer speaks {frames[0].decode(errors='replace')}, this instance {TAG.decode()}: "
+            "run the same kvbridge version on prefill and decode"
+        )
+    return decode_payload(frames[1])
+
+
+__all__ = [
+    "PROTOCOL",
+    "TAG",
+    "Destination",
+    "Done",
+    "Message",
+    "Registration",
+    "decode",
+    "decode_pages",
+    "decode_payload",
+    "encode",
+    "encode_pages",
+    "encode_payload",
+    "is_ours",
+]

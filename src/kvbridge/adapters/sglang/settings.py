@@ -1,0 +1,45 @@
+"""How SGLang users configure kvbridge: the ``KVBRIDGE_CONFIG`` environment variable.
+
+SGLang 0.5.23 has no per-backend option for ``--disaggregation-transfer-backend``, so
+the prefill and decode servers read kvbridge's config (the keys of
+:class:`kvbridge.config.KVBridgeConfig`, checked strictly) from the environment: a JSON
+object, or ``@path`` to a JSON file. Unset or empty: all defaults (NIXL).
+
+>>> config_from_env({"KVBRIDGE_CONFIG": '{"transport": "mooncake"}'}).transport
+'mooncake'
+>>> config_from_env({}).transport
+'nixl'
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from kvbridge.config import KVBridgeConfig, load_config
+from kvbridge.errors import ConfigError
+
+CONFIG_ENV = "KVBRIDGE_CONFIG"
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> KVBridgeConfig:
+    """The kvbridge config of this SGLang server (raises :class:`ConfigError`)."""
+    raw = (os.environ if environ is None else environ).get(CONFIG_ENV, "").strip()
+    if raw.startswith("@"):
+        try:
+            with open(raw[1:], encoding="utf-8") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise ConfigError(f"{CONFIG_ENV}: cannot read {raw[1:]!r}: {exc}", key=CONFIG_ENV) from exc
+    try:
+        cfg = load_config(raw or None)
+    except ConfigError as exc:
+        raise ConfigError(f"{CONFIG_ENV}: {exc.message}", key=exc.key, fix=exc.fix) from exc
+    if cfg.wire_dtype != "exact":
+        raise ConfigError(
+            "wire_dtype 'fp8' is not supported by the SGLang backend yet", key="wire_dtype", fix="use wire_dtype 'exact'"
+        )
+    return cfg
+
+
+__all__ = ["CONFIG_ENV", "config_from_env"]

@@ -1,0 +1,136 @@
+"""The SGLang backend's pure parts (no SGLang needed): KV pool geometry checked against
+numpy buffers shaped like SGLang's MHA pool, metadata rows, messages, configuration."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import numpy as np
+import pytest
+
+from kvbridge.adapters.sglang import messages as wire
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
+from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env
+from kvbridge.errors import ConfigError, PlanError, WireError
+
+LAYERS, PAGES, PAGE, HEADS, DIM = 3, 9, 4, 2, 8
+
+
+def sglang_pool(seed: int):
+    """Per-layer K and V buffers of ``(PAGES * PAGE, HEADS, DIM)`` float16, and KVArgs'
+    lists for them (``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]``)."""
+    rng = np.random.default_rng(seed)
+    k = [rng.standard_normal((PAGES * PAGE, HEADS, DIM)).astype(np.float16) for _ in range(LAYERS)]
+    v = [rng.standard_normal((PAGES * PAGE, HEADS, DIM)).astype(np.float16) for _ in range(LAYERS)]
+    bufs = k + v
+    ptrs = [b.ctypes.data for b in bufs]
+    lens = [b.nbytes for b in bufs]
+    item = [PAGE * HEADS * DIM * 2] * len(bufs)
+    return k, v, ptrs, lens, item
+
+
+def test_slots_address_the_pages_numpy_indexing_gives() -> None:
+    k, v, ptrs, lens, item = sglang_pool(0)
+    geo = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
+    assert geo.spec.num_layers == LAYERS and geo.num_blocks == PAGES
+    table = geo.slot_table()
+    pages = [5, 2, 7]
+    slots = geo.slots(pages)
+    # layer-major, then K/V, then position in the page list
+    expected = [
+        (plane[layer][p * PAGE : (p + 1) * PAGE]).tobytes()
+        for layer in range(LAYERS)
+        for plane in (k, v)
+        for p in pages
+    ]
+    got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in slots]
+    assert got == expected
+
+
+def test_two_pools_pair_position_by_position() -> None:
+    """Slots of a source and a destination pool of different sizes pair up page for page."""
+    _, _, ptrs, lens, item = sglang_pool(1)
+    src = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
+    dst = kv_geometry(page_size=PAGE, ptrs=[p + 10**6 for p in ptrs], lens=[n * 2 for n in lens], item_lens=item)
+    assert src.spec == dst.spec and dst.num_blocks == 2 * PAGES
+    a, b = src.slots([1, 2]), dst.slots([7, 3])
+    assert len(a) == len(b) == LAYERS * 2 * 2
+    for i, j in zip(a, b):
+        assert divmod(int(i), src.num_blocks)[0] == divmod(int(j), dst.num_blocks)[0]  # same (layer, plane)
+
+
+@pytest.mark.parametrize(
+    "ptrs, lens, item",
+    [
+        ([1, 2, 3], [64] * 3, [16] * 3),  # odd number of buffers
+        ([1, 2], [64, 128], [16, 16]),  # layers differ in length
+        ([1, 2], [64, 64], [16, 32]),  # layers differ in page bytes
+    ],
+)
+def test_unsupported_pools_are_refused(ptrs, lens, item) -> None:
+    with pytest.raises(PlanError, match="MHA"):
+        kv_geometry(page_size=4, ptrs=ptrs, lens=lens, item_lens=item)
+
+
+def test_aux_rows() -> None:
+    ids = np.zeros((6, 16), dtype=np.int32)
+    room = np.zeros((6, 8), dtype=np.uint64)
+    aux = AuxLayout.build(ptrs=[ids.ctypes.data, room.ctypes.data], lens=[ids.nbytes, room.nbytes], item_lens=[64, 64])
+    ids[4, 0], room[4, 0] = 123, 99
+    table = aux.table()
+    got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in aux.slots(4)]
+    assert got == [ids[4].tobytes(), room[4].tobytes()]
+    assert aux.regions() == [(ids.ctypes.data, ids.nbytes), (room.ctypes.data, room.nbytes)]
+    with pytest.raises(PlanError):
+        aux.slots(6)
+
+
+def test_aux_pairing_stops_at_the_first_difference() -> None:
+    a = AuxLayout(ptrs=(1, 2, 3), item_lens=(64, 64, 128), rows=4)
+    assert paired_count(a, AuxLayout(ptrs=(9, 8), item_lens=(64, 64), rows=8)) == 2
+    assert paired_count(a, AuxLayout(ptrs=(9, 8, 7), item_lens=(64, 32, 128), rows=8)) == 1
+
+
+def test_messages_round_trip_and_refuse_foreign_frames() -> None:
+    _, _, ptrs, lens, item = sglang_pool(2)
+    geo = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
+    reg = wire.Registration(
+        agent="sglang-decode-r0-abc", epoch="abc", transport="nixl", transport_md=b"\x00md", geometry=geo,
+        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3), ip="127.0.0.1", port=5555,
+    )
+    assert wire.decode(wire.encode(reg)) == reg
+    done = wire.Done(room=2**62, prefill_rank=0, epoch="e")
+    assert wire.decode_payload(wire.encode_payload(done)) == done
+    with pytest.raises(WireError, match="same kvbridge version"):
+        wire.decode([b"KVBRIDGE/999", wire.encode_payload(done)])
+    with pytest.raises(WireError):
+        wire.decode([b"ABORT", b"1"])
+    with pytest.raises(WireError):
+        wire.decode_payload(b"\x93garbage")
+    with pytest.raises(WireError):
+        wire.decode_pages(b"\x01\x02\x03")
+
+
+def test_config_from_env(tmp_path) -> None:
+    assert config_from_env({}).transport == "nixl"
+    assert config_from_env({CONFIG_ENV: '{"transport": "mooncake"}'}).transport == "mooncake"
+    path = tmp_path / "kvb.json"
+    path.write_text(json.dumps({"transport": "mooncake", "timeouts": {"transfer_s": 5}}))
+    cfg = config_from_env({CONFIG_ENV: f"@{path}"})
+    assert (cfg.transport, cfg.timeouts.transfer_s) == ("mooncake", 5.0)
+    with pytest.raises(ConfigError, match="KVBRIDGE_CONFIG.*transprot"):
+        config_from_env({CONFIG_ENV: '{"transprot": "nixl"}'})
+    with pytest.raises(ConfigError, match="cannot read"):
+        config_from_env({CONFIG_ENV: f"@{tmp_path / 'missing.json'}"})
+    with pytest.raises(ConfigError, match="fp8"):
+        config_from_env({CONFIG_ENV: '{"wire_dtype": "fp8"}'})
+
+
+def test_importing_the_adapter_imports_no_sglang() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvbridge.adapters.sglang, kvbridge.adapters.sglang.messages; print('sglang' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
