@@ -24,19 +24,6 @@ BACKENDS = ("mooncake_cpu", "nixl_cpu")
 _classes: dict = {}
 
 
-def _extend_enum(enum_cls, name: str, value: str) -> None:
-    """Add a member to SGLang's ``TransferBackend`` enum (it has no registration API:
-    every scheduler converts the flag with ``TransferBackend(value)``)."""
-    if value in enum_cls._value2member_map_:
-        return
-    member = object.__new__(enum_cls)
-    member._name_, member._value_ = name, value
-    type.__setattr__(enum_cls, name, member)
-    enum_cls._member_map_[name] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(name)
-
-
 def _build() -> None:
     from sglang.srt.disaggregation.mooncake.conn import (
         MooncakeKVBootstrapServer,
@@ -74,31 +61,21 @@ def _build() -> None:
     _classes["nixl_cpu"] = (NixlCpuKVManager, NixlKVSender, NixlKVReceiver, NixlKVBootstrapServer)
 
 
-def _get_kv_class(original, transfer_backend, class_type):
-    from sglang.srt.disaggregation.utils import KVClassType
-
-    if transfer_backend.value not in BACKENDS or class_type == KVClassType.KVARGS:
-        return original(transfer_backend, class_type)
+def _classes_of(name: str):
     if not _classes:
         _build()
-    manager, sender, receiver, bootstrap = _classes[transfer_backend.value]
-    return {
-        KVClassType.MANAGER: manager,
-        KVClassType.SENDER: sender,
-        KVClassType.RECEIVER: receiver,
-        KVClassType.BOOTSTRAP_SERVER: bootstrap,
-    }[class_type]
+    return _classes[name]
 
 
 def register() -> None:
-    """Entry point (group ``sglang.srt.plugins``), run in every SGLang process."""
-    from sglang.srt.arg_groups.choices import add_disagg_transfer_backend_choices
+    """Entry point (group ``sglang.srt.plugins``), run in every SGLang process. Registers
+    through kvbridge's own SGLang shims (the same enum member and ``get_kv_class`` hook
+    as the ``kvbridge`` backend)."""
+    from kvbridge.adapters.sglang import compat
     from sglang.srt.disaggregation.utils import TransferBackend
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    add_disagg_transfer_backend_choices([b for b in BACKENDS if b not in TransferBackend._value2member_map_])
-    for value in BACKENDS:
-        _extend_enum(TransferBackend, value.upper(), value)
-    HookRegistry.register(
-        "sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND
-    )
+    for name in BACKENDS:
+        if name in TransferBackend._value2member_map_:
+            continue
+        compat.add_transfer_backend(name)
+        compat.hook_get_kv_class(name, lambda name=name: _classes_of(name))
