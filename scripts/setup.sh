@@ -9,22 +9,14 @@ cd "$(dirname "$0")/.."
 VENV=.venv
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.kvbridge-setup"
-inputs_hash=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+inputs_hash=$(cat pyproject.toml scripts/setup.sh scripts/debian-packages.sh | sha256sum | cut -c1-16)
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 # --- system packages: Mooncake's transfer engine links libibverbs and libnl ------------
-DEBS="libibverbs1 libnl-3-200 libnl-route-3-200"
-missing=""
-for p in $DEBS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
-if [ -n "$missing" ]; then
-  if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else
-    echo "missing Debian packages:$missing; install them as root: apt-get install -y$missing" >&2; exit 1
-  fi
-  log "installing Debian packages:$missing"
-  $SUDO apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q $missing >/dev/null
-fi
+# shellcheck source=scripts/debian-packages.sh
+source scripts/debian-packages.sh
+ensure_debian_packages
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ]; then
   log "environment is up to date ($VENV)"
