@@ -192,6 +192,25 @@ Packed regions(const at::Tensor& buf, int64_t num_tokens, int64_t chunk_tokens, 
   return Packed{buf.data_ptr(), chunks * chunk_bytes, chunk_bytes, scaled ? scales_offset : -1};
 }
 
+// The packed side of a call, shared by pack and unpack (after check_planes): the regions'
+// layout in `buf` (size and alignment checked), the chunk length the kernels use, and
+// whether 16-byte accesses are possible.
+struct Buffer {
+  Packed regions;
+  bool vector;
+};
+
+Buffer check_regions(Checked& c, at::TensorList k, const at::Tensor& buf, const char* what, int64_t chunk_tokens,
+                     int64_t num_tokens, int64_t num_heads, int64_t cache_elem, int64_t packed_elem, bool scaled) {
+  KVB_CHECK(chunk_tokens >= 0, "kvbridge: chunk_tokens must be >= 0, got ", chunk_tokens);
+  const Packed p = regions(buf, num_tokens, chunk_tokens, num_heads, k[0].size(3), packed_elem, scaled);
+  c.shape.chunk_tokens = static_cast<int>(chunk_tokens > 0 ? chunk_tokens : std::max<int64_t>(num_tokens, 1));
+  check_buffer(buf, k[0], p.region_bytes * static_cast<int64_t>(k.size()), what);
+  const bool vec = vector_ok(c.paged, k[0], cache_elem, packed_elem);
+  check_head_dim(k[0].size(3), cache_elem, packed_elem, vec);
+  return Buffer{p, vec};
+}
+
 void pack(at::TensorList k, at::TensorList v, const at::Tensor& block_ids, int64_t num_tokens, int64_t head_start,
           int64_t num_heads, bool fp8, int64_t chunk_tokens, const at::Tensor& out) {
   KVB_CHECK(!k.empty(), "kvbridge: no layers to pack");
@@ -201,13 +220,9 @@ void pack(at::TensorList k, at::TensorList v, const at::Tensor& block_ids, int64
   KVB_CHECK(!(fp8 && c.dtype == Dtype::kF8E4M3),
               "kvbridge: the cache is already float8; pack it with fp8=False (its bytes are copied as they are)");
   const int64_t cache_elem = k[0].element_size(), packed_elem = fp8 ? 1 : cache_elem;
-  KVB_CHECK(chunk_tokens >= 0, "kvbridge: chunk_tokens must be >= 0, got ", chunk_tokens);
-  const Packed dst = regions(out, num_tokens, chunk_tokens, num_heads, k[0].size(3), packed_elem, fp8);
-  c.shape.chunk_tokens = static_cast<int>(chunk_tokens > 0 ? chunk_tokens : std::max<int64_t>(num_tokens, 1));
-  check_buffer(out, k[0], dst.region_bytes * static_cast<int64_t>(k.size()), "out");
-  const bool vec = vector_ok(c.paged, k[0], cache_elem, packed_elem);
-  check_head_dim(k[0].size(3), cache_elem, packed_elem, vec);
-  const cudaError_t err = launch_pack(c.paged, dst, c.shape, c.dtype, fp8, vec, num_sms(), at::cuda::getCurrentCUDAStream());
+  const Buffer dst = check_regions(c, k, out, "out", chunk_tokens, num_tokens, num_heads, cache_elem, packed_elem, fp8);
+  const cudaError_t err =
+      launch_pack(c.paged, dst.regions, c.shape, c.dtype, fp8, dst.vector, num_sms(), at::cuda::getCurrentCUDAStream());
   KVB_CHECK(err == cudaSuccess, "kvbridge: pack kernel launch failed: ", cudaGetErrorString(err));
 }
 
@@ -228,14 +243,9 @@ void unpack(const at::Tensor& packed, at::ScalarType packed_dtype, bool scaled, 
                 packed_dtype, " into ", k[0].scalar_type());
   }
   const int64_t cache_elem = k[0].element_size(), packed_elem = c10::elementSize(packed_dtype);
-  KVB_CHECK(chunk_tokens >= 0, "kvbridge: chunk_tokens must be >= 0, got ", chunk_tokens);
-  const Packed src = regions(packed, num_tokens, chunk_tokens, num_heads, k[0].size(3), packed_elem, scaled);
-  c.shape.chunk_tokens = static_cast<int>(chunk_tokens > 0 ? chunk_tokens : std::max<int64_t>(num_tokens, 1));
-  check_buffer(packed, k[0], src.region_bytes * static_cast<int64_t>(k.size()), "packed");
-  const bool vec = vector_ok(c.paged, k[0], cache_elem, packed_elem);
-  check_head_dim(k[0].size(3), cache_elem, packed_elem, vec);
-  const cudaError_t err =
-      launch_unpack(src, pd, scaled, c.paged, c.shape, c.dtype, vec, num_sms(), at::cuda::getCurrentCUDAStream());
+  const Buffer src = check_regions(c, k, packed, "packed", chunk_tokens, num_tokens, num_heads, cache_elem, packed_elem, scaled);
+  const cudaError_t err = launch_unpack(src.regions, pd, scaled, c.paged, c.shape, c.dtype, src.vector, num_sms(),
+                                        at::cuda::getCurrentCUDAStream());
   KVB_CHECK(err == cudaSuccess, "kvbridge: unpack kernel launch failed: ", cudaGetErrorString(err));
 }
 
