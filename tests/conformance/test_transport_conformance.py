@@ -275,7 +275,7 @@ def test_close_releases_everything_and_stops_threads(transport_name: str) -> Non
         report = other.call("close")
         (base_py, base_os), (after_py, after_os) = report["baseline"], report["after"]
         assert after_py == base_py, "python threads left running after close"
-        assert after_os <= base_os, f"OS threads: {base_os} before the transport, {after_os} after close"
+        assert after_os <= base_os, f"OS threads: {base_os} before the transport, {after_os} after close: {report['os_thread_names']}"
 
 
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "not-closed"])

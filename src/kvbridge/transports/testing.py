@@ -42,6 +42,18 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def os_thread_names() -> list[str]:
+    """Names of this process's OS threads (what a leak report should show)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread exited meanwhile
+            pass
+    return sorted(names)
+
+
 def py_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate())
 
@@ -78,7 +90,7 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
         deadline = time.monotonic() + 5
         while os_threads() > baseline[1] and time.monotonic() < deadline:
             time.sleep(0.01)
-        return {"baseline": baseline, "after": (py_threads(), os_threads())}
+        return {"baseline": baseline, "after": (py_threads(), os_threads()), "os_thread_names": os_thread_names()}
 
     commands = {
         "add_peer": lambda md: t.add_peer(md),
