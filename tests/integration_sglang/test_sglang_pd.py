@@ -141,13 +141,6 @@ def _generate(url: str, input_ids: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvbridge.demo.model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
-
-
-@pytest.fixture(scope="session")
 def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory):
     proc = _server("colocated", model, tmp_path_factory.mktemp("colocated"), [], _server_env())
     try:

@@ -11,6 +11,7 @@ import pytest
 
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
+from kvbridge.adapters.sglang.lifecycle import EpochWatcher, InstanceEpoch, Tombstones, Verdict, decode_epoch, encode_epoch, rank_key
 from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env
 from kvbridge.errors import ConfigError, PlanError, WireError
 
@@ -134,3 +135,66 @@ def test_importing_the_adapter_imports_no_sglang() -> None:
     code = "import sys, kvbridge.adapters.sglang, kvbridge.adapters.sglang.messages; print('sglang' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+# --- restart and abort bookkeeping (lifecycle.py) -----------------------------------------
+
+
+def _epoch(instance: str, ranks: dict[str, str] | None = None, ready: bool = True) -> InstanceEpoch:
+    return InstanceEpoch(instance=instance, ranks=ranks or {}, ready=ready)
+
+
+def test_watcher_sees_a_restart_as_a_new_instance_and_forgets_it() -> None:
+    w = EpochWatcher()
+    w.remember("p:1", _epoch("a", {"dp0/cp0/tp0/pp0": "x"}))
+    assert w.observe("p:1", _epoch("a", {"dp0/cp0/tp0/pp0": "x"})) is Verdict.SAME
+    # same bootstrap server, a rank re-registered with another epoch: also a new instance
+    assert w.observe("p:1", _epoch("a", {"dp0/cp0/tp0/pp0": "y"})) is Verdict.RESTARTED
+    assert w.known("p:1") is None
+    # the next answer is recorded as the new instance
+    assert w.observe("p:1", _epoch("b", {"dp0/cp0/tp0/pp0": "z"})) is Verdict.FIRST
+    assert w.observe("p:1", _epoch("b", {"dp0/cp0/tp0/pp0": "z"})) is Verdict.SAME
+    assert w.observe("p:1", _epoch("c")) is Verdict.RESTARTED
+
+
+def test_watcher_does_not_record_a_half_registered_instance() -> None:
+    w = EpochWatcher()
+    assert w.observe("p:1", _epoch("a", {"dp0/cp0/tp0/pp0": "x"}, ready=False)) is Verdict.FIRST
+    assert w.known("p:1") is None
+    full = _epoch("a", {"dp0/cp0/tp0/pp0": "x", "dp0/cp0/tp1/pp0": "y"})
+    assert w.observe("p:1", full) is Verdict.FIRST
+    assert w.observe("p:1", full) is Verdict.SAME
+    # a restarting instance that is not ready yet is still another instance
+    assert w.observe("p:1", _epoch("b", ready=False)) is Verdict.RESTARTED
+
+
+def test_watcher_declares_down_only_after_consecutive_refusals() -> None:
+    w = EpochWatcher(refusals_for_down=2)
+    w.remember("p:1", _epoch("a"))
+    assert w.observe("p:1", None) is Verdict.UNANSWERED  # timed out: busy, not dead
+    assert w.observe("p:1", None, refused=True) is Verdict.UNANSWERED
+    assert w.observe("p:1", _epoch("a")) is Verdict.SAME  # an answer resets the count
+    assert w.observe("p:1", None, refused=True) is Verdict.UNANSWERED
+    assert w.observe("p:1", None, refused=True) is Verdict.DOWN
+    assert w.known("p:1") is None and w.addresses() == set()
+
+
+def test_epoch_document_round_trips_and_refuses_garbage() -> None:
+    doc = _epoch("a", {rank_key(dp=0, cp=0, tp=1, pp=0): "x"})
+    assert decode_epoch(encode_epoch(doc)) == doc
+    assert decode_epoch(encode_epoch(doc)).ranks == {"dp0/cp0/tp1/pp0": "x"}
+    for bad in (b"not json", b'{"ranks": {}}', b'{"instance": 3}', b"[]"):
+        with pytest.raises(WireError):
+            decode_epoch(bad)
+
+
+def test_tombstones_remember_recent_aborts_only() -> None:
+    t = Tombstones(capacity=3)
+    for room in (1, 2, 3):
+        t.add(room, f"aborted {room}")
+    assert t.reason(2) == "aborted 2"
+    t.add(1, "again")  # refreshed: now the newest
+    t.add(4, "aborted 4")  # evicts the oldest, 2
+    assert t.reason(2) is None
+    assert [t.reason(r) for r in (1, 3, 4)] == ["again", "aborted 3", "aborted 4"]
+    assert len(t) == 3

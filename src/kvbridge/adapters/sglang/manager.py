@@ -23,7 +23,11 @@ acks. What kvbridge adds:
 Every wait is bounded: transfers by ``timeouts.transfer_s``, thread loops poll with
 short timeouts, SGLang's own bootstrap/waiting timeouts and heartbeat cover the rest.
 Peers are transport agents named with an instance epoch, so a restarted instance is a
-new peer; the prefill's epoch is also part of its bootstrap registration.
+new peer. Restarts and aborts (:mod:`.lifecycle`): the prefill registers its epoch with
+its bootstrap server, which serves the instance's epochs; the decode polls them every
+``timeouts.heartbeat_s`` and drops a restarted or refusing prefill at once (failing its
+in-flight rooms, so the next request bootstraps anew instead of hanging). A room
+aborted on the prefill tells the decode (now, or when its destination arrives late).
 """
 
 from __future__ import annotations
@@ -36,13 +40,24 @@ import uuid
 from typing import NamedTuple
 
 import numpy as np
+import requests
 import zmq
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
+from kvbridge.adapters.sglang.lifecycle import (
+    EPOCH_PATH,
+    EpochWatcher,
+    InstanceEpoch,
+    Tombstones,
+    Verdict,
+    decode_epoch,
+    encode_epoch,
+    rank_key,
+)
 from kvbridge.adapters.sglang.settings import config_from_env
-from kvbridge.errors import ConfigError, KVBridgeError, PlanError
+from kvbridge.errors import ConfigError, DeadlineExceeded, KVBridgeError, PlanError
 from kvbridge.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
@@ -52,6 +67,26 @@ Mode = _c.DisaggregationMode
 
 _LOOP_POLL_MS = 200
 """Control loops wake at least this often to notice shutdown."""
+
+
+def fetch_epoch(addr: str, timeout: float) -> tuple[InstanceEpoch | None, bool]:
+    """``(epoch, refused)`` of the prefill whose bootstrap server is at ``addr``
+    (``host:port``): its epoch document, or None and whether the connection was refused
+    (None, False: no answer within ``timeout``, or not a kvbridge prefill; logged)."""
+    try:
+        resp = requests.get(f"http://{addr}{EPOCH_PATH}", timeout=(timeout, timeout))
+    except requests.Timeout:
+        return None, False
+    except requests.ConnectionError:
+        return None, True
+    if resp.status_code != 200:
+        log.warning("kvbridge: %s%s answered %s; is the prefill running the kvbridge backend?", addr, EPOCH_PATH, resp.status_code)
+        return None, False
+    try:
+        return decode_epoch(resp.content), False
+    except KVBridgeError as exc:
+        log.warning("kvbridge: %s%s: %s", addr, EPOCH_PATH, exc)
+        return None, False
 
 
 def _has_state(state_indices) -> bool:
@@ -68,6 +103,13 @@ class _Chunk(NamedTuple):
     index_slice: slice
     is_last: bool
     aux_index: int | None
+
+
+class _Drain(NamedTuple):
+    """Transfer-thread work item: the room was aborted; let its posted writes finish,
+    release them and acknowledge the abort (the decode then reuses its pages)."""
+
+    room: int
 
 
 class _Peer(NamedTuple):
@@ -96,6 +138,9 @@ class _Dest(NamedTuple):
 class KVBridgeKVManager(_c.Manager):
     kv_status_msg_tag = b"KVBRIDGE_STATUS"
     kv_status_msg_carries_reason = True
+    # An aborting decode holds its pages until this prefill acknowledges that none of
+    # the room's writes is still in flight (SGLang's deferred decode KV release).
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         compat.warn_if_untested()
@@ -141,12 +186,16 @@ class KVBridgeKVManager(_c.Manager):
             self.peers: dict[str, _Peer] = {}
             self._peers_lock = threading.Lock()
             self._inflight: dict[int, list] = {}
-            self._chunks: queue.Queue[_Chunk] = queue.Queue()
+            self._chunks: queue.Queue[_Chunk | _Drain] = queue.Queue()
+            self.tombstones = Tombstones()
             self._thread("kvbridge-prefill-control", self._prefill_control_loop)
             self._thread("kvbridge-transfer", self._transfer_loop)
         else:
+            self.epochs = EpochWatcher()
+            self._epochs_lock = threading.Lock()
             self._thread("kvbridge-decode-control", self._decode_control_loop)
             self._thread("kvbridge-decode-notify", self._decode_notify_loop)
+            self._thread("kvbridge-decode-epochs", self._epoch_loop)
             self._start_heartbeat_checker_thread()
 
     def _thread(self, name: str, target) -> None:
@@ -161,9 +210,51 @@ class KVBridgeKVManager(_c.Manager):
     # --- bootstrap registration (prefill) --------------------------------------------------
 
     def _register_topology_row(self, url, payload):
-        # The instance epoch is part of what the prefill registers (a restart is a new peer).
-        payload = dict(payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name)
+        # This rank's epoch is part of what it registers (a restart is a new instance);
+        # rows gathered from other ranks (SGLang's multi-DP registry path) carry their own.
+        if payload.get("rank_port") == self.rank_port and payload.get("rank_ip") == self.local_ip:
+            payload = dict(payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name)
         return super()._register_topology_row(url, payload)
+
+    # --- decode: is the prefill we cached still the same instance? --------------------------
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        # Called by the decode scheduler per new request; fetches once per prefill.
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        epoch, _ = self._fetch_epoch(bootstrap_addr)  # before the info: a race errs towards "restarted"
+        ok = super().try_ensure_parallel_info(bootstrap_addr)
+        if ok and epoch is not None and epoch.ready:
+            with self._epochs_lock:
+                self.epochs.remember(bootstrap_addr, epoch)
+        return ok
+
+    def _fetch_epoch(self, addr: str) -> tuple[InstanceEpoch | None, bool]:
+        return fetch_epoch(addr, timeout=min(2.0, self.config.timeouts.heartbeat_s))
+
+    def _epoch_loop(self) -> None:
+        period = self.config.timeouts.heartbeat_s
+        while not self._stop.wait(period):
+            with self.connection_lock:
+                addrs = list(self.prefill_info_table)
+            with self._epochs_lock:
+                for gone in self.epochs.addresses() - set(addrs):
+                    self.epochs.forget(gone)  # SGLang's heartbeat dropped it
+            for addr in addrs:
+                epoch, refused = self._fetch_epoch(addr)
+                with self._epochs_lock:
+                    before = self.epochs.known(addr)
+                    verdict = self.epochs.observe(addr, epoch, refused=refused)
+                if verdict is Verdict.RESTARTED:
+                    log.warning(
+                        "kvbridge: the prefill at %s restarted (instance %s -> %s): dropping its cached "
+                        "bootstrap info and failing its in-flight requests; new requests bootstrap again",
+                        addr, before.instance if before else "?", epoch.instance if epoch else "?",
+                    )
+                    self._handle_node_failure(addr)
+                elif verdict is Verdict.DOWN:
+                    log.warning("kvbridge: the prefill at %s refuses connections: failing its in-flight requests", addr)
+                    self._handle_node_failure(addr)
 
     # --- decode -> prefill messages (built on decode, sent by CommonKVReceiver) ------------
 
@@ -279,6 +370,10 @@ class KVBridgeKVManager(_c.Manager):
             msg.agent, msg.ip, msg.port, wire.decode_pages(msg.pages), msg.aux_index,
             msg.required_dst_info_num, msg.decode_prefix_len, msg.is_dummy,
         )
+        aborted = self.tombstones.reason(room)
+        if aborted is not None:
+            self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=aborted)
+            return
         if not msg.is_dummy and msg.agent not in self.peers:
             # A decode that registered with an earlier instance of this prefill.
             reason = f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch {self.epoch})"
@@ -305,7 +400,9 @@ class KVBridgeKVManager(_c.Manager):
             target = note.deferred_ack_target()
             if target is not None:
                 self.register_deferred_ack_target(room, target)
-                self._maybe_ack_drained_abort(room)
+                self._maybe_ack_drained_abort(room)  # acks now when nothing is in flight
+        if self._staging_outstanding.get(room, 0) > 0:
+            self._chunks.put(_Drain(room))  # else the transfer thread acks once drained
 
     # --- prefill: transfers ----------------------------------------------------------------
 
@@ -338,12 +435,15 @@ class KVBridgeKVManager(_c.Manager):
                 chunk = self._chunks.get(timeout=_LOOP_POLL_MS / 1000)
             except queue.Empty:
                 continue
+            if isinstance(chunk, _Drain):
+                self._release_room(chunk.room, drain_s=self.config.timeouts.transfer_s)
+                continue
             try:
                 self._send_chunk(chunk)
             except Exception as exc:  # noqa: BLE001 - any failure fails the room, not the thread
                 log.warning("kvbridge: room %s failed: %s", chunk.room, exc)
-                self._release_room(chunk.room)
                 self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"kvbridge: {exc}")
+                self._release_room(chunk.room, drain_s=0.0)  # no waiting here: others' rooms queue behind
 
     def _room_active(self, room: int) -> bool:
         return room in self.request_status and self.check_status(room) != KVPoll.Failed and room in self.transfer_infos
@@ -351,7 +451,7 @@ class KVBridgeKVManager(_c.Manager):
     def _send_chunk(self, chunk: _Chunk) -> None:
         room = chunk.room
         if not self._room_active(room):
-            self._release_room(room)
+            self._release_room(room, drain_s=self.config.timeouts.transfer_s)
             return
         dests = [d for d in self.transfer_infos[room].values() if not d.is_dummy]
         xfers = self._inflight.setdefault(room, [])
@@ -377,6 +477,7 @@ class KVBridgeKVManager(_c.Manager):
         deadline = time.monotonic() + self.config.timeouts.transfer_s
         self._wait_room(room, deadline)
         if not self._room_active(room):
+            self._release_room(room, drain_s=self.config.timeouts.transfer_s)
             return
         done = wire.encode_payload(wire.Done(room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch))
         for dest in dests:
@@ -405,9 +506,30 @@ class KVBridgeKVManager(_c.Manager):
             if not x.done:
                 self.transport.wait(x, max(0.0, deadline - time.monotonic()))
 
-    def _release_room(self, room: int) -> None:
-        for x in self._inflight.pop(room, []):
+    def _release_room(self, room: int, *, drain_s: float | None = None) -> None:
+        """Release the room's posted transfers (each exactly once: they leave
+        ``_inflight`` here). ``drain_s`` (a failed or aborted room): first give the
+        posted writes that long to finish, since the decode reuses its pages once the
+        abort is acknowledged; writes still running then mean no acknowledgement (the
+        decode frees its pages at SGLang's deferred-release timeout instead)."""
+        xfers = self._inflight.pop(room, [])
+        drained = True
+        if drain_s is not None:
+            deadline = time.monotonic() + drain_s
+            for x in xfers:
+                if x.done or x.error is not None:
+                    continue
+                try:
+                    self.transport.wait(x, max(0.0, deadline - time.monotonic()))
+                except DeadlineExceeded:
+                    drained = False
+                except KVBridgeError:
+                    pass  # failed: it writes no more
+        for x in xfers:
             self.transport.release(x)
+        if not drained:
+            log.warning("kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged", room, drain_s)
+            self.poison_deferred_ack_room(room)
         if self._staging_outstanding.pop(room, 0):
             self._maybe_ack_drained_abort(room)
 
@@ -450,13 +572,53 @@ class KVBridgeKVSender(_c.Sender):
     # The scheduler must hand page ids as numpy arrays (its host-tensor path needs CUDA).
     supports_host_tensor_indices = False
 
+    def abort(self):
+        """The prefill aborted this request (scheduler thread): fail the room here, tell
+        the decode now if its destination is known, else when it arrives (tombstone)."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        targets = mgr._room_notify_targets(room) if room in mgr.transfer_infos else []
+        super().abort()
+        if self.conclude_state != KVPoll.Failed:
+            return  # not ours to abort (deferred bootstrap owned elsewhere)
+        reason = "kvbridge: the prefill aborted this request"
+        mgr.tombstones.add(room, reason)
+        if targets:
+            mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
+
 
 class KVBridgeKVReceiver(_c.Receiver):
     pass
 
 
 class KVBridgeKVBootstrapServer(_c.BootstrapServer):
-    pass
+    """SGLang's bootstrap server (prefill main process) plus the instance's epochs at
+    :data:`~.lifecycle.EPOCH_PATH`: a fresh id per start, and each rank's epoch from its
+    registration."""
+
+    def __init__(self, host, port):
+        # Set before SGLang's constructor: it adds the routes and starts serving.
+        self.kvbridge_instance = uuid.uuid4().hex[:12]
+        self.kvbridge_ranks: dict[str, str] = {}
+        super().__init__(host, port)
+
+    def _setup_routes(self):
+        super()._setup_routes()
+        self.app.router.add_get(EPOCH_PATH, self._handle_kvbridge_epoch)
+
+    async def _handle_route_put(self, request):
+        data = await request.json()  # aiohttp caches the body: SGLang's handler reads it again
+        response = await super()._handle_route_put(request)
+        if response.status == 200 and isinstance(data.get("kvbridge_epoch"), str):
+            dp = data["attn_dp_rank"] if data.get("system_dp_size", 1) == 1 else data["system_dp_rank"]
+            key = rank_key(dp=dp, cp=data["attn_cp_rank"], tp=data["attn_tp_rank"], pp=data["pp_rank"])
+            self.kvbridge_ranks[key] = data["kvbridge_epoch"]
+        return response
+
+    async def _handle_kvbridge_epoch(self, request):
+        from aiohttp import web
+
+        doc = InstanceEpoch(instance=self.kvbridge_instance, ranks=dict(self.kvbridge_ranks), ready=self._is_ready())
+        return web.Response(body=encode_epoch(doc), content_type="application/json")
 
 
 def classes():

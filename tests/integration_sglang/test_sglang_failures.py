@@ -1,0 +1,229 @@
+"""Failures of a disaggregated SGLang pair with the kvbridge backend: nothing hangs,
+nothing leaks.
+
+Real SGLang CPU servers (prefill, decode, sglang_router mini_lb) on loopback, over NIXL
+and over Mooncake. Each test makes a long request (2000 tokens in 63 chunks of 32, so the
+prefill computes and streams for a few seconds), waits until it is mid-transfer (the
+decode waits for its KV and the prefill holds its pages), then breaks something:
+
+- the decode aborts the request; - the prefill aborts it;
+- the prefill is killed (SIGKILL), then restarted on the same HTTP and bootstrap ports.
+
+Each time the client gets its answer well before SGLang's own 300 s waiting/bootstrap
+timeouts, both servers' KV pools return to their idle baseline (``/v1/loads``: used
+tokens, running and queued requests), no server logged a memory leak (SGLang's idle
+invariant check), and the next request's output equals the one before the failure.
+
+Tests run in file order and share one set of servers per transport.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_sglang_pd import START_TIMEOUT_S, Proc, _free_port, _http, _prompt, _server, _server_env
+
+FLAGS = ["--page-size", "16", "--chunked-prefill-size", "32"]
+LONG_PROMPT = 2000  # 63 chunks: seconds of prefill on 2 cores
+MAX_NEW_TOKENS = 8
+FAIL_WITHIN_S = 120.0
+"""SGLang's own waiting/bootstrap timeouts are 300 s. A prefill keeps computing the
+chunks of a request whose transfer failed (SGLang checks transfers only once the
+prefill is done), so the router's answer may wait for the rest of that prefill."""
+SETTLE_S = 60.0
+
+pytestmark = pytest.mark.timeout(900)  # server (re)starts take minutes on a loaded 2-core machine
+
+
+def _loads(url: str) -> dict:
+    status, body = _http(f"{url}/v1/loads", timeout=10)
+    assert status == 200, f"{url}/v1/loads -> {status}: {body[:300]!r}"
+    (load,) = json.loads(body)["loads"]
+    return load
+
+
+def _busy(load: dict) -> dict:
+    """What must be zero (or at baseline) when a server is idle."""
+    queues = {k: v for k, v in load.get("disaggregation", {}).items() if k.endswith("_reqs")}
+    return {"num_used_tokens": load["num_used_tokens"], "num_running_reqs": load["num_running_reqs"], "num_waiting_reqs": load["num_waiting_reqs"], **queues}
+
+
+def _wait(pred, timeout: float, what: str, poll: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout:.0f} s")
+        time.sleep(poll)
+
+
+class Pair:
+    """The prefill, decode and router of one transport; the prefill can be restarted."""
+
+    def __init__(self, model: Path, log_dir: Path, transport: str) -> None:
+        self.model, self.log_dir = model, log_dir
+        self.env = _server_env({"transport": transport})
+        self.env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "0"  # leaks are logged; we grep
+        self.bootstrap = _free_port()
+        self.prefill_port = _free_port()
+        self.starts = 0
+        self.prefill = self._start_prefill()
+        self.decode = _server(
+            "decode", model, log_dir,
+            [*FLAGS, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbridge",
+             "--disaggregation-decode-retraction-backup", "cpu_tensor"],
+            self.env,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        self.prefill.wait_healthy(deadline)
+        self.decode.wait_healthy(deadline)
+        port = _free_port()
+        self.router = Proc(
+            "router",
+            ["-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
+             "--prefill", self.prefill.url, str(self.bootstrap), "--decode", self.decode.url,
+             "--host", "127.0.0.1", "--port", str(port)],
+            log_dir, self.env, f"http://127.0.0.1:{port}",
+        )
+        self.router.wait_healthy(time.monotonic() + 60)
+        self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
+
+    def _start_prefill(self) -> Proc:
+        self.starts += 1
+        # the same ports at every start: a restart, not a new address
+        argv = [
+            "-m", "sglang.launch_server", "--model-path", str(self.model), "--device", "cpu",
+            "--host", "127.0.0.1", "--port", str(self.prefill_port), "--attention-backend", "torch_native",
+            "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", *FLAGS,
+            "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvbridge",
+            "--disaggregation-bootstrap-port", str(self.bootstrap),
+        ]
+        return Proc(f"prefill-{self.starts}", argv, self.log_dir, self.env, f"http://127.0.0.1:{self.prefill_port}")
+
+    def restart_prefill(self) -> None:
+        self.prefill.kill()
+        self.prefill = self._start_prefill()
+        self.prefill.wait_healthy(time.monotonic() + START_TIMEOUT_S)
+
+    def procs(self) -> list[Proc]:
+        return [self.router, self.decode, self.prefill]
+
+    def generate(self, input_ids: list[int], timeout: float = 120) -> tuple[int, dict | bytes]:
+        body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
+        status, data = _http(f"{self.router.url}/generate", body, timeout=timeout)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            return status, data
+
+    def in_background(self, input_ids: list[int]) -> dict:
+        """Start a request; the returned dict gets ``status``, ``body`` and ``seconds``."""
+        out: dict = {}
+
+        def run():
+            t0 = time.monotonic()
+            out["status"], out["body"] = self.generate(input_ids, timeout=FAIL_WITHIN_S + 60)
+            out["seconds"] = time.monotonic() - t0
+
+        out["thread"] = threading.Thread(target=run, daemon=True)
+        out["thread"].start()
+        return out
+
+    def wait_mid_transfer(self, request: dict) -> None:
+        """Until the decode waits for the request's KV and the prefill holds its pages."""
+
+        def mid():
+            if not request["thread"].is_alive():
+                raise AssertionError(f"the request ended before it was mid-transfer: {request.get('status')} {str(request.get('body'))[:300]}")
+            d, p = _loads(self.decode.url), _loads(self.prefill.url)
+            waiting = d.get("disaggregation", {}).get("decode_transfer_queue_reqs", 0) >= 1
+            return waiting and p["num_used_tokens"] > self.idle["prefill"]["num_used_tokens"]
+
+        _wait(mid, 60, "mid-transfer")
+
+    def assert_settles(self, sides=("prefill", "decode")) -> None:
+        """Both pools back at their idle baseline, no leak logged."""
+        urls = {"prefill": self.prefill.url, "decode": self.decode.url}
+        for side in sides:
+            last: dict = {}
+
+            def idle(side=side, last=last):
+                last.update(_busy(_loads(urls[side])))
+                return last == self.idle[side]
+
+            try:
+                _wait(idle, SETTLE_S, f"{side} back at its idle baseline", poll=0.5)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {last} != {self.idle[side]}\n{self.tails()}") from None
+        for proc in (self.prefill, self.decode):
+            text = proc.log.read_text(errors="replace")
+            assert "memory leak detected" not in text and "double free" not in text, proc.tail(80)
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.tail(30)}" for p in (self.prefill, self.decode))
+
+
+def _failed(request: dict) -> bool:
+    """The request ended without a normal completion (an error status, or an abort)."""
+    if request["status"] != 200:
+        return True
+    body = request["body"]
+    reason = body.get("meta_info", {}).get("finish_reason") if isinstance(body, dict) else None
+    return isinstance(reason, dict) and reason.get("type") == "abort"
+
+
+@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory):
+    p = None
+    try:
+        p = Pair(model, tmp_path_factory.mktemp(f"failures-{request.param}"), request.param)
+        # the reference for "the next request works": this pair's output before any failure
+        status, body = p.generate(_prompt(40, seed=7))
+        assert status == 200, body
+        p.reference = body["output_ids"]
+        yield p
+    finally:
+        if p is not None:
+            for proc in p.procs():
+                proc.kill()
+
+
+def _next_request_works(pair: Pair) -> None:
+    status, body = pair.generate(_prompt(40, seed=7))
+    assert status == 200, f"{status} {str(body)[:300]}\n{pair.tails()}"
+    assert body["output_ids"] == pair.reference
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_abort_mid_transfer(pair: Pair, side: str) -> None:
+    req = pair.in_background(_prompt(LONG_PROMPT, seed=11 if side == "decode" else 12))
+    pair.wait_mid_transfer(req)
+    server = pair.decode if side == "decode" else pair.prefill
+    assert _http(f"{server.url}/abort_request", {"abort_all": True})[0] == 200
+    req["thread"].join(FAIL_WITHIN_S)
+    assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the {side} aborted\n{pair.tails()}"
+    assert _failed(req), req
+    pair.assert_settles()
+    _next_request_works(pair)
+
+
+def test_prefill_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) -> None:
+    req = pair.in_background(_prompt(LONG_PROMPT, seed=13))
+    pair.wait_mid_transfer(req)
+    pair.prefill.kill()
+    req["thread"].join(FAIL_WITHIN_S)
+    assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the prefill died\n{pair.tails()}"
+    assert _failed(req), req
+    pair.assert_settles(sides=("decode",))
+    decode_log = pair.decode.log.read_text(errors="replace")
+    assert "kvbridge: the prefill at" in decode_log, pair.decode.tail(60)  # kvbridge's own detection
+
+    pair.restart_prefill()  # same HTTP and bootstrap ports, new instance
+    _next_request_works(pair)
+    pair.assert_settles()
