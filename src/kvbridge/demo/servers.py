@@ -90,10 +90,31 @@ class ServerError(KVBridgeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (another process may still take it first)."""
+    """A TCP port that is free right now, chosen below the kernel's ephemeral range when
+    it can be: a server that takes half a minute to bind its port would otherwise race
+    every ``bind(0)`` on the machine (seen: an SGLang scheduler's ZMQ socket took the
+    port a prefill server was about to listen on). Another process may still take it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(50):
+        port = rng.randrange(10_000, low) if low > 10_000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # taken: try another
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (``bind(0)`` picks from there)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def random_prompt(num_tokens: int, seed: int = 0, vocab_size: int = 2048, first_id: int = 4) -> list[int]:
