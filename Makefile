@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang test test-sglang unit conformance demo bench doctor clean
+.PHONY: setup setup-sglang test test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -29,10 +29,18 @@ conformance: setup
 demo: setup
 	$(BIN)/kvbridge demo
 
+## the same with SGLang: prefill + decode SGLang servers (backend kvbridge), sglang_router, colocated reference
+demo-sglang: setup-sglang
+	.venv-sglang/bin/kvbridge demo --engine sglang
+
 ## both benchmarks (transfer: ~5 min; serving: ~30 min on 2 cores)
 bench: setup
 	$(BIN)/python benchmarks/run.py transfer
 	$(BIN)/python benchmarks/run.py serving
+
+## the SGLang serving benchmark (7 configurations; see benchmarks/README.md)
+bench-sglang: setup-sglang
+	.venv-sglang/bin/python benchmarks/run.py sglang
 
 doctor: setup
 	$(BIN)/kvbridge doctor

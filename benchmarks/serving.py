@@ -36,8 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +43,7 @@ from typing import Any
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.run import prom, stream, wait_requests_sent
-from kvbridge.demo.servers import VllmServer, free_port, random_prompt, start_proxy
+from kvbridge.demo.servers import ServerError, VllmServer, free_port, random_prompt, start_proxy
 
 BLOCK = 32
 BENCH_CLIENT = (
@@ -196,7 +194,7 @@ def warm_up(url: str, lengths: list[int], output_len: int, log: Callable[[str], 
                 try:
                     stream(url, random_prompt(n, seed=10_000 + 97 * n + 13 * rep + attempt), output_len, timeout=600)
                     break
-                except (urllib.error.URLError, OSError, AssertionError) as exc:
+                except (OSError, ServerError) as exc:  # URLError is an OSError
                     log(f"warm-up request of {n} tokens failed ({exc}); retrying")
                     if attempt == attempts - 1:
                         raise
@@ -241,9 +239,7 @@ def run(
     try:
         for name in names:
             cfg = all_configs[name]
-            logs = raw / name
-            shutil.rmtree(logs, ignore_errors=True)
-            logs.mkdir(parents=True)
+            logs = fresh_dir(raw / name)
             log(f"{name}: starting")
             t0 = time.monotonic()
             with Deployment(cfg, model, lengths, logs, cpus) as dep:
@@ -277,6 +273,13 @@ def run(
     finally:
         shutil.rmtree(storage, ignore_errors=True)
     return results, {"startup_s": started, "cpus": cpus, "shape": shape}
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path`` as a new empty directory (one configuration's logs; the last run's go)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 def _tpots(doc: dict[str, Any]) -> list[float]:

