@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sglang_pd import START_TIMEOUT_S, Proc, _free_port, _http, _prompt, _server, _server_env
+from test_sglang_pd import START_TIMEOUT_S, _http, _prompt
+
+from kvbridge.demo.servers import free_port
+from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
 
 FLAGS = ["--page-size", "16", "--chunked-prefill-size", "32"]
 LONG_PROMPT = 2000  # 63 chunks: seconds of prefill on 2 cores
@@ -67,51 +70,33 @@ class Pair:
     """The prefill, decode and router of one transport; the prefill can be restarted."""
 
     def __init__(self, model: Path, log_dir: Path, transport: str) -> None:
-        self.model, self.log_dir = model, log_dir
-        self.env = _server_env({"transport": transport})
-        self.env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "0"  # leaks are logged; we grep
-        self.bootstrap = _free_port()
-        self.prefill_port = _free_port()
+        self.model, self.log_dir, self.config = model, log_dir, {"transport": transport}
+        self.bootstrap, self.prefill_port = free_port(), free_port()
         self.starts = 0
         self.prefill = self._start_prefill()
-        self.decode = _server(
-            "decode", model, log_dir,
-            [*FLAGS, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbridge",
-             "--disaggregation-decode-retraction-backup", "cpu_tensor"],
-            self.env,
-        )
+        self.decode = SglangServer(
+            model, extra_args=FLAGS, log_path=log_dir / "decode.log", mode="decode", kvbridge_config=self.config, nice=19
+        ).start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        self.prefill.wait_healthy(deadline)
-        self.decode.wait_healthy(deadline)
-        port = _free_port()
-        self.router = Proc(
-            "router",
-            ["-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
-             "--prefill", self.prefill.url, str(self.bootstrap), "--decode", self.decode.url,
-             "--host", "127.0.0.1", "--port", str(port)],
-            log_dir, self.env, f"http://127.0.0.1:{port}",
-        )
-        self.router.wait_healthy(time.monotonic() + 60)
+        self.prefill.wait_ready(deadline=deadline)
+        self.decode.wait_ready(deadline=deadline)
+        self.router = SglangRouter(self.prefill.url, self.bootstrap, self.decode.url, log_path=log_dir / "router.log", nice=19).start()
+        self.router.wait_ready(60)
         self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
 
-    def _start_prefill(self) -> Proc:
-        self.starts += 1
-        # the same ports at every start: a restart, not a new address
-        argv = [
-            "-m", "sglang.launch_server", "--model-path", str(self.model), "--device", "cpu",
-            "--host", "127.0.0.1", "--port", str(self.prefill_port), "--attention-backend", "torch_native",
-            "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", *FLAGS,
-            "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvbridge",
-            "--disaggregation-bootstrap-port", str(self.bootstrap),
-        ]
-        return Proc(f"prefill-{self.starts}", argv, self.log_dir, self.env, f"http://127.0.0.1:{self.prefill_port}")
+    def _start_prefill(self) -> SglangServer:
+        self.starts += 1  # the same ports at every start: a restart, not a new address
+        return SglangServer(
+            self.model, self.prefill_port, FLAGS, log_path=self.log_dir / f"prefill-{self.starts}.log",
+            mode="prefill", kvbridge_config=self.config, bootstrap_port=self.bootstrap, nice=19,
+        ).start()
 
     def restart_prefill(self) -> None:
         self.prefill.kill()
         self.prefill = self._start_prefill()
-        self.prefill.wait_healthy(time.monotonic() + START_TIMEOUT_S)
+        self.prefill.wait_ready(START_TIMEOUT_S)
 
-    def procs(self) -> list[Proc]:
+    def servers(self) -> list:
         return [self.router, self.decode, self.prefill]
 
     def generate(self, input_ids: list[int], timeout: float = 120) -> tuple[int, dict | bytes]:
@@ -161,12 +146,12 @@ class Pair:
                 _wait(idle, SETTLE_S, f"{side} back at its idle baseline", poll=0.5)
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: {last} != {self.idle[side]}\n{self.tails()}") from None
-        for proc in (self.prefill, self.decode):
-            text = proc.log.read_text(errors="replace")
-            assert "memory leak detected" not in text and "double free" not in text, proc.tail(80)
+        for server in (self.prefill, self.decode):
+            text = server.log_path.read_text(errors="replace")
+            assert "memory leak detected" not in text and "double free" not in text, server.log_tail(80)
 
     def tails(self) -> str:
-        return "\n".join(f"--- {p.name} ---\n{p.tail(30)}" for p in (self.prefill, self.decode))
+        return "\n".join(f"--- {s.log_path.name} ---\n{s.log_tail(30)}" for s in (self.prefill, self.decode))
 
 
 def _failed(request: dict) -> bool:
@@ -190,8 +175,8 @@ def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.T
         yield p
     finally:
         if p is not None:
-            for proc in p.procs():
-                proc.kill()
+            for server in p.servers():
+                server.kill()
 
 
 def _next_request_works(pair: Pair) -> None:
@@ -221,8 +206,8 @@ def test_prefill_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair)
     assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the prefill died\n{pair.tails()}"
     assert _failed(req), req
     pair.assert_settles(sides=("decode",))
-    decode_log = pair.decode.log.read_text(errors="replace")
-    assert "kvbridge: the prefill at" in decode_log, pair.decode.tail(60)  # kvbridge's own detection
+    decode_log = pair.decode.log_path.read_text(errors="replace")
+    assert "kvbridge: the prefill at" in decode_log, pair.decode.log_tail(60)  # kvbridge's own detection
 
     pair.restart_prefill()  # same HTTP and bootstrap ports, new instance
     _next_request_works(pair)
