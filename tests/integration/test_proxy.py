@@ -149,7 +149,9 @@ def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> Non
                 outcomes.append("502")
         assert outcomes[-1] is True, outcomes  # after a failure the dead ones are skipped
         health = json.loads(urllib.request.urlopen(f"{proxy.url}/health", timeout=5).read())
-        assert any(i["url"] == dead and not i["up"] for i in health["prefill"] + health["decode"])
+        # reported: its failures and last error (whether it is still "up: false" depends on
+        # whether its 5 s back-off has run out, which under load it may have)
+        assert any(i["url"] == dead and i["failures"] >= 1 and i["last_error"] for i in health["prefill"] + health["decode"]), health
     finally:
         proxy.stop()
 
