@@ -134,7 +134,7 @@ class RoomProgress:
     transfer thread (not thread-safe); created at the room's first per-layer post,
     dropped when the room's transfers are released."""
 
-    __slots__ = ("layer_writes", "chunk_writes", "posted")
+    __slots__ = ("chunk_writes", "layer_writes", "posted")
 
     def __init__(self, num_layers: int, num_pages: int) -> None:
         self.posted = np.zeros((num_layers, num_pages), dtype=bool)
