@@ -94,6 +94,8 @@ class _Chunk(NamedTuple):
     index_slice: slice
     is_last: bool
     aux_index: int | None
+    queued_at: float
+    """``time.monotonic()`` when SGLang handed the chunk over (after its forward)."""
 
 
 class _Forget(NamedTuple):
@@ -384,7 +386,9 @@ class KVBridgeKVManager(_c.Manager):
         if _has_state(state_indices):
             self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvbridge: state (mamba/SWA) transfer is not supported yet")
             return None
-        self._work.put(_Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index))
+        self._work.put(
+            _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic())
+        )
         return None
 
     # --- prefill: per-layer streaming (scheduler thread / forward) ------------------------------
@@ -558,8 +562,12 @@ class KVBridgeKVManager(_c.Manager):
         with self.failure_lock:
             failed = room in self.failure_records
         if not failed and room in self.request_status:
-            # Tests read this line: it shows which path a room took.
-            log.info("kvbridge: room %d sent: %d layer writes, %d chunk writes", room, layer_writes, chunk_writes)
+            # Tests read this line: it shows which path a room took. The time is what the
+            # transfer added after the last chunk's forward (what streaming hides).
+            log.info(
+                "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the last chunk",
+                room, layer_writes, chunk_writes, (time.monotonic() - chunk.queued_at) * 1000,
+            )
             self.update_status(room, KVPoll.Success)
 
     def _wait_room(self, room: int, deadline: float) -> None:
