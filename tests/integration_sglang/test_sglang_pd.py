@@ -3,7 +3,10 @@
 Real SGLang 0.5.23 servers on loopback (see docs/sglang-backend-notes.md for the flags),
 behind ``sglang_router.launch_router --pd-disaggregation --mini-lb``: the greedy output of
 every prompt equals a colocated SGLang server started with the same flags, token for
-token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``).
+token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``), each with per-chunk sends
+(``layerwise: false``) and with per-layer streaming (``layerwise_min_tokens: 0``, so
+every prompt streams). The prefill's per-room log line ("room R sent: L layer writes,
+C chunk writes") shows which path each request took.
 
 Run in the SGLang environment (``bash scripts/setup-sglang.sh``)::
 
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -100,11 +105,30 @@ def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory):
         proc.kill()
 
 
-@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+class PD(NamedTuple):
+    router: Proc
+    prefill: Proc
+    decode: Proc
+    layerwise: bool
+
+
+# (transport, per-layer streaming): per-chunk keeps today's path exactly; per-layer with
+# threshold 0 streams every prompt (the 12-token one too: its only page is partial but
+# it is the last chunk).
+PD_CONFIGS = [("nixl", False), ("nixl", True), ("mooncake", False), ("mooncake", True)]
+SENT_LINE = re.compile(rb"kvbridge: room (\d+) sent: (\d+) layer writes, (\d+) chunk writes")
+LOG_LINE_TIMEOUT_S = 30.0
+
+
+def _pd_config(transport: str, layerwise: bool) -> dict:
+    return {"transport": transport, "layerwise_min_tokens": 0} if layerwise else {"transport": transport, "layerwise": False}
+
+
+@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS])
 def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport = request.param
-    log_dir = tmp_path_factory.mktemp(f"pd-{transport}")
-    env = _server_env({"transport": transport})
+    transport, layerwise = request.param
+    log_dir = tmp_path_factory.mktemp(f"pd-{transport}-{'layer' if layerwise else 'chunk'}")
+    env = _server_env(_pd_config(transport, layerwise))
     bootstrap = _free_port()
     procs: list[Proc] = []
     try:
@@ -128,23 +152,50 @@ def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pyt
         router = SglangRouter(prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19).start()
         procs.append(router)
         router.wait_ready(60)
-        yield router, prefill, decode
+        yield PD(router, prefill, decode, layerwise)
     finally:
         for proc in reversed(procs):
             proc.kill()
 
 
+def _sent_lines(prefill: Proc, offset: int) -> list[tuple[int, int, int]]:
+    with open(prefill.log_path, "rb") as f:
+        f.seek(offset)
+        return [tuple(int(g) for g in m.groups()) for m in SENT_LINE.finditer(f.read())]
+
+
+def _wait_sent_line(prefill: Proc, offset: int) -> tuple[int, int, int]:
+    """The prefill's "room R sent" line logged after ``offset``: it is written just after
+    the decode was notified, so it may trail the response by a moment; poll for it."""
+    deadline = time.monotonic() + LOG_LINE_TIMEOUT_S
+    while True:
+        lines = _sent_lines(prefill, offset)
+        if lines or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    assert len(lines) == 1, f"expected one 'room R sent' line in the prefill log, got {lines}:\n{prefill.log_tail()}"
+    return lines[0]
+
+
 @pytest.mark.parametrize("prompt", list(PROMPTS))
-def test_greedy_output_equals_colocated(pd_router, colocated: Proc, prompt: str) -> None:
-    router, prefill, decode = pd_router
+def test_greedy_output_equals_colocated(pd_router: PD, colocated: Proc, prompt: str) -> None:
+    router, prefill, decode, layerwise = pd_router
     input_ids = _prompt(PROMPTS[prompt], seed=len(prompt))
     want = _generate(colocated.url, input_ids)
+    offset = prefill.log_path.stat().st_size
     try:
         got = _generate(router.url, input_ids)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n--- prefill ---\n{prefill.log_tail()}\n--- decode ---\n{decode.log_tail()}") from None
     assert len(want) == MAX_NEW_TOKENS
     assert got == want, f"{prompt} ({PROMPTS[prompt]} tokens): disaggregated {got} != colocated {want}"
+    room, layer_writes, chunk_writes = _wait_sent_line(prefill, offset)
+    if layerwise:
+        # Every page went out from the attention hook; the chunk sends found nothing left
+        # (random prompts: no radix-cache hits on the prefill).
+        assert layer_writes > 0 and chunk_writes == 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+    else:
+        assert layer_writes == 0 and chunk_writes > 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
 
 
 def test_plugin_registers_backend() -> None:

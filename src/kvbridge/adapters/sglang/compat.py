@@ -13,6 +13,18 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
 - ``sglang.srt.disaggregation.common.conn``: ``CommonKVManager/Sender/Receiver/
   BootstrapServer`` and the ``ABORT`` / ``ABORT_ACK`` frames, subclassed and reused by
   :mod:`.manager`; ``base.conn.KVPoll``; ``utils.DisaggregationMode``.
+- Per-layer streaming (:func:`hook_layerwise`): an AROUND hook on
+  ``model_executor.forward_batch_info.ForwardBatch.init_new`` (a classmethod; 0.5.23
+  passes the ``ScheduleBatch`` itself) attaches a plan to the ``ForwardBatch`` it
+  returns; an AROUND hook on ``model_executor.model_runner.ModelRunner.forward``
+  makes that plan the thread's active one for the duration of the model forward (the
+  eager runner hands the layers a *copy* of the ``ForwardBatch``, built field by field
+  into static buffers, so an attribute on the original does not reach them); an AROUND
+  hook on ``layers.radix_attention.RadixAttention.forward`` (``self.layer_id``)
+  reports each finished layer of the active plan. :func:`extend_requests` and :func:`page_ids` read ``ScheduleBatch.reqs /
+  forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and ``Req.bootstrap_room
+  / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len / kv.req_pool_idx``;
+  ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
 
 Nothing here is imported before SGLang loads the plugin.
 """
@@ -20,6 +32,10 @@ Nothing here is imported before SGLang loads the plugin.
 from __future__ import annotations
 
 import logging
+import threading
+from typing import NamedTuple
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -102,4 +118,159 @@ def common():
     )
 
 
-__all__ = ["SUPPORTED", "TESTED", "add_transfer_backend", "common", "hook_get_kv_class", "sglang_version", "warn_if_untested"]
+# --- per-layer streaming -------------------------------------------------------------------
+
+RADIX_ATTENTION_FORWARD = "sglang.srt.layers.radix_attention.RadixAttention.forward"
+FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+MODEL_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+PLAN_ATTR = "_kvbridge_layer_plan"
+"""Attribute of a ``ForwardBatch`` holding its :class:`~.streaming.ForwardPlan` (absent:
+no per-layer posts for that forward)."""
+
+_active = threading.local()
+"""``_active.plan``: the plan of the model forward running on this thread, if any."""
+
+_STREAMED_MODES = ("EXTEND", "MIXED")
+
+
+class ExtendReq(NamedTuple):
+    """One request of a prefill forward, as the per-layer path needs it."""
+
+    room: int
+    sender: object
+    prompt_len: int
+    decode_prefix_len: int
+    prefix_len: int
+    """Tokens in the cache before this forward (earlier chunks, radix-cache hits)."""
+    extend_len: int
+    """Tokens this forward computes."""
+    req_pool_idx: int
+
+
+def extend_requests(batch, model_runner) -> list[ExtendReq]:
+    """The requests of a ``ScheduleBatch`` about to run an EXTEND (prefill) forward of
+    the target model; empty for any other forward (decode, idle, draft, verify)."""
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or getattr(mode, "name", None) not in _STREAMED_MODES:
+        return []
+    if getattr(model_runner, "is_draft_worker", False):
+        return []
+    reqs = getattr(batch, "reqs", None) or ()
+    prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
+    out = []
+    for i, req in enumerate(reqs):
+        sender = getattr(req, "disagg_kv_sender", None)
+        room = getattr(req, "bootstrap_room", None)
+        if sender is None or room is None:
+            continue
+        out.append(
+            ExtendReq(
+                room=int(room),
+                sender=sender,
+                prompt_len=len(req.origin_input_ids),
+                decode_prefix_len=int(getattr(req, "disagg_decode_prefix_len", 0) or 0),
+                prefix_len=int(prefix_lens[i]),
+                extend_len=int(extend_lens[i]),
+                req_pool_idx=int(req.kv.req_pool_idx),
+            )
+        )
+    return out
+
+
+def page_ids(batch, req_pool_idx: int, start: int, stop: int, page_size: int) -> np.ndarray:
+    """Prefill page ids of the pages starting at token ``start``, ``start + page_size``,
+    ... below ``stop`` of one request (``req_to_token`` holds token slots; page = slot //
+    page_size). On a GPU this copies a few integers to the host (synchronizing)."""
+    row = batch.req_to_token_pool.req_to_token[req_pool_idx, start:stop:page_size]
+    return row.to("cpu").numpy().astype(np.int64) // page_size
+
+
+def start_layer(kv_args) -> int:
+    """The first layer of this rank's KV pool (pipeline parallelism; 0 otherwise)."""
+    try:
+        return int(getattr(kv_args, "prefill_start_layer", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def record_layer_event():
+    """A CUDA event recorded on the current stream (the one computing the layer)."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def hook_layerwise(plan_forward) -> None:
+    """Wrap SGLang's forward so that per-layer streaming can see its layers.
+
+    ``plan_forward(batch, model_runner)`` runs on the scheduler thread for every
+    ``ForwardBatch`` built from a ``ScheduleBatch`` and returns a
+    :class:`~.streaming.ForwardPlan` or None. A plan rides on its ``ForwardBatch`` and
+    is active on the thread only while ``ModelRunner.forward`` runs that batch (so
+    overlap scheduling, which prepares the next batch while this one runs, cannot mix
+    them up); after every attention layer of that forward the hook calls
+    ``plan.on_layer(plan, layer_id)``. Without a plan (decode, colocated servers, other
+    backends) the hooks cost an attribute and a thread-local lookup per call. Errors in
+    kvbridge's code are logged and never reach the forward: the chunk send covers it.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def around_init(original, cls, batch, *args, **kwargs):
+        forward_batch = original(cls, batch, *args, **kwargs)
+        try:
+            model_runner = args[0] if args else kwargs.get("model_runner")
+            plan = plan_forward(batch, model_runner)
+            if plan is not None:
+                setattr(forward_batch, PLAN_ATTR, plan)
+        except Exception:  # streaming is an optimization; the chunk send covers
+            log.exception("kvbridge: per-layer planning failed; this forward is sent per chunk")
+        return forward_batch
+
+    def around_model_forward(original, runner, *args, **kwargs):
+        forward_batch = args[0] if args else kwargs.get("forward_batch")
+        plan = getattr(forward_batch, PLAN_ATTR, None)
+        if plan is None:
+            return original(runner, *args, **kwargs)
+        previous = getattr(_active, "plan", None)
+        _active.plan = plan
+        try:
+            return original(runner, *args, **kwargs)
+        finally:
+            _active.plan = previous
+
+    def around_attention(original, layer, *args, **kwargs):
+        out = original(layer, *args, **kwargs)
+        plan = getattr(_active, "plan", None)
+        if plan is not None:
+            try:
+                plan.on_layer(plan, layer.layer_id)
+            except Exception:  # never break the forward
+                log.exception("kvbridge: per-layer hook failed for layer %s", getattr(layer, "layer_id", "?"))
+        return out
+
+    HookRegistry.register(FORWARD_BATCH_INIT, around_init, HookType.AROUND)
+    HookRegistry.register(MODEL_RUNNER_FORWARD, around_model_forward, HookType.AROUND)
+    HookRegistry.register(RADIX_ATTENTION_FORWARD, around_attention, HookType.AROUND)
+
+
+__all__ = [
+    "FORWARD_BATCH_INIT",
+    "MODEL_RUNNER_FORWARD",
+    "PLAN_ATTR",
+    "RADIX_ATTENTION_FORWARD",
+    "SUPPORTED",
+    "TESTED",
+    "ExtendReq",
+    "add_transfer_backend",
+    "common",
+    "extend_requests",
+    "hook_get_kv_class",
+    "hook_layerwise",
+    "page_ids",
+    "record_layer_event",
+    "sglang_version",
+    "start_layer",
+    "warn_if_untested",
+]

@@ -13,14 +13,31 @@ acks. What kvbridge adds:
 - decode -> prefill :class:`~.messages.Registration` (once per peer) and
   :class:`~.messages.Destination` (per room) on SGLang's control socket;
 - a prefill control thread (registrations, destinations, aborts) and one transfer
-  worker: per chunk it posts one write of every layer's K and V pages (the transport
-  merges adjacent pages); after the last chunk's pages have completed, it writes the
-  metadata row with a :class:`~.messages.Done` notification, which the transport
-  delivers once that row has landed;
+  thread, which owns every posted transfer of this rank and all per-room bookkeeping:
+  per chunk (:meth:`KVBridgeKVManager.add_transfer_request`, called by SGLang's
+  scheduler after each chunk's forward) it posts one write of every layer's K and V
+  pages (the transport merges adjacent pages); after the last chunk's pages have
+  completed, it writes the metadata row with a :class:`~.messages.Done` notification,
+  which the transport delivers once that row has landed;
+- per-layer streaming (config ``layerwise``, prompts of at least
+  ``layerwise_min_tokens`` tokens): before each prefill forward the scheduler thread
+  builds a :class:`~.streaming.ForwardPlan` (:func:`plan_forward`, from the
+  ``ForwardBatch.init_new`` hook of :func:`.compat.hook_layerwise`; active while
+  ``ModelRunner.forward`` runs that batch): per streamed room, the decode page
+  positions that forward completes and their prefill page ids. After each attention
+  layer the hook queues ``(plan, layer)`` (:meth:`~KVBridgeKVManager.layer_done`,
+  O(1), never blocks) and the transfer thread posts that layer's K and V pages to each
+  destination. A room's :class:`~.streaming.RoomProgress` records every posted
+  ``(layer, page)`` pair, so the chunk sends then post only what is missing (pages of
+  radix-cache hits, layers the hook did not see); other rooms keep the per-chunk path
+  unchanged. A failed or aborted room posts nothing more, and its transfers are
+  released when the transfer thread next sees the room (a chunk, a layer, or the
+  sender's ``clear``/``abort``);
 - on decode, a notification thread turning ``Done`` into SGLang's Success, and a control
   thread applying failure statuses and abort acks.
 
-Every wait is bounded: transfers by ``timeouts.transfer_s``, thread loops poll with
+Every wait is bounded: transfers (and, on a GPU, the device event a layer's writes wait
+for) by ``timeouts.transfer_s``, thread loops poll with
 short timeouts, SGLang's own bootstrap/waiting timeouts and heartbeat cover the rest.
 Peers are transport agents named with an instance epoch, so a restarted instance is a
 new peer. Restarts and aborts (:mod:`.lifecycle`): the prefill registers its epoch with
@@ -57,6 +74,15 @@ from kvbridge.adapters.sglang.lifecycle import (
     rank_key,
 )
 from kvbridge.adapters.sglang.settings import config_from_env
+from kvbridge.adapters.sglang.streaming import (
+    ForwardPlan,
+    LayerReady,
+    ReqSpan,
+    RoomProgress,
+    coalesce,
+    completed_span,
+    streams,
+)
 from kvbridge.errors import ConfigError, DeadlineExceeded, KVBridgeError, PlanError
 from kvbridge.transports.registry import create_transport
 
@@ -103,13 +129,32 @@ class _Chunk(NamedTuple):
     index_slice: slice
     is_last: bool
     aux_index: int | None
+    queued_at: float
+    """``time.monotonic()`` when SGLang handed the chunk over (after its forward)."""
 
 
-class _Drain(NamedTuple):
-    """Transfer-thread work item: the room was aborted; let its posted writes finish,
-    release them and acknowledge the abort (the decode then reuses its pages)."""
+class _Forget(NamedTuple):
+    """The sender of ``room`` was cleared or aborted, or the decode aborted it: unless
+    it is still being transferred, let its posted writes finish, release them and
+    acknowledge a decode's abort (which then reuses its pages)."""
 
     room: int
+
+
+_streaming_managers: list = []
+"""Prefill managers of this process with ``layerwise`` on (normally at most one); the
+forward hooks do nothing while it is empty."""
+
+
+def plan_forward(batch, model_runner) -> ForwardPlan | None:
+    """The per-layer plan of one prefill forward, or None (scheduler thread, once per
+    ``ForwardBatch``; called by the hook of :func:`.compat.hook_layerwise`)."""
+    if not _streaming_managers:
+        return None
+    mine = [r for r in compat.extend_requests(batch, model_runner) if isinstance(r.sender, KVBridgeKVSender)]
+    if not mine:
+        return None
+    return mine[0].sender.kv_mgr.plan(batch, [r for r in mine if r.sender.kv_mgr is mine[0].sender.kv_mgr])
 
 
 class _Peer(NamedTuple):
@@ -186,10 +231,16 @@ class KVBridgeKVManager(_c.Manager):
             self.peers: dict[str, _Peer] = {}
             self._peers_lock = threading.Lock()
             self._inflight: dict[int, list] = {}
-            self._chunks: queue.Queue[_Chunk | _Drain] = queue.Queue()
+            self._progress: dict[int, RoomProgress] = {}
+            self._chunk_writes: dict[int, int] = {}
+            self._num_layers = self.geometry.spec.num_layers
+            self._start_layer = compat.start_layer(args)
+            self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
             self.tombstones = Tombstones()
             self._thread("kvbridge-prefill-control", self._prefill_control_loop)
             self._thread("kvbridge-transfer", self._transfer_loop)
+            if self.config.layerwise:
+                _streaming_managers.append(self)
         else:
             self.epochs = EpochWatcher()
             self._epochs_lock = threading.Lock()
@@ -402,7 +453,7 @@ class KVBridgeKVManager(_c.Manager):
                 self.register_deferred_ack_target(room, target)
                 self._maybe_ack_drained_abort(room)  # acks now when nothing is in flight
         if self._staging_outstanding.get(room, 0) > 0:
-            self._chunks.put(_Drain(room))  # else the transfer thread acks once drained
+            self._work.put(_Forget(room))  # the transfer thread acks once they drained
 
     # --- prefill: transfers ----------------------------------------------------------------
 
@@ -426,52 +477,150 @@ class KVBridgeKVManager(_c.Manager):
         if _has_state(state_indices):
             self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvbridge: state (mamba/SWA) transfer is not supported yet")
             return None
-        self._chunks.put(_Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index))
+        self._work.put(
+            _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic())
+        )
         return None
+
+    # --- prefill: per-layer streaming (scheduler thread / forward) ------------------------------
+
+    def plan(self, batch, reqs: list[compat.ExtendReq]) -> ForwardPlan | None:
+        """Which decode pages of which rooms this forward completes (scheduler thread,
+        before the forward). Rooms below ``layerwise_min_tokens`` or without a known
+        destination are left to the chunk sends."""
+        page = self.geometry.spec.block_size
+        spans = []
+        for r in reqs:
+            if not streams(layerwise=self.config.layerwise, min_tokens=self.config.layerwise_min_tokens, prompt_len=r.prompt_len):
+                continue
+            if r.room not in self.transfer_infos:
+                continue  # no destination yet (or a dummy rank): the chunk sends cover it
+            lo, hi = completed_span(
+                prefix_len=r.prefix_len, extend_len=r.extend_len, prompt_len=r.prompt_len,
+                decode_prefix_len=r.decode_prefix_len, page_size=page,
+            )
+            if hi <= lo:
+                continue
+            first = (lo * page) + r.decode_prefix_len
+            src = compat.page_ids(batch, r.req_pool_idx, first, first + (hi - lo) * page, page)
+            if src.size != hi - lo:
+                log.warning("kvbridge: room %s: %d page ids for positions %d:%d; left to the chunk send", r.room, src.size, lo, hi)
+                continue
+            spans.append(ReqSpan(r.room, lo, hi, src))
+        return ForwardPlan(tuple(spans), self.layer_done) if spans else None
+
+    def layer_done(self, plan: ForwardPlan, layer_id: int) -> None:
+        """Attention layer ``layer_id`` of ``plan``'s forward has written its K and V
+        (forward thread, once per layer; O(1), never blocks)."""
+        layer = layer_id - self._start_layer
+        if not 0 <= layer < self._num_layers:
+            return
+        event = compat.record_layer_event() if self.memory == "device" else None
+        self._work.put(LayerReady(plan, (layer,), event))
+
+    # --- prefill: transfer thread -----------------------------------------------------------
 
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                chunk = self._chunks.get(timeout=_LOOP_POLL_MS / 1000)
+                items = [self._work.get(timeout=_LOOP_POLL_MS / 1000)]
             except queue.Empty:
                 continue
-            if isinstance(chunk, _Drain):
-                self._release_room(chunk.room, drain_s=self.config.timeouts.transfer_s)
-                continue
-            try:
-                self._send_chunk(chunk)
-            except Exception as exc:  # noqa: BLE001 - any failure fails the room, not the thread
-                log.warning("kvbridge: room %s failed: %s", chunk.room, exc)
-                self.conclude_failure(bootstrap_room=chunk.room, failure_reason=f"kvbridge: {exc}")
-                self._release_room(chunk.room, drain_s=0.0)  # no waiting here: others' rooms queue behind
+            while True:  # whatever else is ready: layers of one forward go out together
+                try:
+                    items.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            for item in coalesce(items):
+                if isinstance(item, LayerReady):
+                    self._send_layers(item)
+                elif isinstance(item, _Forget):
+                    if not self._room_active(item.room):
+                        self._release_room(item.room, drain_s=self.config.timeouts.transfer_s)
+                else:
+                    self._guarded(item.room, self._send_chunk, item)
+
+    def _guarded(self, room: int, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure fails the room, not the thread
+            log.warning("kvbridge: room %s failed: %s", room, exc)
+            self.conclude_failure(bootstrap_room=room, failure_reason=f"kvbridge: {exc}")
+            self._release_room(room, drain_s=0.0)  # no waiting here: other rooms queue behind
 
     def _room_active(self, room: int) -> bool:
         return room in self.request_status and self.check_status(room) != KVPoll.Failed and room in self.transfer_infos
+
+    def _dests(self, room: int) -> list[_Dest]:
+        return [d for d in self.transfer_infos[room].values() if not d.is_dummy]
+
+    def _post(self, room: int, dests: list[_Dest], src_pages: np.ndarray, positions, layers=None) -> int:
+        """Write ``src_pages`` (of ``layers``, default all) to the pages at ``positions``
+        (a slice or an index array) of every destination's page list; returns the
+        number of writes posted. The room's list of in-flight transfers owns them."""
+        xfers = self._inflight.setdefault(room, [])
+        posted = 0
+        for dest in dests:
+            peer = self.peers.get(dest.agent)
+            if peer is None:
+                raise PlanError(f"decode peer {dest.agent} is gone")
+            dst_pages = dest.pages[positions]
+            if dst_pages.size != src_pages.size:
+                where = f"{positions.start}:{positions.stop}" if isinstance(positions, slice) else f"{positions.tolist()}"
+                raise PlanError(
+                    f"{src_pages.size} pages map to {dst_pages.size} destination pages "
+                    f"(positions {where} of {dest.pages.size})"
+                )
+            if src_pages.size:
+                xfers.append(
+                    self.transport.post(
+                        "write", self.kv_table, self.geometry.slots(src_pages, layers), peer.kv, peer.geometry.slots(dst_pages, layers)
+                    )
+                )
+                self._staging_outstanding[room] += 1
+                posted += 1
+        return posted
+
+    def _send_layers(self, item: LayerReady) -> None:
+        if item.event is not None:
+            deadline = time.monotonic() + self.config.timeouts.transfer_s
+            while not item.event.query():  # the layer's kernels, then our reads
+                if time.monotonic() >= deadline:
+                    exc = DeadlineExceeded(f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s")
+                    for span in item.plan.spans:
+                        self._guarded(span.room, _raise, exc)
+                    return
+                time.sleep(50e-6)
+        for span in item.plan.spans:
+            self._guarded(span.room, self._send_span, span, item.layers)
+
+    def _send_span(self, span: ReqSpan, layers: tuple[int, ...]) -> None:
+        room = span.room
+        if not self._room_active(room):
+            self._release_room(room, drain_s=self.config.timeouts.transfer_s)
+            return
+        dests = self._dests(room)
+        progress = self._progress.get(room)
+        if progress is None:
+            progress = self._progress[room] = RoomProgress(self._num_layers, min(d.pages.size for d in dests) if dests else 0)
+        for group, positions in progress.take(layers, span.lo, span.hi):
+            progress.layer_writes += self._post(room, dests, span.src_pages[positions - span.lo], positions, group)
 
     def _send_chunk(self, chunk: _Chunk) -> None:
         room = chunk.room
         if not self._room_active(room):
             self._release_room(room, drain_s=self.config.timeouts.transfer_s)
             return
-        dests = [d for d in self.transfer_infos[room].values() if not d.is_dummy]
-        xfers = self._inflight.setdefault(room, [])
-        for dest in dests:
-            peer = self.peers.get(dest.agent)
-            if peer is None:
-                raise PlanError(f"decode peer {dest.agent} is gone")
-            dst_pages = dest.pages[chunk.index_slice]
-            if dst_pages.size != chunk.pages.size:
-                raise PlanError(
-                    f"chunk of {chunk.pages.size} pages maps to {dst_pages.size} destination pages "
-                    f"(positions {chunk.index_slice.start}:{chunk.index_slice.stop} of {dest.pages.size})"
-                )
-            if chunk.pages.size:
-                xfers.append(
-                    self.transport.post(
-                        "write", self.kv_table, self.geometry.slots(chunk.pages), peer.kv, peer.geometry.slots(dst_pages)
-                    )
-                )
-                self._staging_outstanding[room] += 1
+        dests = self._dests(room)
+        progress = self._progress.get(room)
+        if progress is None:  # the per-chunk path: every layer of the chunk's pages
+            self._chunk_writes[room] = self._chunk_writes.get(room, 0) + self._post(room, dests, chunk.pages, chunk.index_slice)
+        else:  # streamed: only the (layer, page) pairs no layer post covered
+            start = chunk.index_slice.start
+            if chunk.index_slice.stop - start != chunk.pages.size:
+                raise PlanError(f"chunk of {chunk.pages.size} pages for positions {start}:{chunk.index_slice.stop}")
+            for group, positions in progress.take(range(self._num_layers), start, chunk.index_slice.stop):
+                progress.chunk_writes += self._post(room, dests, chunk.pages[positions - start], positions, group)
         if not chunk.is_last:
             return
         deadline = time.monotonic() + self.config.timeouts.transfer_s
@@ -492,13 +641,24 @@ class KVBridgeKVManager(_c.Manager):
                 peer.aux_layout.slots(dest.aux_index, peer.aux_count),
                 notify=done,
             )
-            xfers.append(x)
+            self._inflight.setdefault(room, []).append(x)
             self._staging_outstanding[room] += 1
         self._wait_room(room, deadline)
+        progress = self._progress.get(room)
+        if progress is None:
+            layer_writes, chunk_writes = 0, self._chunk_writes.get(room, 0)
+        else:
+            layer_writes, chunk_writes = progress.layer_writes, progress.chunk_writes
         self._release_room(room)
         with self.failure_lock:
             failed = room in self.failure_records
         if not failed and room in self.request_status:
+            # Tests read this line: it shows which path a room took. The time is what the
+            # transfer added after the last chunk's forward (what streaming hides).
+            log.info(
+                "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the last chunk",
+                room, layer_writes, chunk_writes, (time.monotonic() - chunk.queued_at) * 1000,
+            )
             self.update_status(room, KVPoll.Success)
 
     def _wait_room(self, room: int, deadline: float) -> None:
@@ -511,7 +671,10 @@ class KVBridgeKVManager(_c.Manager):
         ``_inflight`` here). ``drain_s`` (a failed or aborted room): first give the
         posted writes that long to finish, since the decode reuses its pages once the
         abort is acknowledged; writes still running then mean no acknowledgement (the
-        decode frees its pages at SGLang's deferred-release timeout instead)."""
+        decode frees its pages at SGLang's deferred-release timeout instead). Drops the
+        room's bookkeeping. Transfer thread only."""
+        self._progress.pop(room, None)
+        self._chunk_writes.pop(room, None)
         xfers = self._inflight.pop(room, [])
         drained = True
         if drain_s is not None:
@@ -561,23 +724,40 @@ class KVBridgeKVManager(_c.Manager):
 
     # --- lifecycle -----------------------------------------------------------------------------
 
+    def forget(self, room: int) -> None:
+        """The sender of ``room`` is done with it (any thread; never blocks)."""
+        if self.disaggregation_mode == Mode.PREFILL:
+            self._work.put(_Forget(room))
+
     def close(self) -> None:
+        if self in _streaming_managers:
+            _streaming_managers.remove(self)
         self._stop.set()
         if hasattr(self, "_heartbeat_shutdown"):
             self._heartbeat_shutdown.set()
         self.transport.close()
 
 
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 class KVBridgeKVSender(_c.Sender):
     # The scheduler must hand page ids as numpy arrays (its host-tensor path needs CUDA).
     supports_host_tensor_indices = False
 
-    def abort(self):
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget(self.bootstrap_room)
+
+    def abort(self) -> None:
         """The prefill aborted this request (scheduler thread): fail the room here, tell
-        the decode now if its destination is known, else when it arrives (tombstone)."""
+        the decode now if its destination is known, else when it arrives (tombstone);
+        the transfer thread then releases what the room holds."""
         mgr, room = self.kv_mgr, self.bootstrap_room
         targets = mgr._room_notify_targets(room) if room in mgr.transfer_infos else []
         super().abort()
+        mgr.forget(room)
         if self.conclude_state != KVPoll.Failed:
             return  # not ours to abort (deferred bootstrap owned elsewhere)
         reason = "kvbridge: the prefill aborted this request"
