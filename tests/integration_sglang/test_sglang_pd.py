@@ -71,15 +71,8 @@ def _http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S
 
 
 def _server_env(config: dict | None = None) -> dict[str, str]:
-    env = {
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
-        "MC_LOG_LEVEL": "ERROR",
-    }
-    if config is not None:
-        env["KVBRIDGE_CONFIG"] = json.dumps(config)
-    return env
+    """kvbridge's config for a server; SglangServer adds SGLang's CPU environment (CPU_ENV)."""
+    return {} if config is None else {"KVBRIDGE_CONFIG": json.dumps(config)}
 
 
 def _server(name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str]) -> SglangServer:

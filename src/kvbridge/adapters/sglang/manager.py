@@ -535,8 +535,7 @@ class KVBridgeKVManager(_c.Manager):
                 if isinstance(item, LayerReady):
                     self._send_layers(item)
                 elif isinstance(item, _Forget):
-                    if not self._room_active(item.room):
-                        self._release_room(item.room, drain_s=self.config.timeouts.transfer_s)
+                    self._release_if_inactive(item.room)
                 else:
                     self._guarded(item.room, self._send_chunk, item)
 
@@ -550,6 +549,14 @@ class KVBridgeKVManager(_c.Manager):
 
     def _room_active(self, room: int) -> bool:
         return room in self.request_status and self.check_status(room) != KVPoll.Failed and room in self.transfer_infos
+
+    def _release_if_inactive(self, room: int) -> bool:
+        """A failed, aborted or cleared room posts nothing more: release what it holds,
+        after its posted writes drained (:meth:`_release_room`). Whether it was inactive."""
+        if self._room_active(room):
+            return False
+        self._release_room(room, drain_s=self.config.timeouts.transfer_s)
+        return True
 
     def _dests(self, room: int) -> list[_Dest]:
         return [d for d in self.transfer_infos[room].values() if not d.is_dummy]
@@ -596,8 +603,7 @@ class KVBridgeKVManager(_c.Manager):
 
     def _send_span(self, span: ReqSpan, layers: tuple[int, ...]) -> None:
         room = span.room
-        if not self._room_active(room):
-            self._release_room(room, drain_s=self.config.timeouts.transfer_s)
+        if self._release_if_inactive(room):
             return
         dests = self._dests(room)
         progress = self._progress.get(room)
@@ -608,8 +614,7 @@ class KVBridgeKVManager(_c.Manager):
 
     def _send_chunk(self, chunk: _Chunk) -> None:
         room = chunk.room
-        if not self._room_active(room):
-            self._release_room(room, drain_s=self.config.timeouts.transfer_s)
+        if self._release_if_inactive(room):
             return
         dests = self._dests(room)
         progress = self._progress.get(room)
@@ -625,8 +630,7 @@ class KVBridgeKVManager(_c.Manager):
             return
         deadline = time.monotonic() + self.config.timeouts.transfer_s
         self._wait_room(room, deadline)
-        if not self._room_active(room):
-            self._release_room(room, drain_s=self.config.timeouts.transfer_s)
+        if self._release_if_inactive(room):
             return
         done = wire.encode_payload(wire.Done(room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch))
         for dest in dests:
