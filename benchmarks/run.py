@@ -37,7 +37,7 @@ import ops  # noqa: E402
 import serving  # noqa: E402
 import sglang_serving  # noqa: E402
 import transfer  # noqa: E402
-from rich.console import Console  # noqa: E402
+from rich.console import Console, Group  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 console = Console(width=150)
@@ -260,14 +260,57 @@ def sglang_routine(args: argparse.Namespace) -> dict:
     return _serving_run(args, "sglang", sglang_serving.run, ",".join(sglang_serving.CONFIGS), sglang_table)
 
 
-def sglang_table(doc: dict) -> Table:
-    head, rows = sglang_serving.rows(doc)
-    table = Table(title=f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians")
-    for i, col in enumerate(head):
-        table.add_column(col, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    return table
+def sglang_table(doc: dict) -> Group:
+    tables = []
+    for (head, rows), title in (
+        (sglang_serving.rows(doc), f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians"),
+        (sglang_serving.stage_rows(doc), "SGLang's prefill stages (medians): transfer after the forward / TTFT minus the forward"),
+    ):
+        table = Table(title=title)
+        for i, col in enumerate(head):
+            table.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        tables.append(table)
+    return Group(*tables)
+
+
+def plot_sglang(doc: dict, path: Path) -> None:
+    """TTFT / colocated, SGLang's transfer-after-forward stage, TPOT: per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(s["config"], s["prompt_tokens"]): s for s in doc["summary"]}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    panels = (("ttft_ratio", "TTFT / colocated TTFT (median)", "ratio"), ("transfer_median_ms", "transfer after the prefill forward (SGLang stage, median)", "ms"), ("tpot_median_ms", "TPOT (median)", "ms"))
+    for i, name in enumerate(doc["configs"]):
+        for ax, (key, _, _) in zip(axes, panels):
+            pts = []
+            for n in doc["lengths"]:
+                s, base = by.get((name, n)), by.get(("colocated", n))
+                if key == "ttft_ratio":
+                    value = s["ttft_median_ms"] / base["ttft_median_ms"] if s and base and s["ttft_median_ms"] and base["ttft_median_ms"] else None
+                else:
+                    value = s.get(key) if s else None
+                if value is not None:
+                    pts.append((n, value))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name, color=f"C{i}")
+    for ax, (key, title, ylabel) in zip(axes, panels):
+        if ax.has_data():
+            ax.set_xscale("log", base=2)
+        if key == "transfer_median_ms" and ax.has_data():
+            ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{doc.get('title')} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 OPS_COLUMNS = ("pack", "pack_fp8", "unpack", "unpack_fp8", "index_select", "index_copy")
@@ -339,7 +382,7 @@ ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
     "ops": (ops_routine, plot_ops, markdown_ops),
-    "sglang": (sglang_routine, plot_serving, sglang_serving.markdown),
+    "sglang": (sglang_routine, plot_sglang, sglang_serving.markdown),
 }
 
 

@@ -18,7 +18,15 @@ Set-up, the same for every configuration:
   first token and the rest;
 - every output is compared with the colocated server's output for the same prompt
   (``same`` in the summary); a configuration that cannot start, or requests that fail,
-  are recorded with the exact error instead of numbers.
+  are recorded with the exact error instead of numbers;
+- every server runs with ``--enable-metrics``; around each measured request the client
+  reads the prefill server's ``sglang:per_stage_req_latency_seconds`` histogram, so each
+  disaggregated request also gets SGLang's own, backend-neutral timing of its prefill
+  (:data:`STAGES`): ``forward_ms`` (``prefill_forward``) and ``transfer_ms``
+  (``prefill_transfer_kv_cache``: from the forward's end to the backend reporting the
+  KV sent, i.e. the transfer time the prefill did not hide). TTFT minus ``forward_ms``
+  (``overhead_ms``) is what disaggregation adds to the compute; unlike TTFT it does not
+  carry the run-to-run noise of a 15 s CPU prefill.
 
 Configurations (:data:`CONFIGS`): ``colocated``; ``sglang-mooncake_cpu`` and
 ``sglang-nixl_cpu`` (SGLang's own backends with the two CPU fixes of the test plugin
@@ -30,12 +38,15 @@ Configurations (:data:`CONFIGS`): ``colocated``; ``sglang-mooncake_cpu`` and
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
+from prometheus_client.parser import text_string_to_metric_families
 from serving import LengthResult, fresh_dir
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
@@ -47,6 +58,10 @@ PAGE = 32
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 600.0
 WARM_UP_ATTEMPTS = 3
+STAGE_METRIC = "sglang:per_stage_req_latency_seconds"
+STAGES = {"forward_ms": "prefill_forward", "transfer_ms": "prefill_transfer_kv_cache"}
+"""Per-request fields of :class:`SglangLengthResult` -> the prefill stage of SGLang's
+per-stage latency histogram they come from."""
 
 
 @dataclass(frozen=True)
@@ -63,11 +78,11 @@ CONFIGS: dict[str, Config] = {
     for c in (
         Config("colocated", None),
         Config("sglang-mooncake_cpu", "mooncake_cpu"),
-        Config("sglang-nixl_cpu", "nixl_cpu"),
-        Config("kvbridge-nixl-chunk", "kvbridge", {"transport": "nixl", "layerwise": False}),
-        Config("kvbridge-nixl-layer", "kvbridge", {"transport": "nixl", "layerwise_min_tokens": 0}),
-        Config("kvbridge-mooncake-chunk", "kvbridge", {"transport": "mooncake", "layerwise": False}),
         Config("kvbridge-mooncake-layer", "kvbridge", {"transport": "mooncake", "layerwise_min_tokens": 0}),
+        Config("kvbridge-mooncake-chunk", "kvbridge", {"transport": "mooncake", "layerwise": False}),
+        Config("sglang-nixl_cpu", "nixl_cpu"),
+        Config("kvbridge-nixl-layer", "kvbridge", {"transport": "nixl", "layerwise_min_tokens": 0}),
+        Config("kvbridge-nixl-chunk", "kvbridge", {"transport": "nixl", "layerwise": False}),
     )
 }
 
@@ -78,9 +93,47 @@ class SglangLengthResult(LengthResult):
     """Outputs equal to the colocated server's for the same prompt (None: no reference)."""
     errors: list[str] = field(default_factory=list)
     """The failed requests' errors."""
+    forward_ms: list[float] = field(default_factory=list)
+    """Per request: SGLang's ``prefill_forward`` stage on the prefill (disaggregated only)."""
+    transfer_ms: list[float] = field(default_factory=list)
+    """Per request: SGLang's ``prefill_transfer_kv_cache`` stage (forward end -> KV sent)."""
+    overhead_ms: list[float] = field(default_factory=list)
+    """Per request: TTFT minus ``forward_ms``."""
 
     def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "same": self.same, "errors": self.errors}
+        def med(xs: list[float]) -> float | None:
+            return statistics.median(xs) if xs else None
+
+        return {
+            **super().summary(), "same": self.same, "errors": self.errors, "forward_median_ms": med(self.forward_ms),
+            "transfer_median_ms": med(self.transfer_ms), "overhead_median_ms": med(self.overhead_ms),
+        }  # fmt: skip
+
+
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """``{stage: (sum of seconds, count)}`` of the per-stage latency histogram that an SGLang
+    server started with ``--enable-metrics`` serves at ``/metrics``."""
+    resp = requests.get(f"{url}/metrics", timeout=10)
+    resp.raise_for_status()
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(resp.text):
+        if family.name != STAGE_METRIC:
+            continue
+        for sample in family.samples:
+            stage = sample.labels.get("stage")
+            if stage is None or not sample.name.endswith(("_sum", "_count")):
+                continue
+            t = totals.setdefault(stage, [0.0, 0.0])
+            t[sample.name.endswith("_count")] += sample.value
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+def stage_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], stage: str) -> float | None:
+    """The one observation of ``stage`` between two :func:`stage_totals`, in ms; None
+    unless exactly one request went through that stage in between."""
+    s0, c0 = before.get(stage, (0.0, 0.0))
+    s1, c1 = after.get(stage, (0.0, 0.0))
+    return (s1 - s0) * 1e3 if c1 - c0 == 1 else None
 
 
 class Deployment:
@@ -106,6 +159,11 @@ class Deployment:
     @property
     def url(self) -> str:
         return self.servers[-1].url
+
+    @property
+    def prefill_url(self) -> str | None:
+        """The prefill server's URL (its ``/metrics``); None when colocated."""
+        return self.servers[0].url if len(self.servers) > 1 else None
 
     def __enter__(self) -> Deployment:
         try:
@@ -160,7 +218,7 @@ def run(
     if unknown:
         raise KVBridgeError(f"unknown configurations {unknown}", fix=f"choose from {', '.join(CONFIGS)}")
     model = build_tiny_model(default_model_dir(shape), shape=shape)
-    engine_args = ["--page-size", str(PAGE), "--chunked-prefill-size", str(max(lengths) + 512)]
+    engine_args = ["--page-size", str(PAGE), "--chunked-prefill-size", str(max(lengths) + 512), "--enable-metrics"]
     cpus = [[0], [1]] if len(os.sched_getaffinity(0)) >= 2 else [[0]]
     raw = out / "sglang-raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -184,6 +242,7 @@ def run(
                     s = r.summary()
                     log(
                         f"{name} {n:5d} tokens: TTFT median {_ms(s['ttft_median_ms'], 0)} ms, TPOT {_ms(s['tpot_median_ms'], 1)} ms"
+                        + (f", transfer after forward {_ms(s['transfer_median_ms'], 1)} ms" if r.transfer_ms else "")
                         + (f", same as colocated {r.same}/{prompts}" if r.same is not None else "")
                         + (f", {r.failed} FAILED: {r.errors[0][:300]}" if r.failed else "")
                     )
@@ -203,12 +262,19 @@ def measure(dep: Deployment, name: str, n: int, prompts: int, output_len: int, r
     for i in range(prompts):
         prompt = measured_prompt(n, i)
         try:
+            before = stage_totals(dep.prefill_url) if dep.prefill_url else {}
             t = stream_generate(dep.url, prompt, output_len, timeout=REQUEST_TIMEOUT_S)
-        except (KVBridgeError, OSError) as exc:
+            after = stage_totals(dep.prefill_url) if dep.prefill_url else {}
+        except (KVBridgeError, OSError) as exc:  # requests' errors are OSErrors
             r.failed += 1
             r.errors.append(dep.failure(exc))
             continue
         r.ttft_ms.append(t.ttft_s * 1e3)
+        forward, transfer = (stage_ms(before, after, STAGES[k]) for k in ("forward_ms", "transfer_ms"))
+        if forward is not None and transfer is not None:
+            r.forward_ms.append(forward)
+            r.transfer_ms.append(transfer)
+            r.overhead_ms.append(t.ttft_s * 1e3 - forward)
         if len(t.token_ids) > 1:
             r.tpot_ms.append(t.tpot_s * 1e3)
         r.input_lens.append(n)
@@ -252,6 +318,20 @@ def rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, table
 
 
+def stage_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """One row per disaggregated configuration, one column per prompt length: SGLang's
+    ``transfer_ms / overhead_ms`` medians (see the module docstring)."""
+    by = {(s["config"], s["prompt_tokens"]): s for s in doc["summary"]}
+    head = ["configuration"] + [f"{n} tok: transfer / overhead ms" for n in doc["lengths"]]
+    table = []
+    for name in doc["configs"]:
+        stats = [by.get((name, n)) for n in doc["lengths"]]
+        if not any(s and s.get("transfer_median_ms") is not None for s in stats):
+            continue
+        table.append([name] + [f"{_ms(s.get('transfer_median_ms'), 1)} / {_ms(s.get('overhead_median_ms'), 0)}" if s else "-" for s in stats])
+    return head, table
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     v = m["versions"]
@@ -266,9 +346,24 @@ def markdown(doc: dict[str, Any]) -> str:
         "|---|" + "---:|" * (len(head) - 1),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in table]
+    head, table = stage_rows(doc)
+    if table:
+        lines += [
+            "",
+            "SGLang's own timing of each request on the prefill server (`--enable-metrics`, "
+            f"`{STAGE_METRIC}`), medians: *transfer* = stage `{STAGES['transfer_ms']}` (the "
+            "forward's end to the backend reporting the KV sent: the transfer time the prefill "
+            f"did not hide), *overhead* = TTFT minus stage `{STAGES['forward_ms']}` (what "
+            "disaggregation adds to the prefill's compute: bootstrap, transfer, hand-over, "
+            "the decode's first step, the router).",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|---|" + "---:|" * (len(head) - 1),
+        ]
+        lines += ["| " + " | ".join(row) + " |" for row in table]
     for name, error in doc["errors"].items():
         lines += ["", f"`{name}` did not run:", "", "```", error.strip(), "```"]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CONFIGS", "Config", "SglangLengthResult", "markdown", "rows", "run"]
+__all__ = ["CONFIGS", "STAGES", "Config", "SglangLengthResult", "markdown", "rows", "run", "stage_rows", "stage_totals"]
