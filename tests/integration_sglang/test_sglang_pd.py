@@ -6,7 +6,10 @@ every prompt equals a colocated SGLang server started with the same flags, token
 token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``), each with per-chunk sends
 (``layerwise: false``) and with per-layer streaming (``layerwise_min_tokens: 0``, so
 every prompt streams). The prefill's per-room log line ("room R sent: L layer writes,
-C chunk writes") shows which path each request took.
+C chunk writes") shows which path each request took. The disaggregated servers run with
+``--enable-metrics``: kvbridge's ``sglang:kvbridge_*`` metrics on their ``/metrics``
+count each request once and exactly its KV bytes (computed from the model's config and
+the KV dtype SGLang logs).
 
 Run in the SGLang environment (``bash scripts/setup-sglang.sh``)::
 
@@ -19,6 +22,7 @@ disaggregated SGLang server drains in-flight requests on SIGTERM, possibly forev
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import time
@@ -28,6 +32,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 try:  # this directory runs in .venv-sglang only (make test); elsewhere: a clear error, not a skip
     import sglang  # noqa: F401
@@ -109,6 +115,7 @@ class PD(NamedTuple):
 # threshold 0 streams every prompt (the 12-token one too: its only page is partial but
 # it is the last chunk).
 PD_CONFIGS = [("nixl", False), ("nixl", True), ("mooncake", False), ("mooncake", True)]
+PD_FLAGS = ["--enable-metrics"]
 SENT_LINE = re.compile(rb"kvbridge: room (\d+) sent: (\d+) layer writes, (\d+) chunk writes")
 LOG_LINE_TIMEOUT_S = 30.0
 
@@ -128,14 +135,14 @@ def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pyt
         prefill = _server(
             "prefill", model, log_dir,
             ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvbridge",
-             "--disaggregation-bootstrap-port", str(bootstrap)],
+             "--disaggregation-bootstrap-port", str(bootstrap), *PD_FLAGS],
             env,
         )
         procs.append(prefill)
         decode = _server(
             "decode", model, log_dir,
             ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbridge",
-             "--disaggregation-decode-retraction-backup", "cpu_tensor"],
+             "--disaggregation-decode-retraction-backup", "cpu_tensor", *PD_FLAGS],
             env,
         )
         procs.append(decode)
@@ -197,3 +204,57 @@ def test_plugin_registers_backend() -> None:
 
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     assert eps.get("kvbridge") == "kvbridge.adapters.sglang:register"
+
+
+KV_DTYPE_LINE = re.compile(rb"KV Cache is allocated\. dtype: torch\.(\w+)")
+METRICS_TIMEOUT_S = 30.0
+
+
+def _kvbridge_metrics(url: str) -> dict[str, float]:
+    """``sglang:kvbridge_*`` samples of a server's ``/metrics``, summed over labels."""
+    status, data = _http(f"{url}/metrics")
+    assert status == 200, f"{url}/metrics -> {status}: {data[:300]!r}"
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(data.decode()):
+        for sample in family.samples:
+            if sample.name.startswith("sglang:kvbridge_"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def _kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
+    """KV bytes of a prompt's pages, from the model's config and the KV dtype SGLang logged."""
+    cfg = json.loads((model / "config.json").read_text())
+    match = KV_DTYPE_LINE.search(server.log_path.read_bytes())
+    assert match, f"SGLang did not log its KV dtype:\n{server.log_tail()}"
+    itemsize = torch.empty(0, dtype=getattr(torch, match.group(1).decode())).element_size()
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
+    return math.ceil(num_tokens / page) * page * per_token
+
+
+def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) -> None:
+    router, prefill, decode, _ = pd_router
+    input_ids = _prompt(PROMPTS["chunked"], seed=4242)  # not sent before: no radix-cache hit
+    p0, d0 = _kvbridge_metrics(prefill.url), _kvbridge_metrics(decode.url)
+    _generate(router.url, input_ids)
+
+    def delta(now: dict[str, float], before: dict[str, float], name: str) -> float:
+        return now.get(f"sglang:kvbridge_{name}", 0.0) - before.get(f"sglang:kvbridge_{name}", 0.0)
+
+    deadline = time.monotonic() + METRICS_TIMEOUT_S  # the prefill counts just after notifying
+    while True:
+        p1, d1 = _kvbridge_metrics(prefill.url), _kvbridge_metrics(decode.url)
+        if delta(p1, p0, "requests_sent_total") >= 1 or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    want = _kv_bytes(model, prefill, len(input_ids))
+    assert delta(p1, p0, "requests_sent_total") == 1, p1
+    assert delta(d1, d0, "requests_received_total") == 1, d1
+    assert delta(p1, p0, "bytes_sent_total") == want
+    assert delta(d1, d0, "bytes_received_total") == want
+    assert delta(p1, p0, "transfers_total") >= 1
+    assert delta(p1, p0, "exposed_transfer_seconds_count") == 1
+    assert delta(p1, p0, "request_transfer_seconds_count") == 1
+    assert delta(p1, p0, "failures_total") == 0 and delta(d1, d0, "failures_total") == 0

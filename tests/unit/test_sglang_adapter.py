@@ -6,14 +6,26 @@ from __future__ import annotations
 import ctypes
 import json
 
+import msgspec
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
-from kvbridge.adapters.sglang.lifecycle import EpochWatcher, InstanceEpoch, Tombstones, Verdict, decode_epoch, encode_epoch, rank_key
+from kvbridge.adapters.sglang.lifecycle import (
+    EpochWatcher,
+    InstanceEpoch,
+    Tombstones,
+    Verdict,
+    decode_epoch,
+    encode_epoch,
+    rank_key,
+)
+from kvbridge.adapters.sglang.metrics import PrometheusExport, exporter
 from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env
 from kvbridge.errors import ConfigError, PlanError, WireError
+from kvbridge.runtime.stats import StatsSnapshot
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 3, 9, 4, 2, 8
 
@@ -101,8 +113,11 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3), ip="127.0.0.1", port=5555,
     )
     assert wire.decode(wire.encode(reg)) == reg
-    done = wire.Done(room=2**62, prefill_rank=0, epoch="e")
+    done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20)
     assert wire.decode_payload(wire.encode_payload(done)) == done
+    # a Done from a sender without the byte count still decodes (metrics count 0 bytes)
+    old = msgspec.msgpack.encode({"type": "done", "room": 7, "prefill_rank": 1, "epoch": "e"})
+    assert wire.decode_payload(old) == wire.Done(room=7, prefill_rank=1, epoch="e", bytes=0)
     with pytest.raises(WireError, match="same kvbridge version"):
         wire.decode([b"KVBRIDGE/999", wire.encode_payload(done)])
     with pytest.raises(WireError):
@@ -198,3 +213,29 @@ def test_tombstones_remember_recent_aborts_only() -> None:
     assert t.reason(2) is None
     assert [t.reason(r) for r in (1, 3, 4)] == ["again", "aborted 3", "aborted 4"]
     assert len(t) == 3
+
+
+def test_prometheus_export_accumulates_snapshots_under_sglang_names() -> None:
+    registry = CollectorRegistry()
+    labels = {"engine_type": "prefill", "tp_rank": "0", "transport": "mooncake"}
+    export = PrometheusExport(labels, registry=registry)
+    export.export(StatsSnapshot(bytes_sent=4096, transfers=2, exposed_s=[0.003], request_transfer_s=[0.2]))
+    export.export(StatsSnapshot(bytes_sent=1024, requests_sent=1, failures=1))
+
+    def value(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(name, {**labels, **extra})
+
+    assert value("sglang:kvbridge_bytes_sent_total") == 5120
+    assert value("sglang:kvbridge_transfers_total") == 2
+    assert value("sglang:kvbridge_requests_sent_total") == 1
+    assert value("sglang:kvbridge_failures_total") == 1
+    assert value("sglang:kvbridge_bytes_received_total") == 0
+    assert value("sglang:kvbridge_exposed_transfer_seconds_count") == 1
+    assert value("sglang:kvbridge_exposed_transfer_seconds_bucket", le="0.0025") == 0
+    assert value("sglang:kvbridge_exposed_transfer_seconds_bucket", le="0.005") == 1
+    assert value("sglang:kvbridge_request_transfer_seconds_sum") == pytest.approx(0.2)
+
+
+def test_no_export_without_sglang_metrics(monkeypatch) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert exporter(role="decode", tp_rank=0, transport="nixl") is None

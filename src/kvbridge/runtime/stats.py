@@ -1,7 +1,12 @@
 """Transfer statistics, engine-agnostic. The sender and receiver record into a
 :class:`TransferStats`; engine adapters take a snapshot per reporting interval
 (:meth:`TransferStats.take`) and export it their way (vLLM: connector stats and
-Prometheus). Thread-safe; recording is O(1)."""
+Prometheus; SGLang: Prometheus in SGLang's multiprocess registry). Thread-safe;
+recording is O(1).
+
+:data:`COUNTERS`, :data:`HISTOGRAMS` and :data:`BUCKETS` are the Prometheus catalogue
+both engines export (each under its own prefix: ``vllm:kvbridge_...``,
+``sglang:kvbridge_...``), so one dashboard reads either."""
 
 from __future__ import annotations
 
@@ -66,4 +71,27 @@ class TransferStats:
         return out
 
 
-__all__ = ["StatsSnapshot", "TransferStats"]
+COUNTERS: dict[str, str] = {
+    "bytes_sent": "KV bytes written to peers",
+    "bytes_received": "KV bytes received from peers",
+    "transfers": "Posted KV transfers",
+    "requests_sent": "Requests whose KV was sent",
+    "requests_received": "Requests whose KV was received",
+    "failures": "Failed request transfers",
+    "leases_expired": "Held blocks released because the peer never read them",
+    "aborted": "Aborted request transfers",
+}
+"""Counter fields of :class:`StatsSnapshot` -> description (exported as ``<name>_total``)."""
+
+HISTOGRAMS: dict[str, tuple[str, str]] = {
+    "transfer_s": ("transfer_seconds", "Posted KV transfers, post to completion"),
+    "exposed_s": ("exposed_transfer_seconds", "Per request: prefill finished to last KV byte landed (not hidden by streaming)"),
+    "request_transfer_s": ("request_transfer_seconds", "Per request: first KV transfer posted to last one completed"),
+}
+"""Histogram fields of :class:`StatsSnapshot` -> (metric name, description)."""
+
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Histogram buckets, seconds."""
+
+
+__all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "StatsSnapshot", "TransferStats"]

@@ -60,7 +60,7 @@ import numpy as np
 import requests
 import zmq
 
-from kvbridge.adapters.sglang import compat
+from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
 from kvbridge.adapters.sglang.lifecycle import (
@@ -84,6 +84,7 @@ from kvbridge.adapters.sglang.streaming import (
     streams,
 )
 from kvbridge.errors import ConfigError, DeadlineExceeded, KVBridgeError, PlanError
+from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class KVBridgeKVManager(_c.Manager):
         )
         self.aux_layout = AuxLayout.build(ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens)
         role = "prefill" if disaggregation_mode == Mode.PREFILL else "decode"
+        self._metrics = metrics.exporter(role=role, tp_rank=args.engine_rank, transport=self.config.transport)
         self.transport = create_transport(
             self.config.transport,
             self.config,
@@ -233,6 +235,8 @@ class KVBridgeKVManager(_c.Manager):
             self._inflight: dict[int, list] = {}
             self._progress: dict[int, RoomProgress] = {}
             self._chunk_writes: dict[int, int] = {}
+            self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
+            self._first_post: dict[int, float] = {}
             self._num_layers = self.geometry.spec.num_layers
             self._start_layer = compat.start_layer(args)
             self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
@@ -248,6 +252,13 @@ class KVBridgeKVManager(_c.Manager):
             self._thread("kvbridge-decode-notify", self._decode_notify_loop)
             self._thread("kvbridge-decode-epochs", self._epoch_loop)
             self._start_heartbeat_checker_thread()
+
+    def _count(self, **fields) -> None:
+        """Add to kvbridge's Prometheus metrics (:mod:`.metrics`; a no-op unless SGLang
+        runs with ``--enable-metrics``): counters and histogram samples, named as the
+        fields of :class:`~kvbridge.runtime.stats.StatsSnapshot`. Any thread."""
+        if self._metrics is not None:
+            self._metrics.export(StatsSnapshot(**fields))
 
     def _thread(self, name: str, target) -> None:
         def guarded():
@@ -447,6 +458,7 @@ class KVBridgeKVManager(_c.Manager):
         if room in self.request_status and self.check_status(room) != KVPoll.Success:
             self.record_failure(room, "Aborted by decode-side abort notification.")
             self.update_status(room, KVPoll.Failed)
+            self._count(aborted=1)
         if self.enable_deferred_decode_kv_release:
             target = note.deferred_ack_target()
             if target is not None:
@@ -544,6 +556,7 @@ class KVBridgeKVManager(_c.Manager):
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - any failure fails the room, not the thread
             log.warning("kvbridge: room %s failed: %s", room, exc)
+            self._count(failures=1)
             self.conclude_failure(bootstrap_room=room, failure_reason=f"kvbridge: {exc}")
             self._release_room(room, drain_s=0.0)  # no waiting here: other rooms queue behind
 
@@ -579,13 +592,15 @@ class KVBridgeKVManager(_c.Manager):
                     f"(positions {where} of {dest.pages.size})"
                 )
             if src_pages.size:
-                xfers.append(
-                    self.transport.post(
-                        "write", self.kv_table, self.geometry.slots(src_pages, layers), peer.kv, peer.geometry.slots(dst_pages, layers)
-                    )
-                )
+                src = self.geometry.slots(src_pages, layers)
+                xfers.append(self.transport.post("write", self.kv_table, src, peer.kv, peer.geometry.slots(dst_pages, layers)))
                 self._staging_outstanding[room] += 1
                 posted += 1
+                nbytes = int(src.size) * self.geometry.spec.block_bytes
+                sent = self._room_bytes.setdefault(room, {})
+                sent[dest.agent] = sent.get(dest.agent, 0) + nbytes
+                self._first_post.setdefault(room, time.monotonic())
+                self._count(transfers=1, bytes_sent=nbytes)
         return posted
 
     def _send_layers(self, item: LayerReady) -> None:
@@ -632,9 +647,10 @@ class KVBridgeKVManager(_c.Manager):
         self._wait_room(room, deadline)
         if self._release_if_inactive(room):
             return
-        done = wire.encode_payload(wire.Done(room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch))
+        sent = self._room_bytes.get(room, {})
         for dest in dests:
             peer = self.peers[dest.agent]
+            done = wire.Done(room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch, bytes=sent.get(dest.agent, 0))
             if chunk.aux_index is None or dest.aux_index is None:
                 raise PlanError("the last chunk carries no metadata row")
             x = self.transport.post(
@@ -643,11 +659,12 @@ class KVBridgeKVManager(_c.Manager):
                 self.aux_layout.slots(chunk.aux_index, peer.aux_count),
                 peer.aux,
                 peer.aux_layout.slots(dest.aux_index, peer.aux_count),
-                notify=done,
+                notify=wire.encode_payload(done),
             )
             self._inflight.setdefault(room, []).append(x)
             self._staging_outstanding[room] += 1
         self._wait_room(room, deadline)
+        first_post = self._first_post.get(room)
         progress = self._progress.get(room)
         if progress is None:
             layer_writes, chunk_writes = 0, self._chunk_writes.get(room, 0)
@@ -659,11 +676,16 @@ class KVBridgeKVManager(_c.Manager):
         if not failed and room in self.request_status:
             # Tests read this line: it shows which path a room took. The time is what the
             # transfer added after the last chunk's forward (what streaming hides).
+            now = time.monotonic()
             log.info(
                 "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the last chunk",
-                room, layer_writes, chunk_writes, (time.monotonic() - chunk.queued_at) * 1000,
+                room, layer_writes, chunk_writes, (now - chunk.queued_at) * 1000,
             )
             self.update_status(room, KVPoll.Success)
+            self._count(
+                requests_sent=1, exposed_s=[now - chunk.queued_at],
+                request_transfer_s=[now - first_post] if first_post is not None else [],
+            )
 
     def _wait_room(self, room: int, deadline: float) -> None:
         for x in self._inflight.get(room, []):
@@ -679,6 +701,8 @@ class KVBridgeKVManager(_c.Manager):
         room's bookkeeping. Transfer thread only."""
         self._progress.pop(room, None)
         self._chunk_writes.pop(room, None)
+        self._room_bytes.pop(room, None)
+        self._first_post.pop(room, None)
         xfers = self._inflight.pop(room, [])
         drained = True
         if drain_s is not None:
@@ -713,6 +737,8 @@ class KVBridgeKVManager(_c.Manager):
             log.warning("kvbridge: unexpected %d-frame message on the decode control socket", len(frames))
             return
         room, value, prefill_rank, reason = status
+        if value == KVPoll.Failed:
+            self._count(failures=1)
         self.apply_prefill_status(bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason)
 
     def _decode_notify_loop(self) -> None:
@@ -725,6 +751,7 @@ class KVBridgeKVManager(_c.Manager):
                     continue
                 if isinstance(msg, wire.Done):
                     self.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank)
+                    self._count(requests_received=1, bytes_received=msg.bytes)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -765,6 +792,7 @@ class KVBridgeKVSender(_c.Sender):
         if self.conclude_state != KVPoll.Failed:
             return  # not ours to abort (deferred bootstrap owned elsewhere)
         reason = "kvbridge: the prefill aborted this request"
+        mgr._count(aborted=1)
         mgr.tombstones.add(room, reason)
         if targets:
             mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)

@@ -72,6 +72,8 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     room: int
     prefill_rank: int
     epoch: str
+    bytes: int = 0
+    """KV bytes written to this decode for the room (its metrics); 0 from older senders."""
 
 
 Message = Union[Registration, Destination, Done]

@@ -19,15 +19,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kvbridge.adapters.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, create_metric_per_engine
-from kvbridge.runtime.stats import StatsSnapshot
-
-_COUNTERS = ("bytes_sent", "bytes_received", "transfers", "requests_sent", "requests_received", "failures", "leases_expired", "aborted")
-_HISTOGRAMS = {
-    "transfer_s": ("transfer_seconds", "Posted kvbridge KV transfers, post to completion"),
-    "exposed_s": ("exposed_transfer_seconds", "Per request: prefill finished to last KV byte landed (not hidden by streaming)"),
-    "request_transfer_s": ("request_transfer_seconds", "Per request: first KV transfer posted to last one completed"),
-}
+from kvbridge.adapters.vllm.compat import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    create_metric_per_engine,
+)
+from kvbridge.runtime.stats import BUCKETS, COUNTERS, HISTOGRAMS, StatsSnapshot
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -71,18 +68,17 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {name.replace('_', ' ')}", labelnames=labelnames),
+                self._counter_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", labelnames=labelnames),
                 per_engine_labelvalues,
             )
-            for name in _COUNTERS
+            for name, doc in COUNTERS.items()
         }
-        buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         self._histograms = {
             key: create_metric_per_engine(
-                self._histogram_cls(name=f"vllm:kvbridge_{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
+                self._histogram_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", buckets=list(BUCKETS), labelnames=labelnames),
                 per_engine_labelvalues,
             )
-            for key, (name, doc) in _HISTOGRAMS.items()
+            for key, (name, doc) in HISTOGRAMS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
