@@ -83,10 +83,10 @@ def _demo(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
         from kvbridge.demo.sglang_run import run as run_sglang
 
-        if args.flow != "push" or args.wire_dtype != "exact":
-            print("kvbridge demo --engine sglang: --flow and --wire-dtype apply to vLLM only", file=sys.stderr)
+        if args.flow != "push":
+            print("kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)", file=sys.stderr)
             return 2
-        return run_sglang(args.transport, lengths, args.max_tokens, logs)
+        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype)
     from kvbridge.demo.run import run
 
     return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", default="64,512,1024,2048", help="comma-separated prompt lengths")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
-    p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype; vLLM only)")
+    p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
     p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")

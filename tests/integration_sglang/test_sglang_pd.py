@@ -33,7 +33,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 try:  # this directory runs in .venv-sglang only (make test); elsewhere: a clear error, not a skip
     import sglang  # noqa: F401
@@ -41,6 +40,7 @@ try:  # this directory runs in .venv-sglang only (make test); elsewhere: a clear
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh, then .venv-sglang/bin/python -m pytest tests/integration_sglang") from exc
 
+from kvbridge.demo.run import prom  # noqa: E402
 from kvbridge.demo.servers import ServerProcess as Proc  # noqa: E402
 from kvbridge.demo.servers import free_port as _free_port  # noqa: E402
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer  # noqa: E402
@@ -124,11 +124,9 @@ def _pd_config(transport: str, layerwise: bool) -> dict:
     return {"transport": transport, "layerwise_min_tokens": 0} if layerwise else {"transport": transport, "layerwise": False}
 
 
-@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS])
-def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport, layerwise = request.param
-    log_dir = tmp_path_factory.mktemp(f"pd-{transport}-{'layer' if layerwise else 'chunk'}")
-    env = _server_env(_pd_config(transport, layerwise))
+def _start_pd(model: Path, log_dir: Path, env: dict[str, str], layerwise: bool):
+    """Prefill + decode (with ``--enable-metrics``) + router; yields the :class:`PD`,
+    kills all three at the end."""
     bootstrap = _free_port()
     procs: list[Proc] = []
     try:
@@ -156,6 +154,13 @@ def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pyt
     finally:
         for proc in reversed(procs):
             proc.kill()
+
+
+@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS])
+def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
+    transport, layerwise = request.param
+    log_dir = tmp_path_factory.mktemp(f"pd-{transport}-{'layer' if layerwise else 'chunk'}")
+    yield from _start_pd(model, log_dir, _server_env(_pd_config(transport, layerwise)), layerwise)
 
 
 def _sent_lines(prefill: Proc, offset: int) -> list[tuple[int, int, int]]:
@@ -212,14 +217,7 @@ METRICS_TIMEOUT_S = 30.0
 
 def _kvbridge_metrics(url: str) -> dict[str, float]:
     """``sglang:kvbridge_*`` samples of a server's ``/metrics``, summed over labels."""
-    status, data = _http(f"{url}/metrics")
-    assert status == 200, f"{url}/metrics -> {status}: {data[:300]!r}"
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(data.decode()):
-        for sample in family.samples:
-            if sample.name.startswith("sglang:kvbridge_"):
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return prom(url, prefix="sglang:kvbridge_")
 
 
 def _kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
@@ -258,3 +256,79 @@ def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) ->
     assert delta(p1, p0, "exposed_transfer_seconds_count") == 1
     assert delta(p1, p0, "request_transfer_seconds_count") == 1
     assert delta(p1, p0, "failures_total") == 0 and delta(d1, d0, "failures_total") == 0
+
+
+# --- wire_dtype fp8 ---------------------------------------------------------------------
+# The KV crosses as FP8 (values) + float32 scales (one per token and head), packed by the
+# torch reference ops on the prefill, unpacked into the decode's pages before SGLang sees
+# the room received. SGLang's first output token comes from the prefill; the second is
+# the first the decode computes from the transferred KV, so its top-5 logprobs are compared
+# with the colocated (exact) server's: FP8 noise moves them by well under 0.6 (a page or
+# a layer in the wrong place moves them by more than 1). Bytes: from the model's config
+# and the packed format (csrc/PACKED_FORMAT.md), not from kvbridge's code.
+
+FP8_CONFIGS = [("nixl", True), ("mooncake", False)]
+FP8_PROMPTS = [_prompt(n, seed=900 + n) for n in (12, 64, 200)]
+FP8_MAX_DRIFT = 0.6
+
+
+@pytest.fixture(scope="module", params=FP8_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in FP8_CONFIGS])
+def fp8_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
+    transport, layerwise = request.param
+    log_dir = tmp_path_factory.mktemp(f"fp8-{transport}")
+    env = _server_env({**_pd_config(transport, layerwise), "wire_dtype": "fp8", "staging_mb": 64})
+    yield from _start_pd(model, log_dir, env, layerwise)
+
+
+def _generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+    body = {
+        "input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        "return_logprob": True, "top_logprobs_num": 5,
+    }  # fmt: skip
+    status, data = _http(f"{url}/generate", body)
+    assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
+    out = json.loads(data)
+    tops = [{int(tok): float(lp) for lp, tok, *_ in step} for step in out["meta_info"]["output_top_logprobs"]]
+    return list(out["output_ids"]), tops
+
+
+def _fp8_bytes(model: Path, server: Proc, num_tokens: int) -> int:
+    """Packed bytes of a prompt's pages: 1 byte per value plus a float32 scale per token
+    and head, for K and V of every layer (csrc/PACKED_FORMAT.md)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (head_dim + 4)
+    return math.ceil(num_tokens / page) * page * per_token
+
+
+def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(fp8_pd: PD, colocated: Proc, model: Path, record_property) -> None:
+    router, prefill, decode, layerwise = fp8_pd
+    worst, same = 0.0, 0
+    for input_ids in FP8_PROMPTS:
+        want, want_tops = _generate_logprobs(colocated.url, input_ids)
+        d0 = _kvbridge_metrics(decode.url)
+        offset = prefill.log_path.stat().st_size
+        got, got_tops = _generate_logprobs(router.url, input_ids)
+        assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], f"the prefill's token differs: {got} vs {want}"
+        a, b = want_tops[1], got_tops[1]  # the decode's first token from the transferred KV
+        common = set(a) & set(b)
+        assert len(common) >= 3, f"{len(input_ids)} tokens: top-5 barely overlap: {a} vs {b}"
+        drift = max(abs(a[t] - b[t]) for t in common)
+        assert drift < FP8_MAX_DRIFT, f"{len(input_ids)} tokens: logprobs moved by {drift:.2f}: {a} vs {b}\n{decode.log_tail()}"
+        worst, same = max(worst, drift), same + (got == want)
+        room, layer_writes, chunk_writes = _wait_sent_line(prefill, offset)
+        assert (layer_writes > 0) == layerwise and chunk_writes + layer_writes > 0
+        deadline = time.monotonic() + METRICS_TIMEOUT_S
+        while True:
+            d1 = _kvbridge_metrics(decode.url)
+            received = d1.get("sglang:kvbridge_bytes_received_total", 0.0) - d0.get("sglang:kvbridge_bytes_received_total", 0.0)
+            if received or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        want_bytes = _fp8_bytes(model, prefill, len(input_ids))
+        assert received == want_bytes, f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is {want_bytes}"
+        exact = _kv_bytes(model, prefill, len(input_ids))
+        assert exact / received > 1.7  # the test model: float16, head_dim 32: 64 bytes per row vs 36
+    record_property("fp8_max_logprob_drift", worst)
+    print(f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} prompts; logprobs within {worst:.2f}")

@@ -150,13 +150,14 @@ def compare(
     return matched
 
 
-def wait_requests_sent(url: str, before: dict[str, float], requests: int, timeout: float = 30) -> dict[str, float]:
-    """The prefill instance's kvbridge metrics once ``requests`` more requests than in
-    ``before`` were sent (vLLM exports connector stats on its logging interval: polled)."""
+def wait_requests_sent(url: str, before: dict[str, float], requests: int, timeout: float = 30, *, engine: str = "vllm") -> dict[str, float]:
+    """The prefill instance's kvbridge metrics (``<engine>:kvbridge_*``) once ``requests``
+    more requests than in ``before`` were sent (vLLM exports connector stats on its
+    logging interval, SGLang's prefill counts a request just after notifying: polled)."""
     deadline = time.monotonic() + timeout
-    key = "vllm:kvbridge_requests_sent_total"
+    key = f"{engine}:kvbridge_requests_sent_total"
     while True:
-        now = prom(url)
+        now = prom(url, prefix=f"{engine}:kvbridge_")
         if now.get(key, 0) - before.get(key, 0) >= requests or time.monotonic() > deadline:
             return now
         time.sleep(0.5)

@@ -25,6 +25,9 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and ``Req.bootstrap_room
   / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len / kv.req_pool_idx``;
   ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
+- ``wire_dtype: fp8`` (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
+  .from_server_args`` (``.dtype``, ``.head_dim``) and ``KVArgs.kv_cache_dtype_str``
+  (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache).
 
 Nothing here is imported before SGLang loads the plugin.
 """
@@ -177,6 +180,29 @@ def extend_requests(batch, model_runner) -> list[ExtendReq]:
     return out
 
 
+_KV_DTYPE_NAMES = {"auto": None, "": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:
+    """The element type (torch name) and head dim of this server's KV pool, for packing
+    it (``wire_dtype: fp8``; SGLang's ``KVArgs`` carries neither on the decode). Raises
+    :class:`~kvbridge.errors.ConfigError` for an 8-bit or unknown KV cache dtype."""
+    from kvbridge.errors import ConfigError
+
+    name = str(getattr(kv_args, "kv_cache_dtype_str", None) or "auto").lower()
+    if name not in _KV_DTYPE_NAMES:
+        raise ConfigError(
+            f"wire_dtype 'fp8' packs float16, bfloat16 or float32 KV caches; this server's is {name!r}",
+            key="wire_dtype",
+            fix="use wire_dtype 'exact' (an 8-bit KV cache is already as small)",
+        )
+    from sglang.srt.configs.model_config import ModelConfig
+
+    model_config = ModelConfig.from_server_args(server_args)
+    dtype = _KV_DTYPE_NAMES[name] or str(model_config.dtype).removeprefix("torch.")
+    return dtype, int(model_config.head_dim)
+
+
 def page_ids(batch, req_pool_idx: int, start: int, stop: int, page_size: int) -> np.ndarray:
     """Prefill page ids of the pages starting at token ``start``, ``start + page_size``,
     ... below ``stop`` of one request (``req_to_token`` holds token slots; page = slot //
@@ -268,6 +294,7 @@ __all__ = [
     "extend_requests",
     "hook_get_kv_class",
     "hook_layerwise",
+    "kv_dtype_and_head_dim",
     "page_ids",
     "record_layer_event",
     "sglang_version",

@@ -34,7 +34,15 @@ acks. What kvbridge adds:
   released when the transfer thread next sees the room (a chunk, a layer, or the
   sender's ``clear``/``abort``);
 - on decode, a notification thread turning ``Done`` into SGLang's Success, and a control
-  thread applying failure statuses and abort acks.
+  thread applying failure statuses and abort acks;
+- ``wire_dtype: fp8`` (CPU pools, :mod:`.packed`): the decode reserves a run of staging
+  slots per room and names it in its ``Destination``; every post above packs its pages
+  into the prefill's staging slots (FP8 + scales) and writes those into the room's run;
+  on ``Done`` the notification thread unpacks the run into the room's pages, then marks
+  it received. Incompatible peers (transport, wire dtype, page or packed format) are
+  refused at registration and their rooms fail with the reason;
+- metrics (:mod:`.metrics`): counters and per-request histograms on SGLang's
+  ``/metrics`` when it runs with ``--enable-metrics``.
 
 Every wait is bounded: transfers (and, on a GPU, the device event a layer's writes wait
 for) by ``timeouts.transfer_s``, thread loops poll with
@@ -73,6 +81,12 @@ from kvbridge.adapters.sglang.lifecycle import (
     encode_epoch,
     rank_key,
 )
+from kvbridge.adapters.sglang.packed import (
+    RoomReservations,
+    pool_planes,
+    room_slots,
+    typed_geometry,
+)
 from kvbridge.adapters.sglang.settings import config_from_env
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
@@ -84,6 +98,7 @@ from kvbridge.adapters.sglang.streaming import (
     streams,
 )
 from kvbridge.errors import ConfigError, DeadlineExceeded, KVBridgeError, PlanError
+from kvbridge.runtime.packed import PackedPath, staging_descs
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 
@@ -165,6 +180,7 @@ class _Peer(NamedTuple):
     geometry: object
     aux_layout: AuxLayout
     aux_count: int
+    staging: object = None  # DescTable of the decode's staging slots (wire_dtype fp8)
 
 
 class _Dest(NamedTuple):
@@ -179,6 +195,7 @@ class _Dest(NamedTuple):
     required_dst_info_num: int
     decode_prefix_len: int | None
     is_dummy: bool
+    staging_first: int | None = None
 
 
 class KVBridgeKVManager(_c.Manager):
@@ -220,6 +237,11 @@ class KVBridgeKVManager(_c.Manager):
             self.transport.register(self.aux_layout.regions(), memory="host")
             self.kv_table = self.transport.prepare(self.geometry.slot_table(), memory=self.memory)
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
+            self.packed: PackedPath | None = None
+            if self.config.wire_dtype == "fp8":
+                dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
+                typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
+                self.packed = PackedPath(typed, pool_planes(typed), self.config.staging_mb, self.transport)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
         except Exception:
             self.transport.close()
@@ -237,6 +259,8 @@ class KVBridgeKVManager(_c.Manager):
             self._chunk_writes: dict[int, int] = {}
             self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
             self._first_post: dict[int, float] = {}
+            self._packed_runs: dict[int, list[tuple[int, int]]] = {}  # room -> our staging runs
+            self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
             self._num_layers = self.geometry.spec.num_layers
             self._start_layer = compat.start_layer(args)
             self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
@@ -248,6 +272,13 @@ class KVBridgeKVManager(_c.Manager):
         else:
             self.epochs = EpochWatcher()
             self._epochs_lock = threading.Lock()
+            if self.packed is not None:
+                self.reservations = RoomReservations(
+                    self.packed.allocator, num_layers=self.geometry.spec.num_layers, hold_s=self.config.timeouts.transfer_s
+                )
+            # held while a room is unpacked, and by the receiver's clear/abort: SGLang never
+            # frees a room's pages while kvbridge writes into them
+            self._unpack_lock = threading.Lock()
             self._thread("kvbridge-decode-control", self._decode_control_loop)
             self._thread("kvbridge-decode-notify", self._decode_notify_loop)
             self._thread("kvbridge-decode-epochs", self._epoch_loop)
@@ -331,6 +362,9 @@ class KVBridgeKVManager(_c.Manager):
                 aux=self.aux_layout,
                 ip=self.local_ip,
                 port=self.rank_port,
+                wire_dtype=self.config.wire_dtype,
+                staging=self.packed.info if self.packed is not None else None,
+                packed_spec=self.packed.geometry.spec if self.packed is not None else None,
             )
         )
 
@@ -346,6 +380,13 @@ class KVBridgeKVManager(_c.Manager):
         is_dummy,
         device_kv_indices=None,
     ) -> list[bytes]:
+        staging_first = None
+        if self.packed is not None and not is_dummy:
+            res = self.reservations.reserve(int(bootstrap_room), np.asarray(kv_indices, dtype=np.int64))
+            if res is None:
+                log.warning("kvbridge: room %s: no free staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices), self.config.staging_mb)
+            else:
+                staging_first = res.first
         return wire.encode(
             wire.Destination(
                 room=int(bootstrap_room),
@@ -357,6 +398,7 @@ class KVBridgeKVManager(_c.Manager):
                 required_dst_info_num=int(required_dst_info_num),
                 decode_prefix_len=None if decode_prefix_len is None else int(decode_prefix_len),
                 is_dummy=bool(is_dummy),
+                staging_first=staging_first,
             )
         )
 
@@ -392,14 +434,10 @@ class KVBridgeKVManager(_c.Manager):
             log.warning("kvbridge: unexpected %s on the prefill control socket", type(msg).__name__)
 
     def _add_peer(self, reg: wire.Registration) -> None:
-        if reg.transport != self.config.transport:
-            log.error(
-                "kvbridge: decode %s uses transport %r, this prefill %r; set the same KVBRIDGE_CONFIG on both",
-                reg.agent, reg.transport, self.config.transport,
-            )
-            return
-        if reg.geometry.spec != self.geometry.spec:
-            log.error("kvbridge: decode %s cache %s differs from ours %s", reg.agent, reg.geometry.spec, self.geometry.spec)
+        refused = self._incompatible(reg)
+        if refused is not None:
+            log.error("kvbridge: refused decode %s: %s", reg.agent, refused)
+            self._refused[reg.agent] = refused
             return
         with self._peers_lock:
             if reg.agent in self.peers:
@@ -407,38 +445,64 @@ class KVBridgeKVManager(_c.Manager):
             peer = self.transport.add_peer(reg.transport_md)
             kv = self.transport.prepare(reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer)
             aux = self.transport.prepare(reg.aux.table(), memory="host", peer=peer)
+            staging = None
+            if reg.staging is not None and self.packed is not None:
+                staging = self.transport.prepare(staging_descs(reg.staging), memory=reg.staging.memory, peer=peer)
             count = paired_count(self.aux_layout, reg.aux)
             if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
                 self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
-            self.peers[reg.agent] = _Peer(reg.agent, kv, aux, reg.geometry, reg.aux, count)
+            self.peers[reg.agent] = _Peer(reg.agent, kv, aux, reg.geometry, reg.aux, count, staging)
             # A restarted decode (same address, new epoch) replaces its old agent.
             stale = [a for a in self.peers if a != reg.agent and a.rsplit("-", 1)[0] == reg.agent.rsplit("-", 1)[0]]
         for agent in stale:
             self._drop_peer(agent)
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
 
+    def _incompatible(self, reg: wire.Registration) -> str | None:
+        """Why a decode's registration cannot be served (its rooms then fail with this
+        reason), or None."""
+        fix = "set the same KVBRIDGE_CONFIG on prefill and decode"
+        if reg.transport != self.config.transport:
+            return f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}"
+        if reg.wire_dtype != self.config.wire_dtype:
+            return f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}"
+        if reg.geometry.spec != self.geometry.spec:
+            return f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}"
+        if self.packed is not None and (
+            reg.staging is None or reg.packed_spec != self.packed.geometry.spec or reg.staging.slot_bytes != self.packed.info.slot_bytes
+        ):
+            return f"its packed KV ({reg.packed_spec}) differs from this prefill's ({self.packed.geometry.spec})"
+        return None
+
     def _drop_peer(self, agent: str) -> None:
         with self._peers_lock:
             peer = self.peers.pop(agent, None)
         if peer is None:
             return
-        for table in (peer.kv, peer.aux):
-            self.transport.release_table(table)
+        for table in (peer.kv, peer.aux, peer.staging):
+            if table is not None:
+                self.transport.release_table(table)
         self.transport.remove_peer(peer.agent)
 
     def _add_destination(self, msg: wire.Destination) -> None:
         room = msg.room
         dest = _Dest(
             msg.agent, msg.ip, msg.port, wire.decode_pages(msg.pages), msg.aux_index,
-            msg.required_dst_info_num, msg.decode_prefix_len, msg.is_dummy,
+            msg.required_dst_info_num, msg.decode_prefix_len, msg.is_dummy, msg.staging_first,
         )
         aborted = self.tombstones.reason(room)
         if aborted is not None:
             self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=aborted)
             return
-        if not msg.is_dummy and msg.agent not in self.peers:
+        reason = None
+        if not msg.is_dummy and msg.agent in self._refused:
+            reason = f"kvbridge: this prefill refused decode {msg.agent}: {self._refused[msg.agent]}"
+        elif not msg.is_dummy and msg.agent not in self.peers:
             # A decode that registered with an earlier instance of this prefill.
             reason = f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch {self.epoch})"
+        elif not msg.is_dummy and self.packed is not None and msg.staging_first is None:
+            reason = "kvbridge: the decode's staging buffer had no room for this request (wire_dtype fp8); raise staging_mb on the decode"
+        if reason is not None:
             self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
             return
         infos = self.transfer_infos.setdefault(room, {})
@@ -579,6 +643,7 @@ class KVBridgeKVManager(_c.Manager):
         (a slice or an index array) of every destination's page list; returns the
         number of writes posted. The room's list of in-flight transfers owns them."""
         xfers = self._inflight.setdefault(room, [])
+        packed = self._pack(room, src_pages, layers) if self.packed is not None and src_pages.size else None
         posted = 0
         for dest in dests:
             peer = self.peers.get(dest.agent)
@@ -592,16 +657,38 @@ class KVBridgeKVManager(_c.Manager):
                     f"(positions {where} of {dest.pages.size})"
                 )
             if src_pages.size:
-                src = self.geometry.slots(src_pages, layers)
-                xfers.append(self.transport.post("write", self.kv_table, src, peer.kv, peer.geometry.slots(dst_pages, layers)))
+                if packed is None:  # the pages themselves
+                    src_table, src, dst_table = self.kv_table, self.geometry.slots(src_pages, layers), peer.kv
+                    dst, slot_bytes = peer.geometry.slots(dst_pages, layers), self.geometry.spec.block_bytes
+                else:  # their packed slots, into the room's run on the decode
+                    (layer_ids, src), src_table, dst_table = packed, self.packed.table, peer.staging
+                    at = np.arange(dest.pages.size, dtype=np.int64)[positions]
+                    dst, slot_bytes = room_slots(dest.staging_first, dest.pages.size, layer_ids, at), self.packed.info.slot_bytes
+                xfers.append(self.transport.post("write", src_table, src, dst_table, dst))
                 self._staging_outstanding[room] += 1
                 posted += 1
-                nbytes = int(src.size) * self.geometry.spec.block_bytes
+                nbytes = int(src.size) * slot_bytes
                 sent = self._room_bytes.setdefault(room, {})
                 sent[dest.agent] = sent.get(dest.agent, 0) + nbytes
                 self._first_post.setdefault(room, time.monotonic())
                 self._count(transfers=1, bytes_sent=nbytes)
         return posted
+
+    def _pack(self, room: int, src_pages: np.ndarray, layers) -> tuple[list[int], np.ndarray]:
+        """Pack ``layers`` (default all) of ``src_pages`` into a run of our staging slots,
+        layer-major; the room holds the run until it is released. Returns the layer ids
+        and the run's slots."""
+        layer_ids = list(range(self._num_layers)) if layers is None else [int(l) for l in layers]
+        count = len(layer_ids) * int(src_pages.size)
+        first = self.packed.allocator.alloc(count)
+        if first is None:
+            raise PlanError(
+                f"the staging buffer has no run of {count} free slots (wire_dtype fp8, staging_mb "
+                f"{self.config.staging_mb}); raise staging_mb on the prefill"
+            )
+        self._packed_runs.setdefault(room, []).append((first, count))
+        self.packed.pack(layer_ids, src_pages, first)
+        return layer_ids, np.arange(first, first + count, dtype=np.int64)
 
     def _send_layers(self, item: LayerReady) -> None:
         if item.event is not None:
@@ -718,6 +805,8 @@ class KVBridgeKVManager(_c.Manager):
                     pass  # failed: it writes no more
         for x in xfers:
             self.transport.release(x)
+        for first, count in self._packed_runs.pop(room, []):
+            self.packed.allocator.free(first, count)
         if not drained:
             log.warning("kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged", room, drain_s)
             self.poison_deferred_ack_room(room)
@@ -741,8 +830,33 @@ class KVBridgeKVManager(_c.Manager):
             self._count(failures=1)
         self.apply_prefill_status(bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason)
 
+    def _unpack(self, room: int) -> bool:
+        """Unpack a room whose ``Done`` arrived into its pages (notification thread,
+        before SGLang sees the room received). False: the room is gone or failed."""
+        with self._unpack_lock:
+            res = self.reservations.take(room)
+            if res is None:
+                log.warning("kvbridge: Done for room %s, which holds no staging run (cleared or aborted); ignored", room)
+                return False
+            try:
+                if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+                    return False
+                for layer in range(self.geometry.spec.num_layers):
+                    self.packed.unpack(layer, res.pages, res.first + layer * res.pages.size)
+                return True
+            except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
+                log.warning("kvbridge: room %s: unpacking failed: %s", room, exc)
+                self._count(failures=1)
+                self.record_failure(room, f"kvbridge: unpacking the FP8 KV failed: {exc}")
+                self.update_status(room, KVPoll.Failed)
+                return False
+            finally:
+                self.reservations.free(res)  # Done: the prefill writes into it no more
+
     def _decode_notify_loop(self) -> None:
         while not self._stop.is_set():
+            if self.packed is not None:
+                self.reservations.reap()
             for note in self.transport.take_notifications(timeout=_LOOP_POLL_MS / 1000):
                 try:
                     msg = wire.decode_payload(note.payload)
@@ -750,6 +864,8 @@ class KVBridgeKVManager(_c.Manager):
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                     continue
                 if isinstance(msg, wire.Done):
+                    if self.packed is not None and not self._unpack(msg.room):
+                        continue
                     self.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank)
                     self._count(requests_received=1, bytes_received=msg.bytes)
 
@@ -799,7 +915,28 @@ class KVBridgeKVSender(_c.Sender):
 
 
 class KVBridgeKVReceiver(_c.Receiver):
-    pass
+    """SGLang's receiver; with ``wire_dtype: fp8`` a room's clear or abort waits for an
+    unpack in progress (the pages stay SGLang's until it ends) and retires the room's
+    staging run if it never completed."""
+
+    def clear(self) -> None:
+        mgr = self.kv_mgr
+        if getattr(mgr, "packed", None) is None:
+            super().clear()
+            return
+        owned = getattr(self, "_owns_bootstrap_room", True)  # SGLang's: this receiver's room
+        with mgr._unpack_lock:
+            super().clear()
+            if owned:
+                mgr.reservations.retire(self.bootstrap_room)
+
+    def abort(self) -> None:
+        mgr = self.kv_mgr
+        if getattr(mgr, "packed", None) is None:
+            super().abort()
+            return
+        with mgr._unpack_lock:
+            super().abort()
 
 
 class KVBridgeKVBootstrapServer(_c.BootstrapServer):

@@ -34,8 +34,9 @@ import msgspec
 import numpy as np
 
 from kvbridge.adapters.sglang.layout import AuxLayout
-from kvbridge.core.layout import CacheGeometry
+from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.errors import WireError
+from kvbridge.wire.messages import StagingInfo
 
 PROTOCOL = 1
 TAG = b"KVBRIDGE/%d" % PROTOCOL
@@ -53,6 +54,12 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     ip: str
     port: int
     """The decode rank's control socket (SGLang's ``rank_port``)."""
+    wire_dtype: str = "exact"
+    staging: Union[StagingInfo, None] = None
+    """``wire_dtype: fp8``: the decode rank's staging buffer (:mod:`.packed`)."""
+    packed_spec: Union[CacheSpec, None] = None
+    """``wire_dtype: fp8``: the pool as numbers (dtype, heads, head dim); both sides'
+    must be equal."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
@@ -66,6 +73,9 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     required_dst_info_num: int
     decode_prefix_len: Union[int, None] = None
     is_dummy: bool = False
+    staging_first: Union[int, None] = None
+    """``wire_dtype: fp8``: the first of the room's ``layers * pages`` staging slots on
+    the decode (None: the decode had no free run, the room fails naming ``staging_mb``)."""
 
 
 class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):

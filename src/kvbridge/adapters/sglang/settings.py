@@ -35,10 +35,6 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> KVBridgeConfig:
         cfg = load_config(raw or None)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_ENV}: {exc.message}", key=exc.key, fix=exc.fix) from exc
-    if cfg.wire_dtype != "exact":
-        raise ConfigError(
-            "wire_dtype 'fp8' is not supported by the SGLang backend yet", key="wire_dtype", fix="use wire_dtype 'exact'"
-        )
     return cfg
 
 
