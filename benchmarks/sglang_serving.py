@@ -332,6 +332,11 @@ def stage_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, table
 
 
+def _md_table(head: list[str], table: list[list[str]]) -> list[str]:
+    """A markdown table: first column left-aligned, the others right-aligned."""
+    return ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)] + ["| " + " | ".join(row) + " |" for row in table]
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     v = m["versions"]
@@ -342,10 +347,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"model shape `{doc['shape']}`, `{' '.join(doc['engine_args'])}`; one request at a time, {doc['prompts']} "
         f"prompts per length, {doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT).",
         "",
-        "| " + " | ".join(head) + " |",
-        "|---|" + "---:|" * (len(head) - 1),
+        *_md_table(head, table),
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in table]
     head, table = stage_rows(doc)
     if table:
         lines += [
@@ -357,10 +360,8 @@ def markdown(doc: dict[str, Any]) -> str:
             "disaggregation adds to the prefill's compute: bootstrap, transfer, hand-over, "
             "the decode's first step, the router).",
             "",
-            "| " + " | ".join(head) + " |",
-            "|---|" + "---:|" * (len(head) - 1),
+            *_md_table(head, table),
         ]
-        lines += ["| " + " | ".join(row) + " |" for row in table]
     for name, error in doc["errors"].items():
         lines += ["", f"`{name}` did not run:", "", "```", error.strip(), "```"]
     return "\n".join(lines) + "\n"

@@ -220,16 +220,35 @@ def _kvbridge_metrics(url: str) -> dict[str, float]:
     return prom(url, prefix="sglang:kvbridge_")
 
 
+def _kv_rows(model: Path, num_tokens: int) -> tuple[int, int]:
+    """``(rows, head_dim)`` of a prompt's pages, from the model's config: one row is one
+    token's one head of K or V, for every layer; the last page counts whole."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
+    rows = math.ceil(num_tokens / page) * page * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+    return rows, head_dim
+
+
 def _kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
     """KV bytes of a prompt's pages, from the model's config and the KV dtype SGLang logged."""
-    cfg = json.loads((model / "config.json").read_text())
     match = KV_DTYPE_LINE.search(server.log_path.read_bytes())
     assert match, f"SGLang did not log its KV dtype:\n{server.log_tail()}"
     itemsize = torch.empty(0, dtype=getattr(torch, match.group(1).decode())).element_size()
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * itemsize
-    return math.ceil(num_tokens / page) * page * per_token
+    rows, head_dim = _kv_rows(model, num_tokens)
+    return rows * head_dim * itemsize
+
+
+def _wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, float]:
+    """A server's kvbridge metrics once ``sglang:kvbridge_<name>`` grew past ``before``'s
+    (kvbridge counts just after notifying: polled), or as they are at the deadline."""
+    key = f"sglang:kvbridge_{name}"
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        now = _kvbridge_metrics(url)
+        if now.get(key, 0.0) > before.get(key, 0.0) or time.monotonic() >= deadline:
+            return now
+        time.sleep(0.05)
 
 
 def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) -> None:
@@ -241,12 +260,8 @@ def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) ->
     def delta(now: dict[str, float], before: dict[str, float], name: str) -> float:
         return now.get(f"sglang:kvbridge_{name}", 0.0) - before.get(f"sglang:kvbridge_{name}", 0.0)
 
-    deadline = time.monotonic() + METRICS_TIMEOUT_S  # the prefill counts just after notifying
-    while True:
-        p1, d1 = _kvbridge_metrics(prefill.url), _kvbridge_metrics(decode.url)
-        if delta(p1, p0, "requests_sent_total") >= 1 or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+    p1 = _wait_counted(prefill.url, p0, "requests_sent_total")
+    d1 = _wait_counted(decode.url, d0, "requests_received_total")
     want = _kv_bytes(model, prefill, len(input_ids))
     assert delta(p1, p0, "requests_sent_total") == 1, p1
     assert delta(d1, d0, "requests_received_total") == 1, d1
@@ -292,14 +307,11 @@ def _generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[
     return list(out["output_ids"]), tops
 
 
-def _fp8_bytes(model: Path, server: Proc, num_tokens: int) -> int:
-    """Packed bytes of a prompt's pages: 1 byte per value plus a float32 scale per token
-    and head, for K and V of every layer (csrc/PACKED_FORMAT.md)."""
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (head_dim + 4)
-    return math.ceil(num_tokens / page) * page * per_token
+def _fp8_bytes(model: Path, num_tokens: int) -> int:
+    """Packed bytes of a prompt's pages: 1 byte per value plus a float32 scale per row
+    (token and head), for K and V of every layer (csrc/PACKED_FORMAT.md)."""
+    rows, head_dim = _kv_rows(model, num_tokens)
+    return rows * (head_dim + 4)
 
 
 def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(fp8_pd: PD, colocated: Proc, model: Path, record_property) -> None:
@@ -319,14 +331,9 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(fp8_pd: PD
         worst, same = max(worst, drift), same + (got == want)
         room, layer_writes, chunk_writes = _wait_sent_line(prefill, offset)
         assert (layer_writes > 0) == layerwise and chunk_writes + layer_writes > 0
-        deadline = time.monotonic() + METRICS_TIMEOUT_S
-        while True:
-            d1 = _kvbridge_metrics(decode.url)
-            received = d1.get("sglang:kvbridge_bytes_received_total", 0.0) - d0.get("sglang:kvbridge_bytes_received_total", 0.0)
-            if received or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        want_bytes = _fp8_bytes(model, prefill, len(input_ids))
+        d1 = _wait_counted(decode.url, d0, "bytes_received_total")
+        received = d1.get("sglang:kvbridge_bytes_received_total", 0.0) - d0.get("sglang:kvbridge_bytes_received_total", 0.0)
+        want_bytes = _fp8_bytes(model, len(input_ids))
         assert received == want_bytes, f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is {want_bytes}"
         exact = _kv_bytes(model, prefill, len(input_ids))
         assert exact / received > 1.7  # the test model: float16, head_dim 32: 64 bytes per row vs 36

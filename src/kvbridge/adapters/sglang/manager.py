@@ -921,7 +921,7 @@ class KVBridgeKVReceiver(_c.Receiver):
 
     def clear(self) -> None:
         mgr = self.kv_mgr
-        if getattr(mgr, "packed", None) is None:
+        if mgr.packed is None:
             super().clear()
             return
         owned = getattr(self, "_owns_bootstrap_room", True)  # SGLang's: this receiver's room
@@ -932,7 +932,7 @@ class KVBridgeKVReceiver(_c.Receiver):
 
     def abort(self) -> None:
         mgr = self.kv_mgr
-        if getattr(mgr, "packed", None) is None:
+        if mgr.packed is None:
             super().abort()
             return
         with mgr._unpack_lock:

@@ -109,6 +109,8 @@ class Reservation(NamedTuple):
     first: int
     pages: np.ndarray
     """The room's decode page ids (its ``Destination``), position order."""
+    count: int
+    """Slots in the run: ``layers * pages``."""
 
 
 class RoomReservations:
@@ -141,10 +143,11 @@ class RoomReservations:
         """A run for ``room``'s pages (all layers), or None when no run is free."""
         if pages.size == 0:
             raise PlanError(f"room {room}: no pages to reserve staging for")
-        first = self.allocator.alloc(self.num_layers * int(pages.size))
+        count = self.num_layers * int(pages.size)
+        first = self.allocator.alloc(count)
         if first is None:
             return None
-        res = Reservation(first, np.asarray(pages, dtype=np.int64))
+        res = Reservation(first, np.asarray(pages, dtype=np.int64), count)
         with self._lock:
             old = self._rooms.pop(room, None)
             self._rooms[room] = res
@@ -158,7 +161,7 @@ class RoomReservations:
             return self._rooms.pop(room, None)
 
     def free(self, res: Reservation) -> None:
-        self.allocator.free(res.first, self.num_layers * int(res.pages.size))
+        self.allocator.free(res.first, res.count)
 
     def retire(self, room: int, now: float | None = None) -> None:
         """SGLang cleared ``room``: a run it still has is held for ``hold_s``, then reused."""
@@ -169,7 +172,7 @@ class RoomReservations:
 
     def _hold(self, res: Reservation, now: float) -> None:
         with self._lock:
-            self._retired.append((now + self.hold_s, res.first, self.num_layers * int(res.pages.size)))
+            self._retired.append((now + self.hold_s, res.first, res.count))
 
     def reap(self, now: float | None = None) -> int:
         """Free the retired runs whose hold is over; how many."""
