@@ -7,9 +7,15 @@ FlashAttention layout (NHD). One timed iteration processes every layer once, eac
 layer with its own cache and buffers (at least 1 GiB touched per iteration, so the
 50 MB L2 does not hold the data): pack and unpack in one call for all layers (what
 the runtime does per post), index_select / index_copy_ one torch call per layer,
-the copy one call for all the bytes. Times are CUDA-event medians over 5 calls
-queued back to back (the host's checks and id upload for the next call overlap the
-GPU's work, as in a serving loop); the host time to issue one call is reported apart.
+the copy one call for all the bytes. Pack and unpack run with each CUDA kernel of
+``kvbridge.ops.KERNELS`` ("rows", the default, and "tiles"); the bytes are the same.
+
+Times are GPU times: CUDA-event medians over 5 calls queued back to back behind a
+short GPU sleep, so that the host has queued every call before the first starts and
+the events see the GPU's work alone (without the sleep, the first call's host work,
+60-400 us, counted as GPU time). The host time to issue one call (checks, id upload,
+launch) is reported apart: where it exceeds the GPU time, a loop issuing such calls
+is bound by the host, not by the kernel.
 
 Bandwidth counts bytes read plus bytes written (what a copy of N bytes moves is 2N):
 pack and unpack move the KV once in each direction, FP8 pack reads the KV and writes
@@ -30,8 +36,11 @@ GEOMETRIES = {
 
 
 INNER = 5
-"""Calls queued back to back per timed sample: the GPU time of a call, with the host's
-work for the next call overlapping it (as in a serving loop)."""
+"""Calls queued back to back per timed sample."""
+
+SLEEP_CYCLES = 20_000_000
+"""GPU clock cycles slept before each sample's first event (~10 ms at 1.7-2 GHz): more
+than the host needs to queue INNER calls of any geometry here."""
 
 
 def _time(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
@@ -43,6 +52,7 @@ def _time(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU waits while the host queues the calls
         a.record()
         for _ in range(INNER):
             fn()
@@ -63,6 +73,30 @@ def _host_us(fn: Callable[[], None], n: int = 20) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / n * 1e6
+
+
+def _check_kernels_agree(ops, fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
+    """Every kernel packs the same bytes as "rows" (values and scales; padding aside):
+    a fast wrong kernel would make the numbers meaningless."""
+    import torch
+
+    from kvbridge.ops import reference
+
+    def rows(buf, f):
+        return [reference.region_rows(buf[i * f.nbytes : (i + 1) * f.nbytes], f) for i in range(layers)]
+
+    def same(a, b):  # values or scales (None when unscaled), bit for bit
+        return (a is None and b is None) or torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    for name, buf, f in (("pack", exact, fmt), ("pack_fp8", fp8, qfmt)):
+        fns[name]()
+        want = [tuple(x.clone() if x is not None else None for x in r) for r in rows(buf, f)]
+        for kernel in ops.KERNELS[1:]:
+            buf.fill_(0x5A)
+            fns[f"{name}_{kernel}"]()
+            for i, (got, w) in enumerate(zip(rows(buf, f), want)):
+                if not all(same(a, b) for a, b in zip(got, w)):
+                    raise SystemExit(f"{name} with kernel {kernel!r} differs from 'rows' in layer {i}: fix the kernel first")
 
 
 def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
@@ -93,17 +127,13 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
     gathered = [torch.empty(2, nblk, block_size, heads, dim, dtype=dtype, device="cuda") for _ in range(layers)]
 
     # one call per op moves every layer (one kernel launch), as the runtime does per post
-    def pack():
-        ops.pack(planes, ids_cpu, tokens, out=exact)
-
-    def pack_fp8():
-        ops.pack(planes, ids_cpu, tokens, fp8=True, out=fp8)
-
-    def unpack():
-        ops.unpack(exact, fmt, planes, ids_cpu)
-
-    def unpack_fp8():
-        ops.unpack(fp8, qfmt, planes, ids_cpu)
+    def ops_for(kernel: str) -> dict[str, Callable[[], None]]:
+        return {
+            "pack": lambda: ops.pack(planes, ids_cpu, tokens, out=exact, kernel=kernel),
+            "pack_fp8": lambda: ops.pack(planes, ids_cpu, tokens, fp8=True, out=fp8, kernel=kernel),
+            "unpack": lambda: ops.unpack(exact, fmt, planes, ids_cpu, kernel=kernel),
+            "unpack_fp8": lambda: ops.unpack(fp8, qfmt, planes, ids_cpu, kernel=kernel),
+        }
 
     def copy():  # the same bytes in one contiguous device-to-device copy: the bandwidth ceiling
         copy_dst.copy_(copy_src)
@@ -116,24 +146,23 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
         for c, src in zip(caches, gathered):
             c.index_copy_(1, ids_dev, src)
 
-    pack_fp8()
-    unpack_fp8()  # the caches now hold dequantized values: the exact ops move them the same way
-    t = {name: _time(fn, reps) for name, fn in (
-        ("copy", copy), ("pack", pack), ("pack_fp8", pack_fp8), ("unpack", unpack), ("unpack_fp8", unpack_fp8),
-        ("index_select", index_select), ("index_copy", index_copy),
-    )}
+    fns: dict[str, Callable[[], None]] = {"copy": copy}
+    for kernel in ops.KERNELS:
+        suffix = "" if kernel == "rows" else f"_{kernel}"
+        fns.update({name + suffix: fn for name, fn in ops_for(kernel).items()})
+    fns.update(index_select=index_select, index_copy=index_copy)
+    fns["pack_fp8"]()
+    fns["unpack_fp8"]()  # the caches now hold dequantized values: the exact ops move them the same way
+    _check_kernels_agree(ops, fns, exact, fp8, fmt, qfmt, layers)
+    t = {name: _time(fn, reps) for name, fn in fns.items()}
     kv = layer_bytes * layers  # the request's KV over the timed layers
-    moved = {
-        "copy": 2 * fmt.nbytes * layers,
-        "pack": 2 * kv,
-        "unpack": 2 * kv,
-        "pack_fp8": kv + qfmt.nbytes * layers,
-        "unpack_fp8": kv + qfmt.nbytes * layers,
-        "index_select": 2 * nblk * block_size * heads * dim * dtype.itemsize * 2 * layers,
-        "index_copy": 2 * nblk * block_size * heads * dim * dtype.itemsize * 2 * layers,
-    }
+    gathered_bytes = 2 * nblk * block_size * heads * dim * dtype.itemsize * 2 * layers
+    moved = {"copy": 2 * fmt.nbytes * layers, "index_select": gathered_bytes, "index_copy": gathered_bytes}
+    for name in t:
+        if name.startswith(("pack", "unpack")):
+            moved[name] = kv + qfmt.nbytes * layers if "fp8" in name else 2 * kv
     gbps = {k: moved[k] / t[k] / 1e9 for k in t}
-    host = {"pack": _host_us(pack), "pack_fp8": _host_us(pack_fp8), "copy": _host_us(copy)}
+    host = {name: _host_us(fns[name]) for name in ("pack", "pack_fp8", "copy")}
     return {
         "geometry": geometry,
         "block_size": block_size,

@@ -313,7 +313,15 @@ def plot_sglang(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-OPS_COLUMNS = ("pack", "pack_fp8", "unpack", "unpack_fp8", "index_select", "index_copy")
+OPS_COLUMNS = (
+    "pack", "pack_tiles", "pack_fp8", "pack_fp8_tiles", "unpack", "unpack_tiles", "unpack_fp8", "unpack_fp8_tiles",
+    "index_select", "index_copy",
+)
+"""Ops columns in the tables, where measured (no ``*_tiles`` in results from before the tile kernel)."""
+
+
+def _ops_columns(doc: dict) -> list[str]:
+    return [c for c in OPS_COLUMNS if all(c in r["gbps"] for r in doc["results"])]
 
 
 def ops_routine(args: argparse.Namespace) -> dict:
@@ -329,27 +337,37 @@ def ops_routine(args: argparse.Namespace) -> dict:
 
 def ops_table(doc: dict) -> Table:
     table = Table(title=f"pack / unpack on {doc['device']['gpu']}: GB/s (read + written), share of a device copy's")
-    for col in ("geometry", "block", "tokens", "copy", *OPS_COLUMNS):
+    cols = _ops_columns(doc)
+    for col in ("geometry", "block", "tokens", "copy", *cols, "host us/pack"):
         table.add_column(col, justify="right")
     for r in doc["results"]:
-        cells = [f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in OPS_COLUMNS]
-        table.add_row(r["geometry"], str(r["block_size"]), str(r["tokens"]), f"{r['gbps']['copy']:.0f}", *cells)
+        cells = [f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in cols]
+        table.add_row(r["geometry"], str(r["block_size"]), str(r["tokens"]), f"{r['gbps']['copy']:.0f}", *cells, _host_cell(r))
     return table
+
+
+def _host_cell(r: dict) -> str:
+    """Host microseconds to issue one pack call; '(host-bound)' when that exceeds the
+    call's GPU time, i.e. a loop of such calls waits on the host."""
+    us = r["host_us_per_call"]["pack"]
+    return f"{us:.0f}" + (" (host-bound)" if us > r["seconds"]["pack"] * 1e6 else "")
 
 
 def markdown_ops(doc: dict) -> str:
     d, m = doc["device"], doc["machine"]
+    cols = _ops_columns(doc)
     lines = [
         f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA {d['cuda']}; "
         f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the share of a "
-        "device-to-device copy's GB/s in the same run.",
+        "device-to-device copy's GB/s in the same run. `*_tiles`: the same op with the tile kernel; "
+        "host us/pack: host time to issue one pack call.",
         "",
-        "| geometry | block | tokens | copy GB/s | " + " | ".join(OPS_COLUMNS) + " |",
-        "|---|---:|---:|---:|" + "---:|" * len(OPS_COLUMNS),
+        "| geometry | block | tokens | copy GB/s | " + " | ".join(cols) + " | host us/pack |",
+        "|---|---:|---:|---:|" + "---:|" * len(cols) + "---:|",
     ]
     for r in doc["results"]:
-        cells = " | ".join(f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in OPS_COLUMNS)
-        lines.append(f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | {cells} |")
+        cells = " | ".join(f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in cols)
+        lines.append(f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | {cells} | {_host_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,8 +382,9 @@ def plot_ops(doc: dict, path: Path) -> None:
     for ax, geo in zip(axes[0], geos):
         rows = [r for r in doc["results"] if r["geometry"] == geo]
         labels = [f"b{r['block_size']}/{r['tokens'] // 1024}k" for r in rows]
-        width = 0.8 / len(OPS_COLUMNS)
-        for i, col in enumerate(OPS_COLUMNS):
+        cols = _ops_columns(doc)
+        width = 0.8 / len(cols)
+        for i, col in enumerate(cols):
             ax.bar([x + i * width for x in range(len(rows))], [r["vs_copy"][col] for r in rows], width, label=col)
         ax.axhline(0.85, color="grey", ls="--", lw=1)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, rotation=45, fontsize=8)

@@ -4,8 +4,9 @@
 // check raises a Python RuntimeError saying what was wrong and what is expected.
 //
 // Contracts (see csrc/PACKED_FORMAT.md for the byte layout):
-//   pack(k[], v[], block_ids, num_tokens, head_start, num_heads, fp8, chunk_tokens, out)
-//   unpack(packed, packed_dtype, scaled, chunk_tokens, k[], v[], block_ids, num_tokens, head_start, num_heads)
+//   pack(k[], v[], block_ids, num_tokens, head_start, num_heads, fp8, chunk_tokens, out, kernel)
+//   unpack(packed, packed_dtype, scaled, chunk_tokens, k[], v[], block_ids, num_tokens, head_start, num_heads, kernel)
+// kernel: 0 = the row kernel, 1 = the tile kernel (csrc/kv_pack.h, Kernel); same bytes.
 // k[i], v[i]: layer i's planes as (num_blocks, block_size, num_heads, head_dim) views, all
 // with equal shapes and strides and a contiguous last dim (kvbridge.ops.kv_planes makes
 // them); layer i's region starts at i * (region bytes) in out / packed.
@@ -181,6 +182,11 @@ void check_head_dim(int64_t dim, int64_t cache_elem, int64_t packed_elem, bool v
 
 int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
+Kernel to_kernel(int64_t kernel) {
+  KVB_CHECK(kernel == 0 || kernel == 1, "kvbridge: kernel must be 0 (rows) or 1 (tiles), got ", kernel);
+  return static_cast<Kernel>(kernel);
+}
+
 // The chunked layout of csrc/PACKED_FORMAT.md (kvbridge/ops/format.py computes the same).
 Packed regions(const at::Tensor& buf, int64_t num_tokens, int64_t chunk_tokens, int64_t num_heads, int64_t dim,
                int64_t elem, bool scaled) {
@@ -212,7 +218,7 @@ Buffer check_regions(Checked& c, at::TensorList k, const at::Tensor& buf, const 
 }
 
 void pack(at::TensorList k, at::TensorList v, const at::Tensor& block_ids, int64_t num_tokens, int64_t head_start,
-          int64_t num_heads, bool fp8, int64_t chunk_tokens, const at::Tensor& out) {
+          int64_t num_heads, bool fp8, int64_t chunk_tokens, const at::Tensor& out, int64_t kernel) {
   KVB_CHECK(!k.empty(), "kvbridge: no layers to pack");
   KVB_CHECK(k[0].is_cuda(), "kvbridge: the planes must be CUDA tensors, got ", k[0].device());
   const c10::cuda::CUDAGuard guard(k[0].device());
@@ -222,12 +228,13 @@ void pack(at::TensorList k, at::TensorList v, const at::Tensor& block_ids, int64
   const int64_t cache_elem = k[0].element_size(), packed_elem = fp8 ? 1 : cache_elem;
   const Buffer dst = check_regions(c, k, out, "out", chunk_tokens, num_tokens, num_heads, cache_elem, packed_elem, fp8);
   const cudaError_t err =
-      launch_pack(c.paged, dst.regions, c.shape, c.dtype, fp8, dst.vector, num_sms(), at::cuda::getCurrentCUDAStream());
+      launch_pack(to_kernel(kernel), c.paged, dst.regions, c.shape, c.dtype, fp8, dst.vector, num_sms(), at::cuda::getCurrentCUDAStream());
   KVB_CHECK(err == cudaSuccess, "kvbridge: pack kernel launch failed: ", cudaGetErrorString(err));
 }
 
 void unpack(const at::Tensor& packed, at::ScalarType packed_dtype, bool scaled, int64_t chunk_tokens, at::TensorList k,
-            at::TensorList v, const at::Tensor& block_ids, int64_t num_tokens, int64_t head_start, int64_t num_heads) {
+            at::TensorList v, const at::Tensor& block_ids, int64_t num_tokens, int64_t head_start, int64_t num_heads,
+            int64_t kernel) {
   KVB_CHECK(!k.empty(), "kvbridge: no layers to unpack into");
   KVB_CHECK(k[0].is_cuda(), "kvbridge: the planes must be CUDA tensors, got ", k[0].device());
   const c10::cuda::CUDAGuard guard(k[0].device());
@@ -244,7 +251,7 @@ void unpack(const at::Tensor& packed, at::ScalarType packed_dtype, bool scaled, 
   }
   const int64_t cache_elem = k[0].element_size(), packed_elem = c10::elementSize(packed_dtype);
   const Buffer src = check_regions(c, k, packed, "packed", chunk_tokens, num_tokens, num_heads, cache_elem, packed_elem, scaled);
-  const cudaError_t err = launch_unpack(src.regions, pd, scaled, c.paged, c.shape, c.dtype, src.vector, num_sms(),
+  const cudaError_t err = launch_unpack(to_kernel(kernel), src.regions, pd, scaled, c.paged, c.shape, c.dtype, src.vector, num_sms(),
                                         at::cuda::getCurrentCUDAStream());
   KVB_CHECK(err == cudaSuccess, "kvbridge: unpack kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -254,9 +261,9 @@ void unpack(const at::Tensor& packed, at::ScalarType packed_dtype, bool scaled, 
 
 TORCH_LIBRARY(kvbridge, m) {
   m.def("pack(Tensor[] k, Tensor[] v, Tensor block_ids, int num_tokens, int head_start, int num_heads, bool fp8, "
-        "int chunk_tokens, Tensor(a!) out) -> ()");
+        "int chunk_tokens, Tensor(a!) out, int kernel=0) -> ()");
   m.def("unpack(Tensor packed, ScalarType packed_dtype, bool scaled, int chunk_tokens, Tensor(a!)[] k, Tensor(b!)[] v, "
-        "Tensor block_ids, int num_tokens, int head_start, int num_heads) -> ()");
+        "Tensor block_ids, int num_tokens, int head_start, int num_heads, int kernel=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvbridge, CUDA, m) {

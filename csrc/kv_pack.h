@@ -14,6 +14,10 @@ namespace kvbridge {
 // Element types the kernels move. Codes are internal to csrc/.
 enum class Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF8E4M3 = 3 };
 
+// Which kernel moves the rows: one row per lane group, placed by its global index
+// (kRows), or one tile of consecutive rows per warp (kTiles, csrc/tile_map.h).
+enum class Kernel : int { kRows = 0, kTiles = 1 };
+
 // Most layers one launch moves (kernel parameters hold their addresses).
 constexpr int kMaxLayers = 128;
 
@@ -53,13 +57,13 @@ struct Shape {
 // pack: paged (dtype `cache`) -> packed. `quantize`: values become float8 e4m3 with
 // scales; otherwise they are copied bit for bit (packed dtype == cache dtype).
 // `vector`: the launcher may use 16-byte accesses (api.cpp checked the alignment).
-cudaError_t launch_pack(const Paged& src, const Packed& dst, const Shape& shape, Dtype cache, bool quantize,
+cudaError_t launch_pack(Kernel kernel, const Paged& src, const Packed& dst, const Shape& shape, Dtype cache, bool quantize,
                         bool vector, int num_sms, cudaStream_t stream);
 
 // unpack: packed (dtype `packed`, scaled or not) -> paged (dtype `cache`): a bit copy
 // when the dtypes are equal and unscaled, else converted through float32 with
 // round-to-nearest-even.
-cudaError_t launch_unpack(const Packed& src, Dtype packed, bool scaled, const Paged& dst, const Shape& shape,
+cudaError_t launch_unpack(Kernel kernel, const Packed& src, Dtype packed, bool scaled, const Paged& dst, const Shape& shape,
                           Dtype cache, bool vector, int num_sms, cudaStream_t stream);
 
 // Largest head_dim the kernels take for an element size and access width.

@@ -12,6 +12,12 @@ from kvbridge.ops import jit, reference
 
 def main() -> None:
     jit.load()
+    for kernel in ops.KERNELS:
+        run(kernel)
+    print("memcheck cases: ok")
+
+
+def run(kernel: str) -> None:
     for layout in ("fused", "nhd", "hnd"):
         for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
             for dim, fp8 in ((128, False), (128, True), (6, True), (96, False)):
@@ -20,18 +26,19 @@ def main() -> None:
                 cache = make_cache(layout, 12, 16, 3, dim, dtype, "cuda", seed=dim)
                 k, v = planes(cache, layout)
                 ids = block_ids(12, 5, 1)
-                region, fmt = ops.pack([(k, v), (v, k)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16)
+                region, fmt = ops.pack([(k, v), (v, k)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16, kernel=kernel)
                 other = torch.zeros_like(cache)
                 other2 = torch.zeros_like(cache)
-                ops.unpack(region, fmt, [planes(other, layout), planes(other2, layout)], ids, head_start=1)
+                ops.unpack(region, fmt, [planes(other, layout), planes(other2, layout)], ids, head_start=1, kernel=kernel)
                 torch.cuda.synchronize()
-                back, _ = ops.pack([planes(other, layout), planes(other2, layout)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16)
+                back, _ = ops.pack(
+                    [planes(other, layout), planes(other2, layout)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16, kernel=kernel
+                )
                 if not fp8:
                     for i in range(2):
                         a = reference.region_rows(back[i * fmt.nbytes :].cpu(), fmt)[0]
                         b = reference.region_rows(region[i * fmt.nbytes :].cpu(), fmt)[0]
-                        assert torch.equal(a, b), (layout, dtype, dim)
-    print("memcheck cases: ok")
+                        assert torch.equal(a, b), (kernel, layout, dtype, dim)
 
 
 if __name__ == "__main__":

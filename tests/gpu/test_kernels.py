@@ -29,6 +29,14 @@ def kernels():
     assert hasattr(torch.ops.kvbridge, "pack")
 
 
+@pytest.fixture(params=ops.KERNELS)
+def kernel(request, monkeypatch):
+    """Each kernel in turn (both must give the reference's bytes): ops.pack / unpack
+    read $KVBRIDGE_PACK_KERNEL when no kernel= is given."""
+    monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", request.param)
+    return request.param
+
+
 def _ref_pack(k, v, ids, num_tokens, heads, fp8, chunk=0):
     """The reference on CPU copies: the specification, away from the GPU's torch ops."""
     kc, vc = k.cpu(), v.cpu()
@@ -55,6 +63,8 @@ PACK_CASES = [
     *[(lay, dt, 16, 8, 128, 1000, None, fp8) for lay, dt, fp8 in itertools.product(LAYOUTS, DTYPES, (False, True))],
     ("nhd", torch.bfloat16, 64, 8, 128, 4096, None, True),
     ("hnd", torch.bfloat16, 16, 8, 128, 1000, (0, 4), "chunked"),  # chunks of one block, FP8
+    ("nhd", torch.bfloat16, 16, 8, 128, 1000, None, "chunks across blocks"),  # chunks of 24 tokens: tiles of 8, FP8
+    ("nhd", torch.float16, 16, 1, 64, 4000, None, False),  # one head of 64: a lane holds a whole row
     ("hnd", torch.float16, 32, 8, 128, 777, (2, 6), True),
     ("nhd", torch.bfloat16, 16, 8, 128, 333, (4, 8), False),
     ("fused", torch.float32, 16, 4, 64, 100, (1, 2), True),
@@ -68,8 +78,8 @@ PACK_CASES = [
 
 
 @pytest.mark.parametrize("layout,dtype,bs,heads,dim,tokens,hr,fp8", PACK_CASES)
-def test_pack_equals_reference(layout, dtype, bs, heads, dim, tokens, hr, fp8):
-    chunk = bs if fp8 == "chunked" else 0
+def test_pack_equals_reference(kernel, layout, dtype, bs, heads, dim, tokens, hr, fp8):
+    chunk = {"chunked": bs, "chunks across blocks": bs + bs // 2}.get(fp8, 0)
     fp8 = bool(fp8)
     nb = max(4, 2 * (tokens // bs + 1))
     cache = make_cache(layout, nb, bs, heads, dim, dtype, "cuda", seed=tokens + dim)
@@ -99,7 +109,7 @@ UNPACK_CASES = [
 
 
 @pytest.mark.parametrize("src,dst,src_heads,dst_heads,hr,offset,fp8", UNPACK_CASES)
-def test_unpack_equals_reference(src, dst, src_heads, dst_heads, hr, offset, fp8):
+def test_unpack_equals_reference(kernel, src, dst, src_heads, dst_heads, hr, offset, fp8):
     (sl, sdt, sbs), (dl, ddt, dbs) = src, dst
     chunk = sbs if fp8 == "chunked" else 0
     fp8 = bool(fp8)
@@ -118,7 +128,7 @@ def test_unpack_equals_reference(src, dst, src_heads, dst_heads, hr, offset, fp8
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_many_layers_in_one_call(fp8):
+def test_many_layers_in_one_call(kernel, fp8):
     layers = [planes(make_cache("hnd", 40, 16, 4, 128, torch.bfloat16, "cuda", seed=s), "hnd") for s in range(5)]
     ids = block_ids(40, 19, 7)
     got, fmt = ops.pack(layers, ids, 300, fp8=fp8, chunk_tokens=16)
@@ -133,7 +143,7 @@ def test_many_layers_in_one_call(fp8):
     assert all(_bytes_equal(d, r) for d, r in zip(dst, ref))
 
 
-def test_device_block_ids_and_unaligned_views():
+def test_device_block_ids_and_unaligned_views(kernel):
     cache = make_cache("nhd", 64, 16, 8, 128, torch.bfloat16, "cuda", seed=9)
     k, v = planes(cache, "nhd")
     ids = block_ids(64, 20, 5)
@@ -182,6 +192,8 @@ def test_kernels_reject_bad_input_with_clear_errors():
         call(k.cpu(), v.cpu(), torch.tensor([0]), 16, 0, 4, False, out)
     with pytest.raises(RuntimeError, match="scaled region cannot go into a float8 cache"):
         torch.ops.kvbridge.unpack(out, torch.float8_e4m3fn, True, 0, [k8], [v8], torch.tensor([0]), 16, 0, 4)
+    with pytest.raises(RuntimeError, match=r"kernel must be 0 \(rows\) or 1 \(tiles\)"):
+        torch.ops.kvbridge.pack([k], [v], torch.tensor([0]), 16, 0, 4, False, 0, out, 2)
     with pytest.raises(RuntimeError, match="layer 1 planes differ"):
         torch.ops.kvbridge.pack([k, k], [v, v[:, :8]], torch.tensor([0]), 16, 0, 4, False, 0, out)
 

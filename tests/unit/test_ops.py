@@ -195,6 +195,10 @@ def test_bad_input_is_rejected_with_a_clear_error():
         ops.kv_planes(torch.zeros(2, 3, 4), "fused")
     with pytest.raises(OpsInputError, match="unknown layout"):
         ops.kv_planes(torch.zeros(2, 3, 4, 5, 6), "xyz")
+    with pytest.raises(OpsInputError, match="unknown kernel 'rowz'.*rows, tiles"):
+        ops.pack((k, v), [0], 10, kernel="rowz")
+    with pytest.raises(OpsInputError, match="unknown kernel 'x'"):
+        ops.unpack(region, fmt, (k, v), [0], kernel="x")
 
 
 def _per_block_head_error(x: torch.Tensor) -> float:

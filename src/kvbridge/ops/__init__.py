@@ -12,6 +12,12 @@ built, to the pure-torch :mod:`kvbridge.ops.reference`, which is the specificati
 kernels are tested against. Both paths get the same checked inputs and give the same
 bytes.
 
+Two CUDA kernels give the same bytes: ``"rows"`` (one row per lane group, placed by its
+index; the default, measured in ``benchmarks/results/ops.md``) and ``"tiles"`` (a warp per
+run of tokens inside one block, ``csrc/tile_map.h``; fewer instructions per byte, not yet
+measured on a GPU). ``kernel=`` or ``$KVBRIDGE_PACK_KERNEL`` picks one; the CPU path
+ignores the choice.
+
 Calls are asynchronous on CUDA (the current stream); the caller keeps every tensor
 alive and unmodified until the stream has passed them. Who calls: the runtime's
 sender (pack, once per layer and post) and receiver (unpack, once per layer and
@@ -31,6 +37,7 @@ True
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -176,6 +183,19 @@ def _check_buffer(buf: torch.Tensor, nbytes: int, k: torch.Tensor, what: str) ->
         raise OpsInputError(f"{what} must start at a 16-byte aligned address")
 
 
+KERNELS = ("rows", "tiles")
+"""The CUDA kernels :func:`pack` and :func:`unpack` can run (``kernel=``)."""
+
+
+def _kernel(name: str | None) -> int:
+    """The binding's code of the kernel ``name`` (default: ``$KVBRIDGE_PACK_KERNEL`` or
+    ``"rows"``)."""
+    name = name or os.environ.get("KVBRIDGE_PACK_KERNEL") or "rows"
+    if name not in KERNELS:
+        raise OpsInputError(f"unknown kernel {name!r}", fix=f"use one of {', '.join(KERNELS)} (kernel= or KVBRIDGE_PACK_KERNEL)")
+    return KERNELS.index(name)
+
+
 def _use_kernels(t: torch.Tensor) -> bool:
     if t.device.type != "cuda":
         return False
@@ -193,6 +213,7 @@ def pack(
     fp8: bool = False,
     chunk_tokens: int = 0,
     out: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, PackedFormat]:
     """Pack tokens ``[0, num_tokens)`` of one or more layers, one region per layer.
 
@@ -210,6 +231,7 @@ def pack(
             own); 0: one chunk.
         out: uint8 buffer of ``len(layers) * fmt.nbytes`` bytes or more, 16-byte
             aligned (e.g. a view of a registered staging buffer); default a new tensor.
+        kernel: which CUDA kernel (:data:`KERNELS`); the bytes are the same.
 
     Returns:
         ``(out[:len(layers) * fmt.nbytes], fmt)``; layer ``i``'s region starts at
@@ -229,8 +251,9 @@ def pack(
     if out is None:
         out = torch.empty(total, dtype=torch.uint8, device=k.device)
     _check_buffer(out, total, k, "out")
+    code = _kernel(kernel)
     if _use_kernels(k):  # the binding checks every layer
-        torch.ops.kvbridge.pack([p[0] for p in layers], [p[1] for p in layers], ids, num_tokens, h0, h1 - h0, fp8, fmt.ct, out)
+        torch.ops.kvbridge.pack([p[0] for p in layers], [p[1] for p in layers], ids, num_tokens, h0, h1 - h0, fp8, fmt.ct, out, code)
     else:
         _check_all(layers)
         reference.pack(layers, ids.to(k.device), fmt, h0, out)
@@ -244,12 +267,13 @@ def unpack(
     block_ids: Sequence[int] | np.ndarray | torch.Tensor,
     *,
     head_start: int = 0,
+    kernel: str | None = None,
 ) -> None:
     """Write the regions of format ``fmt`` in ``packed`` (layer ``i``'s at byte ``i *
     fmt.nbytes``) into tokens ``[0, fmt.num_tokens)`` of heads ``[head_start,
     head_start + fmt.num_heads)`` of each layer's planes, converting to their dtype
     (round to nearest even). Only the regions' tokens are written; the rest of the last
-    block is left as it was."""
+    block is left as it was. ``kernel``: as for :func:`pack`."""
     layers = _layers(layers)
     k = layers[0][0]
     try:
@@ -266,13 +290,14 @@ def unpack(
         raise OpsInputError(f"unscaled float8 values only go into a float8 cache; got {fmt.dtype} into {cache_dtype}")
     ids = _block_ids(block_ids, fmt.num_tokens, k)
     _check_buffer(packed, len(layers) * fmt.nbytes, k, "packed")
+    code = _kernel(kernel)
     if _use_kernels(k):
         torch.ops.kvbridge.unpack(
-            packed, getattr(torch, fmt.dtype), fmt.scaled, fmt.ct, [p[0] for p in layers], [p[1] for p in layers], ids, fmt.num_tokens, head_start, fmt.num_heads
+            packed, getattr(torch, fmt.dtype), fmt.scaled, fmt.ct, [p[0] for p in layers], [p[1] for p in layers], ids, fmt.num_tokens, head_start, fmt.num_heads, code
         )
     else:
         _check_all(layers)
         reference.unpack(packed, fmt, layers, ids.to(k.device), head_start)
 
 
-__all__ = ["OpsInputError", "PackedFormat", "kv_planes", "pack", "packed_format", "unpack"]
+__all__ = ["KERNELS", "OpsInputError", "PackedFormat", "kv_planes", "pack", "packed_format", "unpack"]

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 LIB_NAME = "kvbridge_ops"
 SOURCES = ("api.cpp", "kv_pack.cu")
-HEADERS = ("kv_pack.h",)
+HEADERS = ("kv_pack.h", "tile_map.h")
 CFLAGS = ("-O3", "-std=c++17")
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
 """No ``--use_fast_math``: the kernels must round exactly like the torch reference."""
