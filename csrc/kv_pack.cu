@@ -170,11 +170,11 @@ __device__ __forceinline__ void move_rows(const typename In::bits* const (&src)[
   for (int i = 0; i < ITEMS; ++i) {
     if (!FULL && out_at[i] == nullptr) continue;
     OutChunk out;
-    if (MODE == kCopy) {
+    if constexpr (MODE == kCopy) {
       out.raw = reinterpret_cast<const decltype(out.raw)&>(in[i].raw);
-    } else if (MODE == kQuantize && E % 4 == 0) {
+    } else if constexpr (MODE == kQuantize && E % 4 == 0) {
       // one cvt for two values (same rounding as one by one), two cvts per 32-bit word
-      uint32_t word[E / 4 > 0 ? E / 4 : 1];
+      uint32_t word[E / 4];
 #pragma unroll
       for (int e = 0; e < E; e += 4) {
         const float f = factor[i / C];
