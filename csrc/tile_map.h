@@ -3,8 +3,9 @@
 // compiler and checks every address against kvbridge/ops/format.py, no GPU needed).
 //
 // A *tile* is one plane (K or V) of one layer over a run of tokens that lies inside one
-// cache block and one packed chunk: tokens [i * g, i * g + g) with g = gcd(block_size,
-// chunk_tokens), clipped to num_tokens. Its rows, (token, head) in that order, are
+// cache block and one packed chunk: tokens [i * g, i * g + g) with g a divisor of
+// gcd(block_size, chunk_tokens) (halved while a tile has more than kTileRows rows, so
+// that big blocks still give every warp a tile), clipped to num_tokens. Its rows, (token, head) in that order, are
 // consecutive rows of the packed chunk, so a tile costs one block-id lookup and a few
 // divisions, and each of its rows a multiply-high (FastDiv) and two multiply-adds,
 // where the row kernel spends four integer divisions per row.
@@ -20,6 +21,9 @@
 #endif
 
 namespace kvbridge {
+
+// Rows (tokens x heads) above which a tile is split, when its token count is even.
+constexpr int kTileRows = 128;
 
 // n / d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 fixed on the host: a multiply-high,
 // an add and a shift (Granlund and Montgomery's round-up method; (mulhi + n) cannot
@@ -57,7 +61,7 @@ struct Tile {
 
 struct TileMap {
   int num_tiles;        // layers x 2 x tiles_per_plane
-  int tile_tokens;      // g
+  int tile_tokens;      // g: divides block_size and chunk_tokens
   int num_tokens;
   int num_heads;
   int head_start;
@@ -116,6 +120,7 @@ inline bool make_tile_map(TileMap& m, int layers, int num_tokens, int num_heads,
   const int64_t last = (block_size - 1) * stride_token + (num_heads - 1) * stride_head;
   if (stride_token < 0 || stride_head < 0 || last >= (int64_t{1} << 31)) return false;
   m.tile_tokens = std::gcd(block_size, chunk_tokens);
+  while (m.tile_tokens % 2 == 0 && static_cast<int64_t>(m.tile_tokens) * num_heads > kTileRows) m.tile_tokens /= 2;
   const int per_plane = (num_tokens + m.tile_tokens - 1) / m.tile_tokens;
   m.num_tiles = layers * 2 * per_plane;
   m.num_tokens = num_tokens;

@@ -81,6 +81,8 @@ CASES = [
     ("nhd", 40, 1, 2, 4, 33, None, False, 4, 1),
     ("nhd", 8, 16, 8, 4, 1, (7, 8), True, 16, 1),
     ("nhd", 8, 16, 8, 4, 0, None, True, 16, 2),
+    ("nhd", 6, 64, 8, 4, 256, None, True, 0, 2),  # 64-token tiles of 8 heads: split into 16-token tiles
+    ("hnd", 6, 64, 3, 4, 300, None, False, 48, 1),  # gcd 16 x 3 heads: within the cap
 ]
 
 
