@@ -201,6 +201,16 @@ def test_bad_input_is_rejected_with_a_clear_error():
         ops.unpack(region, fmt, (k, v), [0], kernel="x")
 
 
+def test_kernel_choice_comes_from_the_environment_when_not_given(monkeypatch):
+    k, v = ops.kv_planes(cache("nhd", 4, 16, 2, 32), "nhd")
+    monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", "tilez")
+    with pytest.raises(OpsInputError, match="unknown kernel 'tilez'.*KVBRIDGE_PACK_KERNEL"):
+        ops.pack((k, v), [0], 10)
+    monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", "tiles")
+    region, fmt = ops.pack((k, v), [0], 10)  # on the CPU both kernels are the reference
+    assert torch.equal(region, ops.pack((k, v), [0], 10, kernel="rows")[0])
+
+
 def _per_block_head_error(x: torch.Tensor) -> float:
     """The alternative granularity: one scale per (block, head) over block_size x head_dim."""
     amax = x.abs().amax(dim=(1, 3), keepdim=True)  # x: (blocks, block_size, heads, dim)
