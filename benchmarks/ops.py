@@ -75,11 +75,12 @@ def _host_us(fn: Callable[[], None], n: int = 20) -> float:
     return (t1 - t0) / n * 1e6
 
 
-def _check_kernels_agree(ops, fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
+def _check_kernels_agree(fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
     """Every kernel packs the same bytes as "rows" (values and scales; padding aside):
     a fast wrong kernel would make the numbers meaningless."""
     import torch
 
+    from kvbridge import ops
     from kvbridge.ops import reference
 
     def rows(buf, f):
@@ -153,7 +154,7 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
     fns.update(index_select=index_select, index_copy=index_copy)
     fns["pack_fp8"]()
     fns["unpack_fp8"]()  # the caches now hold dequantized values: the exact ops move them the same way
-    _check_kernels_agree(ops, fns, exact, fp8, fmt, qfmt, layers)
+    _check_kernels_agree(fns, exact, fp8, fmt, qfmt, layers)
     t = {name: _time(fn, reps) for name, fn in fns.items()}
     kv = layer_bytes * layers  # the request's KV over the timed layers
     gathered_bytes = 2 * nblk * block_size * heads * dim * dtype.itemsize * 2 * layers

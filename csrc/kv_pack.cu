@@ -197,15 +197,16 @@ __device__ __forceinline__ void move_rows(const typename In::bits* const (&src)[
   }
 }
 
-// The lane's place in its warp: L = 1 << lanes_log2 lanes per row, G = 32 / L groups.
+// The lane's place in its warp: L lanes per row (a power of two), G = 32 / L groups;
+// `group` is this lane's row in the warp, `gl` its lane within the row.
 struct Lanes {
   int L, G, group, gl;
-  __device__ __forceinline__ explicit Lanes(int lanes_log2) {
+  __device__ __forceinline__ explicit Lanes(int lanes) {
     const int lane = threadIdx.x & 31;
-    L = 1 << lanes_log2;
-    G = 32 >> lanes_log2;
-    group = lane >> lanes_log2;
-    gl = lane & (L - 1);
+    L = lanes;
+    G = 32 / lanes;
+    group = lane / lanes;
+    gl = lane % lanes;
   }
 };
 
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(Paged paged, Packed pack
   using PackedElem = typename std::conditional<PACK, OutElem, InElem>::type;
   constexpr int R = items_for(MODE, C) / C;
 
-  const Lanes ln(geo.lanes_log2);
+  const Lanes ln(1 << geo.lanes_log2);
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + (threadIdx.x >> 5);
   const int64_t step = static_cast<int64_t>(gridDim.x) * (kThreads / 32) * ln.G * R;
 
@@ -266,18 +267,14 @@ __global__ void __launch_bounds__(kThreads) tiles_kernel(Paged paged, Packed pac
   using OutElem = typename Out::bits;
   using PagedElem = typename std::conditional<PACK, InElem, OutElem>::type;
 
-  const int L = LT > 0 ? LT : 1 << lanes_log2;
-  const int G = 32 / L;
-  const int lane = threadIdx.x & 31;
-  const int group = lane / L;
-  const int gl = lane % L;
+  const Lanes ln(LT > 0 ? LT : 1 << lanes_log2);
   const int warps = gridDim.x * (kThreads / 32);
   char* const base = static_cast<char*>(packed.base);
   for (int w = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5); w < map.num_tiles; w += warps) {  // warp-uniform
     const Tile t = map.tile(w, paged.block_ids);
     PagedElem* const plane = static_cast<PagedElem*>(t.plane ? paged.v[t.layer] : paged.k[t.layer]) + t.paged;
-    for (int first = 0; first < t.rows; first += G) {
-      const int row = first + group;
+    for (int first = 0; first < t.rows; first += ln.G) {
+      const int row = first + ln.group;
       const InElem* src[1] = {nullptr};
       OutElem* dst[1] = {nullptr};
       float* const scale[1] = {reinterpret_cast<float*>(base + t.scales) + row};
@@ -287,10 +284,10 @@ __global__ void __launch_bounds__(kThreads) tiles_kernel(Paged paged, Packed pac
         src[0] = reinterpret_cast<const InElem*>(PACK ? reinterpret_cast<char*>(paged_at) : values);
         dst[0] = reinterpret_cast<OutElem*>(PACK ? values : reinterpret_cast<char*>(paged_at));
       }
-      if (LT > 0 && first + G <= t.rows)
-        move_rows<In, Out, MODE, E, C, 1, true>(src, dst, scale, gl, L, nchunks);
+      if (LT > 0 && first + ln.G <= t.rows)
+        move_rows<In, Out, MODE, E, C, 1, true>(src, dst, scale, ln.gl, ln.L, nchunks);
       else
-        move_rows<In, Out, MODE, E, C, 1, false>(src, dst, scale, gl, L, nchunks);
+        move_rows<In, Out, MODE, E, C, 1, false>(src, dst, scale, ln.gl, ln.L, nchunks);
     }
   }
 }

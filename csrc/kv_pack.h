@@ -15,7 +15,8 @@ namespace kvbridge {
 enum class Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF8E4M3 = 3 };
 
 // Which kernel moves the rows: one row per lane group, placed by its global index
-// (kRows), or one tile of consecutive rows per warp (kTiles, csrc/tile_map.h).
+// (kRows), or one tile of consecutive rows per warp (kTiles, csrc/tile_map.h; a call
+// whose rows lie more than 2^31 elements apart within a block runs kRows instead).
 enum class Kernel : int { kRows = 0, kTiles = 1 };
 
 // Most layers one launch moves (kernel parameters hold their addresses).

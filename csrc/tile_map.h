@@ -5,8 +5,8 @@
 // A *tile* is one plane (K or V) of one layer over a run of tokens that lies inside one
 // cache block and one packed chunk: tokens [i * g, i * g + g) with g a divisor of
 // gcd(block_size, chunk_tokens) (halved while a tile has more than kTileRows rows, so
-// that big blocks still give every warp a tile), clipped to num_tokens. Its rows, (token, head) in that order, are
-// consecutive rows of the packed chunk, so a tile costs one block-id lookup and a few
+// that big blocks still give every warp a tile), clipped to num_tokens. Its rows,
+// (token, head) in that order, are consecutive rows of the packed chunk, so a tile costs one block-id lookup and a few
 // divisions, and each of its rows a multiply-high (FastDiv) and two multiply-adds,
 // where the row kernel spends four integer divisions per row.
 #pragma once
