@@ -6,7 +6,7 @@
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
                                       [--output-len 32] [--shape bench] [--quick]
     python benchmarks/run.py ops      [--geometries llama3-8b,llama3-70b-tp8]
-                                      [--block-sizes 16,32,64] [--lengths 1024,8192,32768]
+                                      [--block-sizes 16,32,64] [--lengths 1024,8191,8192,32768]
                                       (a CUDA GPU: the pack / unpack kernels)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
@@ -327,7 +327,7 @@ def _ops_columns(doc: dict) -> list[str]:
 def ops_routine(args: argparse.Namespace) -> dict:
     geometries = (args.geometries or ",".join(ops.GEOMETRIES)).split(",")
     block_sizes = [int(b) for b in (args.block_sizes or ("16" if args.quick else "16,32,64")).split(",")]
-    lengths = [int(n) for n in (args.lengths or ("1024,8192" if args.quick else "1024,8192,32768")).split(",")]
+    lengths = [int(n) for n in (args.lengths or ("1024,8191" if args.quick else "1024,8191,8192,32768")).split(",")]
     reps = args.reps or (5 if args.quick else 20)
     results = ops.run(geometries, block_sizes, lengths, reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     doc = {"routine": "ops", "machine": machine(), "device": ops.device_info(), "reps": reps, "results": results}

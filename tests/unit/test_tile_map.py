@@ -39,6 +39,8 @@ def shim(tmp_path_factory) -> ctypes.CDLL:
     so.kvb_fastdiv.restype = None
     so.kvb_tile_rows.argtypes = [i32] * 7 + [i64] * 6 + [ptr, ptr, i64]
     so.kvb_tile_rows.restype = i64
+    so.kvb_tile_tokens.argtypes = [i32] * 4
+    so.kvb_tile_tokens.restype = i32
     return so
 
 
@@ -83,6 +85,7 @@ CASES = [
     ("nhd", 8, 16, 8, 4, 0, None, True, 16, 2),
     ("nhd", 6, 64, 8, 4, 256, None, True, 0, 2),  # 64-token tiles of 8 heads: split into 16-token tiles
     ("hnd", 6, 64, 3, 4, 300, None, False, 48, 1),  # gcd 16 x 3 heads: within the cap
+    ("nhd", 8, 16, 4, 8, 101, None, False, 0, 1),  # one chunk: tiles of a block whatever the token count
 ]
 
 
@@ -111,6 +114,23 @@ def test_tiles_visit_every_row_once_at_its_format_address(shim, layout, nb, bs, 
 
 def _sorted_rows(a: np.ndarray) -> np.ndarray:
     return a[np.lexsort(a.T[::-1])]
+
+
+@pytest.mark.parametrize(
+    "tokens,heads,block,chunk,tile",
+    [
+        (1001, 8, 16, 1001, 16),  # one chunk: the blocks alone decide (not gcd(16, 1001) = 1)
+        (1000, 8, 16, 2000, 16),
+        (7, 8, 16, 7, 16),
+        (1001, 8, 16, 16, 16),  # chunks of a block
+        (1001, 8, 16, 24, 8),  # chunks of 24 over blocks of 16: tiles must not cross either
+        (1001, 8, 64, 1001, 16),  # 64 x 8 rows halved to 128 rows
+        (1001, 1, 64, 1001, 64),
+        (1001, 3, 45, 1001, 45),  # 135 rows, odd: not halved
+    ],
+)
+def test_tile_size(shim, tokens, heads, block, chunk, tile):
+    assert shim.kvb_tile_tokens(tokens, heads, block, chunk) == tile
 
 
 def test_tile_map_refuses_rows_beyond_31_bits_in_a_block(shim):

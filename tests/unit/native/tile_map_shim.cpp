@@ -38,4 +38,14 @@ int64_t kvb_tile_rows(int layers, int num_tokens, int num_heads, int head_start,
   }
   return n;
 }
+
+// Tokens per tile of a call (before clipping to num_tokens), with strides that fit.
+int kvb_tile_tokens(int num_tokens, int num_heads, int block_size, int chunk_tokens) {
+  kvbridge::TileMap m;
+  const int64_t stride_head = 8, stride_token = stride_head * num_heads;
+  if (!kvbridge::make_tile_map(m, 1, num_tokens, num_heads, 0, block_size, chunk_tokens, 16,
+                               stride_token * block_size, stride_token, stride_head, 0, 0, -1))
+    return -1;
+  return m.tile_tokens;
+}
 }
