@@ -11,9 +11,13 @@
 //
 // What it checks beyond the results: every shuffle is reached by all 32 lanes of the
 // warp with the same mask, offset and count (the kernels promise warp-uniform control
-// flow), and a warp never reads a lane that has exited. A violation is recorded and
-// reported by launch(); the kernels' memory accesses are checked by AddressSanitizer,
-// which the test compiles with.
+// flow), and a warp never reads a lane that has exited. A violation is recorded in
+// first_error(); a configuration CUDA would refuse is left for cudaGetLastError. The
+// kernels' memory accesses are checked by AddressSanitizer and UBSan (a misaligned
+// 16-byte access too, as on the GPU), which the test compiles with.
+//
+// Not modelled: shared memory, __syncthreads, atomics, the memory model (the kernels use
+// none of them; warps run one after another), timing.
 #pragma once
 
 // the attributes go before the CUDA headers, which keep definitions made first
@@ -70,7 +74,8 @@ inline std::mutex& error_lock() {
   return m;
 }
 
-// The first violation seen since the last launch (empty: none).
+// The first violation seen by this process (empty: none); a harness runs one call per
+// process and reads it after launch() returns.
 inline std::string& first_error() {
   static std::string e;
   return e;
