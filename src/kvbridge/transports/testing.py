@@ -54,6 +54,21 @@ def os_thread_names() -> list[str]:
     return sorted(names)
 
 
+def settled_os_threads(quiet: float = 0.5, limit: float = 10.0) -> int:
+    """The OS thread count once it has not changed for ``quiet`` seconds (at most
+    ``limit``): some libraries start threads in the background after their import
+    returns, and on a loaded machine those came after a baseline taken at once (seen: 3
+    threads at the baseline, 6 a moment later, reported as a leak of the transport)."""
+    deadline = time.monotonic() + limit
+    count, since = os_threads(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+        time.sleep(0.01)
+        now = os_threads()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def py_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate())
 
@@ -64,7 +79,7 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
 
     try:
         load(transport)  # threads a backend starts at import are not the transport's to stop
-        baseline = (py_threads(), os_threads())
+        baseline = (py_threads(), settled_os_threads())
         t = create_transport(transport, None, agent_name=agent_name)
     except Exception as exc:
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
