@@ -63,16 +63,22 @@ def emulated_source() -> str:
     return out
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Path:
-    """The harness binary, built once per source and flags (a couple of minutes with the
-    sanitizers) and kept under ~/.cache/kvbridge/emu."""
+def toolchain() -> tuple[str, list[str]]:
+    """The C++ compiler and the CUDA include directories; skips the test without them."""
     cxx = shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler on PATH (apt-get install g++)")
     inc = cuda_include_dirs()
     if not inc:
         pytest.skip("no CUDA headers: run scripts/setup.sh or set KVBRIDGE_CUDA_INCLUDE")
+    return cxx, inc
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Path:
+    """The harness binary, built once per source and flags (a couple of minutes with the
+    sanitizers) and kept under ~/.cache/kvbridge/emu."""
+    cxx, inc = toolchain()
     src = emulated_source()
     key = hashlib.sha256("\0".join([src, *(p.read_text() for p in sorted(NATIVE.glob("*emu*"))),
                                     *(p.read_text() for p in sorted((ROOT / "csrc").glob("*.h"))), cxx, *FLAGS, *inc]).encode())
@@ -107,13 +113,12 @@ def run_emulated(exe: Path, tmp: Path, *, op: str, kernel: str, layers, ids: tor
         assert kl.untyped_storage().data_ptr() == vl.untyped_storage().data_ptr(), "K and V of a layer share one cache tensor"
         storages.append(torch.empty(0, dtype=torch.uint8).set_(kl.untyped_storage()))
     elem = k.element_size()
-    packed_elem = 1 if fmt.scaled else torch.empty(0, dtype=getattr(torch, fmt.dtype)).element_size()
+    packed_dtype = getattr(torch, fmt.dtype)  # float8_e4m3fn when scaled
     if vector is None:
-        vector = all(vector_ok(t, packed_elem) for pair in layers for t in pair)
-    packed_dtype = torch.float8_e4m3fn if fmt.scaled else getattr(torch, fmt.dtype)
+        vector = all(vector_ok(t, packed_dtype.itemsize) for pair in layers for t in pair)
     header = [
         0 if op == "pack" else 1, ops.KERNELS.index(kernel), DTYPE_CODES[k.dtype], DTYPE_CODES[packed_dtype], int(fmt.scaled),
-        int(vector), len(layers), fmt.num_tokens, fmt.num_heads, fmt.head_dim, fmt.ct if fmt.ct > 0 else max(fmt.num_tokens, 1),
+        int(vector), len(layers), fmt.num_tokens, fmt.num_heads, fmt.head_dim, max(fmt.ct, 1),
         k.shape[1], head_start, *k.stride()[:3], ids.numel(), storages[0].numel(), fmt.nbytes, fmt.chunk_stride,
         fmt.scales_offset if fmt.scaled else -1, packed.numel(), num_sms,
     ]
@@ -271,10 +276,7 @@ def test_one_element_accesses_equal_vector_ones(emulator, tmp_path, kernel, fp8)
 def test_emulator_catches_divergent_shuffles(tmp_path):
     """The emulator's own check: a kernel whose lanes shuffle a different number of
     times fails the call (so warp-uniformity of the real kernels is really checked)."""
-    cxx = shutil.which("g++") or shutil.which("clang++")
-    inc = cuda_include_dirs()
-    if cxx is None or not inc:
-        pytest.skip("needs a C++ compiler and the CUDA headers (scripts/setup.sh)")
+    cxx, inc = toolchain()
     src = tmp_path / "diverge.cpp"
     src.write_text(
         "#include <cstdio>\n"

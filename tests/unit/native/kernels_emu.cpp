@@ -9,6 +9,7 @@
 // and the packed buffer after the call, in the same order. Exit status 0, or 3 with the
 // emulator's complaint on stderr (2: bad CALL). Every buffer is its own allocation of
 // exactly its size, so AddressSanitizer sees any access outside it.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -71,10 +72,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kernels_emu: the call's size does not match its header\n");
     return 2;
   }
-  // the block ids in a buffer of their own (the kernels read them on the device)
-  std::unique_ptr<int64_t[]> device_ids(new int64_t[c.num_ids > 0 ? c.num_ids : 1]);
-  std::copy(ids.begin(), ids.end(), device_ids.get());
-
   kvbridge::Paged paged{};
   paged.num_layers = static_cast<int>(c.num_layers);
   for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -84,7 +81,7 @@ int main(int argc, char** argv) {
   paged.stride_block = c.stride_block;
   paged.stride_token = c.stride_token;
   paged.stride_head = c.stride_head;
-  paged.block_ids = device_ids.get();
+  paged.block_ids = ids.data();  // its own allocation, as on the device
   paged.block_size = static_cast<int>(c.block_size);
   paged.head_start = static_cast<int>(c.head_start);
   const kvbridge::Packed regions{packed.get(), c.region_bytes, c.chunk_bytes, c.scaled ? c.scales_offset : -1};

@@ -97,14 +97,18 @@ inline float shfl_xor(unsigned mask, float v, int offset) {
   w.offset[lane] = offset;
   w.count[lane] = ++me.shuffles;
   w.meet.arrive_and_wait();  // every live lane has published
-  const int other = lane ^ offset;
   if (mask != 0xffffffffu) fail("a shuffle with a partial mask (the kernels shuffle over full warps)");
-  if (offset <= 0 || offset >= kWarp) fail("a shuffle offset outside [1, 32)");
-  if (w.exited[other]) fail("a shuffle reads lane " + std::to_string(other) + ", which has exited: control flow is not warp-uniform");
-  if (w.offset[other] != offset || w.count[other] != me.shuffles || w.mask[other] != mask)
-    fail("lanes " + std::to_string(lane) + " and " + std::to_string(other) +
-         " met at different shuffles: control flow is not warp-uniform");
-  const uint32_t got = w.value[other];
+  uint32_t got = bits;  // an offset outside the warp reads nothing (and is reported)
+  if (offset <= 0 || offset >= kWarp) {
+    fail("a shuffle offset outside [1, 32)");
+  } else {
+    const int other = lane ^ offset;
+    if (w.exited[other]) fail("a shuffle reads lane " + std::to_string(other) + ", which has exited: control flow is not warp-uniform");
+    if (w.offset[other] != offset || w.count[other] != me.shuffles || w.mask[other] != mask)
+      fail("lanes " + std::to_string(lane) + " and " + std::to_string(other) +
+           " met at different shuffles: control flow is not warp-uniform");
+    got = w.value[other];
+  }
   w.meet.arrive_and_wait();  // every lane has read before the slots are reused
   float r;
   std::memcpy(&r, &got, 4);
