@@ -10,8 +10,9 @@
 // k[i], v[i]: layer i's planes as (num_blocks, block_size, num_heads, head_dim) views, all
 // with equal shapes and strides and a contiguous last dim (kvbridge.ops.kv_planes makes
 // them); layer i's region starts at i * (region bytes) in out / packed.
-// block_ids: 1-D int32/int64 on the CPU (checked on the host, no device sync) or on
-// the planes' device (checked with one device sync). Kernels run on the current stream
+// block_ids: 1-D int32/int64 on the CPU (checked on the host, no device sync; up to
+// kInlineIds of them travel in the kernel's parameters, more through pinned memory) or
+// on the planes' device (checked with one device sync). Kernels run on the current stream
 // and return without waiting; the caller owns every buffer until the stream passes.
 
 #include <ATen/cuda/CUDAContext.h>
@@ -19,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -72,7 +74,7 @@ struct Checked {
   Paged paged;
   Shape shape;
   Dtype dtype;
-  at::Tensor ids;  // int64 on the planes' device; keeps the copy alive until launch
+  at::Tensor ids;  // device ids (not inline): int64 on the planes' device, alive until launch
 };
 
 // Every layer's planes: same shape, strides, dtype and device as layer 0's K.
@@ -139,14 +141,21 @@ Checked check_planes(at::TensorList ks, at::TensorList vs, const at::Tensor& blo
     KVB_CHECK(lo >= 0 && hi < num_blocks, "kvbridge: block id ", lo < 0 ? lo : hi, " is out of range [0, ",
                 num_blocks, ")");
   }
-  // host ids go up through pinned memory without waiting; the caching host allocator
-  // keeps the pinned copy until the transfer is done
-  c.ids = ids.is_cpu() ? ids.pin_memory().to(k.device(), /*non_blocking=*/true) : ids;
+  if (ids.is_cpu() && needed <= kInlineIds && num_blocks <= std::numeric_limits<int32_t>::max()) {
+    // inside the kernel's parameters: the launch carries them, nothing else to wait for
+    const int64_t* p = ids.data_ptr<int64_t>();
+    c.paged.block_ids.device = nullptr;
+    std::copy(p, p + needed, c.paged.block_ids.inline_ids);
+  } else {
+    // longer host lists go up through pinned memory without waiting; the caching host
+    // allocator keeps the pinned copy until the transfer is done
+    c.ids = ids.is_cpu() ? ids.pin_memory().to(k.device(), /*non_blocking=*/true) : ids;
+    c.paged.block_ids.device = c.ids.data_ptr<int64_t>();
+  }
   c.shape = Shape{static_cast<int>(num_tokens), static_cast<int>(num_heads), static_cast<int>(dim)};
   c.paged.stride_block = k.stride(0);
   c.paged.stride_token = k.stride(1);
   c.paged.stride_head = k.stride(2);
-  c.paged.block_ids = c.ids.data_ptr<int64_t>();
   c.paged.block_size = static_cast<int>(block_size);
   c.paged.head_start = static_cast<int>(head_start);
   return c;

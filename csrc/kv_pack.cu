@@ -106,7 +106,7 @@ __device__ __forceinline__ RowPlace place_row(const Paged& p, const Packed& k, c
   const int t = rem / s.num_heads;
   const int h = rem - t * s.num_heads;
   const int j = t / p.block_size;
-  const int64_t blk = p.block_ids[j];
+  const int64_t blk = p.block_ids[j];  // warp-uniform branch: inline or device ids
   r.paged = blk * p.stride_block + static_cast<int64_t>(t - j * p.block_size) * p.stride_token +
             static_cast<int64_t>(p.head_start + h) * p.stride_head;
   const int c = t / s.chunk_tokens;
@@ -291,6 +291,11 @@ __global__ void __launch_bounds__(kThreads) tiles_kernel(Paged paged, Packed pac
     }
   }
 }
+
+// Both kernels' parameters fit one launch (kv_pack.h sizes kInlineIds for it).
+constexpr size_t kParamLimit = CUDART_VERSION >= 12010 ? 32764 : 4096;
+static_assert(sizeof(Paged) + sizeof(Packed) + sizeof(Shape) + sizeof(Geometry) <= kParamLimit, "rows_kernel parameters");
+static_assert(sizeof(Paged) + sizeof(Packed) + sizeof(TileMap) + 2 * sizeof(int) <= kParamLimit, "tiles_kernel parameters");
 
 template <class In, class Out>
 constexpr int vector_width() {

@@ -22,9 +22,31 @@ enum class Kernel : int { kRows = 0, kTiles = 1 };
 // Most layers one launch moves (kernel parameters hold their addresses).
 constexpr int kMaxLayers = 128;
 
+// Block ids a call carries inside the kernels' parameters. Kernel parameters may take
+// 32 KiB since CUDA 12.1 (4 KiB before): the launch copies them to the GPU with the
+// call, so a request of up to kInlineIds blocks costs no allocation, host-to-device
+// copy or event of its own.
+#if CUDART_VERSION >= 12010
+constexpr int kInlineIds = 1024;
+#else
+constexpr int kInlineIds = 256;
+#endif
+
+// The request's blocks in order: `device[j]` (int64 in device memory) when `device` is
+// set, else `inline_ids[j]` (api.cpp chooses: host ids that fit go inline). Read once
+// per row (row kernel) or tile (tile kernel); the branch is the same for every lane.
+struct BlockIds {
+  const int64_t* device;
+  int32_t inline_ids[kInlineIds];
+
+  __host__ __device__ __forceinline__ int64_t operator[](int j) const {
+    return device != nullptr ? device[j] : inline_ids[j];
+  }
+};
+
 // One side of a copy that is a paged cache: the K and V planes of `num_layers` layers,
 // each indexed (block, token-in-block, head, element) with the same strides, in
-// elements (api.cpp checks it). Block ids are int64 on the device.
+// elements (api.cpp checks it).
 struct Paged {
   void* k[kMaxLayers];
   void* v[kMaxLayers];
@@ -32,9 +54,9 @@ struct Paged {
   int64_t stride_block;
   int64_t stride_token;
   int64_t stride_head;
-  const int64_t* block_ids;
   int block_size;
   int head_start;  // first head of the range this copy touches
+  BlockIds block_ids;
 };
 
 // Packed regions, one per layer, back to back every `region_bytes`. A region is a run of

@@ -81,8 +81,10 @@ struct TileMap {
   FastDiv by_chunk;      // chunk_tokens
   FastDiv by_heads;      // num_heads
 
-  // Tile `i` (0 <= i < num_tiles); `block_ids` holds the request's blocks in order.
-  KVB_HD Tile tile(int i, const int64_t* block_ids) const {
+  // Tile `i` (0 <= i < num_tiles); `block_ids[j]` is the request's j-th block (a
+  // pointer, or kv_pack.h's BlockIds).
+  template <class Ids>
+  KVB_HD Tile tile(int i, const Ids& block_ids) const {
     Tile t;
     t.layer = static_cast<int>(per_layer.div(i));
     const int in_layer = i - t.layer * static_cast<int>(per_layer.d);

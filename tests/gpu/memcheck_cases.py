@@ -39,6 +39,15 @@ def run(kernel: str) -> None:
                         a = reference.region_rows(back[i * fmt.nbytes :].cpu(), fmt)[0]
                         b = reference.region_rows(region[i * fmt.nbytes :].cpu(), fmt)[0]
                         assert torch.equal(a, b), (kernel, layout, dtype, dim)
+    # block ids read from device memory: given on the device, or too many for the kernel's
+    # parameters (more than kv_pack.h's kInlineIds)
+    cache = make_cache("nhd", 1100, 4, 2, 64, torch.bfloat16, "cuda", seed=5)
+    k, v = planes(cache, "nhd")
+    for ids in (block_ids(1100, 40, 2).cuda(), block_ids(1100, 1100, 3)):
+        for fp8 in (False, True):
+            region, fmt = ops.pack((k, v), ids, 4 * ids.numel() - 1, fp8=fp8, kernel=kernel)
+            ops.unpack(region, fmt, planes(torch.zeros_like(cache), "nhd"), ids, kernel=kernel)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

@@ -157,6 +157,27 @@ def test_device_block_ids_and_unaligned_views(kernel):
     _assert_same_region(got, want, fmt)
 
 
+@pytest.mark.parametrize("count", [256, 257, 1024, 1025, 3000])
+def test_host_block_ids_inline_or_uploaded(kernel, count):
+    """Host ids up to kv_pack.h's kInlineIds (256 before CUDA 12.1, else 1024) travel in
+    the kernel's parameters, longer lists through pinned memory: counts on both sides of
+    either limit give the reference's bytes, pack and unpack, every block used."""
+    cache = make_cache("nhd", count + 3, 4, 2, 64, torch.bfloat16, "cuda", seed=count)
+    k, v = planes(cache, "nhd")
+    ids = block_ids(count + 3, count, count)
+    tokens = 4 * count - 1  # the last block partly filled
+    for fp8 in (False, True):
+        got, fmt = ops.pack((k, v), ids, tokens, fp8=fp8)
+        want, _ = _ref_pack(k, v, ids, tokens, None, fp8)
+        _assert_same_region(got, want, fmt, f"fp8={fp8}")
+        dst = make_cache("hnd", count + 3, 4, 2, 64, torch.float16, "cuda", seed=count + 1)
+        ref = dst.cpu()
+        ops.unpack(got, fmt, planes(dst, "hnd"), ids.flip(0))
+        reference.unpack(got.cpu(), fmt, [planes(ref, "hnd")], ids.flip(0), 0)
+        torch.cuda.synchronize()
+        assert _bytes_equal(dst, ref), f"unpack, fp8={fp8}"
+
+
 def test_kernels_reject_bad_input_with_clear_errors():
     cache = make_cache("nhd", 8, 16, 4, 64, torch.bfloat16, "cuda", seed=1)
     k, v = planes(cache, "nhd")

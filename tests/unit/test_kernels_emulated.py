@@ -1,7 +1,8 @@
 """The CUDA kernels of csrc/kv_pack.cu, run on the host by a warp emulator, equal the torch
 reference byte for byte: both kernels (rows, tiles), every mode (copy, quantize,
 dequantize, convert), 16-byte and one-element accesses, head slices, chunked regions,
-several layers per call, grids smaller and larger than the work.
+several layers per call, block ids in the launch parameters or in memory, grids smaller
+and larger than the work.
 
 How: the kernels' source is compiled by the system C++ compiler with
 tests/unit/native/warp_emu.h, which runs each lane of a warp as a host thread
@@ -14,6 +15,7 @@ from NVIDIA's wheels; or set $KVBRIDGE_CUDA_INCLUDE)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -96,6 +98,13 @@ def emulator() -> Path:
     return exe
 
 
+@functools.cache
+def inline_limit(exe: Path) -> int:
+    """kv_pack.h's kInlineIds as compiled: the most block ids a call carries in its
+    kernel parameters."""
+    return int(subprocess.run([str(exe), "--inline-ids"], capture_output=True, text=True, check=True).stdout)
+
+
 def vector_ok(k: torch.Tensor, packed_elem: int) -> bool:
     """What csrc/api.cpp decides: 16-byte accesses when head_dim, the strides and every
     plane's start are multiples of the access width on both sides."""
@@ -104,9 +113,12 @@ def vector_ok(k: torch.Tensor, packed_elem: int) -> bool:
 
 
 def run_emulated(exe: Path, tmp: Path, *, op: str, kernel: str, layers, ids: torch.Tensor, fmt: PackedFormat,
-                 head_start: int, packed: torch.Tensor, vector: bool | None = None, num_sms: int = 1) -> None:
+                 head_start: int, packed: torch.Tensor, vector: bool | None = None, num_sms: int = 1,
+                 inline_ids: bool | None = None) -> None:
     """One launch_pack / launch_unpack under the emulator; writes the results back into the
-    layers' caches and ``packed`` (all CPU tensors)."""
+    layers' caches and ``packed`` (all CPU tensors). ``inline_ids``: the block ids travel in
+    the kernels' parameters (default: when they fit, as csrc/api.cpp does for host ids)
+    or in memory of their own."""
     k = layers[0][0]
     storages = []  # each layer's whole cache as bytes
     for kl, vl in layers:
@@ -121,6 +133,7 @@ def run_emulated(exe: Path, tmp: Path, *, op: str, kernel: str, layers, ids: tor
         int(vector), len(layers), fmt.num_tokens, fmt.num_heads, fmt.head_dim, max(fmt.ct, 1),
         k.shape[1], head_start, *k.stride()[:3], ids.numel(), storages[0].numel(), fmt.nbytes, fmt.chunk_stride,
         fmt.scales_offset if fmt.scaled else -1, packed.numel(), num_sms,
+        int(ids.numel() <= inline_limit(exe) if inline_ids is None else inline_ids),
     ]
     offsets = [t.storage_offset() * elem for pair in layers for t in pair]
     call, result = tmp / "call.bin", tmp / "out.bin"
@@ -258,6 +271,28 @@ def test_every_partial_last_pass(emulator, tmp_path, kernel, fp8):
         run_emulated(emulator, tmp_path, op="unpack", kernel=kernel, layers=[planes(dst, "hnd")], ids=ids, fmt=fmt,
                      head_start=0, packed=want.clone())
         assert torch.equal(dst.view(torch.uint8), ref.view(torch.uint8)), f"{tokens} tokens"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("inline_ids", [True, False])
+def test_block_ids_inline_or_in_memory(emulator, tmp_path, kernel, fp8, inline_ids):
+    """As many block ids as the kernel parameters hold (the last block partly filled),
+    read from the parameters or from memory of their own: the reference's bytes both
+    ways, pack and unpack."""
+    n = inline_limit(emulator)
+    cache = make_cache("nhd", n + 5, 2, 1, 16, torch.bfloat16, "cpu", seed=21)
+    ids = block_ids(n + 5, n, 22)
+    want, fmt = ops.pack(planes(cache, "nhd"), ids, 2 * n - 1, fp8=fp8)
+    got = torch.zeros_like(want)
+    run_emulated(emulator, tmp_path, op="pack", kernel=kernel, layers=[planes(cache, "nhd")], ids=ids, fmt=fmt,
+                 head_start=0, packed=got, inline_ids=inline_ids)
+    _same_region(got, want, fmt)
+    dst = make_cache("nhd", n + 5, 2, 1, 16, torch.float32, "cpu", seed=23)
+    ref = dst.clone()
+    reference.unpack(want, fmt, [planes(ref, "nhd")], ids.flip(0), 0)
+    run_emulated(emulator, tmp_path, op="unpack", kernel=kernel, layers=[planes(dst, "nhd")], ids=ids.flip(0), fmt=fmt,
+                 head_start=0, packed=want.clone(), inline_ids=inline_ids)
+    assert torch.equal(dst.view(torch.uint8), ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("fp8", [False, True])

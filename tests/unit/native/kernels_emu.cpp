@@ -2,6 +2,7 @@
 // emulator (warp_emu.h), for tests/unit/test_kernels_emulated.py.
 //
 //   kernels_emu CALL OUT
+//   kernels_emu --inline-ids      (prints kvbridge::kInlineIds)
 //
 // CALL: the int64 fields of `Call`, in order, then per layer the byte
 // offsets of its K and V planes in its storage, then the block ids (int64), then each
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "kv_pack.h"
@@ -27,6 +29,7 @@ struct Call {
   int64_t num_layers, num_tokens, num_heads, head_dim, chunk_tokens;
   int64_t block_size, head_start, stride_block, stride_token, stride_head;
   int64_t num_ids, storage_bytes, region_bytes, chunk_bytes, scales_offset, packed_bytes, num_sms;
+  int64_t inline_ids;  // 1: the ids go in the kernels' parameters (at most kInlineIds), 0: in their own allocation
 };
 
 struct Reader {
@@ -46,6 +49,10 @@ struct Reader {
 extern "C" cudaError_t cudaGetLastError() { return kvb_emu::take_launch_error(); }
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "--inline-ids") {
+    std::printf("%d\n", kvbridge::kInlineIds);
+    return 0;
+  }
   if (argc != 3) {
     std::fprintf(stderr, "usage: kernels_emu CALL OUT\n");
     return 2;
@@ -54,7 +61,8 @@ int main(int argc, char** argv) {
   const std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   Reader rd{data};
   Call c;
-  if (!rd.take(&c, sizeof(c)) || c.num_layers < 1 || c.num_layers > kvbridge::kMaxLayers) {
+  if (!rd.take(&c, sizeof(c)) || c.num_layers < 1 || c.num_layers > kvbridge::kMaxLayers ||
+      (c.inline_ids && c.num_ids > kvbridge::kInlineIds)) {
     std::fprintf(stderr, "kernels_emu: bad call header\n");
     return 2;
   }
@@ -81,7 +89,12 @@ int main(int argc, char** argv) {
   paged.stride_block = c.stride_block;
   paged.stride_token = c.stride_token;
   paged.stride_head = c.stride_head;
-  paged.block_ids = ids.data();  // its own allocation, as on the device
+  if (c.inline_ids) {
+    paged.block_ids.device = nullptr;
+    std::copy(ids.begin(), ids.end(), paged.block_ids.inline_ids);  // api.cpp checked they fit int32
+  } else {
+    paged.block_ids.device = ids.data();  // its own allocation, as on the device
+  }
   paged.block_size = static_cast<int>(c.block_size);
   paged.head_start = static_cast<int>(c.head_start);
   const kvbridge::Packed regions{packed.get(), c.region_bytes, c.chunk_bytes, c.scaled ? c.scales_offset : -1};
