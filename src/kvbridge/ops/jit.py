@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 LIB_NAME = "kvbridge_ops"
 SOURCES = ("api.cpp", "kv_pack.cu")
 HEADERS = ("kv_pack.h", "tile_map.h")
-CFLAGS = ("-O3", "-std=c++17")
-CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
-"""No ``--use_fast_math``: the kernels must round exactly like the torch reference."""
+CFLAGS = ("-O3",)
+CUDA_FLAGS = ("-O3", "-lineinfo")
+"""No ``--use_fast_math``: the kernels must round exactly like the torch reference. No
+``-std``: torch's build passes the standard its own headers are written for (torch 2.13:
+C++20, which an explicit C++17 after it overrode); the sources build as C++17 and C++20."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -48,14 +50,23 @@ class KernelBuildError(KVBridgeError):
 
 
 def source_dir() -> Path:
-    """Where the kernel sources are: ``$KVBRIDGE_CSRC_DIR``, the installed package's
-    copy, or the source checkout's ``csrc/``."""
+    """Where the kernel sources are: ``$KVBRIDGE_CSRC_DIR`` when set (and nowhere else:
+    a wrong setting is an error, not a silent fallback), else the installed package's
+    copy or the source checkout's ``csrc/``."""
+    files = SOURCES + HEADERS
     env = os.environ.get("KVBRIDGE_CSRC_DIR")
-    candidates = [Path(env)] if env else []
+    if env:
+        missing = [name for name in files if not (Path(env) / name).is_file()]
+        if missing:
+            raise KernelBuildError(
+                f"KVBRIDGE_CSRC_DIR={env} lacks {', '.join(missing)}",
+                fix="point KVBRIDGE_CSRC_DIR at kvbridge's csrc directory, or unset it to use the installed sources",
+            )
+        return Path(env)
     here = Path(__file__).resolve().parent
-    candidates += [here / "csrc", here.parents[2] / "csrc"]
+    candidates = [here / "csrc", here.parents[2] / "csrc"]
     for c in candidates:
-        if all((c / s).is_file() for s in SOURCES + HEADERS):
+        if all((c / name).is_file() for name in files):
             return c
     raise KernelBuildError(
         f"kernel sources not found (looked in {', '.join(map(str, candidates))})",
