@@ -13,6 +13,9 @@ Each time the client gets its answer well before SGLang's own 300 s waiting/boot
 timeouts, both servers' KV pools return to their idle baseline (``/v1/loads``: used
 tokens, running and queued requests), no server logged a memory leak (SGLang's idle
 invariant check), and the next request's output equals the one before the failure.
+With ``wire_dtype: fp8`` (the ``nixl-fp8`` pair) the same holds, and both servers'
+staging slots, held by the request mid-transfer, all come back
+(``sglang:kvbridge_staging_slots_used`` on ``/metrics``).
 
 Tests run in file order and share one set of servers per transport.
 """
@@ -25,12 +28,20 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sglang_pd import START_TIMEOUT_S, _http, _prompt
+from test_sglang_pd import START_TIMEOUT_S, _http, _kvbridge_metrics, _prompt
 
 from kvbridge.demo.servers import free_port
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
 
-FLAGS = ["--page-size", "16", "--chunked-prefill-size", "32"]
+FLAGS = ["--page-size", "16", "--chunked-prefill-size", "32", "--enable-metrics"]
+CONFIGS = {
+    "nixl": {"transport": "nixl"},
+    "mooncake": {"transport": "mooncake"},
+    # a decode's staging run outlives an aborted room by timeouts.transfer_s (late writes
+    # may still land): 10 s keeps the wait for the slots short
+    "nixl-fp8": {"transport": "nixl", "wire_dtype": "fp8", "staging_mb": 64, "timeouts": {"transfer_s": 10.0}},
+}
+STAGING_USED = "sglang:kvbridge_staging_slots_used"
 LONG_PROMPT = 2000  # 63 chunks: seconds of prefill on 2 cores
 MAX_NEW_TOKENS = 8
 FAIL_WITHIN_S = 120.0
@@ -69,8 +80,9 @@ def _wait(pred, timeout: float, what: str, poll: float = 0.05):
 class Pair:
     """The prefill, decode and router of one transport; the prefill can be restarted."""
 
-    def __init__(self, model: Path, log_dir: Path, transport: str) -> None:
-        self.model, self.log_dir, self.config = model, log_dir, {"transport": transport}
+    def __init__(self, model: Path, log_dir: Path, config: dict) -> None:
+        self.model, self.log_dir, self.config = model, log_dir, config
+        self.fp8 = config.get("wire_dtype") == "fp8"
         self.bootstrap, self.prefill_port = free_port(), free_port()
         self.starts = 0
         self.prefill = self._start_prefill()
@@ -131,6 +143,12 @@ class Pair:
             return waiting and p["num_used_tokens"] > self.idle["prefill"]["num_used_tokens"]
 
         _wait(mid, 60, "mid-transfer")
+        if self.fp8:  # the request holds staging slots on both sides (the gauge is live)
+            for server in (self.prefill, self.decode):
+                _wait(lambda server=server: self.staging_used(server) > 0, 30, f"staging slots held on {server.log_path.stem}")
+
+    def staging_used(self, server) -> float:
+        return _kvbridge_metrics(server.url).get(STAGING_USED, 0.0)
 
     def assert_settles(self, sides=("prefill", "decode")) -> None:
         """Both pools back at their idle baseline, no leak logged."""
@@ -146,6 +164,12 @@ class Pair:
                 _wait(idle, SETTLE_S, f"{side} back at its idle baseline", poll=0.5)
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: {last} != {self.idle[side]}\n{self.tails()}") from None
+        if self.fp8:  # every staging slot back (a decode's aborted run after its hold)
+            for server in (self.prefill if side == "prefill" else self.decode for side in sides):
+                try:
+                    _wait(lambda server=server: self.staging_used(server) == 0, SETTLE_S, "staging slots released", poll=0.5)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc} on {server.log_path.stem}: {self.staging_used(server)} used\n{self.tails()}") from None
         for server in (self.prefill, self.decode):
             text = server.log_path.read_text(errors="replace")
             assert "memory leak detected" not in text and "double free" not in text, server.log_tail(80)
@@ -163,11 +187,11 @@ def _failed(request: dict) -> bool:
     return isinstance(reason, dict) and reason.get("type") == "abort"
 
 
-@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+@pytest.fixture(scope="module", params=list(CONFIGS))
 def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory):
     p = None
     try:
-        p = Pair(model, tmp_path_factory.mktemp(f"failures-{request.param}"), request.param)
+        p = Pair(model, tmp_path_factory.mktemp(f"failures-{request.param}"), CONFIGS[request.param])
         # the reference for "the next request works": this pair's output before any failure
         status, body = p.generate(_prompt(40, seed=7))
         assert status == 200, body

@@ -235,6 +235,16 @@ def test_prometheus_export_accumulates_snapshots_under_sglang_names() -> None:
     assert value("sglang:kvbridge_request_transfer_seconds_sum") == pytest.approx(0.2)
 
 
+def test_prometheus_export_sets_staging_levels() -> None:
+    registry = CollectorRegistry()
+    labels = {"engine_type": "decode", "tp_rank": "1", "transport": "nixl"}
+    export = PrometheusExport(labels, registry=registry)
+    export.set_levels(staging_slots=512, staging_slots_used=40)
+    export.set_levels(staging_slots_used=0)
+    assert registry.get_sample_value("sglang:kvbridge_staging_slots", labels) == 512
+    assert registry.get_sample_value("sglang:kvbridge_staging_slots_used", labels) == 0
+
+
 def test_no_export_without_sglang_metrics(monkeypatch) -> None:
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert exporter(role="decode", tp_rank=0, transport="nixl") is None

@@ -4,7 +4,7 @@
 Prometheus; SGLang: Prometheus in SGLang's multiprocess registry). Thread-safe;
 recording is O(1).
 
-:data:`COUNTERS`, :data:`HISTOGRAMS` and :data:`BUCKETS` are the Prometheus catalogue
+:data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`BUCKETS` and :data:`GAUGES` are the Prometheus catalogue
 both engines export (each under its own prefix: ``vllm:kvbridge_...``,
 ``sglang:kvbridge_...``), so one dashboard reads either."""
 
@@ -90,8 +90,15 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
 }
 """Histogram fields of :class:`StatsSnapshot` -> (metric name, description)."""
 
+GAUGES: dict[str, str] = {
+    "staging_slots_used": "Staging slots (one packed block of one layer each) held by requests in flight (wire_dtype fp8)",
+    "staging_slots": "Staging slots of this rank's buffer (wire_dtype fp8)",
+}
+"""Levels an adapter sets from its own state (not part of :class:`StatsSnapshot`):
+name -> description. Exported by the SGLang backend."""
+
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets, seconds."""
 
 
-__all__ = ["BUCKETS", "COUNTERS", "HISTOGRAMS", "StatsSnapshot", "TransferStats"]
+__all__ = ["BUCKETS", "COUNTERS", "GAUGES", "HISTOGRAMS", "StatsSnapshot", "TransferStats"]

@@ -291,6 +291,16 @@ class KVBridgeKVManager(_c.Manager):
         if self._metrics is not None:
             self._metrics.export(StatsSnapshot(**fields))
 
+    def _report_staging(self) -> None:
+        """Set the staging gauges (``wire_dtype: fp8`` with ``--enable-metrics``): slots
+        of this rank's buffer, and those held by rooms (a decode's retired runs too,
+        until their hold ends). Called every loop (at least every 200 ms) by the one
+        thread that owns the gauges: the prefill's transfer thread, the decode's
+        notification thread."""
+        if self._metrics is not None and self.packed is not None:
+            a = self.packed.allocator
+            self._metrics.set_levels(staging_slots=a.num_slots, staging_slots_used=a.num_slots - a.free_slots)
+
     def _thread(self, name: str, target) -> None:
         def guarded():
             try:
@@ -598,6 +608,7 @@ class KVBridgeKVManager(_c.Manager):
 
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():
+            self._report_staging()
             try:
                 items = [self._work.get(timeout=_LOOP_POLL_MS / 1000)]
             except queue.Empty:
@@ -857,6 +868,7 @@ class KVBridgeKVManager(_c.Manager):
         while not self._stop.is_set():
             if self.packed is not None:
                 self.reservations.reap()
+                self._report_staging()
             for note in self.transport.take_notifications(timeout=_LOOP_POLL_MS / 1000):
                 try:
                     msg = wire.decode_payload(note.payload)

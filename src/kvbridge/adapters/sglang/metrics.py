@@ -21,14 +21,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kvbridge.runtime.stats import BUCKETS, COUNTERS, HISTOGRAMS, StatsSnapshot
+from kvbridge.runtime.stats import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, StatsSnapshot
 
 PREFIX = "sglang:kvbridge_"
 LABELS = ("engine_type", "tp_rank", "transport")
 
 
 class PrometheusExport:
-    """kvbridge's counters and histograms for one SGLang rank.
+    """kvbridge's counters, histograms and gauges for one SGLang rank.
 
     Args:
         labels: values of :data:`LABELS`.
@@ -37,7 +37,7 @@ class PrometheusExport:
     """
 
     def __init__(self, labels: Mapping[str, str], registry=None) -> None:
-        from prometheus_client import REGISTRY, Counter, Histogram
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         registry = REGISTRY if registry is None else registry
         values = [str(labels[name]) for name in LABELS]
@@ -49,6 +49,20 @@ class PrometheusExport:
             key: Histogram(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, buckets=BUCKETS, registry=registry).labels(*values)
             for key, (name, doc) in HISTOGRAMS.items()
         }
+        # one value per rank (its labels): "livesum" drops the values of exited processes
+        self._gauges = {
+            name: Gauge(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, multiprocess_mode="livesum", registry=registry).labels(*values)
+            for name, doc in GAUGES.items()
+        }
+        self._levels: dict[str, float] = {}
+
+    def set_levels(self, **levels: float) -> None:
+        """Set gauges of :data:`~kvbridge.runtime.stats.GAUGES` (a value that did not change
+        is not written again)."""
+        for name, value in levels.items():
+            if self._levels.get(name) != value:
+                self._gauges[name].set(value)
+                self._levels[name] = value
 
     def export(self, snapshot: StatsSnapshot) -> None:
         """Add one snapshot (what was recorded since the previous one)."""
