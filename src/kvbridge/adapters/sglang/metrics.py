@@ -49,7 +49,8 @@ class PrometheusExport:
             key: Histogram(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, buckets=BUCKETS, registry=registry).labels(*values)
             for key, (name, doc) in HISTOGRAMS.items()
         }
-        # one value per rank (its labels): "livesum" drops the values of exited processes
+        # multiprocess mode needs a gauge mode: each rank writes its own series (its
+        # labels), so "livesum" sums one value per series
         self._gauges = {
             name: Gauge(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, multiprocess_mode="livesum", registry=registry).labels(*values)
             for name, doc in GAUGES.items()
