@@ -13,9 +13,11 @@ the copy one call for all the bytes. Pack and unpack run with each CUDA kernel o
 Times are GPU times: CUDA-event medians over 5 calls queued back to back behind a
 short GPU sleep, so that the host has queued every call before the first starts and
 the events see the GPU's work alone (without the sleep, the first call's host work,
-60-400 us, counted as GPU time). The host time to issue one call (checks, id upload,
+60-400 us, counted as GPU time). The host time to issue one call (checks, block ids,
 launch) is reported apart: where it exceeds the GPU time, a loop issuing such calls
-is bound by the host, not by the kernel.
+is bound by the host, not by the kernel. Block ids are host ids: up to 1024 of them
+(16k tokens in 16-token blocks) travel in the kernel's launch parameters, longer lists
+are uploaded through pinned memory, so the host column compares the two.
 
 Bandwidth counts bytes read plus bytes written (what a copy of N bytes moves is 2N):
 pack and unpack move the KV once in each direction, FP8 pack reads the KV and writes
