@@ -293,9 +293,8 @@ __global__ void __launch_bounds__(kThreads) tiles_kernel(Paged paged, Packed pac
 }
 
 // Both kernels' parameters fit one launch (kv_pack.h sizes kInlineIds for it).
-constexpr size_t kParamLimit = CUDART_VERSION >= 12010 ? 32764 : 4096;
-static_assert(sizeof(Paged) + sizeof(Packed) + sizeof(Shape) + sizeof(Geometry) <= kParamLimit, "rows_kernel parameters");
-static_assert(sizeof(Paged) + sizeof(Packed) + sizeof(TileMap) + 2 * sizeof(int) <= kParamLimit, "tiles_kernel parameters");
+static_assert(sizeof(Paged) + sizeof(Packed) + sizeof(Shape) + sizeof(Geometry) <= kMaxParamBytes, "rows_kernel parameters");
+static_assert(sizeof(Paged) + sizeof(Packed) + sizeof(TileMap) + 2 * sizeof(int) <= kMaxParamBytes, "tiles_kernel parameters");
 
 template <class In, class Out>
 constexpr int vector_width() {

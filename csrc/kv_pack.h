@@ -22,13 +22,15 @@ enum class Kernel : int { kRows = 0, kTiles = 1 };
 // Most layers one launch moves (kernel parameters hold their addresses).
 constexpr int kMaxLayers = 128;
 
-// Block ids a call carries inside the kernels' parameters. Kernel parameters may take
-// 32 KiB since CUDA 12.1 (4 KiB before): the launch copies them to the GPU with the
-// call, so a request of up to kInlineIds blocks costs no allocation, host-to-device
-// copy or event of its own.
+// Kernel parameters may take 32 KiB since CUDA 12.1 (4 KiB before); kv_pack.cu checks
+// that both kernels' fit. Block ids a call carries inside them: the launch copies them
+// to the GPU with the call, so a request of up to kInlineIds blocks costs no
+// allocation, host-to-device copy or event of its own.
 #if CUDART_VERSION >= 12010
+constexpr int kMaxParamBytes = 32764;
 constexpr int kInlineIds = 1024;
 #else
+constexpr int kMaxParamBytes = 4096;
 constexpr int kInlineIds = 256;
 #endif
 
