@@ -11,12 +11,14 @@ import pytest
 from test_runtime import L, endpoint, make_cache
 
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, RecvTask, SendStep
+from kvbridge.adapters.vllm.params import PrefillAddress, RankAddress
 from kvbridge.adapters.vllm.worker import WorkerSide
 from kvbridge.config import load_config
+from kvbridge.errors import IncompatiblePeerError
 
 
-def worker(ep) -> WorkerSide:  # noqa: ANN001
-    ws = WorkerSide(load_config({}), "e", 0, "m", 1, 16, send=ep.sender is not None, receive=ep.receiver is not None)
+def worker(ep, rank: int = 0, tp_size: int = 1) -> WorkerSide:  # noqa: ANN001
+    ws = WorkerSide(load_config({}), "e", rank, "m", tp_size, 16, send=ep.sender is not None, receive=ep.receiver is not None)
     ws.endpoint = ep
     return ws
 
@@ -41,8 +43,9 @@ def _until(ws: WorkerSide, finished: set[str], want: str, which: int, steps: int
     raise AssertionError(f"{want} never reported; saw {seen[-3:]}")
 
 
-def _push(p: WorkerSide, d: WorkerSide, tid: str) -> None:
-    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", tid, "push", p.endpoint.address, "", [1, 2], 20, 0)]))
+def _push(p: WorkerSide, d: WorkerSide, tid: str, prefill: PrefillAddress | None = None) -> None:
+    prefill = prefill or PrefillAddress(p.endpoint.address)
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", tid, "push", prefill, [1, 2], 20, 0)]))
     p.bind_send(KVBridgeMetadata(send=[SendStep("rp", tid, "push", 20, [5, 6], 0, 20, True)]))
     for layer in range(L):  # what save_kv_layer does, by layer index
         p.endpoint.sender.layer_done(tid, layer, 20)
@@ -84,7 +87,53 @@ def test_decode_abort_after_the_load_was_reported_reports_nothing_more(pd) -> No
 
 def test_decode_abort_while_loading_frees_the_blocks_once_the_load_stops(pd) -> None:
     p, d = pd
-    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t4", "push", p.endpoint.address, "", [1, 2], 20, 0)]))
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t4", "push", PrefillAddress(p.endpoint.address), [1, 2], 20, 0)]))
     d.bind_recv(KVBridgeMetadata(abort_recv={"rd": "t4"}))
     seen = _until(d, set(), "rd", 0)
     assert all("rd" not in r for _, r, _ in seen), "an aborted load must not be reported as received"
+
+
+def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> None:
+    """TP 2 on both sides: decode rank 1 must ask prefill rank 1 (same KV heads), not
+    the address every rank shares in ``kv_transfer_params`` (rank 0's)."""
+    caches = make_cache(1), make_cache(None)  # kept alive while the endpoints use them
+    p_ep, d_ep = endpoint("P", caches[0]), endpoint("D", caches[1])
+    try:
+        p, d = worker(p_ep, rank=1, tp_size=2), worker(d_ep, rank=1, tp_size=2)
+        # rank 0's address is a closed port: asking it fails the load
+        prefill = PrefillAddress("127.0.0.1:9", ranks=[RankAddress("127.0.0.1:9"), RankAddress(p_ep.address, p_ep.epoch)])
+        _push(p, d, "t5", prefill)
+        seen = _until(d, set(), "rd", 1)
+        assert all("rd" not in f for _, _, f in seen), "the load failed"
+        assert d_ep.node.knows(p_ep.node.id)
+        assert (caches[1][0][:, [1, 2]] == caches[0][0][:, [5, 6]]).all(), "the KV did not land"
+    finally:
+        d_ep.close()
+        p_ep.close()
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_a_prefill_with_another_tp_size_fails_the_load_naming_the_fix(ranks: int) -> None:
+    cache = make_cache(None)
+    d_ep = endpoint("D", cache)
+    try:
+        d = worker(d_ep, rank=1, tp_size=2)
+        prefill = PrefillAddress("127.0.0.1:9", ranks=[RankAddress(f"127.0.0.1:{9 + r}") for r in range(ranks)])
+        d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t6", "push", prefill, [1, 2], 20, 0)]))
+        seen = _until(d, set(), "rd", 2)
+        assert sum("rd" in r for _, r, _ in seen) == 1, "a failed load is reported in finished_recving too, once"
+        assert d_ep.stats.take().failures == 1
+    finally:
+        d_ep.close()
+
+
+def test_prefill_address_for_rank() -> None:
+    single = PrefillAddress("h:1", epoch="e0")
+    assert single.for_rank(0, 1) == RankAddress("h:1", "e0")
+    both = PrefillAddress("h:1", epoch="e0", ranks=[RankAddress("h:1", "e0"), RankAddress("h:2", "e1")])
+    assert both.for_rank(1, 2) == RankAddress("h:2", "e1")
+    with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 1") as err:
+        both.for_rank(0, 1)
+    assert err.value.fix and "--tensor-parallel-size" in err.value.fix
+    with pytest.raises(IncompatiblePeerError, match="size 1, this decode instance 2"):
+        single.for_rank(1, 2)

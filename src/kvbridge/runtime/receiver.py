@@ -130,6 +130,13 @@ class Receiver:
             return
         self._pool.submit(self._start_read, entry)
 
+    def refuse(self, transfer_id: str, block_ids: list[int], num_tokens: int, reason: str) -> None:
+        """Fail a load before it starts (the adapter found it cannot be served, e.g. the
+        prefill instance is incompatible); reported by :meth:`take_finished` like any
+        failed load."""
+        entry = self._new(transfer_id, "", block_ids, num_tokens, 0, pull=False, remote_blocks=[], epoch=None)
+        self._fail(entry, reason)
+
     def _new(self, transfer_id: str, address: str, block_ids: list[int], num_tokens: int, skip_tokens: int, **kw: object) -> _In:
         now = self.clock()
         entry = _In(

@@ -28,11 +28,31 @@ from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
 from kvbridge.config import load_config
+from kvbridge.errors import KVBridgeError
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+
+def check_parallelism(parallel_config) -> None:
+    """Refuse the parallel layouts kvbridge does not map between instances.
+
+    Each decode worker reads from the prefill worker of its own TP rank; pipeline or
+    context parallelism would pair workers holding different layers or tokens.
+    """
+    for name, flag in (
+        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+    ):
+        size = getattr(parallel_config, name, 1)
+        if size > 1:
+            raise KVBridgeError(
+                f"kvbridge's vLLM connector supports tensor parallelism only, this instance runs {name} {size}",
+                fix=f"start the instance with {flag} 1 (tensor parallelism is supported)",
+            )
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -41,6 +61,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_version()
+        check_parallelism(vllm_config.parallel_config)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(ktc.kv_connector_extra_config or {})
         self.engine_id = str(ktc.engine_id)
@@ -169,4 +190,4 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
 
 
-__all__ = ["KVBridgeConnector"]
+__all__ = ["KVBridgeConnector", "check_parallelism"]

@@ -12,17 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbridge.adapters.vllm.compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from kvbridge.adapters.vllm.params import PrefillAddress
 
 
 @dataclass
 class RecvTask:
-    """Decode side: fetch the prompt KV of ``req_id`` into ``block_ids``."""
+    """Decode side: fetch the prompt KV of ``req_id`` into ``block_ids``, from the
+    worker of ``prefill`` that has this worker's TP rank."""
 
     req_id: str
     transfer_id: str
     flow: str
-    address: str
-    epoch: str
+    prefill: PrefillAddress
     block_ids: list[int]
     num_tokens: int
     skip_tokens: int

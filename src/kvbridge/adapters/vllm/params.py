@@ -20,15 +20,47 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from kvbridge.errors import IncompatiblePeerError
+
 log = logging.getLogger(__name__)
 
 
+class RankAddress(msgspec.Struct, frozen=True):
+    """One tensor-parallel rank's side channel and its process epoch."""
+
+    address: str
+    epoch: str = ""
+
+
 class PrefillAddress(msgspec.Struct, frozen=True):
-    """Where the decode side reaches the prefill instance's side channel."""
+    """Where the decode side reaches the prefill instance's side channel.
+
+    ``address`` / ``epoch`` are TP rank 0's; ``ranks`` lists every TP rank's, in rank
+    order (a prefill instance with TP 1 may leave it empty). Each decode worker talks
+    to the prefill worker of its own TP rank: that worker holds the same KV heads.
+    """
 
     address: str
     engine_id: str = ""
     epoch: str = ""
+    ranks: list[RankAddress] = []
+
+    def for_rank(self, rank: int, tp_size: int) -> RankAddress:
+        """The prefill worker that decode worker ``rank`` of ``tp_size`` reads from.
+
+        Raises:
+            IncompatiblePeerError: the two instances run different TP sizes (each
+                worker would hold other KV heads than its peer).
+        """
+        ranks = self.ranks or [RankAddress(self.address, self.epoch)]
+        if len(ranks) != tp_size:
+            raise IncompatiblePeerError(
+                f"the prefill instance at {self.address} runs tensor parallel size {len(ranks)}, this decode "
+                f"instance {tp_size}: their workers hold different KV heads",
+                differences={"tp_size": (tp_size, len(ranks))},
+                fix="start prefill and decode with the same --tensor-parallel-size",
+            )
+        return ranks[rank]
 
 
 Flow = Literal["push", "pull", "discover"]
@@ -112,4 +144,4 @@ def discover_response(prefill: PrefillAddress) -> dict[str, Any]:
     return {"kvbridge": {"prefill": msgspec.to_builtins(prefill)}}
 
 
-__all__ = ["Handoff", "KVBridgeParams", "PrefillAddress", "discover_response", "parse", "pull_response"]
+__all__ = ["Handoff", "KVBridgeParams", "PrefillAddress", "RankAddress", "discover_response", "parse", "pull_response"]

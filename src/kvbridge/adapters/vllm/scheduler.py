@@ -60,10 +60,14 @@ class SchedulerSide:
                 self._workers[tp_rank] = meta
 
     def _address(self) -> kvparams.PrefillAddress | None:
-        worker = self._workers.get(0)
-        if worker is None or worker.address is None:
+        """Where decode workers reach ours: every TP rank's side channel, or None
+        before every worker reported one."""
+        workers = [self._workers.get(rank) for rank in range(len(self._workers))]
+        if not workers or any(w is None or w.address is None for w in workers):
             return None
-        return kvparams.PrefillAddress(address=worker.address, engine_id=worker.engine_id, epoch=worker.epoch)
+        ranks = [kvparams.RankAddress(address=w.address, epoch=w.epoch) for w in workers]
+        first = workers[0]
+        return kvparams.PrefillAddress(address=first.address, engine_id=first.engine_id, epoch=first.epoch, ranks=ranks)
 
     # --- per request -----------------------------------------------------------------------
 
@@ -104,8 +108,7 @@ class SchedulerSide:
                 req_id=request.request_id,
                 transfer_id=h.transfer_id,
                 flow=h.flow,
-                address=h.prefill.address,
-                epoch=h.prefill.epoch,
+                prefill=h.prefill,
                 block_ids=list(new_ids[:needed]),
                 num_tokens=request.num_prompt_tokens,
                 skip_tokens=skip_blocks * self.block_size,

@@ -23,6 +23,7 @@ from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
 from kvbridge.adapters.vllm.compat import extract_layer_index
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
 from kvbridge.config import KVBridgeConfig
+from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.wire.compat import CompatInfo
@@ -106,12 +107,17 @@ class WorkerSide:
             return
         for task in meta.recv:
             self._recv_req[task.transfer_id] = task.req_id
+            try:  # the prefill worker holding this worker's KV heads
+                source = task.prefill.for_rank(self.rank, self.tp_size)
+            except KVBridgeError as exc:
+                ep.receiver.refuse(task.transfer_id, task.block_ids, task.num_tokens, str(exc))
+                continue
             if task.flow == "pull":
                 ep.receiver.expect_pull(
-                    task.transfer_id, task.address, task.epoch or None, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens
+                    task.transfer_id, source.address, source.epoch or None, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens
                 )
             else:
-                ep.receiver.expect_push(task.transfer_id, task.address, task.block_ids, task.num_tokens, task.skip_tokens)
+                ep.receiver.expect_push(task.transfer_id, source.address, task.block_ids, task.num_tokens, task.skip_tokens)
         for req_id, tid in meta.abort_recv.items():
             if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):
                 self._aborted_recv.add(req_id)  # reported in finished_sending once the load stops
