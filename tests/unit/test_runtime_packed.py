@@ -157,3 +157,25 @@ def test_fp8_refuses_what_it_cannot_pack_with_the_fix() -> None:
         elsewhere = [ops.kv_planes(torch.empty(N, H, BS, 2 * HD, device="meta"), "fused") for _ in range(L)]
         with pytest.raises(ConfigError, match="use wire_dtype 'exact' on GPU instances"):
             PackedPath(geo, elsewhere, 1, tr)
+
+
+def test_a_decode_with_another_tp_split_is_refused_naming_the_fix() -> None:
+    """Packed slots hold whole blocks of a rank's heads: FP8 needs the same TP split."""
+    import msgspec
+
+    from kvbridge.errors import KVBridgeError
+
+    spec = msgspec.structs.replace(SPEC, num_kv_heads=1)  # decode TP 2: one of the two heads per rank
+    t = torch.zeros((L, N, 1, BS, 2 * HD))
+    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(t[i].data_ptr() for i in range(L)))
+    config = load_config({"wire_dtype": "fp8"})
+    compat = CompatInfo.from_spec(spec, model="m", wire_dtype="fp8", tp_size=2, total_kv_heads=H)
+    P = endpoint("P", make_cache(1))
+    D = Endpoint(config, geo, compat, "D", 1, send=False, receive=True, transport=LoopbackTransport(f"D-{next(_names)}"), planes=[ops.kv_planes(t[i], "fused") for i in range(L)])
+    try:
+        with pytest.raises(KVBridgeError, match="wire_dtype 'fp8' packs whole blocks") as err:
+            D.node.connect(P.address)
+        assert "wire_dtype 'exact'" in str(err.value)
+    finally:
+        D.close()
+        P.close()

@@ -18,7 +18,7 @@ from kvbridge.errors import IncompatiblePeerError
 
 
 def worker(ep, rank: int = 0, tp_size: int = 1) -> WorkerSide:  # noqa: ANN001
-    ws = WorkerSide(load_config({}), "e", rank, "m", tp_size, 16, send=ep.sender is not None, receive=ep.receiver is not None)
+    ws = WorkerSide(load_config({}), "e", rank, "m", tp_size, 16, send=ep.sender is not None, receive=ep.receiver is not None, total_kv_heads=4)
     ws.endpoint = ep
     return ws
 
@@ -112,8 +112,8 @@ def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> N
         p_ep.close()
 
 
-@pytest.mark.parametrize("ranks", [1, 4])
-def test_a_prefill_with_another_tp_size_fails_the_load_naming_the_fix(ranks: int) -> None:
+@pytest.mark.parametrize(("ranks", "match"), [(4, "must be the prefill's or a multiple of it"), (3, "size 3 does not split 4 KV heads")])
+def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(ranks: int, match: str, caplog: pytest.LogCaptureFixture) -> None:
     cache = make_cache(None)
     d_ep = endpoint("D", cache)
     try:
@@ -123,17 +123,18 @@ def test_a_prefill_with_another_tp_size_fails_the_load_naming_the_fix(ranks: int
         seen = _until(d, set(), "rd", 2)
         assert sum("rd" in r for _, r, _ in seen) == 1, "a failed load is reported in finished_recving too, once"
         assert d_ep.stats.take().failures == 1
+        assert match in caplog.text and "--tensor-parallel-size" in caplog.text
     finally:
         d_ep.close()
 
 
 def test_prefill_address_for_rank() -> None:
     single = PrefillAddress("h:1", epoch="e0")
-    assert single.for_rank(0, 1) == RankAddress("h:1", "e0")
+    assert single.for_rank(0, 1, 4) == RankAddress("h:1", "e0")
+    assert single.for_rank(1, 2, 4) == RankAddress("h:1", "e0"), "TP 1 -> TP 2: both decode ranks read from the one prefill rank"
     both = PrefillAddress("h:1", epoch="e0", ranks=[RankAddress("h:1", "e0"), RankAddress("h:2", "e1")])
-    assert both.for_rank(1, 2) == RankAddress("h:2", "e1")
+    assert both.for_rank(1, 2, 4) == RankAddress("h:2", "e1")
+    assert [both.for_rank(r, 4, 4).address for r in range(4)] == ["h:1", "h:1", "h:2", "h:2"]
     with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 1") as err:
-        both.for_rank(0, 1)
+        both.for_rank(0, 1, 4)
     assert err.value.fix and "--tensor-parallel-size" in err.value.fix
-    with pytest.raises(IncompatiblePeerError, match="size 1, this decode instance 2"):
-        single.for_rank(1, 2)

@@ -95,6 +95,18 @@ def test_unknown_fields_from_newer_peers_are_tolerated() -> None:
 
 def test_compat_hash_changes_with_every_property() -> None:
     base = compat_hash(INFO)
-    changes = {"model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128, "tp_size": 2}
+    changes = {"model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128, "tp_size": 3, "total_kv_heads": 16}
     hashes = {compat_hash(msgspec.structs.replace(INFO, **{k: v})) for k, v in changes.items()}
     assert base not in hashes and len(hashes) == len(changes)
+
+
+def test_compat_hash_ignores_the_tp_split_but_not_the_model_heads() -> None:
+    """TP 1 with 2 KV heads per rank and TP 2 with 1 per rank hold the same model: their
+    frames are compatible (the handshake pairs the ranks); a model with other heads is not."""
+    tp1 = msgspec.structs.replace(INFO, num_kv_heads=2, tp_size=1)
+    tp2 = msgspec.structs.replace(INFO, num_kv_heads=1, tp_size=2)
+    assert compat_hash(tp1) == compat_hash(tp2)
+    assert compat_hash(msgspec.structs.replace(tp2, num_kv_heads=2)) != compat_hash(tp1)
+    # more ranks than heads: each rank holds one replicated head, the model still has 2
+    tp4 = msgspec.structs.replace(INFO, num_kv_heads=1, tp_size=4, total_kv_heads=2)
+    assert compat_hash(tp4) == compat_hash(tp1)

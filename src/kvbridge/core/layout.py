@@ -174,6 +174,27 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         table[:, 2] = self.device
         return table
 
+    def part_table(self, parts: int) -> np.ndarray:
+        """Like :meth:`slot_table` with every slot cut into ``parts`` equal pieces, each
+        ``num_kv_heads / parts`` heads of the block (row ``slot * parts + k`` is piece
+        ``k``): what a peer with another tensor-parallel split addresses. Only layouts
+        that keep a block's heads apart (``fused``, ``hnd``) can be cut so.
+
+        Raises:
+            PlanError: the layout interleaves heads per token, or ``parts`` does not
+                divide the heads.
+        """
+        if parts == 1:
+            return self.slot_table()
+        spec = self.spec
+        if spec.layout == "nhd" or spec.num_kv_heads % parts:
+            raise PlanError(f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} head ranges")
+        piece = spec.block_bytes // parts
+        table = np.repeat(self.slot_table(), parts, axis=0)
+        table[:, 0] += np.tile(np.arange(parts, dtype=np.uint64) * np.uint64(piece), self.num_slots)
+        table[:, 1] = piece
+        return table
+
     def slots(self, block_ids: Sequence[int] | np.ndarray, layers: Iterable[int] | None = None) -> np.ndarray:
         """Slot indices of ``block_ids`` in ``layers`` (default all), every plane.
 

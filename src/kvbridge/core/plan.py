@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.tp import Split
 from kvbridge.errors import PlanError
 
 class TransferPlan(NamedTuple):
@@ -109,6 +111,41 @@ def plan_blocks(
     )
 
 
+def plan_parts(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int] | np.ndarray,
+    remote_blocks: Sequence[int] | np.ndarray,
+    split: Split,
+    layers: Iterable[int] | None = None,
+) -> TransferPlan:
+    """Like :func:`plan_blocks` between caches of different tensor-parallel splits:
+    indices into :meth:`~kvbridge.core.layout.CacheGeometry.part_table` tables
+    (``split.local_parts`` pieces per local slot, ``split.remote_parts`` per remote
+    one), pairing the head ranges of ``split.runs`` in every block and plane.
+
+    Raises:
+        PlanError: the caches differ in more than their KV heads per rank, the block
+            lists differ in length, or a block id or layer is out of range.
+    """
+    check_direct_compatible(local.spec, msgspec.structs.replace(remote.spec, num_kv_heads=local.spec.num_kv_heads))
+    if len(local_blocks) != len(remote_blocks):
+        raise PlanError(f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote")
+    layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
+    lslots = local.slots(local_blocks, layer_list)
+    rslots = remote.slots(remote_blocks, layer_list)
+    lpart = np.concatenate([np.arange(a, a + n) for a, _, n in split.runs])
+    rpart = np.concatenate([np.arange(b, b + n) for _, b, n in split.runs])
+    lidx = (lslots[:, None] * split.local_parts + lpart[None, :]).reshape(-1)
+    ridx = (rslots[:, None] * split.remote_parts + rpart[None, :]).reshape(-1)
+    return TransferPlan(
+        local_slots=lidx.astype(np.int32),
+        remote_slots=ridx.astype(np.int32),
+        slot_bytes=local.spec.block_bytes // split.local_parts,
+        layers=tuple(layer_list),
+    )
+
+
 def plan_regions(plan: TransferPlan, local: CacheGeometry, remote: CacheGeometry) -> Regions:
     """The plan as coalesced (local -> remote) address regions."""
     lt = _addresses(local, plan.local_slots)
@@ -162,5 +199,6 @@ __all__ = [
     "check_direct_compatible",
     "coalesce",
     "plan_blocks",
+    "plan_parts",
     "plan_regions",
 ]

@@ -11,6 +11,12 @@ side-channel address; ``Hello`` carries our identity, transport metadata and geo
 is read). Both sides then add each other to the transport and prepare the other's slot
 table once. A peer is identified by engine id, rank and a per-process *epoch*: a
 restarted process is a new peer even on the same address.
+
+Tensor parallelism: peers whose instances split the KV heads differently (a decode TP
+size that is a multiple of the prefill's) are paired at the handshake
+(:func:`kvbridge.core.tp.pair_split`): both sides then address blocks as head ranges
+(:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
+those; pairings that cannot work are refused naming the fix.
 """
 
 from __future__ import annotations
@@ -18,10 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import msgspec
+import numpy as np
 
 from kvbridge.config import KVBridgeConfig
 from kvbridge.core.layout import CacheGeometry
+from kvbridge.core.plan import plan_blocks, plan_parts
+from kvbridge.core.tp import Split, check_pairing, pair_split, prefill_ranks
 from kvbridge.errors import ConfigError, IncompatiblePeerError, KVBridgeError, TransportError
 from kvbridge.runtime.packed import PackedPath, staging_descs
 from kvbridge.runtime.sidechannel import SideChannelClient
@@ -49,6 +61,15 @@ class Peer:
     """Its side-channel address, for peers we connected to."""
     staging: DescTable | None = None
     """Its staging buffer's slot table, prepared once (``wire_dtype: fp8``)."""
+    split: Split | None = None
+    """How our blocks pair with its blocks when its tensor-parallel split differs from
+    ours (``table`` then holds its blocks cut into ``split.remote_parts`` pieces); None
+    when both hold the same heads per rank and blocks move whole."""
+
+    @property
+    def fanout(self) -> int:
+        """Prefill side: how many of its instance's ranks this rank sends each request to."""
+        return 1 if self.split is None else self.split.fanout
 
 
 class Node:
@@ -97,6 +118,8 @@ class Node:
         self._peers: dict[tuple[str, int, str], Peer] = {}
         self._by_address: dict[str, Peer] = {}
         self._connecting: dict[str, threading.Lock] = {}
+        self._part_tables: dict[int, DescTable] = {1: self.table}
+        self._tables_lock = threading.Lock()
 
     # --- identities ----------------------------------------------------------------------
 
@@ -122,27 +145,32 @@ class Node:
             staging=None if self.packed is None else self.packed.info,
         )
 
-    def _add(self, msg: Hello | Welcome, address: str | None) -> Peer:
+    def _add(self, msg: Hello | Welcome, address: str | None, *, prefill: bool) -> Peer:
         if msg.transport != self.transport.name:
             raise IncompatiblePeerError(
                 f"peer {msg.peer} uses transport {msg.transport!r}, this instance {self.transport.name!r}",
                 differences={"transport": (self.transport.name, msg.transport)},
                 fix="set the same 'transport' in the kvbridge config of prefill and decode",
             )
-        if msg.geometry.spec != self.geometry.spec:
-            # the compat hash covers the spec; a mismatch here means a hand-made frame
+        spec, theirs = self.geometry.spec, msg.geometry.spec
+        if msgspec.structs.replace(theirs, num_kv_heads=spec.num_kv_heads) != spec or theirs.num_kv_heads != msg.compat.num_kv_heads:
+            # the compat hash covers the rest of the spec; a mismatch means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
+        split = self._split(msg, prefill)
         if (self.packed is None) != (msg.staging is None):
             # the compat hash covers wire_dtype; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
         if msg.staging is not None and msg.staging.slot_bytes != self.packed.slot.nbytes:
             raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, this instance {self.packed.slot.nbytes}")
         agent = self.transport.add_peer(msg.transport_metadata)
-        table = self.transport.prepare(msg.geometry.slot_table(), memory=msg.geometry.memory, peer=agent)
+        remote_parts = 1 if split is None else split.remote_parts
+        table = self.transport.prepare(msg.geometry.part_table(remote_parts), memory=msg.geometry.memory, peer=agent)
+        if split is not None:
+            self.local_table(split.local_parts)  # prepared once, before the first transfer
         staging = None
         if msg.staging is not None:
             staging = self.transport.prepare(staging_descs(msg.staging), memory=msg.staging.memory, peer=agent)
-        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging)
+        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging, split=split)
         with self._lock:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one
             stale = [k for k in self._peers if k[:2] == (msg.peer.engine_id, msg.peer.rank) and k[2] != msg.peer.epoch]
@@ -158,11 +186,68 @@ class Node:
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 
+    def _split(self, msg: Hello | Welcome, prefill: bool) -> Split | None:
+        """How our blocks pair with the peer's when our TP splits differ (None: they do
+        not); raises when they cannot be paired."""
+        ours, theirs = self.codec.compat, msg.compat
+        if (ours.tp_size, ours.num_kv_heads) == (theirs.tp_size, theirs.num_kv_heads):
+            return None
+        (p, p_rank), (d, d_rank) = ((ours, self.id.rank), (theirs, msg.peer.rank)) if prefill else ((theirs, msg.peer.rank), (ours, self.id.rank))
+        what = f"prefill TP {p.tp_size} ({p.num_kv_heads} KV heads per rank), decode TP {d.tp_size} ({d.num_kv_heads} per rank)"
+        differences = {"tp_size": (ours.tp_size, theirs.tp_size), "num_kv_heads": (ours.num_kv_heads, theirs.num_kv_heads)}
+        try:
+            check_pairing(p.model_kv_heads, p.tp_size, d.tp_size)
+        except IncompatiblePeerError as exc:
+            raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
+        if self.geometry.spec.layout == "nhd":
+            raise IncompatiblePeerError(
+                f"{what}: the KV cache layout nhd interleaves heads within a block, so a rank's heads cannot be cut out of it",
+                differences=differences,
+                fix="use the same --tensor-parallel-size on both, or an HND cache layout (vLLM: VLLM_KV_CACHE_LAYOUT=HND)",
+            )
+        if self.packed is not None:
+            raise IncompatiblePeerError(
+                f"{what}: wire_dtype 'fp8' packs whole blocks of a rank's heads and needs the same split on both sides",
+                differences=differences,
+                fix="use the same --tensor-parallel-size on both, or wire_dtype 'exact'",
+            )
+        split = pair_split(p.model_kv_heads, p.tp_size, d.tp_size, p_rank, d_rank, prefill=prefill)
+        if split is None:
+            raise IncompatiblePeerError(
+                f"{what}: decode rank {d_rank} gets none of its KV heads from prefill rank {p_rank}",
+                differences=differences,
+                fix=f"decode rank {d_rank} reads from prefill ranks {prefill_ranks(p.model_kv_heads, p.tp_size, d.tp_size, d_rank)}",
+            )
+        return split
+
+    def local_table(self, parts: int) -> DescTable:
+        """Our slot table with every block cut into ``parts`` head ranges (1: whole
+        blocks), prepared on first use and kept."""
+        with self._tables_lock:  # held while preparing: each table is prepared once
+            table = self._part_tables.get(parts)
+            if table is None:
+                table = self._part_tables[parts] = self.transport.prepare(self.geometry.part_table(parts), memory=self.geometry.memory)
+        return table
+
+    def plan(self, peer: Peer, local_blocks: Sequence[int], remote_blocks: Sequence[int], layers: Sequence[int] | None = None) -> tuple[DescTable, np.ndarray, DescTable, np.ndarray]:
+        """Descriptor tables and indices moving ``local_blocks[i]`` to / from
+        ``remote_blocks[i]`` in ``layers`` (default all): whole blocks, or the head
+        ranges the peer's TP split pairs with ours.
+
+        Raises:
+            PlanError: bad block ids or layers.
+        """
+        if peer.split is None:
+            plan = plan_blocks(self.geometry, peer.geometry, local_blocks, remote_blocks, layers=layers)
+            return self.table, plan.local_slots, peer.table, plan.remote_slots
+        plan = plan_parts(self.geometry, peer.geometry, local_blocks, remote_blocks, peer.split, layers=layers)
+        return self.local_table(peer.split.local_parts), plan.local_slots, peer.table, plan.remote_slots
+
     # --- server side ---------------------------------------------------------------------
 
     def welcome(self, hello: Hello) -> Welcome:
         """Answer a ``Hello`` (side-channel handler, prefill side)."""
-        self._add(hello, None)
+        self._add(hello, None, prefill=True)
         return self._hello(Welcome)
 
     # --- client side ---------------------------------------------------------------------
@@ -190,7 +275,7 @@ class Node:
                     raise KVBridgeError(f"handshake with {address} refused: {reply.detail or reply.code}")
                 if not isinstance(reply, Welcome):
                     raise TransportError(f"handshake with {address}: unexpected {type(reply).__name__}")
-                peer = self._add(reply, address)
+                peer = self._add(reply, address, prefill=False)
         if epoch is not None and peer.id.epoch != epoch:
             raise KVBridgeError(
                 f"the prefill instance at {address} restarted (epoch {peer.id.epoch}, expected {epoch}); "

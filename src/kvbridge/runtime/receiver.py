@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.core.lifecycle import RecvPhase, RecvRequest
-from kvbridge.core.plan import plan_blocks
 from kvbridge.errors import KVBridgeError, PeerUnreachableError, WireError
 from kvbridge.runtime.node import Node, Peer
 from kvbridge.runtime.sidechannel import listening
@@ -259,13 +258,13 @@ class Receiver:
         try:
             peer = self._connect(entry)
             skip = entry.skip_tokens // self.node.geometry.spec.block_size
-            plan = plan_blocks(self.node.geometry, peer.geometry, entry.block_ids, entry.remote_blocks[skip : skip + len(entry.block_ids)])
+            local, lidx, remote, ridx = self.node.plan(peer, entry.block_ids, entry.remote_blocks[skip : skip + len(entry.block_ids)])
             with self._lock:
                 if entry.req.terminal:
                     return
                 entry.req.destination_sent(self.clock())
                 entry.req.posted("read")
-            xfer = self.node.transport.post("read", self.node.table, plan.local_slots, peer.table, plan.remote_slots)
+            xfer = self.node.transport.post("read", local, lidx, remote, ridx)
         except KVBridgeError as exc:
             with self._lock:
                 if entry.req.inflight:

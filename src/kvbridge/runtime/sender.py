@@ -15,6 +15,9 @@ Who calls what (the engine adapter, on the prefill worker):
 The decode side drives the rest through the side channel: ``Destination`` (layer-wise
 push: where to write; it may arrive before or after :meth:`track`, before, during or
 after the prefill), ``Release`` (P-first: D has read the blocks itself), ``Abort``.
+When the decode instance has more TP ranks than ours, each of the ``Peer.fanout``
+decode ranks this rank feeds sends its own ``Destination`` (or ``Release``), gets its
+head range of every block, and the blocks are released once all of them are served.
 
 Writes: for every layer, the blocks that are both computed and not yet sent (and that
 the decode side lacks) are planned against the peer's slot table and posted, each
@@ -36,7 +39,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.core.lifecycle import SendPhase, SendRequest
-from kvbridge.core.plan import plan_blocks
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.node import Node, Peer
 from kvbridge.runtime.stats import TransferStats
@@ -44,6 +46,16 @@ from kvbridge.transports.base import Xfer
 from kvbridge.wire.messages import Abort, Destination, Done, LayerDone, Release, Reply
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Dest:
+    """One decode rank's destination for a transfer."""
+
+    msg: Destination
+    peer: Peer
+    posted: list[int]
+    """Per layer: prompt blocks posted to it so far (absolute index)."""
 
 
 @dataclass
@@ -55,11 +67,12 @@ class _Out:
     pull: bool
     ready: list[int]
     """Per layer: prompt tokens computed so far."""
-    posted: list[int]
-    """Per layer: prompt blocks posted so far (absolute index)."""
     prefill_done: bool = False
-    dest: Destination | None = None
-    peer: Peer | None = None
+    dests: list[_Dest] = field(default_factory=list)
+    """Destinations so far: one per decode rank this rank feeds (``Peer.fanout``; 1
+    unless the decode instance has more TP ranks than this one)."""
+    released_by: set[str] = field(default_factory=set)
+    """P-first: decode ranks (engine/rank/epoch) that read their part and said Release."""
     t_prefill_done: float | None = None
     t_first_post: float | None = None
     inflight: dict[int, tuple[Xfer, float, tuple[int, int] | None]] = field(default_factory=dict)
@@ -89,7 +102,7 @@ class Sender:
         self._layers = node.geometry.spec.num_layers
         self._lock = threading.Condition()
         self._out: dict[str, _Out] = {}
-        self._early: dict[str, tuple[Destination, float]] = {}
+        self._early: dict[str, list[tuple[Destination, float]]] = {}
         self._released: list[str] = []
         self._keys = itertools.count()
         self._stop = False
@@ -118,12 +131,10 @@ class Sender:
                 stream=stream,
                 pull=pull,
                 ready=[computed_tokens] * self._layers,
-                posted=[0] * self._layers,
             )
             self._out[transfer_id] = out
-            early = self._early.pop(transfer_id, None)
-            if early is not None:
-                self._accept(out, early[0], now)
+            for msg, _ in self._early.pop(transfer_id, []):
+                self._accept(out, msg, now)
             self._lock.notify()
 
     def add_blocks(self, transfer_id: str, blocks: list[int]) -> None:
@@ -143,7 +154,7 @@ class Sender:
                 return
             if computed_tokens > out.ready[layer]:
                 out.ready[layer] = computed_tokens
-                if out.stream and out.dest is not None:
+                if out.stream and out.dests:
                     self._lock.notify()
 
     def prefill_done(self, transfer_id: str) -> None:
@@ -196,12 +207,12 @@ class Sender:
             out = self._out.get(msg.transfer_id)
             if out is None:
                 # D may see the request before this prefill worker does: keep it
-                self._early[msg.transfer_id] = (msg, now + self.cfg.timeouts.lease_s)
+                self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
                 return Reply(ok=True, epoch=self.node.id.epoch)
             if out.req.terminal:
                 return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already ended ({out.req.phase.value}: {out.req.reason})")
-            if out.dest is not None:
-                return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already has a destination")
+            if any(d.msg.peer == msg.peer for d in out.dests):
+                return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already has a destination from {msg.peer}")
             err = self._accept(out, msg, now)
             self._lock.notify()
         if err:
@@ -218,12 +229,17 @@ class Sender:
             )
             out.req.fail(reason, now)
             return reason
-        out.dest = msg
-        out.peer = self.node.peer(msg.peer)
-        if out.peer is None:
+        peer = self.node.peer(msg.peer)
+        if peer is None:
             out.req.fail(f"destination from {msg.peer}, which never shook hands", now)
             return "unknown peer"
-        out.req.start_sending(now)
+        if len(out.dests) >= peer.fanout:
+            reason = f"destination of {msg.transfer_id} from {msg.peer}: this prefill rank already has the {peer.fanout} it sends to"
+            out.req.fail(reason, now)
+            return reason
+        out.dests.append(_Dest(msg=msg, peer=peer, posted=[0] * self._layers))
+        if out.req.phase is SendPhase.HELD:
+            out.req.start_sending(now)
         return None
 
     def on_release(self, msg: Release) -> Reply:
@@ -232,7 +248,10 @@ class Sender:
             out = self._out.get(msg.transfer_id)
             if out is None:
                 return Reply(ok=False, code="unknown_transfer", detail=f"no blocks held for {msg.transfer_id}", epoch=self.node.id.epoch)
-            if out.req.phase is SendPhase.HELD:
+            peer = self.node.peer(msg.peer)
+            out.released_by.add(str(msg.peer))
+            # every decode rank this rank feeds reads its own part, then releases it
+            if out.req.phase is SendPhase.HELD and len(out.released_by) >= (1 if peer is None else peer.fanout):
                 out.req.start_sending(now)
                 out.req.finish(now)
             self._lock.notify()
@@ -274,31 +293,34 @@ class Sender:
     def _has_postable(self) -> bool:
         return any(self._postable(out) for out in self._out.values())
 
-    def _postable(self, out: _Out) -> list[tuple[list[int], int, int]]:
-        """(layers, first block, end block) groups ready to post (lock held)."""
-        if out.dest is None or out.peer is None or out.req.phase is not SendPhase.SENDING or out.pull:
+    def _postable(self, out: _Out) -> list[tuple[_Dest, list[int], int, int]]:
+        """(destination, layers, first block, end block) groups ready to post (lock held)."""
+        if not out.dests or out.req.phase is not SendPhase.SENDING or out.pull:
             return []
         if not out.stream and not out.prefill_done:
             return []
         total = math.ceil(out.num_tokens / self._bs)
-        skip = out.dest.skip_tokens // self._bs
-        groups: dict[tuple[int, int], list[int]] = {}
-        for layer in range(self._layers):
-            ready = total if out.ready[layer] >= out.num_tokens else min(out.ready[layer] // self._bs, total)
-            start = max(out.posted[layer], skip)
-            if ready > start:
-                groups.setdefault((start, ready), []).append(layer)
-        return [(layers, a, b) for (a, b), layers in groups.items()]
+        found = []
+        for dest in out.dests:
+            skip = dest.msg.skip_tokens // self._bs
+            groups: dict[tuple[int, int], list[int]] = {}
+            for layer in range(self._layers):
+                ready = total if out.ready[layer] >= out.num_tokens else min(out.ready[layer] // self._bs, total)
+                start = max(dest.posted[layer], skip)
+                if ready > start:
+                    groups.setdefault((start, ready), []).append(layer)
+            found += [(dest, layers, a, b) for (a, b), layers in groups.items()]
+        return found
 
-    def _plan_posts(self) -> list[tuple[_Out, list[tuple[list[int], int, int, int]]]]:
-        """Posts ready now (lock held): (layers, first block, end block, first staging
-        slot or -1). A packed post waits while the staging buffer is full."""
+    def _plan_posts(self) -> list[tuple[_Out, list[tuple[_Dest, list[int], int, int, int]]]]:
+        """Posts ready now (lock held): (destination, layers, first block, end block,
+        first staging slot or -1). A packed post waits while the staging buffer is full."""
         work = []
         packed = self.node.packed
         self._starved = False
         for out in self._out.values():
             posts = []
-            for layers, start, end in self._postable(out):
+            for dest, layers, start, end in self._postable(out):
                 slot = -1
                 if packed is not None:
                     need = len(layers) * (end - start)
@@ -311,30 +333,26 @@ class Sender:
                         continue
                     slot = got
                 for layer in layers:
-                    out.posted[layer] = end
-                posts.append((layers, start, end, slot))
+                    dest.posted[layer] = end
+                posts.append((dest, layers, start, end, slot))
             if posts:
                 work.append((out, posts))
         return work
 
-    def _post(self, out: _Out, posts: list[tuple[list[int], int, int, int]]) -> None:
-        assert out.dest is not None and out.peer is not None
-        skip = out.dest.skip_tokens // self._bs
+    def _post(self, out: _Out, posts: list[tuple[_Dest, list[int], int, int, int]]) -> None:
         packed = self.node.packed
-        for i, (layers, start, end, slot) in enumerate(posts):
+        for i, (dest, layers, start, end, slot) in enumerate(posts):
+            skip = dest.msg.skip_tokens // self._bs
             now = self.clock()
             key = next(self._keys)
             registered = False
             slots = (slot, len(layers) * (end - start)) if slot >= 0 else None
             try:
-                note = LayerDone(transfer_id=out.dest.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start)
+                note = LayerDone(transfer_id=dest.msg.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start)
                 if packed is None:
-                    plan = plan_blocks(
-                        self.node.geometry, out.peer.geometry, out.blocks[start:end], out.dest.block_ids[start - skip : end - skip], layers=layers
-                    )
-                    local, lidx, remote, ridx = self.node.table, plan.local_slots, out.peer.table, plan.remote_slots
+                    local, lidx, remote, ridx = self.node.plan(dest.peer, out.blocks[start:end], dest.msg.block_ids[start - skip : end - skip], layers)
                 else:
-                    local, lidx, remote, ridx = self._pack(out, layers, start, end, slot)
+                    local, lidx, remote, ridx = self._pack(out, dest, layers, start, end, slot)
                 with self._lock:
                     if out.req.terminal:
                         self._free_posts(posts[i:])
@@ -354,10 +372,10 @@ class Sender:
                 out.t_first_post = out.t_first_post or now
             self.stats.add(transfers=1, descriptors=xfer.num_descs, bytes_sent=xfer.nbytes)
 
-    def _pack(self, out: _Out, layers: list[int], start: int, end: int, slot: int):
+    def _pack(self, out: _Out, to: _Dest, layers: list[int], start: int, end: int, slot: int):
         """Pack a post into our staging slots; the slot pairs to write (packed path)."""
-        packed, dest, peer = self.node.packed, out.dest, out.peer
-        assert packed is not None and dest is not None and peer is not None
+        packed, dest, peer = self.node.packed, to.msg, to.peer
+        assert packed is not None
         if peer.staging is None or dest.staging_slot < 0:
             raise KVBridgeError(f"destination of {dest.transfer_id} has no staging slots for packed KV")
         skip = dest.skip_tokens // self._bs
@@ -367,11 +385,11 @@ class Sender:
         ridx = np.concatenate([dest.staging_slot + layer * nb + (start - skip) + np.arange(n, dtype=np.int64) for layer in layers])
         return packed.table, lidx, peer.staging, ridx
 
-    def _free_posts(self, posts: list[tuple[list[int], int, int, int]]) -> None:
+    def _free_posts(self, posts: list[tuple[_Dest, list[int], int, int, int]]) -> None:
         """Give back the staging slots of posts that will not be written."""
         if self.node.packed is None:
             return
-        for layers, start, end, slot in posts:
+        for _, layers, start, end, slot in posts:
             if slot >= 0:
                 self.node.packed.allocator.free(slot, len(layers) * (end - start))
 
@@ -404,10 +422,12 @@ class Sender:
 
     def _maybe_finish(self, out: _Out, now: float) -> None:
         """All of the prompt posted and landed: done (lock held)."""
-        if out.req.phase is not SendPhase.SENDING or not out.prefill_done or out.dest is None:
+        if out.req.phase is not SendPhase.SENDING or not out.prefill_done or not out.dests or out.pull:
             return
+        if len(out.dests) < out.dests[0].peer.fanout:
+            return  # more decode ranks will ask for their part
         total = math.ceil(out.num_tokens / self._bs)
-        if all(p >= total for p in out.posted) and not out.inflight:
+        if all(p >= total for d in out.dests for p in d.posted) and not out.inflight:
             out.req.finish(now)
             self.stats.add(requests_sent=1)
             if out.t_prefill_done is not None:
@@ -424,11 +444,12 @@ class Sender:
         now = self.clock()
         tell: list[tuple[Peer, Done]] = []
         with self._lock:
-            for tid, (_, deadline) in list(self._early.items()):
-                if now >= deadline:
+            for tid, early in list(self._early.items()):
+                early[:] = [(msg, deadline) for msg, deadline in early if now < deadline]
+                if not early:
                     del self._early[tid]
             for tid, out in list(self._out.items()):
-                if out.prefill_done and out.dest is not None:
+                if out.prefill_done and out.dests:
                     self._maybe_finish(out, now)
                 if out.req.poll(now):
                     if out.req.phase is SendPhase.EXPIRED:
@@ -447,9 +468,10 @@ class Sender:
                     self._released.append(tid)
                     self._lock.notify_all()
                     self._on_outcome()
-                    if out.req.phase is not SendPhase.DONE and out.peer is not None and out.dest is not None:
+                    if out.req.phase is not SendPhase.DONE:
                         # after the drain: the decode side may reuse its blocks once it reads this
-                        tell.append((out.peer, Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)))
+                        done = Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)
+                        tell += [(d.peer, done) for d in out.dests]
         for peer, msg in tell:  # best effort: D also has its own deadlines
             try:
                 self.node.transport.notify(peer.agent, self.node.codec.encode(msg))

@@ -1,5 +1,9 @@
 """Compatibility of two kvbridge instances: what must match before any KV moves.
 
+Everything must match except the tensor-parallel split: a prefill and a decode
+instance with different TP sizes share the model's KV heads, cut differently (the
+handshake checks the two splits can be paired, see :mod:`kvbridge.core.tp`).
+
 :class:`CompatInfo` lists the properties; :func:`compat_hash` condenses them into the
 short string carried by every frame (checked before the frame body is even decoded);
 :func:`compat_diff` explains a mismatch property by property.
@@ -41,9 +45,15 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1
     wire_dtype: str = "exact"
     """How KV travels (config ``wire_dtype``): both sides must pack or neither."""
+    total_kv_heads: int = 0
+    """KV heads of the model (before the TP split); 0: ``num_kv_heads * tp_size``."""
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads * self.tp_size
 
     @classmethod
-    def from_spec(cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact") -> CompatInfo:
+    def from_spec(cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0) -> CompatInfo:
         return cls(
             model=model,
             dtype=spec.dtype,
@@ -54,14 +64,22 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             head_dim=spec.head_dim,
             tp_size=tp_size,
             wire_dtype=wire_dtype,
+            total_kv_heads=total_kv_heads,
         )
 
 
+_TP_SPLIT = ("num_kv_heads", "tp_size", "total_kv_heads")
+"""Fields that describe how a rank's TP split cuts the model's heads: they may differ
+between peers (checked at the handshake, :mod:`kvbridge.core.tp`) and are left out of
+the hash, which carries the model's head count instead."""
+
+
 def compat_hash(info: CompatInfo) -> str:
-    """16 hex characters identifying ``info`` (stable across processes and versions of
-    msgspec: fields are encoded in declaration order)."""
-    payload = msgspec.msgpack.encode(info)
-    return hashlib.sha256(b"kvbridge-compat-v1\0" + payload).hexdigest()[:16]
+    """16 hex characters identifying what every pair of peers must share (stable
+    across processes and versions of msgspec: values are encoded in field order)."""
+    shared = [getattr(info, f) for f in info.__struct_fields__ if f not in _TP_SPLIT] + [info.model_kv_heads]
+    payload = msgspec.msgpack.encode(shared)
+    return hashlib.sha256(b"kvbridge-compat-v2\0" + payload).hexdigest()[:16]
 
 
 def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object, object]]:

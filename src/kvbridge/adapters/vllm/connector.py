@@ -83,6 +83,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_rank(),
                 model=str(vllm_config.model_config.model),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
                 block_size=block_size,
                 send=send,
                 receive=receive,

@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from kvbridge.core.tp import check_pairing, prefill_ranks
 from kvbridge.errors import IncompatiblePeerError
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class PrefillAddress(msgspec.Struct, frozen=True):
 
     ``address`` / ``epoch`` are TP rank 0's; ``ranks`` lists every TP rank's, in rank
     order (a prefill instance with TP 1 may leave it empty). Each decode worker talks
-    to the prefill worker of its own TP rank: that worker holds the same KV heads.
+    to the prefill worker holding its KV heads (:meth:`for_rank`).
     """
 
     address: str
@@ -45,22 +46,29 @@ class PrefillAddress(msgspec.Struct, frozen=True):
     epoch: str = ""
     ranks: list[RankAddress] = []
 
-    def for_rank(self, rank: int, tp_size: int) -> RankAddress:
-        """The prefill worker that decode worker ``rank`` of ``tp_size`` reads from.
+    def for_rank(self, rank: int, tp_size: int, total_kv_heads: int) -> RankAddress:
+        """The prefill worker that decode worker ``rank`` of ``tp_size`` reads from:
+        the one of the same rank when both run the same TP size; with a decode TP that
+        is a multiple of the prefill's, the one holding this worker's KV heads (the
+        model has ``total_kv_heads``).
 
         Raises:
-            IncompatiblePeerError: the two instances run different TP sizes (each
-                worker would hold other KV heads than its peer).
+            IncompatiblePeerError: the decode TP size is not a multiple of the
+                prefill's (:func:`~kvbridge.core.tp.check_pairing`).
         """
         ranks = self.ranks or [RankAddress(self.address, self.epoch)]
-        if len(ranks) != tp_size:
+        if len(ranks) == tp_size:
+            return ranks[rank]
+        try:
+            check_pairing(total_kv_heads, len(ranks), tp_size)
+        except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(
-                f"the prefill instance at {self.address} runs tensor parallel size {len(ranks)}, this decode "
-                f"instance {tp_size}: their workers hold different KV heads",
+                f"the prefill instance at {self.address} runs tensor parallel size {len(ranks)}, this decode instance {tp_size}: {exc.message}",
                 differences={"tp_size": (tp_size, len(ranks))},
-                fix="start prefill and decode with the same --tensor-parallel-size",
-            )
-        return ranks[rank]
+                fix=exc.fix,
+            ) from None
+        (source,) = prefill_ranks(total_kv_heads, len(ranks), tp_size, rank)
+        return ranks[source]
 
 
 Flow = Literal["push", "pull", "discover"]

@@ -39,12 +39,16 @@ IDLE_WAIT_S = 0.005
 
 
 class WorkerSide:
-    def __init__(self, config: KVBridgeConfig, engine_id: str, rank: int, model: str, tp_size: int, block_size: int, send: bool, receive: bool) -> None:
+    def __init__(
+        self, config: KVBridgeConfig, engine_id: str, rank: int, model: str, tp_size: int, block_size: int, send: bool, receive: bool, total_kv_heads: int = 0
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         self.rank = rank
         self.model = model
         self.tp_size = tp_size
+        self.total_kv_heads = total_kv_heads
+        """The model's KV heads before the TP split (0: this rank's heads x TP size)."""
         self.block_size = block_size
         self.send = send
         self.receive = receive
@@ -63,7 +67,11 @@ class WorkerSide:
         ordered = layer_order(list(kv_caches), extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(ordered)}
         geometry = geometry_from_tensors(kv_caches, ordered, self.block_size)
-        compat = CompatInfo.from_spec(geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype)
+        if not self.total_kv_heads:
+            self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
+        compat = CompatInfo.from_spec(
+            geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads
+        )
         planes = None
         if self.config.wire_dtype != "exact":  # the packed path reads and writes the tensors
             from kvbridge.ops import kv_planes
@@ -108,7 +116,7 @@ class WorkerSide:
         for task in meta.recv:
             self._recv_req[task.transfer_id] = task.req_id
             try:  # the prefill worker holding this worker's KV heads
-                source = task.prefill.for_rank(self.rank, self.tp_size)
+                source = task.prefill.for_rank(self.rank, self.tp_size, self.total_kv_heads)
             except KVBridgeError as exc:
                 ep.receiver.refuse(task.transfer_id, task.block_ids, task.num_tokens, str(exc))
                 continue

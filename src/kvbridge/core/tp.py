@@ -1,0 +1,152 @@
+"""Tensor parallelism between instances: which KV heads each rank holds, and which
+prefill rank sends which heads to which decode rank. Pure; no I/O.
+
+A model has ``total`` KV heads. With ``tp`` ranks, rank ``r`` holds heads
+``[r * total / tp, (r + 1) * total / tp)`` when ``tp <= total``; when ``tp > total``
+each head is replicated on ``tp / total`` consecutive ranks and rank ``r`` holds head
+``r // (tp / total)`` (vLLM's and SGLang's split). Either size must divide the other.
+
+Every decode head is fed by exactly one prefill rank; kvbridge pairs instances whose
+decode TP size is a multiple of the prefill's (:func:`check_pairing`), so every decode
+rank reads from one prefill rank. Where several prefill ranks hold
+a head (replicas), decode rank ``d`` takes it from replica ``d % replicas``, so the
+work spreads over them.
+
+>>> [(s.p_rank, s.d_rank, s.p_first, s.d_first, s.count) for s in head_slices(8, 1, 2)]
+[(0, 0, 0, 0, 4), (0, 1, 4, 0, 4)]
+>>> [(s.p_rank, s.d_rank, s.p_first, s.d_first, s.count) for s in head_slices(8, 2, 1)]
+[(0, 0, 0, 0, 4), (1, 0, 0, 4, 4)]
+>>> rank_heads(2, 4, 3)
+range(1, 2)
+"""
+
+from __future__ import annotations
+
+from math import gcd
+from typing import NamedTuple
+
+from kvbridge.errors import IncompatiblePeerError
+
+
+class HeadSlice(NamedTuple):
+    """Heads ``[p_first, p_first + count)`` of prefill rank ``p_rank`` (its own
+    numbering) are heads ``[d_first, d_first + count)`` of decode rank ``d_rank``."""
+
+    p_rank: int
+    d_rank: int
+    p_first: int
+    d_first: int
+    count: int
+
+
+def _check(total: int, tp: int, side: str) -> None:
+    if total <= 0 or tp <= 0:
+        raise IncompatiblePeerError(f"{side}: {total} KV heads over tensor parallel size {tp}")
+    if tp % total and total % tp:
+        raise IncompatiblePeerError(
+            f"{side}: tensor parallel size {tp} does not split {total} KV heads evenly",
+            fix=f"use a --tensor-parallel-size that divides the model's {total} KV heads, or a multiple of {total}",
+        )
+
+
+def check_pairing(total: int, p_tp: int, d_tp: int) -> None:
+    """Raise unless every decode rank reads from exactly one prefill rank and every
+    prefill rank feeds some decode rank: the decode TP size is the prefill's or a
+    multiple of it (and both split the ``total`` heads evenly).
+
+    Raises:
+        IncompatiblePeerError: naming the fix.
+    """
+    _check(total, p_tp, "prefill")
+    _check(total, d_tp, "decode")
+    if d_tp % p_tp:
+        raise IncompatiblePeerError(
+            f"prefill TP {p_tp}, decode TP {d_tp}: each decode rank reads from one prefill rank, "
+            "so the decode TP size must be the prefill's or a multiple of it",
+            fix="give the decode instance the prefill's --tensor-parallel-size or a multiple of it",
+        )
+
+
+def heads_per_rank(total: int, tp: int) -> int:
+    return max(1, total // tp)
+
+
+def rank_heads(total: int, tp: int, rank: int) -> range:
+    """The global KV heads rank ``rank`` of ``tp`` holds."""
+    _check(total, tp, "split")
+    if tp <= total:
+        n = total // tp
+        return range(rank * n, (rank + 1) * n)
+    head = rank // (tp // total)
+    return range(head, head + 1)
+
+
+def head_slices(total: int, p_tp: int, d_tp: int) -> list[HeadSlice]:
+    """Every (prefill rank, decode rank) pairing, as maximal runs of heads, ordered by
+    decode rank then decode head."""
+    _check(total, p_tp, "prefill")
+    _check(total, d_tp, "decode")
+    p_replicas = max(1, p_tp // total)
+    out: list[HeadSlice] = []
+    for d in range(d_tp):
+        d_heads = rank_heads(total, d_tp, d)
+        for i, head in enumerate(d_heads):
+            if p_tp <= total:
+                p, p_local = head // (total // p_tp), head % (total // p_tp)
+            else:
+                p, p_local = head * p_replicas + d % p_replicas, 0
+            last = out[-1] if out else None
+            if last and last.d_rank == d and last.p_rank == p and last.p_first + last.count == p_local and last.d_first + last.count == i:
+                out[-1] = last._replace(count=last.count + 1)
+            else:
+                out.append(HeadSlice(p, d, p_local, i, 1))
+    return out
+
+
+class Split(NamedTuple):
+    """How one prefill rank and one decode rank of differently split instances exchange
+    KV: every block is cut into equal *parts* of ``unit`` heads (``local_parts`` per
+    block here, ``remote_parts`` on the peer), and ``runs`` pairs them:
+    ``(first local part, first remote part, number of parts)``."""
+
+    local_parts: int
+    remote_parts: int
+    runs: tuple[tuple[int, int, int], ...]
+    fanout: int
+    """Prefill side: how many decode ranks of the peer's instance this rank feeds (each
+    sends its own destination for every request); 1 on the decode side."""
+
+
+def pair_split(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, prefill: bool) -> Split | None:
+    """The :class:`Split` between prefill rank ``p_rank`` and decode rank ``d_rank``,
+    seen from the prefill side (``prefill=True``) or the decode side; None when that
+    pair exchanges nothing. Both sides derive the same part size from the whole
+    pairing, so their descriptors have equal lengths.
+
+    >>> pair_split(8, 1, 2, 0, 1, prefill=True)
+    Split(local_parts=2, remote_parts=1, runs=((1, 0, 1),), fanout=2)
+    >>> pair_split(8, 1, 2, 0, 1, prefill=False)
+    Split(local_parts=1, remote_parts=2, runs=((0, 1, 1),), fanout=1)
+    """
+    slices = head_slices(total, p_tp, d_tp)
+    p_heads, d_heads = heads_per_rank(total, p_tp), heads_per_rank(total, d_tp)
+    unit = gcd(p_heads, d_heads)
+    for s in slices:
+        unit = gcd(unit, gcd(s.count, gcd(s.p_first, s.d_first)))
+    mine = [s for s in slices if (s.p_rank, s.d_rank) == (p_rank, d_rank)]
+    if not mine:
+        return None
+    if prefill:
+        runs = tuple((s.p_first // unit, s.d_first // unit, s.count // unit) for s in mine)
+        fanout = len({s.d_rank for s in slices if s.p_rank == p_rank})
+        return Split(p_heads // unit, d_heads // unit, runs, fanout)
+    runs = tuple((s.d_first // unit, s.p_first // unit, s.count // unit) for s in mine)
+    return Split(d_heads // unit, p_heads // unit, runs, 1)
+
+
+def prefill_ranks(total: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
+    """The prefill ranks decode rank ``d_rank`` receives from."""
+    return sorted({s.p_rank for s in head_slices(total, p_tp, d_tp) if s.d_rank == d_rank})
+
+
+__all__ = ["HeadSlice", "Split", "check_pairing", "head_slices", "heads_per_rank", "pair_split", "prefill_ranks", "rank_heads"]
