@@ -33,8 +33,8 @@ def test_discover_lists_every_tp_rank_once_all_reported() -> None:
     assert params is not None
     got = PrefillAddress(**{**params["kvbridge"]["prefill"], "ranks": [RankAddress(**r) for r in params["kvbridge"]["prefill"]["ranks"]]})
     assert got.address == "h:7000" and got.epoch == "e0" and got.engine_id == "eng"
-    assert got.for_rank(0, 2, 4) == RankAddress("h:7000", "e0")
-    assert got.for_rank(1, 2, 4) == RankAddress("h:7001", "e1")
+    assert got.sources(0, 2, 4) == [RankAddress("h:7000", "e0")]
+    assert got.sources(1, 2, 4) == [RankAddress("h:7001", "e1")]
 
 
 def test_a_decode_request_carries_every_prefill_rank_to_the_workers() -> None:
@@ -49,7 +49,7 @@ def test_a_decode_request_carries_every_prefill_rank_to_the_workers() -> None:
     s.after_alloc(req, blocks, 40)
     task = s.build_meta(SimpleNamespace(total_num_scheduled_tokens=0)).recv[0]
     assert task.block_ids == [3, 4, 5] and task.num_tokens == 40
-    assert task.prefill.for_rank(1, 2, 4) == RankAddress("h:7001", "e1")
+    assert task.prefill.sources(1, 2, 4) == [RankAddress("h:7001", "e1")]
 
 
 @pytest.mark.parametrize("name", ["pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"])

@@ -112,7 +112,7 @@ def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> N
         p_ep.close()
 
 
-@pytest.mark.parametrize(("ranks", "match"), [(4, "must be the prefill's or a multiple of it"), (3, "size 3 does not split 4 KV heads")])
+@pytest.mark.parametrize(("ranks", "match"), [(8, "hold replicas of the model's 4 KV heads"), (3, "size 3 does not split 4 KV heads")])
 def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(ranks: int, match: str, caplog: pytest.LogCaptureFixture) -> None:
     cache = make_cache(None)
     d_ep = endpoint("D", cache)
@@ -128,13 +128,14 @@ def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(ranks
         d_ep.close()
 
 
-def test_prefill_address_for_rank() -> None:
+def test_prefill_address_sources() -> None:
     single = PrefillAddress("h:1", epoch="e0")
-    assert single.for_rank(0, 1, 4) == RankAddress("h:1", "e0")
-    assert single.for_rank(1, 2, 4) == RankAddress("h:1", "e0"), "TP 1 -> TP 2: both decode ranks read from the one prefill rank"
+    assert single.sources(0, 1, 4) == [RankAddress("h:1", "e0")]
+    assert single.sources(1, 2, 4) == [RankAddress("h:1", "e0")], "TP 1 -> TP 2: both decode ranks read from the one prefill rank"
     both = PrefillAddress("h:1", epoch="e0", ranks=[RankAddress("h:1", "e0"), RankAddress("h:2", "e1")])
-    assert both.for_rank(1, 2, 4) == RankAddress("h:2", "e1")
-    assert [both.for_rank(r, 4, 4).address for r in range(4)] == ["h:1", "h:1", "h:2", "h:2"]
-    with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 1") as err:
-        both.for_rank(0, 1, 4)
+    assert both.sources(1, 2, 4) == [RankAddress("h:2", "e1")]
+    assert [[a.address for a in both.sources(r, 4, 4)] for r in range(4)] == [["h:1"], ["h:1"], ["h:2"], ["h:2"]]
+    assert both.sources(0, 1, 4) == [RankAddress("h:1", "e0"), RankAddress("h:2", "e1")], "TP 2 -> TP 1: half the heads from each"
+    with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 3") as err:
+        both.sources(0, 3, 6)
     assert err.value.fix and "--tensor-parallel-size" in err.value.fix

@@ -37,7 +37,7 @@ def test_every_message_round_trips(msg: m.Message) -> None:
 def test_frame_layout_is_version_hash_body() -> None:
     frame = msgspec.msgpack.decode(Codec(INFO).encode(m.Done(transfer_id="x")))
     assert frame[0] == PROTOCOL_VERSION and frame[1] == compat_hash(INFO)
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(frame[2])) == {"t": "done", "transfer_id": "x", "ok": True, "reason": ""}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(frame[2])) == {"t": "done", "transfer_id": "x", "ok": True, "reason": "", "source": 0}
 
 
 def test_compat_hash_is_checked_before_the_body() -> None:

@@ -6,9 +6,10 @@ A model has ``total`` KV heads. With ``tp`` ranks, rank ``r`` holds heads
 each head is replicated on ``tp / total`` consecutive ranks and rank ``r`` holds head
 ``r // (tp / total)`` (vLLM's and SGLang's split). Either size must divide the other.
 
-Every decode head is fed by exactly one prefill rank; kvbridge pairs instances whose
-decode TP size is a multiple of the prefill's (:func:`check_pairing`), so every decode
-rank reads from one prefill rank. Where several prefill ranks hold
+Every decode head is fed by exactly one prefill rank. kvbridge pairs instances when
+one TP size is a multiple of the other (:func:`check_pairing`): a decode rank then
+reads from one prefill rank (decode TP >= prefill TP) or from several (prefill TP >
+decode TP), and every prefill rank feeds at least one decode rank. Where several prefill ranks hold
 a head (replicas), decode rank ``d`` takes it from replica ``d % replicas``, so the
 work spreads over them.
 
@@ -50,20 +51,26 @@ def _check(total: int, tp: int, side: str) -> None:
 
 
 def check_pairing(total: int, p_tp: int, d_tp: int) -> None:
-    """Raise unless every decode rank reads from exactly one prefill rank and every
-    prefill rank feeds some decode rank: the decode TP size is the prefill's or a
-    multiple of it (and both split the ``total`` heads evenly).
+    """Raise unless the two splits pair up: both split the ``total`` heads evenly, one
+    TP size is a multiple of the other, and every prefill rank feeds some decode rank
+    (a prefill with more ranks than heads holds replicas: then the decode needs at
+    least as many ranks, or some prefill ranks would hold requests nobody reads).
 
     Raises:
         IncompatiblePeerError: naming the fix.
     """
     _check(total, p_tp, "prefill")
     _check(total, d_tp, "decode")
-    if d_tp % p_tp:
+    if d_tp % p_tp and p_tp % d_tp:
         raise IncompatiblePeerError(
-            f"prefill TP {p_tp}, decode TP {d_tp}: each decode rank reads from one prefill rank, "
-            "so the decode TP size must be the prefill's or a multiple of it",
-            fix="give the decode instance the prefill's --tensor-parallel-size or a multiple of it",
+            f"prefill TP {p_tp}, decode TP {d_tp}: one TP size must be a multiple of the other",
+            fix="give the decode instance a --tensor-parallel-size that is a multiple or a divisor of the prefill's",
+        )
+    if p_tp > d_tp and p_tp > total:
+        raise IncompatiblePeerError(
+            f"prefill TP {p_tp}, decode TP {d_tp}: the prefill's ranks hold replicas of the model's {total} KV heads, "
+            "and the decode would read each head from one of them only",
+            fix=f"give the decode instance a --tensor-parallel-size of at least {p_tp}, or the prefill at most {total}",
         )
 
 

@@ -13,6 +13,12 @@ Who calls what (the engine adapter, on the decode worker):
   policy recomputes or fails the failed ones);
 - :meth:`Receiver.abort` when the engine drops the request.
 
+A request may have several *sources*: when the prefill instance has more TP ranks than
+ours, each of several prefill workers holds some of our KV heads; each gets its own
+``Destination`` (numbered by ``source``, echoed in its notifications) and writes its
+head range of every block, and the request completes when every source covered every
+layer and block.
+
 Nothing here blocks the caller: side-channel calls (handshake, destination, release,
 heartbeats) run on a small pool, reads are polled by the control thread, and
 notifications are handled by their own thread. Every wait is bounded by the request's
@@ -27,7 +33,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,24 +49,51 @@ from kvbridge.wire.messages import Abort, Destination, Done, Heartbeat, LayerDon
 log = logging.getLogger(__name__)
 
 _REMOTE = "prefill-writes"
-"""In-flight key standing for the prefill side's writes into a push destination."""
+"""Prefix of the in-flight keys standing for the prefill side's writes into a push
+destination, one per source (:func:`_remote`)."""
 _UNPACK = "unpack"
 """In-flight key of an unpack from staging into the request's blocks (packed path)."""
 
 
 @dataclass
+class _Source:
+    """One prefill rank a request's KV comes from (several when the prefill instance
+    has more TP ranks than ours: each holds some of our KV heads)."""
+
+    address: str
+    epoch: str | None = None
+    peer: Peer | None = None
+    xfer: Xfer | None = None
+    """P-first: the posted read from this source."""
+    read: bool = False
+    """P-first: its read landed."""
+    delivered: bool = False
+    """Push: it has (or may have) our destination; only then may an ``Abort`` go to it
+    from any thread (before, the destination's own thread sends it)."""
+
+    @property
+    def share(self) -> tuple[int, int]:
+        """The fraction of each of our blocks this source writes, (numerator, denominator)."""
+        split = None if self.peer is None else self.peer.split
+        return (1, 1) if split is None else (sum(n for _, _, n in split.runs), split.local_parts)
+
+
+def _remote(i: int) -> str:
+    """In-flight key standing for source ``i``'s writes into a push destination."""
+    return f"{_REMOTE}:{i}"
+
+
+@dataclass
 class _In:
     req: RecvRequest
-    address: str
+    sources: list[_Source]
     block_ids: list[int]
     num_tokens: int
     skip_tokens: int
     pull: bool
     remote_blocks: list[int]
-    epoch: str | None
     coverage: np.ndarray | None = None
-    peer: Peer | None = None
-    xfer: Xfer | None = None
+    """Push: (source, layer, block) landed."""
     started: float = 0.0
     nbytes: int = 0
     staging_slot: int = -1
@@ -104,26 +137,40 @@ class Receiver:
 
     # --- engine-facing -------------------------------------------------------------------
 
-    def expect_push(self, transfer_id: str, address: str, block_ids: list[int], num_tokens: int, skip_tokens: int = 0) -> None:
-        """Layer-wise push: ask the prefill instance at ``address`` to write the prompt's
-        KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids``."""
-        entry = self._new(transfer_id, address, block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[], epoch=None)
-        entry.coverage = np.zeros((self._layers, len(block_ids)), dtype=bool)
-        self._pool.submit(self._send_destination, entry)
+    def expect_push(self, transfer_id: str, address: str | Sequence[str], block_ids: list[int], num_tokens: int, skip_tokens: int = 0) -> None:
+        """Layer-wise push: ask the prefill worker at ``address`` to write the prompt's
+        KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids``. A list of
+        addresses: each of those prefill workers holds some of our KV heads and writes
+        them (a prefill instance with more TP ranks than ours)."""
+        addresses = [address] if isinstance(address, str) else list(address)
+        entry = self._new(transfer_id, [_Source(a) for a in addresses], block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[])
+        entry.coverage = np.zeros((len(addresses), self._layers, len(block_ids)), dtype=bool)
+        if self.node.packed is not None and len(addresses) > 1:
+            self._fail(entry, "wire_dtype 'fp8' needs the same TP split on prefill and decode (fix: use the same --tensor-parallel-size, or wire_dtype 'exact')")
+            return
+        for i in range(len(addresses)):
+            self._pool.submit(self._send_destination, entry, i)
 
     def expect_pull(
         self,
         transfer_id: str,
-        address: str,
-        epoch: str | None,
+        address: str | Sequence[str],
+        epoch: str | None | Sequence[str | None],
         remote_blocks: list[int],
         block_ids: list[int],
         num_tokens: int,
         skip_tokens: int = 0,
     ) -> None:
         """P-first: read ``remote_blocks`` (the prefill's, whole prompt) into ``block_ids``
-        (D's, for tokens from ``skip_tokens``), then release them on the prefill side."""
-        entry = self._new(transfer_id, address, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks, epoch=epoch)
+        (D's, for tokens from ``skip_tokens``), then release them on the prefill side.
+        Lists of addresses and epochs: read our KV heads from each of those prefill
+        workers (their block ids are the same)."""
+        if isinstance(address, str):
+            sources = [_Source(address, epoch if isinstance(epoch, str) or epoch is None else epoch[0])]
+        else:
+            epochs = list(epoch) if isinstance(epoch, Sequence) and not isinstance(epoch, str) else [epoch] * len(address)
+            sources = [_Source(a, e) for a, e in zip(address, epochs, strict=True)]
+        entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks)
         if self.node.packed is not None and block_ids:
             self._fail(entry, "wire_dtype 'fp8' packs KV on the prefill side as it is computed: it needs the push flow, not P-first reads (use the proxy's default --flow push)")
             return
@@ -133,14 +180,14 @@ class Receiver:
         """Fail a load before it starts (the adapter found it cannot be served, e.g. the
         prefill instance is incompatible); reported by :meth:`take_finished` like any
         failed load."""
-        entry = self._new(transfer_id, "", block_ids, num_tokens, 0, pull=False, remote_blocks=[], epoch=None)
+        entry = self._new(transfer_id, [], block_ids, num_tokens, 0, pull=False, remote_blocks=[])
         self._fail(entry, reason)
 
-    def _new(self, transfer_id: str, address: str, block_ids: list[int], num_tokens: int, skip_tokens: int, **kw: object) -> _In:
+    def _new(self, transfer_id: str, sources: list[_Source], block_ids: list[int], num_tokens: int, skip_tokens: int, **kw: object) -> _In:
         now = self.clock()
         entry = _In(
             req=RecvRequest(transfer_id, block_ids, self.cfg.timeouts, now),
-            address=address,
+            sources=sources,
             block_ids=list(block_ids),
             num_tokens=num_tokens,
             skip_tokens=skip_tokens,
@@ -169,8 +216,9 @@ class Receiver:
             if not entry.req.abort(reason, self.clock()):
                 return True
             self._lock.notify()
-        if entry.peer is not None:
-            self._pool.submit(self._tell, entry, Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason))
+            told = self._writing(entry)
+        for i in told:
+            self._pool.submit(self._tell, entry, i, Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason))
         return True
 
     def take_finished(self) -> tuple[list[str], list[str]]:
@@ -193,10 +241,11 @@ class Receiver:
 
     # --- side-channel work (pool threads) --------------------------------------------------
 
-    def _connect(self, entry: _In, fresh: bool = False) -> Peer:
-        peer = self.node.connect(entry.address, epoch=entry.epoch, fresh=fresh)
+    def _connect(self, entry: _In, i: int, fresh: bool = False) -> Peer:
+        src = entry.sources[i]
+        peer = self.node.connect(src.address, epoch=src.epoch, fresh=fresh)
         with self._lock:
-            entry.peer = peer
+            src.peer = peer
         return peer
 
     def _reserve(self, entry: _In) -> bool:
@@ -221,13 +270,26 @@ class Receiver:
             entry.staging_slot = slot
         return True
 
-    def _send_destination(self, entry: _In) -> None:
-        msg = None
+    def _send_destination(self, entry: _In, i: int = 0) -> None:
+        """Send source ``i`` our destination (a pool thread).
+
+        Our blocks are held for the source (in-flight key :func:`_remote`) from before
+        the destination may reach it until its writes are known to have stopped
+        (coverage, its ``Done``, a ``stopped`` reply to our ``Abort``, or its death).
+        If the request ended meanwhile, this thread tells the source to stop, after
+        the destination: sent from another thread, an ``Abort`` could overtake it.
+        """
         if not self._reserve(entry):
             return
+        src, key = entry.sources[i], _remote(i)
+        with self._lock:
+            if entry.req.terminal:
+                return
+            entry.req.posted(key)
+        maybe_held = False  # the source may hold our destination without our knowing
         try:
             for attempt in range(2):
-                self._connect(entry, fresh=attempt > 0)
+                self._connect(entry, i, fresh=attempt > 0)
                 msg = Destination(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
@@ -235,56 +297,72 @@ class Receiver:
                     num_tokens=entry.num_tokens,
                     skip_tokens=entry.skip_tokens,
                     staging_slot=entry.staging_slot,
+                    source=i,
                 )
-                reply = self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
+                maybe_held = True
+                reply = self.node.client.request(src.address, msg, self.cfg.timeouts.handshake_s)
+                maybe_held = False
                 if isinstance(reply, Reply) and reply.code == "unknown_peer":
                     continue  # the prefill instance restarted since our handshake
                 break
             if not isinstance(reply, Reply) or not reply.ok:
-                raise KVBridgeError(f"prefill at {entry.address} refused the destination: {getattr(reply, 'detail', reply)}")
+                raise KVBridgeError(f"prefill at {src.address} refused the destination: {getattr(reply, 'detail', reply)}")
         except (KVBridgeError, WireError) as exc:
+            with self._lock:
+                if maybe_held:
+                    src.delivered = True  # the failure below asks it to stop
+                else:
+                    entry.req.settled(key, self.clock())
             self._fail(entry, f"destination not delivered: {exc}")
             return
         with self._lock:
-            if entry.req.terminal:
-                return  # aborted meanwhile; abort() told the prefill side
-            if entry.req.phase is RecvPhase.ALLOCATED:
+            src.delivered = True
+            # (RECEIVED is fine: the source may write everything before its reply reaches us)
+            ended = entry.req.terminal and entry.req.phase is not RecvPhase.RECEIVED
+            if not entry.req.terminal and entry.req.phase is RecvPhase.ALLOCATED:
                 entry.req.destination_sent(self.clock())
-            # from now on the prefill side may write into our blocks: they stay ours
-            # until its writes are known to have stopped (coverage, Done, or its death)
-            entry.req.posted(_REMOTE)
+        if ended:  # failed or aborted while the destination was on its way
+            self._tell(entry, i, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "aborted"))
 
     def _start_read(self, entry: _In) -> None:
-        try:
-            peer = self._connect(entry)
-            skip = entry.skip_tokens // self.node.geometry.spec.block_size
-            local, lidx, remote, ridx = self.node.plan(peer, entry.block_ids, entry.remote_blocks[skip : skip + len(entry.block_ids)])
+        """P-first: post a read from every source (a pool thread)."""
+        skip = entry.skip_tokens // self.node.geometry.spec.block_size
+        remote_blocks = entry.remote_blocks[skip : skip + len(entry.block_ids)]
+        for i, src in enumerate(entry.sources):
+            key = ("read", i)
+            try:
+                peer = self._connect(entry, i)
+                local, lidx, remote, ridx = self.node.plan(peer, entry.block_ids, remote_blocks)
+                with self._lock:
+                    if entry.req.terminal:  # it holds blocks for us that we will not read
+                        stop = Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "aborted")
+                        self._pool.submit(self._tell, entry, i, stop)
+                        continue
+                    if entry.req.phase is RecvPhase.ALLOCATED:
+                        entry.req.destination_sent(self.clock())
+                    entry.req.posted(key)
+                xfer = self.node.transport.post("read", local, lidx, remote, ridx)
+            except KVBridgeError as exc:
+                with self._lock:
+                    if key in entry.req._inflight_keys():
+                        entry.req.settled(key, self.clock())
+                self._fail(entry, f"read failed: {exc}")
+                continue  # the other sources are told to let go
             with self._lock:
-                if entry.req.terminal:
-                    return
-                entry.req.destination_sent(self.clock())
-                entry.req.posted("read")
-            xfer = self.node.transport.post("read", local, lidx, remote, ridx)
-        except KVBridgeError as exc:
-            with self._lock:
-                if entry.req.inflight:
-                    entry.req.settled("read", self.clock())
-            self._fail(entry, f"read failed: {exc}")
-            return
-        with self._lock:
-            entry.xfer = xfer
-            entry.nbytes = xfer.nbytes
-            self._lock.notify()
+                src.xfer = xfer
+                entry.nbytes += xfer.nbytes
+                self._lock.notify()
 
-    def _tell(self, entry: _In, msg: Release | Abort) -> None:
+    def _tell(self, entry: _In, i: int, msg: Release | Abort) -> None:
+        """Send source ``i`` a Release or an Abort (a pool thread)."""
         try:
-            reply = self.node.client.request(entry.address, msg, self.cfg.timeouts.handshake_s)
+            reply = self.node.client.request(entry.sources[i].address, msg, self.cfg.timeouts.handshake_s)
         except KVBridgeError as exc:  # the prefill side's lease frees the blocks anyway
             log.info("kvbridge: could not send %s for %s: %s", type(msg).__name__, entry.req.transfer_id, exc)
             return
         if isinstance(reply, Reply) and reply.code == "stopped":
             with self._lock:  # the prefill side holds nothing for it: no write can follow
-                self._writes_stopped(entry, self.clock())
+                self._writes_stopped(entry, self.clock(), i)
                 self._lock.notify()
 
     def _heartbeat(self, address: str, epoch: str) -> None:
@@ -307,9 +385,13 @@ class Receiver:
         except (KVBridgeError, WireError) as exc:
             self.node.forget(address)
             with self._lock:
-                victims = [e for e in self._in.values() if e.address == address and not e.pull and _REMOTE in e.req._inflight_keys()]
-                for e in victims:
-                    self._writes_stopped(e, self.clock())  # it is gone: no more writes
+                victims = []
+                for e in self._in.values():
+                    gone = [i for i, src in enumerate(e.sources) if src.address == address and _remote(i) in e.req._inflight_keys()]
+                    for i in gone:
+                        self._writes_stopped(e, self.clock(), i)  # it is gone: no more writes from it
+                    if gone and not e.pull:
+                        victims.append(e)
             for e in victims:
                 self._fail(e, f"prefill instance lost: {exc}")
 
@@ -330,14 +412,18 @@ class Receiver:
                         entry = self._in.get(msg.transfer_id)
                         if entry is None:
                             continue
-                        self._writes_stopped(entry, self.clock())  # Done comes after the last write
+                        self._writes_stopped(entry, self.clock(), msg.source)  # Done comes after its last write
                     if not msg.ok:
                         self._fail(entry, f"prefill gave up: {msg.reason}")
 
-    def _writes_stopped(self, entry: _In, now: float) -> None:
-        """The prefill side will not write into this destination any more (lock held)."""
-        if entry.coverage is not None and _REMOTE in entry.req._inflight_keys():
-            entry.req.settled(_REMOTE, now)
+    def _writes_stopped(self, entry: _In, now: float, i: int | None = None) -> None:
+        """Source ``i`` (default: every source) will not write into this destination
+        any more (lock held)."""
+        if entry.coverage is None:
+            return
+        for j in range(len(entry.sources)) if i is None else (i,):
+            if _remote(j) in entry.req._inflight_keys():
+                entry.req.settled(_remote(j), now)
 
     def _on_layers(self, msg: LayerDone) -> None:
         with self._lock:
@@ -345,7 +431,7 @@ class Receiver:
             if entry is None or entry.coverage is None or entry.req.phase is RecvPhase.RECEIVED:
                 return  # late data for a finished request: ignored
             end = msg.first_block + msg.num_blocks
-            if msg.first_block < 0 or end > entry.coverage.shape[1] or not all(0 <= l < self._layers for l in msg.layers):
+            if not 0 <= msg.source < len(entry.sources) or msg.first_block < 0 or end > entry.coverage.shape[2] or not all(0 <= l < self._layers for l in msg.layers):
                 log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
                 return
             slot = entry.staging_slot
@@ -364,11 +450,13 @@ class Receiver:
         with self._lock:
             if unpack:
                 entry.req.settled(_UNPACK, now)
-            entry.coverage[msg.layers, msg.first_block:end] = True
-            entry.nbytes += len(msg.layers) * msg.num_blocks * self._slot_bytes
+            entry.coverage[msg.source, msg.layers, msg.first_block:end] = True
+            num, den = entry.sources[msg.source].share
+            entry.nbytes += len(msg.layers) * msg.num_blocks * self._slot_bytes * num // den
             entry.req.layer_arrived(now)
+            if entry.coverage[msg.source].all():
+                self._writes_stopped(entry, now, msg.source)
             if entry.coverage.all():
-                self._writes_stopped(entry, now)
                 entry.req.complete(now)
             self._lock.notify()
 
@@ -388,9 +476,10 @@ class Receiver:
             with self._lock:
                 if self._stop:
                     return
-                reads = [e for e in self._in.values() if e.xfer is not None and not e.req.terminal]
-            for entry in reads:
-                self._poll_read(entry)
+                # reads of ended requests too: their blocks are ours until the read lands
+                reads = [(e, i) for e in self._in.values() for i, src in enumerate(e.sources) if src.xfer is not None]
+            for entry, i in reads:
+                self._poll_read(entry, i)
             self._retry_staging()
             self._beat()
             self._settle()
@@ -399,27 +488,29 @@ class Receiver:
                     return
                 self._lock.wait(0.0005 if reads else 0.05)
 
-    def _poll_read(self, entry: _In) -> None:
-        assert entry.xfer is not None
+    def _poll_read(self, entry: _In, i: int) -> None:
+        src = entry.sources[i]
+        assert src.xfer is not None
         try:
-            done = self.node.transport.poll(entry.xfer)
+            done = self.node.transport.poll(src.xfer)
             error = None
         except KVBridgeError as exc:
             done, error = True, exc
         if not done:
             return
-        self.node.transport.release(entry.xfer)
+        self.node.transport.release(src.xfer)
         now = self.clock()
         with self._lock:
-            entry.xfer = None
-            entry.req.settled("read", now)
-            if error is None:
+            src.xfer = None
+            src.read = error is None
+            entry.req.settled(("read", i), now)
+            if all(s.read for s in entry.sources):
                 entry.req.complete(now)
         if error is not None:
             self._fail(entry, f"read failed: {error}")
-            self._pool.submit(self._tell, entry, Release(transfer_id=entry.req.transfer_id, peer=self.node.id, ok=False, reason=str(error)))
+            self._pool.submit(self._tell, entry, i, Release(transfer_id=entry.req.transfer_id, peer=self.node.id, ok=False, reason=str(error)))
         else:
-            self._pool.submit(self._tell, entry, Release(transfer_id=entry.req.transfer_id, peer=self.node.id))
+            self._pool.submit(self._tell, entry, i, Release(transfer_id=entry.req.transfer_id, peer=self.node.id))
 
     def _retry_staging(self) -> None:
         """Send the destinations that waited for staging slots, if some were freed."""
@@ -431,8 +522,14 @@ class Receiver:
 
     def _beat(self) -> None:
         now = self.clock()
-        with self._lock:
-            waiting = {(e.address, e.peer.id.epoch) for e in self._in.values() if not e.pull and e.peer is not None and not e.req.terminal}
+        with self._lock:  # also ended requests whose sources may still write: a death settles them
+            waiting = {
+                (e.sources[i].address, e.sources[i].peer.id.epoch)
+                for e in self._in.values()
+                if not e.pull
+                for i in (range(len(e.sources)) if not e.req.terminal else self._writing(e))
+                if e.sources[i].peer is not None
+            }
         for address, epoch in waiting:
             if now >= self._beats.get(address, 0.0):
                 self._beats[address] = now + self.cfg.timeouts.heartbeat_s
@@ -446,8 +543,7 @@ class Receiver:
                 if entry.req.poll(now) and entry.req.phase is RecvPhase.FAILED and entry.req.inflight:
                     self.stats.add(failures=1)
                     log.warning("kvbridge: receiving %s failed: %s", tid, entry.req.reason)
-                    if not entry.pull and entry.peer is not None:
-                        deadline_failed.append(entry)
+                    deadline_failed += [(entry, i) for i in self._writing(entry)]
                 if entry.req.releasable:
                     entry.req.release()
                     del self._in[tid]
@@ -461,8 +557,19 @@ class Receiver:
                         self._failed.append(tid)
                     self._lock.notify_all()
                     self._on_outcome()
-        for entry in deadline_failed:  # timed out: ask the prefill side to stop writing
-            self._pool.submit(self._tell, entry, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "timeout"))
+        for entry, i in deadline_failed:  # timed out: ask the prefill side to stop writing
+            self._pool.submit(self._tell, entry, i, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "timeout"))
+
+    @staticmethod
+    def _writing(entry: _In) -> list[int]:
+        """Push: sources that have our destination and may still write, to tell to stop
+        when the request ends (lock held). P-first has none: a posted read sends its
+        ``Release`` when it lands, and :meth:`_start_read` tells the sources it did not
+        read from yet."""
+        if entry.pull:
+            return []
+        keys = entry.req._inflight_keys()
+        return [i for i, src in enumerate(entry.sources) if src.delivered and _remote(i) in keys]
 
     def _fail(self, entry: _In, reason: str) -> None:
         with self._lock:
@@ -470,10 +577,10 @@ class Receiver:
             if ended:
                 self.stats.add(failures=1)
                 log.warning("kvbridge: receiving %s failed: %s", entry.req.transfer_id, reason)
-            stop_peer = ended and entry.peer is not None and not entry.pull and _REMOTE in entry.req._inflight_keys()
+            writing = self._writing(entry) if ended else []
             self._lock.notify()
-        if stop_peer:  # the prefill side may still be writing: ask it to stop
-            self._pool.submit(self._tell, entry, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason))
+        for i in writing:  # those sources may still be writing: ask them to stop
+            self._pool.submit(self._tell, entry, i, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason))
 
     def close(self) -> None:
         with self._lock:

@@ -348,7 +348,7 @@ class Sender:
             registered = False
             slots = (slot, len(layers) * (end - start)) if slot >= 0 else None
             try:
-                note = LayerDone(transfer_id=dest.msg.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start)
+                note = LayerDone(transfer_id=dest.msg.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start, source=dest.msg.source)
                 if packed is None:
                     local, lidx, remote, ridx = self.node.plan(dest.peer, out.blocks[start:end], dest.msg.block_ids[start - skip : end - skip], layers)
                 else:
@@ -470,8 +470,8 @@ class Sender:
                     self._on_outcome()
                     if out.req.phase is not SendPhase.DONE:
                         # after the drain: the decode side may reuse its blocks once it reads this
-                        done = Done(transfer_id=tid, ok=False, reason=out.req.reason or out.req.phase.value)
-                        tell += [(d.peer, done) for d in out.dests]
+                        reason = out.req.reason or out.req.phase.value
+                        tell += [(d.peer, Done(transfer_id=tid, ok=False, reason=reason, source=d.msg.source)) for d in out.dests]
         for peer, msg in tell:  # best effort: D also has its own deadlines
             try:
                 self.node.transport.notify(peer.agent, self.node.codec.encode(msg))

@@ -96,6 +96,10 @@ class Destination(_Msg, tag="dest"):
     """Packed KV (``wire_dtype: fp8``): D reserved ``num_layers * len(block_ids)`` slots
     of its staging buffer from this one, layer-major: layer ``l``'s packed block ``j``
     (of ``block_ids``) goes to slot ``staging_slot + l * len(block_ids) + j``."""
+    source: int = 0
+    """Which of D's sources for this transfer the receiving prefill rank is (D reads
+    its KV heads from several prefill ranks when the prefill has more TP ranks); P
+    echoes it in every ``LayerDone`` and ``Done`` of this destination."""
 
 
 class Release(_Msg, tag="release"):
@@ -116,6 +120,8 @@ class LayerDone(_Msg, tag="layer"):
     layers: list[int]
     first_block: int
     num_blocks: int
+    source: int = 0
+    """The destination's ``source``."""
 
 
 class Done(_Msg, tag="done"):
@@ -124,6 +130,8 @@ class Done(_Msg, tag="done"):
     transfer_id: str
     ok: bool = True
     reason: str = ""
+    source: int = 0
+    """The destination's ``source``."""
 
 
 class Abort(_Msg, tag="abort"):

@@ -38,7 +38,7 @@ class PrefillAddress(msgspec.Struct, frozen=True):
 
     ``address`` / ``epoch`` are TP rank 0's; ``ranks`` lists every TP rank's, in rank
     order (a prefill instance with TP 1 may leave it empty). Each decode worker talks
-    to the prefill worker holding its KV heads (:meth:`for_rank`).
+    to the prefill workers holding its KV heads (:meth:`sources`).
     """
 
     address: str
@@ -46,19 +46,19 @@ class PrefillAddress(msgspec.Struct, frozen=True):
     epoch: str = ""
     ranks: list[RankAddress] = []
 
-    def for_rank(self, rank: int, tp_size: int, total_kv_heads: int) -> RankAddress:
-        """The prefill worker that decode worker ``rank`` of ``tp_size`` reads from:
-        the one of the same rank when both run the same TP size; with a decode TP that
-        is a multiple of the prefill's, the one holding this worker's KV heads (the
-        model has ``total_kv_heads``).
+    def sources(self, rank: int, tp_size: int, total_kv_heads: int) -> list[RankAddress]:
+        """The prefill workers that decode worker ``rank`` of ``tp_size`` reads its KV
+        heads from (the model has ``total_kv_heads``): the one of the same rank when
+        both instances run the same TP size; else the one holding its heads (decode TP
+        a multiple of the prefill's) or the several that do (the other way round).
 
         Raises:
-            IncompatiblePeerError: the decode TP size is not a multiple of the
-                prefill's (:func:`~kvbridge.core.tp.check_pairing`).
+            IncompatiblePeerError: the two TP sizes cannot be paired
+                (:func:`~kvbridge.core.tp.check_pairing`).
         """
         ranks = self.ranks or [RankAddress(self.address, self.epoch)]
         if len(ranks) == tp_size:
-            return ranks[rank]
+            return [ranks[rank]]
         try:
             check_pairing(total_kv_heads, len(ranks), tp_size)
         except IncompatiblePeerError as exc:
@@ -67,8 +67,7 @@ class PrefillAddress(msgspec.Struct, frozen=True):
                 differences={"tp_size": (tp_size, len(ranks))},
                 fix=exc.fix,
             ) from None
-        (source,) = prefill_ranks(total_kv_heads, len(ranks), tp_size, rank)
-        return ranks[source]
+        return [ranks[r] for r in prefill_ranks(total_kv_heads, len(ranks), tp_size, rank)]
 
 
 Flow = Literal["push", "pull", "discover"]

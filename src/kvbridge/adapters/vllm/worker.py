@@ -115,17 +115,17 @@ class WorkerSide:
             return
         for task in meta.recv:
             self._recv_req[task.transfer_id] = task.req_id
-            try:  # the prefill worker holding this worker's KV heads
-                source = task.prefill.for_rank(self.rank, self.tp_size, self.total_kv_heads)
+            try:  # the prefill workers holding this worker's KV heads
+                sources = task.prefill.sources(self.rank, self.tp_size, self.total_kv_heads)
             except KVBridgeError as exc:
                 ep.receiver.refuse(task.transfer_id, task.block_ids, task.num_tokens, str(exc))
                 continue
+            addresses = [s.address for s in sources]
             if task.flow == "pull":
-                ep.receiver.expect_pull(
-                    task.transfer_id, source.address, source.epoch or None, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens
-                )
+                epochs = [s.epoch or None for s in sources]
+                ep.receiver.expect_pull(task.transfer_id, addresses, epochs, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens)
             else:
-                ep.receiver.expect_push(task.transfer_id, source.address, task.block_ids, task.num_tokens, task.skip_tokens)
+                ep.receiver.expect_push(task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens)
         for req_id, tid in meta.abort_recv.items():
             if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):
                 self._aborted_recv.add(req_id)  # reported in finished_sending once the load stops
