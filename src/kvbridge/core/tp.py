@@ -4,14 +4,15 @@ prefill rank sends which heads to which decode rank. Pure; no I/O.
 A model has ``total`` KV heads. With ``tp`` ranks, rank ``r`` holds heads
 ``[r * total / tp, (r + 1) * total / tp)`` when ``tp <= total``; when ``tp > total``
 each head is replicated on ``tp / total`` consecutive ranks and rank ``r`` holds head
-``r // (tp / total)`` (vLLM's and SGLang's split). Either size must divide the other.
+``r // (tp / total)`` (vLLM's and SGLang's split). ``tp`` and ``total`` must divide
+one another.
 
 Every decode head is fed by exactly one prefill rank. kvbridge pairs instances when
 one TP size is a multiple of the other (:func:`check_pairing`): a decode rank then
 reads from one prefill rank (decode TP >= prefill TP) or from several (prefill TP >
-decode TP), and every prefill rank feeds at least one decode rank. Where several prefill ranks hold
-a head (replicas), decode rank ``d`` takes it from replica ``d % replicas``, so the
-work spreads over them.
+decode TP), and every prefill rank feeds at least one decode rank. Where several
+prefill ranks hold a head (replicas), decode rank ``d`` takes it from replica
+``d % replicas``, so the work spreads over them.
 
 >>> [(s.p_rank, s.d_rank, s.p_first, s.d_first, s.count) for s in head_slices(8, 1, 2)]
 [(0, 0, 0, 0, 4), (0, 1, 4, 0, 4)]
@@ -112,9 +113,9 @@ def head_slices(total: int, p_tp: int, d_tp: int) -> list[HeadSlice]:
 
 class Split(NamedTuple):
     """How one prefill rank and one decode rank of differently split instances exchange
-    KV: every block is cut into equal *parts* of ``unit`` heads (``local_parts`` per
-    block here, ``remote_parts`` on the peer), and ``runs`` pairs them:
-    ``(first local part, first remote part, number of parts)``."""
+    KV: every block is cut into *parts* of the same number of heads on both sides
+    (``local_parts`` per block here, ``remote_parts`` on the peer), and ``runs`` pairs
+    them: ``(first local part, first remote part, number of parts)``."""
 
     local_parts: int
     remote_parts: int
