@@ -96,19 +96,29 @@ def plan_blocks(
             or layer is out of range for its cache.
     """
     check_direct_compatible(local.spec, remote.spec)
-    if len(local_blocks) != len(remote_blocks):
-        raise PlanError(
-            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
-        )
-    layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
-    lslots = local.slots(local_blocks, layer_list)
-    rslots = remote.slots(remote_blocks, layer_list)
+    lslots, rslots, layer_list = _paired_slots(local, remote, local_blocks, remote_blocks, layers)
     return TransferPlan(
         local_slots=lslots.astype(np.int32),
         remote_slots=rslots.astype(np.int32),
         slot_bytes=local.spec.block_bytes,
-        layers=tuple(layer_list),
+        layers=layer_list,
     )
+
+
+def _paired_slots(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int] | np.ndarray,
+    remote_blocks: Sequence[int] | np.ndarray,
+    layers: Iterable[int] | None,
+) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """Slot indices of both block lists in ``layers`` (default all), position-matched."""
+    if len(local_blocks) != len(remote_blocks):
+        raise PlanError(
+            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
+        )
+    layer_list = tuple(range(local.spec.num_layers)) if layers is None else tuple(layers)
+    return local.slots(local_blocks, layer_list), remote.slots(remote_blocks, layer_list), layer_list
 
 
 def plan_parts(
@@ -129,11 +139,7 @@ def plan_parts(
             lists differ in length, or a block id or layer is out of range.
     """
     check_direct_compatible(local.spec, msgspec.structs.replace(remote.spec, num_kv_heads=local.spec.num_kv_heads))
-    if len(local_blocks) != len(remote_blocks):
-        raise PlanError(f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote")
-    layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
-    lslots = local.slots(local_blocks, layer_list)
-    rslots = remote.slots(remote_blocks, layer_list)
+    lslots, rslots, layer_list = _paired_slots(local, remote, local_blocks, remote_blocks, layers)
     lpart = np.concatenate([np.arange(a, a + n) for a, _, n in split.runs])
     rpart = np.concatenate([np.arange(b, b + n) for _, b, n in split.runs])
     lidx = (lslots[:, None] * split.local_parts + lpart[None, :]).reshape(-1)
@@ -142,7 +148,7 @@ def plan_parts(
         local_slots=lidx.astype(np.int32),
         remote_slots=ridx.astype(np.int32),
         slot_bytes=local.spec.block_bytes // split.local_parts,
-        layers=tuple(layer_list),
+        layers=layer_list,
     )
 
 

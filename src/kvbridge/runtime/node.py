@@ -12,8 +12,8 @@ is read). Both sides then add each other to the transport and prepare the other'
 table once. A peer is identified by engine id, rank and a per-process *epoch*: a
 restarted process is a new peer even on the same address.
 
-Tensor parallelism: peers whose instances split the KV heads differently (a decode TP
-size that is a multiple of the prefill's) are paired at the handshake
+Tensor parallelism: peers whose instances split the KV heads differently (one TP size
+a multiple of the other) are paired at the handshake
 (:func:`kvbridge.core.tp.pair_split`): both sides then address blocks as head ranges
 (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
 those; pairings that cannot work are refused naming the fix.

@@ -165,11 +165,9 @@ class Receiver:
         (D's, for tokens from ``skip_tokens``), then release them on the prefill side.
         Lists of addresses and epochs: read our KV heads from each of those prefill
         workers (their block ids are the same)."""
-        if isinstance(address, str):
-            sources = [_Source(address, epoch if isinstance(epoch, str) or epoch is None else epoch[0])]
-        else:
-            epochs = list(epoch) if isinstance(epoch, Sequence) and not isinstance(epoch, str) else [epoch] * len(address)
-            sources = [_Source(a, e) for a, e in zip(address, epochs, strict=True)]
+        addresses = [address] if isinstance(address, str) else list(address)
+        epochs = [epoch] * len(addresses) if epoch is None or isinstance(epoch, str) else list(epoch)
+        sources = [_Source(a, e) for a, e in zip(addresses, epochs, strict=True)]
         entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks)
         if self.node.packed is not None and block_ids:
             self._fail(entry, "wire_dtype 'fp8' packs KV on the prefill side as it is computed: it needs the push flow, not P-first reads (use the proxy's default --flow push)")
