@@ -1,10 +1,18 @@
 """Prefill and decode instances with different tensor-parallel sizes, on the runtime
-(side channel, handshake, sender, receiver) over the loopback transport with real numpy
-caches: each decode rank gets exactly its KV heads of every block from the prefill
-rank(s) that hold them, in both flows and both directions (decode TP a multiple of the
-prefill's, or the other way round); a prefill rank lets go of a request only when every
-decode rank it feeds is served, a decode rank completes only when every source wrote;
-pairings that cannot work are refused at the handshake naming the fix."""
+(side channel, handshake, sender, receiver) over the loopback transport with real torch
+caches, exact and FP8 on the wire: each decode rank gets exactly its KV heads of every
+block from the prefill rank(s) that hold them, in both flows and both directions
+(decode TP a multiple of the prefill's, or the other way round); a prefill rank lets
+go of a request only when every decode rank it feeds is served, a decode rank
+completes only when every source wrote; pairings that cannot work are refused at the
+handshake naming the fix.
+
+FP8: each prefill rank packs the head range a decode rank holds and the decode rank
+unpacks every source's range into those heads. A head's FP8 values and scale do not
+depend on which other heads travel with it, so every decode rank must hold exactly
+what a one-piece pack and unpack of the prefill's whole cache gives for its heads, bit
+for bit; the wrong head range, block or source shows up as a difference. Staging is
+given back exactly once on both sides."""
 
 from __future__ import annotations
 
@@ -12,47 +20,85 @@ import itertools
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
+import torch
 
+from kvbridge import ops
 from kvbridge.config import load_config
-from kvbridge.core.lifecycle import SendPhase
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.lifecycle import SendPhase
 from kvbridge.errors import KVBridgeError
+from kvbridge.ops.format import FP8_DTYPE, PackedFormat
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.transports.loopback import LoopbackTransport
 from kvbridge.wire.compat import CompatInfo
 
-L, N, BS, HD, TOTAL = 3, 24, 16, 8, 4
+L, N, BS, HD, TOTAL = 3, 40, 16, 32, 4
 _names = itertools.count()
 
 
 class Rank:
-    """One worker: its cache (numpy, heads on axis ``head_axis``) and its endpoint."""
+    """One worker: a torch cache of its KV heads in ``layout`` (random when ``seed`` is
+    given, else zeros) and its endpoint, moving ``wire`` bytes."""
 
-    def __init__(self, role: str, tp: int, rank: int, layout: str = "fused", seed: int | None = None, timeout_s: float = 5) -> None:
-        heads = max(1, TOTAL // tp)
-        spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=heads, head_dim=HD, dtype="float32", layout=layout)
-        if layout == "fused":  # (layer, block, head, token, 2 x dim): vLLM's CPU layout
-            shape, self.block_axis, self.head_axis = (L, N, heads, BS, 2 * HD), 1, 2
+    def __init__(
+        self, role: str, tp: int, rank: int, layout: str = "fused", *, seed: int | None = None, wire: str = "exact",
+        total: int = TOTAL, timeout_s: float = 5, staging_mb: int = 64,
+    ) -> None:
+        self.heads = max(1, total // tp)
+        self.layout, self.wire, self.tp, self.rank = layout, wire, tp, rank
+        self.block_axis = 1 if layout == "fused" else 2
+        if layout == "fused":  # vLLM's CPU cache: (block, head, token, 2 x dim) per layer
+            shape = (L, N, self.heads, BS, 2 * HD)
         else:  # (layer, K/V, block, ...): heads before tokens (hnd) or after (nhd)
-            inner = (heads, BS, HD) if layout == "hnd" else (BS, heads, HD)
-            shape, self.block_axis, self.head_axis = (L, 2, N, *inner), 2, 3 if layout == "hnd" else 4
-        rng = np.random.default_rng(seed)
-        self.cache = rng.standard_normal(shape, dtype=np.float32) if seed is not None else np.zeros(shape, np.float32)
+            shape = (L, 2, N, *((self.heads, BS, HD) if layout == "hnd" else (BS, self.heads, HD)))
+        self.cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
         if layout == "fused":
-            bases = tuple(self.cache[l].ctypes.data for l in range(L))
+            bases = tuple(self.cache[l].data_ptr() for l in range(L))
         else:
-            bases = tuple(self.cache[l, k].ctypes.data for l in range(L) for k in range(2))
+            bases = tuple(self.cache[l, k].data_ptr() for l in range(L) for k in range(2))
+        spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=self.heads, head_dim=HD, dtype="float32", layout=layout)
         geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases)
-        compat = CompatInfo.from_spec(spec, model="m", tp_size=tp, total_kv_heads=TOTAL)
-        config = load_config({"timeouts": {"receive_s": timeout_s, "transfer_s": timeout_s, "lease_s": timeout_s, "handshake_s": 3}})
-        self.ep = Endpoint(config, geo, compat, role, rank, send=role == "P", receive=role == "D", transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"))
-        self.tp, self.rank = tp, rank
+        compat = CompatInfo.from_spec(spec, model="m", wire_dtype=wire, tp_size=tp, total_kv_heads=total)
+        t = {"receive_s": timeout_s, "transfer_s": timeout_s, "lease_s": timeout_s, "handshake_s": 3}
+        config = load_config({"wire_dtype": wire, "staging_mb": staging_mb, "timeouts": t})
+        self.ep = Endpoint(
+            config, geo, compat, role, rank, send=role == "P", receive=role == "D",
+            transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"), planes=self.planes() if wire == "fp8" else None,
+        )
 
-    def blocks(self, ids: list[int], heads: range | None = None) -> np.ndarray:
-        out = np.take(self.cache, ids, axis=self.block_axis)
-        return out if heads is None else np.take(out, list(heads), axis=self.head_axis)
+    def planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [ops.kv_planes(self.cache[l], self.layout) for l in range(L)]
+
+    def kv(self, blocks: list[int]) -> torch.Tensor:
+        """``(layer, K/V, block, token, head, dim)`` of ``blocks``."""
+        return torch.stack([torch.stack([k[blocks], v[blocks]]) for k, v in self.planes()])
+
+    def sent(self, blocks: list[int]) -> torch.Tensor:
+        """What a decode side should hold of these blocks: their KV, or (FP8) what one
+        pack and one unpack of all heads at once make of it (the ops are checked element
+        by element in test_ops.py)."""
+        if self.wire == "exact":
+            return self.kv(blocks)
+        out = Rank.__new__(Rank)
+        out.layout, out.cache = self.layout, torch.zeros_like(self.cache)
+        for planes, dst in zip(self.planes(), out.planes(), strict=True):
+            ops.unpack(*ops.pack(planes, blocks, len(blocks) * BS, fp8=True), dst, blocks)
+        return out.kv(blocks)
+
+    def wire_bytes(self, heads: int) -> int:
+        """Bytes on the wire per layer and block for ``heads`` KV heads."""
+        if self.wire == "exact":
+            return 2 * BS * heads * HD * 4
+        return PackedFormat(num_tokens=BS, num_heads=heads, head_dim=HD, dtype=FP8_DTYPE, scaled=True, chunk_tokens=BS).nbytes
+
+    def outside(self, blocks: list[int]) -> torch.Tensor:
+        others = torch.tensor([b for b in range(N) if b not in blocks])
+        return self.cache.index_select(self.block_axis, others)
+
+    def staging_idle(self) -> bool:
+        packed = self.ep.node.packed
+        return packed is None or packed.allocator.free_slots == packed.allocator.num_slots
 
 
 @pytest.fixture
@@ -63,35 +109,54 @@ def ranks() -> Iterator[list[Rank]]:
         r.ep.close()
 
 
-def _prefill_all(p: Rank, tid: str, blocks: list[int], n: int, pull: bool = False) -> None:
+def _prefill_all(p: Rank, tid: str, blocks: list[int], n: int, pull: bool = False, chunks: tuple[int, ...] = ()) -> None:
+    """Track, compute (the cache's contents stand for the KV the forward pass writes
+    after ``track``, which may clear the last block first), report every layer."""
+    index = torch.tensor(blocks)
+    written = p.cache.index_select(p.block_axis, index)
     p.ep.sender.track(tid, blocks, n, pull=pull)
-    for layer in range(L):
-        p.ep.sender.layer_done(tid, layer, n)
+    p.cache.index_copy_(p.block_axis, index, written)
+    for done in (*chunks, n):
+        for layer in range(L):
+            p.ep.sender.layer_done(tid, layer, done)
     p.ep.sender.prefill_done(tid)
 
 
-@pytest.mark.parametrize(("d_tp", "layout"), [(2, "fused"), (2, "hnd"), (4, "fused")])
-def test_push_from_one_prefill_rank_to_every_decode_rank(ranks: list[Rank], d_tp: int, layout: str) -> None:
-    p = Rank("P", 1, 0, layout, seed=1)
-    ds = [Rank("D", d_tp, r, layout) for r in range(d_tp)]
+def _wait_sending(ps: list[Rank], tid: str) -> None:
+    """Until every prefill rank holds the decode side's destination."""
+    deadline = time.monotonic() + 5
+    while any(p.ep.sender.phase(tid) is not SendPhase.SENDING for p in ps):
+        assert time.monotonic() < deadline, "the destinations never arrived"
+        time.sleep(0.002)
+
+
+PUSH_ONE_TO_MANY = [("exact", 2, "fused"), ("exact", 2, "hnd"), ("exact", 4, "fused"), ("fp8", 2, "fused"), ("fp8", 2, "hnd"), ("fp8", 2, "nhd"), ("fp8", 4, "fused")]
+
+
+@pytest.mark.parametrize(("wire", "d_tp", "layout"), PUSH_ONE_TO_MANY)
+def test_push_from_one_prefill_rank_to_every_decode_rank(ranks: list[Rank], wire: str, d_tp: int, layout: str) -> None:
+    p = Rank("P", 1, 0, layout, seed=1, wire=wire)
+    ds = [Rank("D", d_tp, r, layout, wire=wire) for r in range(d_tp)]
     ranks += [p, *ds]
     n, pblocks, dblocks = 150, list(range(10)), list(range(12, 22))  # 150 tokens: 10 blocks, streamed
     for d in ds[1:]:  # all decode ranks but the first ask before the prefill starts
         d.ep.receiver.expect_push("r", p.ep.address, dblocks, n)
-    _prefill_all(p, "r", pblocks, n)
+    _prefill_all(p, "r", pblocks, n, chunks=(64,))
     for d in ds[1:]:
         assert d.ep.receiver.wait_finished(5) == (["r"], [])
     assert p.ep.sender.wait_released(0.3) == [], "released while a decode rank still waits for its heads"
     ds[0].ep.receiver.expect_push("r", p.ep.address, dblocks, n)  # the last one comes late
     assert ds[0].ep.receiver.wait_finished(5) == (["r"], [])
     assert p.ep.sender.wait_released(5) == ["r"]
-    per = TOTAL // d_tp
+    per, sent = TOTAL // d_tp, p.sent(pblocks)
     for d in ds:
-        np.testing.assert_array_equal(d.blocks(dblocks), p.blocks(pblocks, range(d.rank * per, (d.rank + 1) * per)))
-        assert not np.delete(d.cache, dblocks, axis=d.block_axis).any(), "bytes outside the destination blocks"
-        assert d.ep.stats.take().bytes_received == d.blocks(dblocks).nbytes
+        assert torch.equal(d.kv(dblocks), sent[..., d.rank * per : (d.rank + 1) * per, :]), f"decode rank {d.rank}"
+        assert not d.outside(dblocks).any(), "bytes outside the destination blocks"
+        assert d.ep.stats.take().bytes_received == L * len(dblocks) * d.wire_bytes(per)
+        assert d.staging_idle()
     stats = p.ep.stats.take()
-    assert stats.requests_sent == 1 and stats.bytes_sent == p.blocks(pblocks).nbytes
+    assert stats.requests_sent == 1 and stats.bytes_sent == d_tp * L * len(pblocks) * p.wire_bytes(per)
+    assert p.staging_idle()
 
 
 def test_pull_releases_once_every_decode_rank_read_its_heads(ranks: list[Rank]) -> None:
@@ -106,14 +171,15 @@ def test_pull_releases_once_every_decode_rank_read_its_heads(ranks: list[Rank]) 
     assert ds[1].ep.receiver.wait_finished(5) == (["q"], [])
     assert p.ep.sender.wait_released(5) == ["q"]
     for d in ds:
-        np.testing.assert_array_equal(d.blocks([7, 8]), p.blocks([4, 5], range(2 * d.rank, 2 * d.rank + 2)))
+        assert torch.equal(d.kv([7, 8]), p.kv([4, 5])[..., 2 * d.rank : 2 * d.rank + 2, :])
 
 
-def test_two_prefill_ranks_each_feed_their_decode_ranks(ranks: list[Rank]) -> None:
+@pytest.mark.parametrize("wire", ["exact", "fp8"])
+def test_two_prefill_ranks_each_feed_their_decode_ranks(ranks: list[Rank], wire: str) -> None:
     """Prefill TP 2 (2 heads each), decode TP 4 (1 each): decode rank r reads from
     prefill rank r // 2, head r % 2 of it."""
-    ps = [Rank("P", 2, r, seed=10 + r) for r in range(2)]
-    ds = [Rank("D", 4, r) for r in range(4)]
+    ps = [Rank("P", 2, r, seed=10 + r, wire=wire) for r in range(2)]
+    ds = [Rank("D", 4, r, wire=wire) for r in range(4)]
     ranks += [*ps, *ds]
     for d in ds:
         d.ep.receiver.expect_push("t", ps[d.rank // 2].ep.address, [0, 1], 20)
@@ -121,17 +187,36 @@ def test_two_prefill_ranks_each_feed_their_decode_ranks(ranks: list[Rank]) -> No
         _prefill_all(p, "t", [5, 6], 20)
     for d in ds:
         assert d.ep.receiver.wait_finished(5) == (["t"], [])
-        np.testing.assert_array_equal(d.blocks([0, 1]), ps[d.rank // 2].blocks([5, 6], range(d.rank % 2, d.rank % 2 + 1)))
+        assert torch.equal(d.kv([0, 1]), ps[d.rank // 2].sent([5, 6])[..., d.rank % 2 : d.rank % 2 + 1, :])
     for p in ps:
         assert p.ep.sender.wait_released(5) == ["t"]
 
 
-@pytest.mark.parametrize(("p_tp", "layout"), [(2, "fused"), (2, "hnd"), (4, "fused")])
-def test_push_from_every_prefill_rank_into_one_decode_rank(ranks: list[Rank], p_tp: int, layout: str) -> None:
+@pytest.mark.parametrize("wire", ["exact", "fp8"])
+def test_decode_replicas_each_get_their_head(ranks: list[Rank], wire: str) -> None:
+    """Two KV heads over decode TP 4: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1."""
+    p = Rank("P", 1, 0, seed=3, total=2, wire=wire)
+    ds = [Rank("D", 4, r, total=2, wire=wire) for r in range(4)]
+    ranks += [p, *ds]
+    for d in ds:
+        d.ep.receiver.expect_push("h", p.ep.address, [5, 6], 20)
+    _prefill_all(p, "h", [1, 2], 20)
+    sent = p.sent([1, 2])
+    for d in ds:
+        assert d.ep.receiver.wait_finished(5) == (["h"], [])
+        assert torch.equal(d.kv([5, 6]), sent[..., d.rank // 2 : d.rank // 2 + 1, :]), f"decode rank {d.rank}"
+    assert p.ep.sender.wait_released(5) == ["h"]
+
+
+PUSH_MANY_TO_ONE = [("exact", 2, "fused"), ("exact", 2, "hnd"), ("exact", 4, "fused"), ("fp8", 2, "fused"), ("fp8", 2, "nhd"), ("fp8", 4, "hnd")]
+
+
+@pytest.mark.parametrize(("wire", "p_tp", "layout"), PUSH_MANY_TO_ONE)
+def test_push_from_every_prefill_rank_into_one_decode_rank(ranks: list[Rank], wire: str, p_tp: int, layout: str) -> None:
     """Prefill TP 2 or 4, decode TP 1: each prefill rank writes its heads into the decode
     rank's blocks; the load completes only when all of them landed."""
-    ps = [Rank("P", p_tp, r, layout, seed=20 + r) for r in range(p_tp)]
-    d = Rank("D", 1, 0, layout)
+    ps = [Rank("P", p_tp, r, layout, seed=20 + r, wire=wire) for r in range(p_tp)]
+    d = Rank("D", 1, 0, layout, wire=wire)
     ranks += [*ps, d]
     n, pblocks, dblocks = 150, list(range(10)), list(range(12, 22))
     d.ep.receiver.expect_push("r", [p.ep.address for p in ps], dblocks, n)
@@ -139,12 +224,13 @@ def test_push_from_every_prefill_rank_into_one_decode_rank(ranks: list[Rank], p_
         _prefill_all(p, "r", pblocks, n)
         assert p.ep.sender.wait_released(5) == ["r"]
     assert d.ep.receiver.wait_finished(0.3) == ([], []), "complete before the last prefill rank wrote its heads"
-    _prefill_all(ps[-1], "r", pblocks, n)
+    _prefill_all(ps[-1], "r", pblocks, n, chunks=(32, 96))
     assert d.ep.receiver.wait_finished(5) == (["r"], [])
-    per = TOTAL // p_tp
+    got, per = d.kv(dblocks), TOTAL // p_tp
     for p in ps:
-        np.testing.assert_array_equal(d.blocks(dblocks, range(p.rank * per, (p.rank + 1) * per)), p.blocks(pblocks))
-    assert d.ep.stats.take().bytes_received == d.blocks(dblocks).nbytes
+        assert torch.equal(got[..., p.rank * per : (p.rank + 1) * per, :], p.sent(pblocks)), f"heads of prefill rank {p.rank}"
+    assert d.ep.stats.take().bytes_received == p_tp * L * len(dblocks) * d.wire_bytes(per)
+    assert d.staging_idle() and all(p.staging_idle() for p in ps)
 
 
 def test_pull_reads_every_prefill_rank_then_releases_each(ranks: list[Rank]) -> None:
@@ -157,28 +243,30 @@ def test_pull_reads_every_prefill_rank_then_releases_each(ranks: list[Rank]) -> 
     assert d.ep.receiver.wait_finished(5) == (["q"], [])
     for p in ps:
         assert p.ep.sender.wait_released(5) == ["q"]
-        np.testing.assert_array_equal(d.blocks([7, 8], range(2 * p.rank, 2 * p.rank + 2)), p.blocks([4, 5]))
+        assert torch.equal(d.kv([7, 8])[..., 2 * p.rank : 2 * p.rank + 2, :], p.kv([4, 5]))
 
 
-def test_a_dead_prefill_rank_fails_the_load_and_stops_the_others(ranks: list[Rank]) -> None:
+@pytest.mark.parametrize("wire", ["exact", "fp8"])
+def test_a_dead_prefill_rank_fails_the_load_and_stops_the_others(ranks: list[Rank], wire: str) -> None:
     """Two sources; one never answers (closed): the load fails, the other source is told
     to stop and releases its blocks, and the decode rank's blocks come back once it has."""
     # deadlines far beyond the waits below: only the decode side's abort ends it in time
-    ps = [Rank("P", 2, r, seed=40 + r, timeout_s=60) for r in range(2)]
-    d = Rank("D", 1, 0, timeout_s=60)
+    ps = [Rank("P", 2, r, seed=40 + r, timeout_s=60, wire=wire) for r in range(2)]
+    d = Rank("D", 1, 0, timeout_s=60, wire=wire)
     ranks += [*ps, d]
     ps[1].ep.close()
     d.ep.receiver.expect_push("x", [ps[0].ep.address, ps[1].ep.address], [1, 2], 20)
     ps[0].ep.sender.track("x", [5, 6], 20)
     assert d.ep.receiver.wait_finished(10) == ([], ["x"])
     assert ps[0].ep.sender.wait_released(10) == ["x"], "the live source must let go once the decode side gave up"
+    assert d.staging_idle() and ps[0].staging_idle()
 
 
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "layout", "d_rank", "p_rank", "match", "fix"),
     [
         (8, 2, "fused", 0, 0, "hold replicas of the model's 4 KV heads", "--tensor-parallel-size of at least 8"),
-        (1, 2, "nhd", 1, 0, "nhd interleaves heads", "VLLM_KV_CACHE_LAYOUT=HND"),
+        (1, 2, "nhd", 1, 0, "nhd interleaves heads", "wire_dtype 'fp8'"),
         (2, 4, "fused", 2, 0, "decode rank 2 gets none of its KV heads from prefill rank 0", "reads from prefill ranks [1]"),
     ],
 )
@@ -206,21 +294,104 @@ def test_pull_from_a_dead_prefill_rank_fails_and_releases_the_other(ranks: list[
     assert ps[1].ep.sender.wait_released(10) == ["y"], "the live source must let go once the decode side gave up"
 
 
-def test_decode_abort_releases_every_source(ranks: list[Rank]) -> None:
+@pytest.mark.parametrize("wire", ["exact", "fp8"])
+def test_decode_abort_releases_every_source(ranks: list[Rank], wire: str) -> None:
     """The engine drops a request fed by two prefill ranks mid-way: both are told to
-    stop (their leases are long), and the decode side's blocks come back once both
-    confirmed they no longer write."""
-    ps = [Rank("P", 2, r, seed=60 + r, timeout_s=60) for r in range(2)]
-    d = Rank("D", 1, 0, timeout_s=60)
+    stop (their leases are long), and the decode side's blocks (and staging) come back
+    once both confirmed they no longer write."""
+    ps = [Rank("P", 2, r, seed=60 + r, timeout_s=60, wire=wire) for r in range(2)]
+    d = Rank("D", 1, 0, timeout_s=60, wire=wire)
     ranks += [*ps, d]
     for p in ps:
         p.ep.sender.track("z", [5, 6], 20)  # computing, nothing sent yet
     d.ep.receiver.expect_push("z", [p.ep.address for p in ps], [1, 2], 20)
-    deadline = time.monotonic() + 5
-    while any(p.ep.sender.phase("z") is not SendPhase.SENDING for p in ps):  # both hold our destination
-        assert time.monotonic() < deadline, "the destinations never arrived"
-        time.sleep(0.002)
+    _wait_sending(ps, "z")
+    assert wire == "exact" or not d.staging_idle(), "no staging reserved for the sources"
     assert d.ep.receiver.abort("z", "client gone")
     assert d.ep.receiver.wait_finished(10) == ([], ["z"])
     for p in ps:
         assert p.ep.sender.wait_released(10) == ["z"]
+        assert p.staging_idle()
+    assert d.staging_idle()
+
+
+# --- FP8 only: staging chunks and the partial last block --------------------------------
+
+
+def test_a_source_waits_for_staging_then_completes(ranks: list[Rank]) -> None:
+    """Two sources, room for one source's chunks only: the second source's destination
+    waits (its chunks have nowhere to land) and goes out once staging frees up."""
+    ps = [Rank("P", 2, r, seed=70 + r, wire="fp8") for r in range(2)]
+    d = Rank("D", 1, 0, wire="fp8", staging_mb=1)
+    ranks += [*ps, d]
+    packed = d.ep.node.packed
+    keep = packed.allocator.num_slots - packed.slots_for(L * 4, 2) - 1
+    held = packed.allocator.alloc(keep)
+    assert held is not None
+    d.ep.receiver.expect_push("s", [p.ep.address for p in ps], [0, 1, 2, 3], 64)
+    for p in ps:
+        _prefill_all(p, "s", [4, 5, 6, 7], 64)
+    assert d.ep.receiver.wait_finished(0.3) == ([], []), "both sources wrote into room for one"
+    packed.allocator.free(held, keep)
+    assert d.ep.receiver.wait_finished(5) == (["s"], [])
+    for p in ps:
+        assert p.ep.sender.wait_released(5) == ["s"]
+        assert torch.equal(d.kv([0, 1, 2, 3])[..., 2 * p.rank : 2 * p.rank + 2, :], p.sent([4, 5, 6, 7]))
+    assert d.staging_idle()
+
+
+def test_staging_runs_of_any_head_count_stay_inside_their_slots_and_apart() -> None:
+    """Chunks of fewer heads than a slot (a peer with another split) are addressed in the
+    buffer cut into chunks of their size: every run must lie inside the slots reserved
+    for it, wherever those start, so runs never overlap; releasing gives every slot back."""
+    from kvbridge.runtime.packed import PackedPath
+
+    cache = torch.zeros(L, N, 4, BS, 2 * HD)
+    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=4, head_dim=HD, dtype="float32", layout="fused")
+    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(cache[l].data_ptr() for l in range(L)))
+    with LoopbackTransport("staging-runs") as tr:
+        packed = PackedPath(geo, [ops.kv_planes(cache[l], "fused") for l in range(L)], 1, tr)
+        slot = packed.slot.nbytes
+        taken: list[tuple[int, int]] = []
+        runs = []
+        for n, heads in itertools.cycle(itertools.product(range(1, 9), (1, 3, 2, 4))):  # runs start at every slot phase
+            run = packed.reserve(n, heads)
+            if run is None:
+                break
+            size = PackedFormat(num_tokens=BS, num_heads=heads, head_dim=HD, dtype=FP8_DTYPE, scaled=True, chunk_tokens=BS).nbytes
+            assert packed.chunk(heads).nbytes == size
+            lo, hi = run.first * size, (run.first + n) * size
+            assert run.slot * slot <= lo and hi <= (run.slot + run.slots) * slot, (n, heads, run)
+            assert all(hi <= a or b <= lo for a, b in taken), "two runs share bytes"
+            taken.append((lo, hi))
+            table = packed.table_for(heads)
+            assert int(table.descs[run.first + n - 1, 0]) == packed.info.base + hi - size
+            assert int(table.descs[run.first, 1]) == size
+            runs.append(run)
+        assert len(runs) > 50
+        for run in runs:
+            packed.release(run)
+        assert packed.allocator.free_slots == packed.allocator.num_slots
+
+
+@pytest.mark.parametrize(
+    ("layout", "n", "cleared"),
+    [("fused", 150, True), ("fused", 160, False), ("hnd", 150, False)],
+    ids=["fused-partial", "fused-whole-blocks", "hnd"],
+)
+def test_the_partial_last_block_is_cleared_before_the_engine_writes_it(ranks: list[Rank], layout: str, n: int, cleared: bool) -> None:
+    """A fused block packs rows that mix tokens (vLLM CPU keeps keys dim-major): the
+    unused tail of the prompt's last block would enter the FP8 scales with whatever an
+    earlier request left there. The sender zeroes that block, and only that one, when
+    the engine hands it over (first chunk or a later one); per-token rows (hnd, nhd)
+    and prompts of whole blocks need nothing."""
+    p = Rank("P", 1, 0, layout, seed=5, wire="fp8")
+    ranks.append(p)
+    before = p.cache.clone()
+    p.ep.sender.track("c", [3, 4, 5, 6], n)  # a chunk of 64 tokens: the last block not yet
+    assert torch.equal(p.cache, before)
+    p.ep.sender.add_blocks("c", [7, 8, 9, 10, 11, 12])  # the rest: blocks 4 to 9 of the prompt
+    last = p.cache.index_select(p.block_axis, torch.tensor([12]))
+    assert bool((last == 0).all()) is cleared
+    assert torch.equal(p.outside([12]), before.index_select(p.block_axis, torch.tensor([b for b in range(N) if b != 12])))
+    p.ep.sender.abort("c", "test over")

@@ -124,6 +124,19 @@ class Split(NamedTuple):
     """Prefill side: how many decode ranks of the peer's instance this rank feeds (each
     sends its own destination for every request); 1 on the decode side."""
 
+    def local_heads(self, num_heads: int) -> tuple[int, int]:
+        """Our KV heads ``[first, end)`` (of our ``num_heads``) that this pairing moves.
+        One run always: two ranks' heads overlap in one contiguous range.
+
+        >>> pair_split(8, 1, 2, 0, 1, prefill=True).local_heads(8)
+        (4, 8)
+        """
+        if len(self.runs) != 1:
+            raise ValueError(f"a pairing of {len(self.runs)} head runs has no single head range")
+        unit = num_heads // self.local_parts
+        first, _, count = self.runs[0]
+        return first * unit, (first + count) * unit
+
 
 def pair_split(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, prefill: bool) -> Split | None:
     """The :class:`Split` between prefill rank ``p_rank`` and decode rank ``d_rank``,

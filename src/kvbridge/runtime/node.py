@@ -16,7 +16,9 @@ Tensor parallelism: peers whose instances split the KV heads differently (one TP
 a multiple of the other) are paired at the handshake
 (:func:`kvbridge.core.tp.pair_split`): both sides then address blocks as head ranges
 (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
-those; pairings that cannot work are refused naming the fix.
+those; on the packed path (``wire_dtype: fp8``) they exchange the head range they pair
+on through their staging buffers instead (``Peer.heads``, any layout). Pairings that
+cannot work are refused naming the fix.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvbridge.core.layout import CacheGeometry
 from kvbridge.core.plan import plan_blocks, plan_parts
 from kvbridge.core.tp import Split, check_pairing, pair_split, prefill_ranks
 from kvbridge.errors import ConfigError, IncompatiblePeerError, KVBridgeError, TransportError
-from kvbridge.runtime.packed import PackedPath, staging_descs
+from kvbridge.runtime.packed import PackedPath, slot_format, staging_descs
 from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
@@ -63,8 +65,12 @@ class Peer:
     """Its staging buffer's slot table, prepared once (``wire_dtype: fp8``)."""
     split: Split | None = None
     """How our blocks pair with its blocks when its tensor-parallel split differs from
-    ours (``table`` then holds its blocks cut into ``split.remote_parts`` pieces); None
-    when both hold the same heads per rank and blocks move whole."""
+    ours (``table`` then holds its blocks cut into ``split.remote_parts`` pieces, except
+    on the packed path, which moves head ranges through staging); None when both hold
+    the same heads per rank and blocks move whole."""
+    heads: tuple[int, int] | None = None
+    """Packed path: our KV heads ``[first, end)`` that pair with its blocks (all of ours
+    unless ``split``); ``staging`` is then cut into chunks of that many heads."""
 
     @property
     def fanout(self) -> int:
@@ -160,17 +166,22 @@ class Node:
         if (self.packed is None) != (msg.staging is None):
             # the compat hash covers wire_dtype; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
-        if msg.staging is not None and msg.staging.slot_bytes != self.packed.slot.nbytes:
-            raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, this instance {self.packed.slot.nbytes}")
+        if msg.staging is not None and msg.staging.slot_bytes != slot_format(msg.geometry).nbytes:
+            raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {slot_format(msg.geometry).nbytes}")
         agent = self.transport.add_peer(msg.transport_metadata)
-        remote_parts = 1 if split is None else split.remote_parts
-        table = self.transport.prepare(msg.geometry.part_table(remote_parts), memory=msg.geometry.memory, peer=agent)
-        if split is not None:
+        parts = split is not None and self.packed is None  # the exact path moves head ranges of blocks
+        table = self.transport.prepare(msg.geometry.part_table(split.remote_parts if parts else 1), memory=msg.geometry.memory, peer=agent)
+        if parts:
             self.local_table(split.local_parts)  # prepared once, before the first transfer
-        staging = None
+        staging = heads = None
         if msg.staging is not None:
-            staging = self.transport.prepare(staging_descs(msg.staging), memory=msg.staging.memory, peer=agent)
-        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging, split=split)
+            # packed: both sides cut their staging into chunks of the heads the pair moves
+            num_heads = self.geometry.spec.num_kv_heads
+            heads = (0, num_heads) if split is None else split.local_heads(num_heads)
+            chunk = self.packed.chunk(heads[1] - heads[0]).nbytes
+            self.packed.table_for(heads[1] - heads[0])  # prepared once, before the first transfer
+            staging = self.transport.prepare(staging_descs(msg.staging, chunk), memory=msg.staging.memory, peer=agent)
+        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging, split=split, heads=heads)
         with self._lock:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one
             stale = [k for k in self._peers if k[:2] == (msg.peer.engine_id, msg.peer.rank) and k[2] != msg.peer.epoch]
@@ -199,17 +210,11 @@ class Node:
             check_pairing(p.model_kv_heads, p.tp_size, d.tp_size)
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
-        if self.geometry.spec.layout == "nhd":
+        if self.geometry.spec.layout == "nhd" and self.packed is None:
             raise IncompatiblePeerError(
                 f"{what}: the KV cache layout nhd interleaves heads within a block, so a rank's heads cannot be cut out of it",
                 differences=differences,
-                fix="use the same --tensor-parallel-size on both, or an HND cache layout (vLLM: VLLM_KV_CACHE_LAYOUT=HND)",
-            )
-        if self.packed is not None:
-            raise IncompatiblePeerError(
-                f"{what}: wire_dtype 'fp8' packs whole blocks of a rank's heads and needs the same split on both sides",
-                differences=differences,
-                fix="use the same --tensor-parallel-size on both, or wire_dtype 'exact'",
+                fix="use the same --tensor-parallel-size on both, an HND cache layout (vLLM: VLLM_KV_CACHE_LAYOUT=HND), or wire_dtype 'fp8' (it packs any head range)",
             )
         split = pair_split(p.model_kv_heads, p.tp_size, d.tp_size, p_rank, d_rank, prefill=prefill)
         if split is None:
@@ -237,6 +242,8 @@ class Node:
         Raises:
             PlanError: bad block ids or layers.
         """
+        if peer.split is not None and self.packed is not None:
+            raise KVBridgeError("a peer with another TP split exchanges packed head ranges through staging, not cache blocks")
         if peer.split is None:
             plan = plan_blocks(self.geometry, peer.geometry, local_blocks, remote_blocks, layers=layers)
             return self.table, plan.local_slots, peer.table, plan.remote_slots

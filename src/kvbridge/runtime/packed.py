@@ -2,9 +2,13 @@
 buffer, its slot allocator, and packing / unpacking a request's blocks.
 
 A *slot* holds one block of one layer, packed: one chunk of the format of
-``csrc/PACKED_FORMAT.md`` with ``chunk_tokens = block_size``. Both sides share the
-cache spec (the handshake checks it), so their slots have the same size and a write
-is a list of slot pairs, like a direct write is a list of cache-slot pairs.
+``csrc/PACKED_FORMAT.md`` with ``chunk_tokens = block_size``. Peers with the same TP
+split share the cache spec (the handshake checks it), so their slots have the same
+size and a write is a list of slot pairs, like a direct write is a list of cache-slot
+pairs. Peers split differently exchange, for every block, the head range they pair on
+(:class:`~kvbridge.core.tp.Split`): both sides then address their buffers as *chunks*
+of that many heads (:meth:`PackedPath.table_for`), reserved in whole slots
+(:meth:`PackedPath.reserve`).
 
 Who calls: :class:`~kvbridge.runtime.node.Node` creates it (after registering the
 cache, before its transport metadata is taken); the sender packs a post's layers and
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -38,19 +42,34 @@ if TYPE_CHECKING:
 _FLOAT_CACHES = ("float16", "bfloat16", "float32")
 
 
-def slot_format(geometry: CacheGeometry) -> PackedFormat:
-    """The format of one slot: one block of one layer, FP8 with scales."""
+def slot_format(geometry: CacheGeometry, heads: int | None = None) -> PackedFormat:
+    """One block of one layer, FP8 with scales: of all the cache's KV heads (a slot), or
+    of ``heads`` of them (a chunk, for a peer with another TP split)."""
     s = geometry.spec
-    return PackedFormat(num_tokens=s.block_size, num_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=FP8_DTYPE, scaled=True, chunk_tokens=s.block_size)
+    n = s.num_kv_heads if heads is None else heads
+    return PackedFormat(num_tokens=s.block_size, num_heads=n, head_dim=s.head_dim, dtype=FP8_DTYPE, scaled=True, chunk_tokens=s.block_size)
 
 
-def staging_descs(info: StagingInfo) -> np.ndarray:
-    """``(num_slots, 3)`` descriptor table of a staging buffer (ours or a peer's)."""
-    table = np.empty((info.num_slots, 3), dtype=np.uint64)
-    table[:, 0] = np.uint64(info.base) + np.arange(info.num_slots, dtype=np.uint64) * np.uint64(info.slot_bytes)
-    table[:, 1] = info.slot_bytes
+def staging_descs(info: StagingInfo, chunk_bytes: int | None = None) -> np.ndarray:
+    """``(N, 3)`` descriptor table of a staging buffer (ours or a peer's): its slots, or
+    the buffer cut into pieces of ``chunk_bytes`` (a multiple of 16)."""
+    size = info.slot_bytes if chunk_bytes is None else chunk_bytes
+    n = info.num_slots * info.slot_bytes // size
+    table = np.empty((n, 3), dtype=np.uint64)
+    table[:, 0] = np.uint64(info.base) + np.arange(n, dtype=np.uint64) * np.uint64(size)
+    table[:, 1] = size
     table[:, 2] = info.device
     return table
+
+
+class Run(NamedTuple):
+    """Staging reserved for ``n`` chunks of one size: chunk ``first`` onwards in the
+    buffer cut into such chunks (:meth:`PackedPath.table_for`), inside slots ``[slot,
+    slot + slots)``, which :meth:`PackedPath.release` gives back."""
+
+    first: int
+    slot: int
+    slots: int
 
 
 class SlotAllocator:
@@ -151,15 +170,82 @@ class PackedPath:
         self.info = StagingInfo(base=self.buffer.data_ptr(), num_slots=num_slots, slot_bytes=self.slot.nbytes, memory=memory, device=dev)
         self._registration = transport.register([(self.info.base, num_slots * self.slot.nbytes)], memory=memory, device=dev)
         self.table: DescTable = transport.prepare(staging_descs(self.info), memory=memory)
+        self._transport = transport
+        self._tables: dict[int, DescTable] = {}
+        self._tables_lock = threading.Lock()
 
     def view(self, first: int, n: int) -> torch.Tensor:
         """Bytes of slots ``[first, first + n)``."""
         return self.buffer[first * self.slot.nbytes : (first + n) * self.slot.nbytes]
 
-    def pack(self, layers: Sequence[int], block_ids: Sequence[int], first: int) -> None:
-        """Pack the whole ``block_ids`` of each of ``layers`` into slots from ``first``:
-        layer ``layers[i]``'s block ``j`` in slot ``first + i * len(block_ids) + j``.
-        Returns once the bytes are in place (CPU: the ops run synchronously).
+    # --- chunks: blocks of some of the heads (a peer with another TP split) -------------
+
+    def chunk(self, heads: int) -> PackedFormat:
+        """One block of one layer of ``heads`` of our KV heads, packed (all of them: a
+        slot)."""
+        return self.slot if heads == self.slot.num_heads else self.slot._replace(num_heads=heads)
+
+    def table_for(self, heads: int) -> DescTable:
+        """The buffer cut into chunks of ``heads`` heads (all: :attr:`table`), prepared on
+        first use and kept."""
+        if heads == self.slot.num_heads:
+            return self.table
+        with self._tables_lock:  # held while preparing: each table is prepared once
+            table = self._tables.get(heads)
+            if table is None:
+                descs = staging_descs(self.info, self.chunk(heads).nbytes)
+                table = self._tables[heads] = self._transport.prepare(descs, memory=self.info.memory)
+        return table
+
+    def slots_for(self, n: int, heads: int) -> int:
+        """Slots a run of ``n`` chunks of ``heads`` heads takes."""
+        size = self.chunk(heads).nbytes
+        if size == self.slot.nbytes:
+            return n
+        # the run's first chunk starts at the first chunk boundary inside its first slot
+        return -(-((n + 1) * size) // self.slot.nbytes)
+
+    def reserve(self, n: int, heads: int) -> Run | None:
+        """Staging for ``n`` chunks of ``heads`` heads, or None while the buffer is too
+        full. Give it back with :meth:`release`, exactly once."""
+        slots = self.slots_for(n, heads)
+        slot = self.allocator.alloc(slots)
+        if slot is None:
+            return None
+        size = self.chunk(heads).nbytes
+        return Run(first=-(-(slot * self.slot.nbytes) // size), slot=slot, slots=slots)
+
+    def release(self, run: Run) -> None:
+        self.allocator.free(run.slot, run.slots)
+
+    def _chunks(self, fmt: PackedFormat, first: int, n: int) -> torch.Tensor:
+        return self.buffer[first * fmt.nbytes : (first + n) * fmt.nbytes]
+
+    # --- pack / unpack -------------------------------------------------------------------
+
+    @property
+    def mixes_tokens(self) -> bool:
+        """True when a packed row of a block may hold values of several tokens (the
+        ``fused`` layout: vLLM's CPU kernel keeps a block's keys dim-major), so a
+        row's FP8 scale covers the block's unused token positions too."""
+        return self.geometry.spec.layout == "fused"
+
+    def clear(self, block_id: int) -> None:
+        """Zero block ``block_id`` in every layer. The sender clears a prompt's partial
+        last block before the engine first writes it, where :attr:`mixes_tokens`: its
+        unused positions would otherwise hold stale KV of an earlier request, which
+        would enter the FP8 scales of the prompt's own values (more error, and an
+        output that depends on the block's history). Engine thread, before the forward
+        pass that writes the block; one block per request."""
+        for k, v in self.planes:
+            k[block_id].zero_()
+            v[block_id].zero_()
+
+    def pack(self, layers: Sequence[int], block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None) -> None:
+        """Pack the whole ``block_ids`` of each of ``layers`` into chunks from ``first``:
+        layer ``layers[i]``'s block ``j`` in chunk ``first + i * len(block_ids) + j``.
+        ``heads``: our KV heads ``(start, end)`` to pack (default all; chunks are then
+        slots). Returns once the bytes are in place (CPU: the ops run synchronously).
 
         Whole blocks, like the exact path: the order of tokens inside a block is the
         attention kernel's business (vLLM's CPU kernel keeps a block's keys dim-major),
@@ -168,15 +254,20 @@ class PackedPath:
         from kvbridge import ops
 
         n = len(block_ids)
-        ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, fp8=True, chunk_tokens=self.block_size, out=self.view(first, len(layers) * n))
+        fmt = self.chunk(self.slot.num_heads if heads is None else heads[1] - heads[0])
+        out = self._chunks(fmt, first, len(layers) * n)
+        ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, heads=heads, fp8=True, chunk_tokens=self.block_size, out=out)
 
-    def unpack(self, layer: int, block_ids: Sequence[int], first: int) -> None:
-        """Unpack slots ``[first, first + len(block_ids))`` of one layer into the whole
-        ``block_ids`` of this cache. Returns once the cache holds them."""
+    def unpack(self, layer: int, block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None) -> None:
+        """Unpack chunks ``[first, first + len(block_ids))`` of one layer into the whole
+        ``block_ids`` of this cache, into our KV heads ``heads`` (default all). Returns
+        once the cache holds them."""
         from kvbridge import ops
 
-        fmt = self.slot._replace(num_tokens=len(block_ids) * self.block_size)
-        ops.unpack(self.view(first, len(block_ids)), fmt, self.planes[layer], block_ids)
+        h0, h1 = (0, self.slot.num_heads) if heads is None else heads
+        chunk = self.chunk(h1 - h0)
+        fmt = chunk._replace(num_tokens=len(block_ids) * self.block_size)
+        ops.unpack(self._chunks(chunk, first, len(block_ids)), fmt, self.planes[layer], block_ids, head_start=h0)
 
 
-__all__ = ["PackedPath", "SlotAllocator", "slot_format", "staging_descs"]
+__all__ = ["PackedPath", "Run", "SlotAllocator", "slot_format", "staging_descs"]

@@ -16,8 +16,9 @@ Who calls what (the engine adapter, on the decode worker):
 A request may have several *sources*: when the prefill instance has more TP ranks than
 ours, each of several prefill workers holds some of our KV heads; each gets its own
 ``Destination`` (numbered by ``source``, echoed in its notifications) and writes its
-head range of every block, and the request completes when every source covered every
-layer and block.
+head range of every block (packed path: into staging reserved per source, once its
+handshake says which heads it writes, then unpacked into those heads), and the request
+completes when every source covered every layer and block.
 
 Nothing here blocks the caller: side-channel calls (handshake, destination, release,
 heartbeats) run on a small pool, reads are polled by the control thread, and
@@ -41,6 +42,7 @@ import numpy as np
 from kvbridge.core.lifecycle import RecvPhase, RecvRequest
 from kvbridge.errors import KVBridgeError, PeerUnreachableError, WireError
 from kvbridge.runtime.node import Node, Peer
+from kvbridge.runtime.packed import Run
 from kvbridge.runtime.sidechannel import listening
 from kvbridge.runtime.stats import TransferStats
 from kvbridge.transports.base import Xfer
@@ -70,6 +72,11 @@ class _Source:
     delivered: bool = False
     """Push: it has (or may have) our destination; only then may an ``Abort`` go to it
     from any thread (before, the destination's own thread sends it)."""
+    staging: Run | None = None
+    """Packed path: our staging reserved for its chunks (its head range of every layer
+    and block), until the request ends."""
+    wants_staging: bool = False
+    """Packed path: waiting for free staging before its destination is sent."""
 
     @property
     def share(self) -> tuple[int, int]:
@@ -96,10 +103,6 @@ class _In:
     """Push: (source, layer, block) landed."""
     started: float = 0.0
     nbytes: int = 0
-    staging_slot: int = -1
-    """First of the staging slots reserved for this request (packed path), or -1."""
-    wants_staging: bool = False
-    """Packed path: waiting for free staging slots before sending the destination."""
 
 
 class Receiver:
@@ -119,8 +122,6 @@ class Receiver:
         self.cfg = node.config
         self._layers = node.geometry.spec.num_layers
         self._slot_bytes = node.geometry.spec.block_bytes * node.geometry.spec.planes_per_layer
-        if node.packed is not None:  # bytes on the wire per (layer, block)
-            self._slot_bytes = node.packed.slot.nbytes
         self._lock = threading.Condition()
         self._in: dict[str, _In] = {}
         self._finished: list[str] = []
@@ -145,9 +146,6 @@ class Receiver:
         addresses = [address] if isinstance(address, str) else list(address)
         entry = self._new(transfer_id, [_Source(a) for a in addresses], block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[])
         entry.coverage = np.zeros((len(addresses), self._layers, len(block_ids)), dtype=bool)
-        if self.node.packed is not None and len(addresses) > 1:
-            self._fail(entry, "wire_dtype 'fp8' needs the same TP split on prefill and decode (fix: use the same --tensor-parallel-size, or wire_dtype 'exact')")
-            return
         for i in range(len(addresses)):
             self._pool.submit(self._send_destination, entry, i)
 
@@ -246,26 +244,27 @@ class Receiver:
             src.peer = peer
         return peer
 
-    def _reserve(self, entry: _In) -> bool:
-        """Packed path: reserve the request's staging slots (lock not held). False: the
-        buffer is full now; the control thread tries again as slots free up."""
-        packed = self.node.packed
-        if packed is None or entry.staging_slot >= 0:
+    def _reserve(self, entry: _In, i: int) -> bool:
+        """Packed path: reserve staging for source ``i``'s chunks, once its handshake
+        says which of our heads it writes (lock not held). False: the buffer is full now
+        (the control thread tries again as slots free up) or the request ended."""
+        packed, src = self.node.packed, entry.sources[i]
+        if packed is None or src.staging is not None:
             return True
-        need = self._layers * len(entry.block_ids)
-        if need > packed.allocator.num_slots:
+        assert src.peer is not None and src.peer.heads is not None
+        need, heads = self._layers * len(entry.block_ids), src.peer.heads[1] - src.peer.heads[0]
+        if packed.slots_for(need, heads) > packed.allocator.num_slots:
             self._fail(entry, f"the request's packed KV ({need} blocks) exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb")
             return False
-        slot = packed.allocator.alloc(need)
+        run = packed.reserve(need, heads)
         with self._lock:
-            if slot is None:
-                entry.wants_staging = True
+            src.wants_staging = run is None
+            if run is None:
                 return False
-            entry.wants_staging = False
             if entry.req.terminal:  # aborted meanwhile
-                packed.allocator.free(slot, need)
+                packed.release(run)
                 return False
-            entry.staging_slot = slot
+            src.staging = run
         return True
 
     def _send_destination(self, entry: _In, i: int = 0) -> None:
@@ -277,9 +276,14 @@ class Receiver:
         If the request ended meanwhile, this thread tells the source to stop, after
         the destination: sent from another thread, an ``Abort`` could overtake it.
         """
-        if not self._reserve(entry):
-            return
         src, key = entry.sources[i], _remote(i)
+        try:
+            self._connect(entry, i)  # the packed path sizes its staging by the peer's split
+        except (KVBridgeError, WireError) as exc:
+            self._fail(entry, f"destination not delivered: {exc}")
+            return
+        if not self._reserve(entry, i):
+            return
         with self._lock:
             if entry.req.terminal:
                 return
@@ -287,14 +291,15 @@ class Receiver:
         maybe_held = False  # the source may hold our destination without our knowing
         try:
             for attempt in range(2):
-                self._connect(entry, i, fresh=attempt > 0)
+                if attempt:
+                    self._connect(entry, i, fresh=True)
                 msg = Destination(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
                     block_ids=entry.block_ids,
                     num_tokens=entry.num_tokens,
                     skip_tokens=entry.skip_tokens,
-                    staging_slot=entry.staging_slot,
+                    staging_slot=-1 if src.staging is None else src.staging.first,
                     source=i,
                 )
                 maybe_held = True
@@ -432,13 +437,13 @@ class Receiver:
             if not 0 <= msg.source < len(entry.sources) or msg.first_block < 0 or end > entry.coverage.shape[2] or not all(0 <= l < self._layers for l in msg.layers):
                 log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
                 return
-            slot = entry.staging_slot
-            unpack = self.node.packed is not None and slot >= 0 and not entry.req.terminal
+            src = entry.sources[msg.source]
+            unpack = self.node.packed is not None and src.staging is not None and not entry.req.terminal
             if unpack:  # the blocks stay ours until the unpack is done
                 entry.req.posted(_UNPACK)
         if unpack:  # the bytes are in our staging slots: into the cache
             try:
-                self._unpack(entry, msg, slot)
+                self._unpack(entry, msg, src)
             except Exception as exc:  # noqa: BLE001 - a failed unpack fails the load, never the thread
                 with self._lock:
                     entry.req.settled(_UNPACK, self.clock())
@@ -449,8 +454,7 @@ class Receiver:
             if unpack:
                 entry.req.settled(_UNPACK, now)
             entry.coverage[msg.source, msg.layers, msg.first_block:end] = True
-            num, den = entry.sources[msg.source].share
-            entry.nbytes += len(msg.layers) * msg.num_blocks * self._slot_bytes * num // den
+            entry.nbytes += len(msg.layers) * msg.num_blocks * self._block_bytes(src)
             entry.req.layer_arrived(now)
             if entry.coverage[msg.source].all():
                 self._writes_stopped(entry, now, msg.source)
@@ -458,14 +462,22 @@ class Receiver:
                 entry.req.complete(now)
             self._lock.notify()
 
-    def _unpack(self, entry: _In, msg: LayerDone, slot: int) -> None:
-        """Unpack the layers a ``LayerDone`` announced from our staging slots (the
-        notifications thread; the request keeps its slots until it ends)."""
-        packed = self.node.packed
-        nb = len(entry.block_ids)
+    def _block_bytes(self, src: _Source) -> int:
+        """Bytes source ``src`` sends per layer and block of ours."""
+        if self.node.packed is not None and src.peer is not None and src.peer.heads is not None:
+            h0, h1 = src.peer.heads
+            return self.node.packed.chunk(h1 - h0).nbytes
+        num, den = src.share
+        return self._slot_bytes * num // den
+
+    def _unpack(self, entry: _In, msg: LayerDone, src: _Source) -> None:
+        """Unpack the layers a ``LayerDone`` announced from the source's staging chunks
+        into its heads of our blocks (the notifications thread; the request keeps its
+        staging until it ends)."""
+        packed, nb = self.node.packed, len(entry.block_ids)
         blocks = entry.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
         for layer in msg.layers:
-            packed.unpack(layer, blocks, slot + layer * nb + msg.first_block)
+            packed.unpack(layer, blocks, src.staging.first + layer * nb + msg.first_block, heads=src.peer.heads)
 
     # --- control thread ------------------------------------------------------------------
 
@@ -513,10 +525,10 @@ class Receiver:
     def _retry_staging(self) -> None:
         """Send the destinations that waited for staging slots, if some were freed."""
         with self._lock:
-            waiting = [e for e in self._in.values() if e.wants_staging and not e.req.terminal]
-        for entry in waiting:
-            if self._reserve(entry):
-                self._pool.submit(self._send_destination, entry)
+            waiting = [(e, i) for e in self._in.values() if not e.req.terminal for i, src in enumerate(e.sources) if src.wants_staging]
+        for entry, i in waiting:
+            if self._reserve(entry, i):
+                self._pool.submit(self._send_destination, entry, i)
 
     def _beat(self) -> None:
         now = self.clock()
@@ -545,9 +557,10 @@ class Receiver:
                 if entry.req.releasable:
                     entry.req.release()
                     del self._in[tid]
-                    if entry.staging_slot >= 0:  # no write can land any more
-                        self.node.packed.allocator.free(entry.staging_slot, self._layers * len(entry.block_ids))
-                        entry.staging_slot = -1
+                    for src in entry.sources:  # no write can land any more
+                        if src.staging is not None:
+                            self.node.packed.release(src.staging)
+                            src.staging = None
                     if entry.req.phase is RecvPhase.RECEIVED:
                         self._finished.append(tid)
                         self.stats.add(requests_received=1, bytes_received=entry.nbytes)

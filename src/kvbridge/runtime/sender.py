@@ -3,7 +3,9 @@
 Who calls what (the engine adapter, on the prefill worker):
 
 - :meth:`Sender.track` when a request that will be handed off starts prefill (its
-  blocks are held from then on, under a lease);
+  blocks are held from then on, under a lease), and :meth:`Sender.add_blocks` with
+  each later chunk's new blocks; both before the forward pass that first writes them
+  (``wire_dtype: fp8`` may clear the prompt's partial last block then);
 - :meth:`Sender.layer_done` from the forward pass, after each attention layer, with
   how many prompt tokens that layer has computed so far (every chunk of a chunked
   prefill). O(1), never blocks: the sender thread does the I/O;
@@ -17,7 +19,8 @@ push: where to write; it may arrive before or after :meth:`track`, before, durin
 after the prefill), ``Release`` (P-first: D has read the blocks itself), ``Abort``.
 When the decode instance has more TP ranks than ours, each of the ``Peer.fanout``
 decode ranks this rank feeds sends its own ``Destination`` (or ``Release``), gets its
-head range of every block, and the blocks are released once all of them are served.
+head range of every block (packed separately for each on the packed path), and the
+blocks are released once all of them are served.
 
 Writes: for every layer, the blocks that are both computed and not yet sent (and that
 the decode side lacks) are planned against the peer's slot table and posted, each
@@ -41,6 +44,7 @@ import numpy as np
 from kvbridge.core.lifecycle import SendPhase, SendRequest
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.node import Node, Peer
+from kvbridge.runtime.packed import Run
 from kvbridge.runtime.stats import TransferStats
 from kvbridge.transports.base import Xfer
 from kvbridge.wire.messages import Abort, Destination, Done, LayerDone, Release, Reply
@@ -75,8 +79,8 @@ class _Out:
     """P-first: decode ranks (engine/rank/epoch) that read their part and said Release."""
     t_prefill_done: float | None = None
     t_first_post: float | None = None
-    inflight: dict[int, tuple[Xfer, float, tuple[int, int] | None]] = field(default_factory=dict)
-    """Posted writes: key -> (transfer, post time, staging slots it reads or None)."""
+    inflight: dict[int, tuple[Xfer, float, Run | None]] = field(default_factory=dict)
+    """Posted writes: key -> (transfer, post time, staging it reads or None)."""
 
 
 class Sender:
@@ -133,6 +137,7 @@ class Sender:
                 ready=[computed_tokens] * self._layers,
             )
             self._out[transfer_id] = out
+            self._clear_tail(out, 0, blocks)
             for msg, _ in self._early.pop(transfer_id, []):
                 self._accept(out, msg, now)
             self._lock.notify()
@@ -143,8 +148,20 @@ class Sender:
             out = self._out.get(transfer_id)
             if out is None or out.req.terminal:
                 return
+            self._clear_tail(out, len(out.blocks), blocks)
             out.blocks.extend(blocks)
             out.req.hold(blocks)
+
+    def _clear_tail(self, out: _Out, first: int, blocks: list[int]) -> None:
+        """Packed path: zero the prompt's partial last block if it is among ``blocks``
+        (new, prompt blocks ``first`` onwards), before the engine writes it (see
+        :meth:`~kvbridge.runtime.packed.PackedPath.clear`)."""
+        packed = self.node.packed
+        if packed is None or not packed.mixes_tokens or out.num_tokens % self._bs == 0:
+            return
+        last = out.num_tokens // self._bs - first  # its index in ``blocks``
+        if 0 <= last < len(blocks):
+            packed.clear(blocks[last])
 
     def layer_done(self, transfer_id: str, layer: int, computed_tokens: int) -> None:
         """``layer`` holds KV for the first ``computed_tokens`` prompt tokens. Hot path."""
@@ -312,47 +329,46 @@ class Sender:
             found += [(dest, layers, a, b) for (a, b), layers in groups.items()]
         return found
 
-    def _plan_posts(self) -> list[tuple[_Out, list[tuple[_Dest, list[int], int, int, int]]]]:
+    def _plan_posts(self) -> list[tuple[_Out, list[tuple[_Dest, list[int], int, int, Run | None]]]]:
         """Posts ready now (lock held): (destination, layers, first block, end block,
-        first staging slot or -1). A packed post waits while the staging buffer is full."""
+        staging to pack into or None). A packed post waits while the staging buffer is
+        full."""
         work = []
         packed = self.node.packed
         self._starved = False
         for out in self._out.values():
             posts = []
             for dest, layers, start, end in self._postable(out):
-                slot = -1
+                run = None
                 if packed is not None:
-                    need = len(layers) * (end - start)
-                    if need > packed.allocator.num_slots:
+                    need, heads = len(layers) * (end - start), dest.peer.heads[1] - dest.peer.heads[0]
+                    if packed.slots_for(need, heads) > packed.allocator.num_slots:
                         self._fail(out, f"a post of {need} packed blocks exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb", self.clock())
                         break
-                    got = packed.allocator.alloc(need)
-                    if got is None:
+                    run = packed.reserve(need, heads)
+                    if run is None:
                         self._starved = True  # retried when a write settles
                         continue
-                    slot = got
                 for layer in layers:
                     dest.posted[layer] = end
-                posts.append((dest, layers, start, end, slot))
+                posts.append((dest, layers, start, end, run))
             if posts:
                 work.append((out, posts))
         return work
 
-    def _post(self, out: _Out, posts: list[tuple[_Dest, list[int], int, int, int]]) -> None:
+    def _post(self, out: _Out, posts: list[tuple[_Dest, list[int], int, int, Run | None]]) -> None:
         packed = self.node.packed
-        for i, (dest, layers, start, end, slot) in enumerate(posts):
+        for i, (dest, layers, start, end, run) in enumerate(posts):
             skip = dest.msg.skip_tokens // self._bs
             now = self.clock()
             key = next(self._keys)
             registered = False
-            slots = (slot, len(layers) * (end - start)) if slot >= 0 else None
             try:
                 note = LayerDone(transfer_id=dest.msg.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start, source=dest.msg.source)
                 if packed is None:
                     local, lidx, remote, ridx = self.node.plan(dest.peer, out.blocks[start:end], dest.msg.block_ids[start - skip : end - skip], layers)
                 else:
-                    local, lidx, remote, ridx = self._pack(out, dest, layers, start, end, slot)
+                    local, lidx, remote, ridx = self._pack(out, dest, layers, start, end, run)
                 with self._lock:
                     if out.req.terminal:
                         self._free_posts(posts[i:])
@@ -368,36 +384,35 @@ class Sender:
                     self._fail(out, f"write failed: {exc}", now)
                 return
             with self._lock:
-                out.inflight[key] = (xfer, now, slots)
+                out.inflight[key] = (xfer, now, run)
                 out.t_first_post = out.t_first_post or now
             self.stats.add(transfers=1, descriptors=xfer.num_descs, bytes_sent=xfer.nbytes)
 
-    def _pack(self, out: _Out, to: _Dest, layers: list[int], start: int, end: int, slot: int):
-        """Pack a post into our staging slots; the slot pairs to write (packed path)."""
+    def _pack(self, out: _Out, to: _Dest, layers: list[int], start: int, end: int, run: Run):
+        """Pack a post (the peer's head range of each block) into our staging; the chunk
+        pairs to write (packed path)."""
         packed, dest, peer = self.node.packed, to.msg, to.peer
-        assert packed is not None
+        assert packed is not None and peer.heads is not None
         if peer.staging is None or dest.staging_slot < 0:
             raise KVBridgeError(f"destination of {dest.transfer_id} has no staging slots for packed KV")
         skip = dest.skip_tokens // self._bs
         n, nb = end - start, len(dest.block_ids)
-        packed.pack(layers, out.blocks[start:end], slot)
-        lidx = np.arange(slot, slot + len(layers) * n, dtype=np.int64)
+        packed.pack(layers, out.blocks[start:end], run.first, heads=peer.heads)
+        lidx = np.arange(run.first, run.first + len(layers) * n, dtype=np.int64)
         ridx = np.concatenate([dest.staging_slot + layer * nb + (start - skip) + np.arange(n, dtype=np.int64) for layer in layers])
-        return packed.table, lidx, peer.staging, ridx
+        return packed.table_for(peer.heads[1] - peer.heads[0]), lidx, peer.staging, ridx
 
-    def _free_posts(self, posts: list[tuple[_Dest, list[int], int, int, int]]) -> None:
-        """Give back the staging slots of posts that will not be written."""
-        if self.node.packed is None:
-            return
-        for _, layers, start, end, slot in posts:
-            if slot >= 0:
-                self.node.packed.allocator.free(slot, len(layers) * (end - start))
+    def _free_posts(self, posts: list[tuple[_Dest, list[int], int, int, Run | None]]) -> None:
+        """Give back the staging of posts that will not be written."""
+        for *_, run in posts:
+            if run is not None:
+                self.node.packed.release(run)
 
     def _poll_inflight(self) -> bool:
         """Poll posted writes; settle the finished ones. True while any is in flight."""
         with self._lock:
-            items = [(out, key, xfer, t0, slots) for out in self._out.values() for key, (xfer, t0, slots) in list(out.inflight.items())]
-        for out, key, xfer, t0, slots in items:
+            items = [(out, key, xfer, t0, run) for out in self._out.values() for key, (xfer, t0, run) in list(out.inflight.items())]
+        for out, key, xfer, t0, run in items:
             try:
                 done = self.node.transport.poll(xfer)
                 error = None
@@ -407,8 +422,8 @@ class Sender:
                 continue
             now = self.clock()
             self.node.transport.release(xfer)
-            if slots is not None:
-                self.node.packed.allocator.free(*slots)
+            if run is not None:
+                self.node.packed.release(run)
             with self._lock:
                 out.inflight.pop(key, None)
                 out.req.settled(key, now)
@@ -458,10 +473,10 @@ class Sender:
                     elif out.req.phase is SendPhase.FAILED:
                         self.stats.add(failures=1)
                 if out.req.releasable:
-                    for key, (xfer, _, slots) in out.inflight.items():  # abandoned after the drain deadline
+                    for xfer, _, run in out.inflight.values():  # abandoned after the drain deadline
                         self.node.transport.release(xfer)
-                        if slots is not None:
-                            self.node.packed.allocator.free(*slots)
+                        if run is not None:
+                            self.node.packed.release(run)
                     out.inflight.clear()
                     out.req.release()
                     del self._out[tid]

@@ -93,9 +93,11 @@ class Destination(_Msg, tag="dest"):
     num_tokens: int
     skip_tokens: int = 0
     staging_slot: int = -1
-    """Packed KV (``wire_dtype: fp8``): D reserved ``num_layers * len(block_ids)`` slots
+    """Packed KV (``wire_dtype: fp8``): D reserved ``num_layers * len(block_ids)`` chunks
     of its staging buffer from this one, layer-major: layer ``l``'s packed block ``j``
-    (of ``block_ids``) goes to slot ``staging_slot + l * len(block_ids) + j``."""
+    (of ``block_ids``) goes to chunk ``staging_slot + l * len(block_ids) + j``. A chunk
+    is a slot when both sides hold the same heads; otherwise the buffer counts chunks of
+    the head range this pair exchanges (see :mod:`kvbridge.runtime.packed`)."""
     source: int = 0
     """Which of D's sources for this transfer the receiving prefill rank is (D reads
     its KV heads from several prefill ranks when the prefill has more TP ranks); P
