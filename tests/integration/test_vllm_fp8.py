@@ -25,6 +25,9 @@ LAYERS, HEADS, HEAD_DIM = 2, 2, 32  # the tiny test model
 EXACT_PER_BLOCK = LAYERS * 2 * HEADS * BLOCK * HEAD_DIM * 4  # K and V, float32
 FP8_PER_BLOCK = LAYERS * (2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4)  # values + scales
 RECEIVED = "vllm:kvbridge_bytes_received_total"
+STAGING, STAGING_USED = "vllm:kvbridge_staging_slots", "vllm:kvbridge_staging_slots_used"
+STAGING_MB = 16
+SLOT_BYTES = FP8_PER_BLOCK // LAYERS  # one block of one layer, packed
 PROMPTS = [random_prompt(n, seed=1000 + n) for n in (20, BLOCK, 3 * BLOCK + 5, 200, 300)]
 MAX_TOKENS = 16
 
@@ -40,7 +43,7 @@ def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def fp8_pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, dict]]:
     logs = tmp_path_factory.mktemp(f"fp8-{request.param}")
-    extra = {"wire_dtype": "fp8", "staging_mb": 16}
+    extra = {"wire_dtype": "fp8", "staging_mb": STAGING_MB}
     p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", request.param, extra), log_path=logs / "P.log")
     d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", request.param, extra), log_path=logs / "D.log")
     start_all([p, d])
@@ -75,6 +78,9 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
         got = wait_metric(d.url, RECEIVED, lambda v: v - before >= blocks * FP8_PER_BLOCK) - before
         assert got == blocks * FP8_PER_BLOCK, f"{got} bytes for {blocks} blocks"
         assert EXACT_PER_BLOCK * blocks / got > 3.5
+    for s in (p, d):  # the staging gauges: the buffer's slots, none held once the requests are done
+        assert metric(s.url, STAGING) == (STAGING_MB << 20) // SLOT_BYTES
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
     agreement = same_tokens / total_tokens
     record_property("fp8_greedy_agreement", agreement)
     record_property("fp8_first_token_logprob_drift", worst)

@@ -38,6 +38,8 @@ LAYERS, HEADS, HEAD_DIM = 2, 2, 32  # the tiny test model
 FP8_PER_BLOCK = LAYERS * (2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4)  # values + scales, all ranks
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 USAGE = "vllm:kv_cache_usage_perc"
+STAGING, STAGING_USED = "vllm:kvbridge_staging_slots", "vllm:kvbridge_staging_slots_used"
+STAGING_MB = 16
 MAX_TOKENS = 12
 
 
@@ -45,7 +47,7 @@ MAX_TOKENS = 12
 def cluster(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
     """``a1``, ``b1`` (TP 1) and ``a2``, ``b2`` (TP 2)."""
     logs = tmp_path_factory.mktemp(f"tp-fp8-{request.param}")
-    args = ["--no-enable-prefix-caching"] + kv_args("kv_both", request.param, {"wire_dtype": "fp8", "staging_mb": 16}, policy="fail")
+    args = ["--no-enable-prefix-caching"] + kv_args("kv_both", request.param, {"wire_dtype": "fp8", "staging_mb": STAGING_MB}, policy="fail")
     tp = {1: [], 2: ["--tensor-parallel-size", "2"]}
     servers = {f"{x}{n}": VllmServer(model_dir, extra_args=COMMON_ARGS + tp[n] + args, log_path=logs / f"{x}{n}.log") for n in (1, 2) for x in "ab"}
     start_all(list(servers.values()))
@@ -89,6 +91,10 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(cluster: 
             assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"
         agree += _agreement(out, complete(d.url, prompt, max_tokens=MAX_TOKENS))  # colocated, exact
         total += MAX_TOKENS
+    for s, tp in ((p, p_tp), (d, d_tp)):  # staging gauges: every rank's slots, none held now
+        slot = 2 * BLOCK * (HEADS // tp) * HEAD_DIM + 2 * BLOCK * (HEADS // tp) * 4
+        assert metric(s.url, STAGING) == tp * ((STAGING_MB << 20) // slot)
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
     record_property(f"fp8_tp{p_tp}to{d_tp}_greedy_agreement", agree / total)
     print(f"\nFP8, TP {p_tp} -> {d_tp}: first-token logprobs within {worst:.1e} of TP {p_tp} -> {p_tp}, greedy tokens equal to it "
           f"before the first divergence {same / total:.0%} (decodes of different TP sizes round differently), to a colocated exact run {agree / total:.0%}")

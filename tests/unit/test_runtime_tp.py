@@ -109,13 +109,15 @@ def ranks() -> Iterator[list[Rank]]:
         r.ep.close()
 
 
-def _prefill_all(p: Rank, tid: str, blocks: list[int], n: int, pull: bool = False, chunks: tuple[int, ...] = ()) -> None:
-    """Track, compute (the cache's contents stand for the KV the forward pass writes
-    after ``track``, which may clear the last block first), report every layer."""
-    index = torch.tensor(blocks)
-    written = p.cache.index_select(p.block_axis, index)
-    p.ep.sender.track(tid, blocks, n, pull=pull)
-    p.cache.index_copy_(p.block_axis, index, written)
+def _prefill_all(p: Rank, tid: str, blocks: list[int], n: int, pull: bool = False, chunks: tuple[int, ...] = (), tracked: bool = False) -> None:
+    """Track (unless ``tracked``), compute (the cache's contents stand for the KV the
+    forward pass writes after ``track``, which may clear the last block first), report
+    every layer."""
+    if not tracked:
+        index = torch.tensor(blocks)
+        written = p.cache.index_select(p.block_axis, index)
+        p.ep.sender.track(tid, blocks, n, pull=pull)
+        p.cache.index_copy_(p.block_axis, index, written)
     for done in (*chunks, n):
         for layer in range(L):
             p.ep.sender.layer_done(tid, layer, done)
@@ -318,9 +320,10 @@ def test_decode_abort_releases_every_source(ranks: list[Rank], wire: str) -> Non
 # --- FP8 only: staging chunks and the partial last block --------------------------------
 
 
-def test_a_source_waits_for_staging_then_completes(ranks: list[Rank]) -> None:
-    """Two sources, room for one source's chunks only: the second source's destination
-    waits (its chunks have nowhere to land) and goes out once staging frees up."""
+def test_a_request_waits_for_staging_for_all_its_sources_then_completes(ranks: list[Rank]) -> None:
+    """Two sources, room for one source's chunks only: no destination goes out (a request
+    never holds part of its staging while it waits for the rest, so requests waiting for
+    room cannot block each other); both go out once staging frees up."""
     ps = [Rank("P", 2, r, seed=70 + r, wire="fp8") for r in range(2)]
     d = Rank("D", 1, 0, wire="fp8", staging_mb=1)
     ranks += [*ps, d]
@@ -328,11 +331,16 @@ def test_a_source_waits_for_staging_then_completes(ranks: list[Rank]) -> None:
     keep = packed.allocator.num_slots - packed.slots_for(L * 4, 2) - 1
     held = packed.allocator.alloc(keep)
     assert held is not None
-    d.ep.receiver.expect_push("s", [p.ep.address for p in ps], [0, 1, 2, 3], 64)
     for p in ps:
-        _prefill_all(p, "s", [4, 5, 6, 7], 64)
-    assert d.ep.receiver.wait_finished(0.3) == ([], []), "both sources wrote into room for one"
+        p.ep.sender.track("s", [4, 5, 6, 7], 64)
+    d.ep.receiver.expect_push("s", [p.ep.address for p in ps], [0, 1, 2, 3], 64)
+    assert d.ep.receiver.wait_finished(0.3) == ([], [])
+    assert all(p.ep.sender.phase("s") is SendPhase.HELD for p in ps), "a destination went out without staging for every source"
+    assert packed.allocator.free_slots == packed.allocator.num_slots - keep, "the waiting request holds staging"
     packed.allocator.free(held, keep)
+    _wait_sending(ps, "s")
+    for p in ps:
+        _prefill_all(p, "s", [4, 5, 6, 7], 64, tracked=True)
     assert d.ep.receiver.wait_finished(5) == (["s"], [])
     for p in ps:
         assert p.ep.sender.wait_released(5) == ["s"]

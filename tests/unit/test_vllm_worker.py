@@ -139,3 +139,49 @@ def test_prefill_address_sources() -> None:
     with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 3") as err:
         both.sources(0, 3, 6)
     assert err.value.fix and "--tensor-parallel-size" in err.value.fix
+
+
+def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
+    """``wire_dtype: fp8``: each worker reports its staging slots held in the steps where
+    that changes or slots are held (so a rank that does not report holds none), and the
+    instance's total; vLLM merges the ranks' snapshots and the connector's Prometheus
+    hook sets ``vllm:kvbridge_staging_slots`` / ``..._used``. Idle steps report nothing."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from test_runtime_packed import endpoint as fp8_endpoint
+    from test_runtime_packed import make_cache as fp8_cache
+
+    from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+
+    eps = [fp8_endpoint("D", fp8_cache(None)) for _ in range(2)]
+    try:
+        ranks = [worker(ep, rank=r, tp_size=2) for r, ep in enumerate(eps)]
+        allocators = [ep.node.packed.allocator for ep in eps]
+        total = 2 * allocators[0].num_slots
+        first = [ws.stats() for ws in ranks]
+        assert all(s is not None and (s.staging_slots, s.staging_slots_used) == (total, 0) for s in first)
+        assert [ws.stats() for ws in ranks] == [None, None], "idle and unchanged: nothing to report"
+        held = allocators[0].alloc(7), allocators[1].alloc(3)
+        snaps = [ws.stats() for ws in ranks]
+        merged = KVBridgeStats(snaps[0].to_dict()).aggregate(KVBridgeStats(snaps[1].to_dict()))
+        assert (merged.data["staging_slots"], merged.data["staging_slots_used"]) == (total, 10)
+        assert merged.is_empty(), "levels alone are not transfer activity to log"
+        allocators[1].free(held[1], 3)
+        snaps = [ws.stats() for ws in ranks]  # rank 0 still holds 7, rank 1 reports its 0 once
+        assert snaps[0].staging_slots_used == 7 and snaps[1].staging_slots_used == 0
+        assert ranks[1].stats() is None and ranks[0].stats().staging_slots_used == 7
+        allocators[0].free(held[0], 7)
+
+        registry = CollectorRegistry()
+        types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+        prom = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+        prom.observe(merged.data, 0)
+        assert registry.get_sample_value("vllm:kvbridge_staging_slots", {"engine": "0"}) == total
+        assert registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10
+        prom.observe(KVBridgeStats({**merged.data, "staging_slots": 0, "staging_slots_used": 0}).data, 0)  # a step without levels
+        assert registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10, "a step without levels keeps the gauge"
+    finally:
+        for ep in eps:
+            ep.close()

@@ -16,9 +16,9 @@ Who calls what (the engine adapter, on the decode worker):
 A request may have several *sources*: when the prefill instance has more TP ranks than
 ours, each of several prefill workers holds some of our KV heads; each gets its own
 ``Destination`` (numbered by ``source``, echoed in its notifications) and writes its
-head range of every block (packed path: into staging reserved per source, once its
-handshake says which heads it writes, then unpacked into those heads), and the request
-completes when every source covered every layer and block.
+head range of every block (packed path: into staging reserved for all sources at once,
+then unpacked into those heads), and the request completes when every source covered
+every layer and block.
 
 Nothing here blocks the caller: side-channel calls (handshake, destination, release,
 heartbeats) run on a small pool, reads are polled by the control thread, and
@@ -72,11 +72,6 @@ class _Source:
     delivered: bool = False
     """Push: it has (or may have) our destination; only then may an ``Abort`` go to it
     from any thread (before, the destination's own thread sends it)."""
-    staging: Run | None = None
-    """Packed path: our staging reserved for its chunks (its head range of every layer
-    and block), until the request ends."""
-    wants_staging: bool = False
-    """Packed path: waiting for free staging before its destination is sent."""
 
     @property
     def share(self) -> tuple[int, int]:
@@ -103,6 +98,12 @@ class _In:
     """Push: (source, layer, block) landed."""
     started: float = 0.0
     nbytes: int = 0
+    staging: Run | None = None
+    """Packed path: our staging for every source's chunks (source ``i``'s head range of
+    every layer and block from chunk ``first + i * layers * blocks``), reserved for all
+    sources at once before any destination is sent, until the request ends."""
+    wants_staging: bool = False
+    """Packed path: waiting for free staging before the destinations are sent."""
 
 
 class Receiver:
@@ -146,8 +147,7 @@ class Receiver:
         addresses = [address] if isinstance(address, str) else list(address)
         entry = self._new(transfer_id, [_Source(a) for a in addresses], block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[])
         entry.coverage = np.zeros((len(addresses), self._layers, len(block_ids)), dtype=bool)
-        for i in range(len(addresses)):
-            self._pool.submit(self._send_destination, entry, i)
+        self._pool.submit(self._start_push, entry)
 
     def expect_pull(
         self,
@@ -244,27 +244,40 @@ class Receiver:
             src.peer = peer
         return peer
 
-    def _reserve(self, entry: _In, i: int) -> bool:
-        """Packed path: reserve staging for source ``i``'s chunks, once its handshake
-        says which of our heads it writes (lock not held). False: the buffer is full now
-        (the control thread tries again as slots free up) or the request ended."""
-        packed, src = self.node.packed, entry.sources[i]
-        if packed is None or src.staging is not None:
+    def _start_push(self, entry: _In) -> None:
+        """Reserve the request's staging (packed path), then send every source our
+        destination (a pool thread). Waiting for staging: the control thread goes on."""
+        if self._reserve(entry):
+            for i in range(len(entry.sources)):
+                self._pool.submit(self._send_destination, entry, i)
+
+    def _source_heads(self, entry: _In) -> int:
+        """KV heads of ours each source writes: each of our heads comes from one source,
+        and with several sources each holds an equal share (:mod:`kvbridge.core.tp`)."""
+        return self.node.geometry.spec.num_kv_heads // max(1, len(entry.sources))
+
+    def _reserve(self, entry: _In) -> bool:
+        """Packed path: reserve staging for every source's chunks in one run (lock not
+        held): a request never holds part of what it needs while waiting for the rest.
+        False: the buffer is full now (the control thread tries again as slots free up)
+        or the request ended."""
+        packed = self.node.packed
+        if packed is None or entry.staging is not None:
             return True
-        assert src.peer is not None and src.peer.heads is not None
-        need, heads = self._layers * len(entry.block_ids), src.peer.heads[1] - src.peer.heads[0]
+        need = len(entry.sources) * self._layers * len(entry.block_ids)
+        heads = self._source_heads(entry)
         if packed.slots_for(need, heads) > packed.allocator.num_slots:
             self._fail(entry, f"the request's packed KV ({need} blocks) exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb")
             return False
         run = packed.reserve(need, heads)
         with self._lock:
-            src.wants_staging = run is None
+            entry.wants_staging = run is None
             if run is None:
                 return False
             if entry.req.terminal:  # aborted meanwhile
                 packed.release(run)
                 return False
-            src.staging = run
+            entry.staging = run
         return True
 
     def _send_destination(self, entry: _In, i: int = 0) -> None:
@@ -277,13 +290,6 @@ class Receiver:
         the destination: sent from another thread, an ``Abort`` could overtake it.
         """
         src, key = entry.sources[i], _remote(i)
-        try:
-            self._connect(entry, i)  # the packed path sizes its staging by the peer's split
-        except (KVBridgeError, WireError) as exc:
-            self._fail(entry, f"destination not delivered: {exc}")
-            return
-        if not self._reserve(entry, i):
-            return
         with self._lock:
             if entry.req.terminal:
                 return
@@ -291,15 +297,19 @@ class Receiver:
         maybe_held = False  # the source may hold our destination without our knowing
         try:
             for attempt in range(2):
-                if attempt:
-                    self._connect(entry, i, fresh=True)
+                peer = self._connect(entry, i, fresh=attempt > 0)
+                first = -1
+                if entry.staging is not None:
+                    if peer.heads is None or peer.heads[1] - peer.heads[0] != self._source_heads(entry):
+                        raise KVBridgeError(f"prefill at {src.address} writes KV heads {peer.heads}, not {self._source_heads(entry)} of ours as one of {len(entry.sources)} sources")
+                    first = entry.staging.first + i * self._layers * len(entry.block_ids)
                 msg = Destination(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
                     block_ids=entry.block_ids,
                     num_tokens=entry.num_tokens,
                     skip_tokens=entry.skip_tokens,
-                    staging_slot=-1 if src.staging is None else src.staging.first,
+                    staging_slot=first,
                     source=i,
                 )
                 maybe_held = True
@@ -438,12 +448,12 @@ class Receiver:
                 log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
                 return
             src = entry.sources[msg.source]
-            unpack = self.node.packed is not None and src.staging is not None and not entry.req.terminal
+            unpack = self.node.packed is not None and entry.staging is not None and not entry.req.terminal
             if unpack:  # the blocks stay ours until the unpack is done
                 entry.req.posted(_UNPACK)
         if unpack:  # the bytes are in our staging slots: into the cache
             try:
-                self._unpack(entry, msg, src)
+                self._unpack(entry, msg)
             except Exception as exc:  # noqa: BLE001 - a failed unpack fails the load, never the thread
                 with self._lock:
                     entry.req.settled(_UNPACK, self.clock())
@@ -470,14 +480,15 @@ class Receiver:
         num, den = src.share
         return self._slot_bytes * num // den
 
-    def _unpack(self, entry: _In, msg: LayerDone, src: _Source) -> None:
+    def _unpack(self, entry: _In, msg: LayerDone) -> None:
         """Unpack the layers a ``LayerDone`` announced from the source's staging chunks
         into its heads of our blocks (the notifications thread; the request keeps its
         staging until it ends)."""
         packed, nb = self.node.packed, len(entry.block_ids)
         blocks = entry.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
+        first = entry.staging.first + msg.source * self._layers * nb + msg.first_block
         for layer in msg.layers:
-            packed.unpack(layer, blocks, src.staging.first + layer * nb + msg.first_block, heads=src.peer.heads)
+            packed.unpack(layer, blocks, first + layer * nb, heads=entry.sources[msg.source].peer.heads)
 
     # --- control thread ------------------------------------------------------------------
 
@@ -525,10 +536,11 @@ class Receiver:
     def _retry_staging(self) -> None:
         """Send the destinations that waited for staging slots, if some were freed."""
         with self._lock:
-            waiting = [(e, i) for e in self._in.values() if not e.req.terminal for i, src in enumerate(e.sources) if src.wants_staging]
-        for entry, i in waiting:
-            if self._reserve(entry, i):
-                self._pool.submit(self._send_destination, entry, i)
+            waiting = [e for e in self._in.values() if e.wants_staging and not e.req.terminal]
+        for entry in waiting:
+            if self._reserve(entry):
+                for i in range(len(entry.sources)):
+                    self._pool.submit(self._send_destination, entry, i)
 
     def _beat(self) -> None:
         now = self.clock()
@@ -557,10 +569,9 @@ class Receiver:
                 if entry.req.releasable:
                     entry.req.release()
                     del self._in[tid]
-                    for src in entry.sources:  # no write can land any more
-                        if src.staging is not None:
-                            self.node.packed.release(src.staging)
-                            src.staging = None
+                    if entry.staging is not None:  # no write can land any more
+                        self.node.packed.release(entry.staging)
+                        entry.staging = None
                     if entry.req.phase is RecvPhase.RECEIVED:
                         self._finished.append(tid)
                         self.stats.add(requests_received=1, bytes_received=entry.nbytes)

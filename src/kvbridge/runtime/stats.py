@@ -35,6 +35,12 @@ class StatsSnapshot:
     did not hide)."""
     request_transfer_s: list[float] = field(default_factory=list)
     """Per request: first post to last completion."""
+    staging_slots: int = 0
+    """Level of :data:`GAUGES` (``wire_dtype: fp8``, for adapters that report levels in
+    snapshots): the instance's staging slots, all ranks (:meth:`merge` keeps the
+    largest); 0: not reported."""
+    staging_slots_used: int = 0
+    """Level: staging slots held, summed over the ranks reporting (:meth:`merge`)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,12 +49,13 @@ class StatsSnapshot:
         out = StatsSnapshot()
         for name, value in asdict(self).items():
             other_value = getattr(other, name)
-            setattr(out, name, value + other_value)
+            setattr(out, name, max(value, other_value) if name == "staging_slots" else value + other_value)
         return out
 
     def is_empty(self) -> bool:
-        """Nothing recorded: every counter zero and every histogram empty."""
-        return not any(asdict(self).values())
+        """Nothing recorded: every counter zero and every histogram empty (levels are
+        not recordings)."""
+        return not any(v for k, v in asdict(self).items() if k not in GAUGES)
 
 
 class TransferStats:
@@ -94,8 +101,9 @@ GAUGES: dict[str, str] = {
     "staging_slots_used": "Staging slots (one packed block of one layer each) held by requests in flight (wire_dtype fp8)",
     "staging_slots": "Staging slots of this rank's buffer (wire_dtype fp8)",
 }
-"""Levels an adapter sets from its own state (not part of :class:`StatsSnapshot`):
-name -> description. Exported by the SGLang backend."""
+"""Levels an adapter reads from its own state: name -> description. The SGLang backend
+sets them directly; the vLLM connector reports them in every step's
+:class:`StatsSnapshot` (where a worker has a staging buffer), per instance."""
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets, seconds."""

@@ -11,7 +11,10 @@ feeds the data to :class:`KVBridgePromMetrics`, which exports:
   ``vllm:kvbridge_aborted_total``,
 - histograms ``vllm:kvbridge_transfer_seconds`` (per posted transfer),
   ``vllm:kvbridge_exposed_transfer_seconds`` (per request: prefill done -> last byte
-  landed, what streaming did not hide) and ``vllm:kvbridge_request_transfer_seconds``.
+  landed, what streaming did not hide) and ``vllm:kvbridge_request_transfer_seconds``;
+- with ``wire_dtype: fp8``, gauges ``vllm:kvbridge_staging_slots`` and
+  ``..._staging_slots_used`` (the instance's staging slots and those held, all ranks;
+  workers report them in the steps where they change or slots are held).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kvbridge.adapters.vllm.compat import (
     KVConnectorStats,
     create_metric_per_engine,
 )
-from kvbridge.runtime.stats import BUCKETS, COUNTERS, HISTOGRAMS, StatsSnapshot
+from kvbridge.runtime.stats import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, StatsSnapshot
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -80,6 +83,13 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             )
             for key, (name, doc) in HISTOGRAMS.items()
         }
+        self._gauges = {
+            name: create_metric_per_engine(
+                self._gauge_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", labelnames=labelnames, multiprocess_mode="mostrecent"),
+                per_engine_labelvalues,
+            )
+            for name, doc in GAUGES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, metric in self._counters.items():
@@ -89,6 +99,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         for key, metric in self._histograms.items():
             for value in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(value)
+        if transfer_stats_data.get("staging_slots"):  # this step's levels (fp8 instances)
+            for name, metric in self._gauges.items():
+                metric[engine_idx].set(transfer_stats_data[name])
 
 
 __all__ = ["KVBridgePromMetrics", "KVBridgeStats"]

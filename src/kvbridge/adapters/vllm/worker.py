@@ -60,6 +60,7 @@ class WorkerSide:
         self._aborted_recv: set[str] = set()  # decode req ids the scheduler finished early
         self._released: set[str] = set()  # prefill req ids released, not yet finished by the scheduler
         self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
+        self._reported_used: int | None = None  # staging slots held at the last report
 
     # --- start-up --------------------------------------------------------------------------
 
@@ -201,6 +202,16 @@ class WorkerSide:
         if self.endpoint is None:
             return None
         snap = self.endpoint.stats.take()
+        packed = self.endpoint.node.packed
+        if packed is not None:
+            # staging levels, summed over ranks by vLLM: reported while slots are held and
+            # once after a change, so a rank that does not report holds none
+            used = packed.allocator.num_slots - packed.allocator.free_slots
+            if used or used != self._reported_used:
+                snap.staging_slots = packed.allocator.num_slots * self.tp_size  # every rank has as many
+                snap.staging_slots_used = used
+                self._reported_used = used
+                return snap
         return None if snap.is_empty() else snap
 
     def close(self) -> None:
