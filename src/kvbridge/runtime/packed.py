@@ -42,12 +42,10 @@ if TYPE_CHECKING:
 _FLOAT_CACHES = ("float16", "bfloat16", "float32")
 
 
-def slot_format(geometry: CacheGeometry, heads: int | None = None) -> PackedFormat:
-    """One block of one layer, FP8 with scales: of all the cache's KV heads (a slot), or
-    of ``heads`` of them (a chunk, for a peer with another TP split)."""
+def slot_format(geometry: CacheGeometry) -> PackedFormat:
+    """The format of one slot: one block of one layer, FP8 with scales."""
     s = geometry.spec
-    n = s.num_kv_heads if heads is None else heads
-    return PackedFormat(num_tokens=s.block_size, num_heads=n, head_dim=s.head_dim, dtype=FP8_DTYPE, scaled=True, chunk_tokens=s.block_size)
+    return PackedFormat(num_tokens=s.block_size, num_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=FP8_DTYPE, scaled=True, chunk_tokens=s.block_size)
 
 
 def staging_descs(info: StagingInfo, chunk_bytes: int | None = None) -> np.ndarray:
@@ -176,7 +174,7 @@ class PackedPath:
 
     def view(self, first: int, n: int) -> torch.Tensor:
         """Bytes of slots ``[first, first + n)``."""
-        return self.buffer[first * self.slot.nbytes : (first + n) * self.slot.nbytes]
+        return self._chunks(self.slot, first, n)
 
     # --- chunks: blocks of some of the heads (a peer with another TP split) -------------
 
@@ -219,6 +217,7 @@ class PackedPath:
         self.allocator.free(run.slot, run.slots)
 
     def _chunks(self, fmt: PackedFormat, first: int, n: int) -> torch.Tensor:
+        """Bytes of chunks ``[first, first + n)`` of format ``fmt`` (slots: :attr:`slot`)."""
         return self.buffer[first * fmt.nbytes : (first + n) * fmt.nbytes]
 
     # --- pack / unpack -------------------------------------------------------------------
