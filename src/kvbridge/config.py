@@ -54,9 +54,10 @@ class Timeouts(_Section):
     """One posted transfer (a layer, or a whole request) from post to completion."""
 
     receive_s: PositiveFloat = 120.0
-    """How long the decode side waits, after sending its destination, for the first KV
-    data. Covers the prefill side's queueing and compute; on expiry the load fails and
-    the engine's load-failure policy (recompute or fail) applies."""
+    """How long the decode side waits, twice: for its destination to go out (room in
+    the FP8 staging buffer, the handshake, the prefill's acknowledgement), then for the
+    first KV data (the prefill side's queueing and compute). On expiry the load fails
+    and the engine's load-failure policy (recompute or fail) applies."""
 
     lease_s: PositiveFloat = 60.0
     """How long a prefill instance holds a finished request's blocks waiting for the
@@ -138,14 +139,22 @@ class KVBridgeConfig(_Section):
     short prompts per-layer transfers cost more than they hide."""
 
     wire_dtype: Literal["exact", "fp8"] = "exact"
-    """How KV travels. ``exact``: the cache's bytes, block by block, zero copy. ``fp8``:
-    each layer's blocks are packed into staging buffers as float8 e4m3 with one scale
-    per (token, head), and unpacked into the decode cache (float16/bfloat16/float32
-    caches of CPU engines for now; 2-4x fewer bytes, about 3% relative error in the
-    KV). Prefill and decode must agree; push flow only."""
+    """What KV values travel. ``exact``: the cache's own values. ``fp8``: float8 e4m3
+    with one scale per (token, head), packed on the prefill side and unpacked into the
+    decode cache (float16/bfloat16/float32 caches of CPU engines for now; 2-4x fewer
+    bytes, about 3% relative error in the KV). Prefill and decode must agree."""
+
+    data_path: Literal["auto", "direct", "packed"] = "auto"
+    """How KV moves. ``direct``: the transport writes cache blocks (or their head
+    ranges) straight into the peer's cache blocks, zero copy. ``packed``: each layer's
+    blocks are packed into a registered staging buffer, written into the peer's, and
+    unpacked there: needed by ``wire_dtype: fp8``, and with ``exact`` it moves any head
+    range of any cache layout (different TP sizes on an NHD cache, which the direct
+    path cannot cut). ``auto``: packed for ``fp8``, direct for ``exact``. The packed
+    path needs CPU caches for now and the push flow; prefill and decode must agree."""
 
     staging_mb: PositiveInt = 256
-    """Size of the registered staging buffer for ``wire_dtype: fp8``, per worker. The
+    """Size of the registered staging buffer of the packed path, per worker. The
     decode side holds a request's packed KV in it until the request has arrived, so it
     bounds the packed KV of requests in flight (a request that can never fit fails
     naming this key)."""
@@ -153,6 +162,11 @@ class KVBridgeConfig(_Section):
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     nixl: NixlOptions = msgspec.field(default_factory=NixlOptions)
     mooncake: MooncakeOptions = msgspec.field(default_factory=MooncakeOptions)
+
+    @property
+    def packed(self) -> bool:
+        """True when KV moves through the staging buffers (``data_path``, resolved)."""
+        return self.data_path == "packed" or (self.data_path == "auto" and self.wire_dtype == "fp8")
 
 
 def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBridgeConfig:
@@ -183,9 +197,16 @@ def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBrid
         )
     _check_keys(KVBridgeConfig, source, prefix="")
     try:
-        return msgspec.convert(dict(source), KVBridgeConfig, strict=True)
+        config = msgspec.convert(dict(source), KVBridgeConfig, strict=True)
     except msgspec.ValidationError as exc:
         raise _explain(exc) from exc
+    if config.wire_dtype == "fp8" and config.data_path == "direct":
+        raise ConfigError(
+            "wire_dtype 'fp8' quantizes KV while packing it, so it cannot use data_path 'direct' (cache to cache)",
+            key="data_path",
+            fix="drop data_path (auto) or set it to 'packed'",
+        )
+    return config
 
 
 def config_keys(cls: type[msgspec.Struct] = KVBridgeConfig, prefix: str = "") -> list[str]:

@@ -27,6 +27,8 @@ def test_defaults_and_overrides() -> None:
         ({"mooncake": {"max_queued_transfers_per_peer": 70000}}, "mooncake.max_queued_transfers_per_peer", "<= 65535"),
         ({"nixl": {"backends": "UCX"}}, "nixl.backends", "takes a list of str"),
         ({"timeouts": 5}, "timeouts", "an object with keys handshake_s"),
+        ({"wire_dtype": "fp8", "data_path": "direct"}, "data_path", "set it to 'packed'"),
+        ({"data_path": "staged"}, "data_path", "valid choices: 'auto', 'direct', 'packed'"),
     ],
 )
 def test_bad_keys_name_the_key_and_the_fix(doc: dict, key: str, in_message: str) -> None:
@@ -41,6 +43,14 @@ def test_bad_keys_name_the_key_and_the_fix(doc: dict, key: str, in_message: str)
 def test_documents_that_are_not_objects(doc: object) -> None:
     with pytest.raises(ConfigError, match="fix: pass a"):
         load_config(doc)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("doc", "packed"),
+    [({}, False), ({"wire_dtype": "fp8"}, True), ({"data_path": "packed"}, True), ({"wire_dtype": "fp8", "data_path": "packed"}, True), ({"data_path": "direct"}, False)],
+)
+def test_data_path_resolves_auto_by_wire_dtype(doc: dict, packed: bool) -> None:
+    assert load_config(doc).packed is packed
 
 
 def test_config_is_frozen() -> None:

@@ -85,7 +85,7 @@ def test_illegal_send_transitions() -> None:
 
 def test_recv_happy_path_and_deadlines() -> None:
     r = RecvRequest("b", [4, 5], T, now=0)
-    assert r.phase is RecvPhase.ALLOCATED and r.deadline == 1
+    assert r.phase is RecvPhase.ALLOCATED and r.deadline == 20  # receive_s: may wait for staging room
     r.destination_sent(now=0.5)
     assert r.deadline == 20.5
     r.layer_arrived(now=3)
@@ -99,7 +99,7 @@ def test_recv_happy_path_and_deadlines() -> None:
 @pytest.mark.parametrize(
     ("steps", "at", "why"),
     [
-        ([], 1.0, "sending the destination"),
+        ([], 20.0, "sending the destination"),
         (["sent"], 20.0, "the first KV data"),
         (["sent", "layer"], 3.0, "the next KV data"),
     ],
@@ -110,6 +110,7 @@ def test_recv_times_out_in_every_waiting_phase(steps: list[str], at: float, why:
         r.destination_sent(now=0)
     if "layer" in steps:
         r.layer_arrived(now=1)
+    assert not r.poll(at - 0.01)
     assert r.poll(at)
     assert r.phase is RecvPhase.FAILED and why in (r.reason or "")
     assert r.release() == (1,)

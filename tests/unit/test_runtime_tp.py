@@ -1,6 +1,7 @@
 """Prefill and decode instances with different tensor-parallel sizes, on the runtime
 (side channel, handshake, sender, receiver) over the loopback transport with real torch
-caches, exact and FP8 on the wire: each decode rank gets exactly its KV heads of every
+caches, moving exact values directly (``exact``) or through staging (``packed``), or
+FP8 (``fp8``): each decode rank gets exactly its KV heads of every
 block from the prefill rank(s) that hold them, in both flows and both directions
 (decode TP a multiple of the prefill's, or the other way round); a prefill rank lets
 go of a request only when every decode rank it feeds is served, a decode rank
@@ -12,7 +13,9 @@ unpacks every source's range into those heads. A head's FP8 values and scale do 
 depend on which other heads travel with it, so every decode rank must hold exactly
 what a one-piece pack and unpack of the prefill's whole cache gives for its heads, bit
 for bit; the wrong head range, block or source shows up as a difference. Staging is
-given back exactly once on both sides."""
+given back exactly once on both sides. ``packed`` (exact values through staging) must
+give every decode rank its heads bit for bit, NHD caches included, which the direct
+path refuses."""
 
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ _names = itertools.count()
 
 class Rank:
     """One worker: a torch cache of its KV heads in ``layout`` (random when ``seed`` is
-    given, else zeros) and its endpoint, moving ``wire`` bytes."""
+    given, else zeros) and its endpoint, moving KV ``wire``: ``exact`` (direct),
+    ``packed`` (exact values through staging) or ``fp8``."""
 
     def __init__(
         self, role: str, tp: int, rank: int, layout: str = "fused", *, seed: int | None = None, wire: str = "exact",
@@ -59,12 +63,15 @@ class Rank:
             bases = tuple(self.cache[l, k].data_ptr() for l in range(L) for k in range(2))
         spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=self.heads, head_dim=HD, dtype="float32", layout=layout)
         geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases)
-        compat = CompatInfo.from_spec(spec, model="m", wire_dtype=wire, tp_size=tp, total_kv_heads=total)
+        dtype = "fp8" if wire == "fp8" else "exact"
+        compat = CompatInfo.from_spec(spec, model="m", wire_dtype=dtype, tp_size=tp, total_kv_heads=total, packed=wire != "exact")
         t = {"receive_s": timeout_s, "transfer_s": timeout_s, "lease_s": timeout_s, "handshake_s": 3}
-        config = load_config({"wire_dtype": wire, "staging_mb": staging_mb, "timeouts": t})
+        path = "packed" if wire == "packed" else "auto"
+        config = load_config({"wire_dtype": dtype, "data_path": path, "staging_mb": staging_mb, "timeouts": t})
+        assert config.packed is (wire != "exact")
         self.ep = Endpoint(
             config, geo, compat, role, rank, send=role == "P", receive=role == "D",
-            transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"), planes=self.planes() if wire == "fp8" else None,
+            transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"), planes=self.planes() if config.packed else None,
         )
 
     def planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -78,7 +85,7 @@ class Rank:
         """What a decode side should hold of these blocks: their KV, or (FP8) what one
         pack and one unpack of all heads at once make of it (the ops are checked element
         by element in test_ops.py)."""
-        if self.wire == "exact":
+        if self.wire != "fp8":
             return self.kv(blocks)
         out = Rank.__new__(Rank)
         out.layout, out.cache = self.layout, torch.zeros_like(self.cache)
@@ -88,7 +95,7 @@ class Rank:
 
     def wire_bytes(self, heads: int) -> int:
         """Bytes on the wire per layer and block for ``heads`` KV heads."""
-        if self.wire == "exact":
+        if self.wire != "fp8":  # a packed exact chunk is the block's bytes (a multiple of 16)
             return 2 * BS * heads * HD * 4
         return PackedFormat(num_tokens=BS, num_heads=heads, head_dim=HD, dtype=FP8_DTYPE, scaled=True, chunk_tokens=BS).nbytes
 
@@ -132,7 +139,11 @@ def _wait_sending(ps: list[Rank], tid: str) -> None:
         time.sleep(0.002)
 
 
-PUSH_ONE_TO_MANY = [("exact", 2, "fused"), ("exact", 2, "hnd"), ("exact", 4, "fused"), ("fp8", 2, "fused"), ("fp8", 2, "hnd"), ("fp8", 2, "nhd"), ("fp8", 4, "fused")]
+PUSH_ONE_TO_MANY = [
+    ("exact", 2, "fused"), ("exact", 2, "hnd"), ("exact", 4, "fused"),
+    ("packed", 2, "nhd"), ("packed", 4, "hnd"),
+    ("fp8", 2, "fused"), ("fp8", 2, "hnd"), ("fp8", 2, "nhd"), ("fp8", 4, "fused"),
+]
 
 
 @pytest.mark.parametrize(("wire", "d_tp", "layout"), PUSH_ONE_TO_MANY)
@@ -176,7 +187,7 @@ def test_pull_releases_once_every_decode_rank_read_its_heads(ranks: list[Rank]) 
         assert torch.equal(d.kv([7, 8]), p.kv([4, 5])[..., 2 * d.rank : 2 * d.rank + 2, :])
 
 
-@pytest.mark.parametrize("wire", ["exact", "fp8"])
+@pytest.mark.parametrize("wire", ["exact", "packed", "fp8"])
 def test_two_prefill_ranks_each_feed_their_decode_ranks(ranks: list[Rank], wire: str) -> None:
     """Prefill TP 2 (2 heads each), decode TP 4 (1 each): decode rank r reads from
     prefill rank r // 2, head r % 2 of it."""
@@ -210,7 +221,11 @@ def test_decode_replicas_each_get_their_head(ranks: list[Rank], wire: str) -> No
     assert p.ep.sender.wait_released(5) == ["h"]
 
 
-PUSH_MANY_TO_ONE = [("exact", 2, "fused"), ("exact", 2, "hnd"), ("exact", 4, "fused"), ("fp8", 2, "fused"), ("fp8", 2, "nhd"), ("fp8", 4, "hnd")]
+PUSH_MANY_TO_ONE = [
+    ("exact", 2, "fused"), ("exact", 2, "hnd"), ("exact", 4, "fused"),
+    ("packed", 2, "nhd"), ("packed", 4, "fused"),
+    ("fp8", 2, "fused"), ("fp8", 2, "nhd"), ("fp8", 4, "hnd"),
+]
 
 
 @pytest.mark.parametrize(("wire", "p_tp", "layout"), PUSH_MANY_TO_ONE)
@@ -268,7 +283,7 @@ def test_a_dead_prefill_rank_fails_the_load_and_stops_the_others(ranks: list[Ran
     ("p_tp", "d_tp", "layout", "d_rank", "p_rank", "match", "fix"),
     [
         (8, 2, "fused", 0, 0, "hold replicas of the model's 4 KV heads", "--tensor-parallel-size of at least 8"),
-        (1, 2, "nhd", 1, 0, "nhd interleaves heads", "wire_dtype 'fp8'"),
+        (1, 2, "nhd", 1, 0, "nhd interleaves heads", "data_path 'packed'"),
         (2, 4, "fused", 2, 0, "decode rank 2 gets none of its KV heads from prefill rank 0", "reads from prefill ranks [1]"),
     ],
 )
@@ -296,7 +311,7 @@ def test_pull_from_a_dead_prefill_rank_fails_and_releases_the_other(ranks: list[
     assert ps[1].ep.sender.wait_released(10) == ["y"], "the live source must let go once the decode side gave up"
 
 
-@pytest.mark.parametrize("wire", ["exact", "fp8"])
+@pytest.mark.parametrize("wire", ["exact", "packed", "fp8"])
 def test_decode_abort_releases_every_source(ranks: list[Rank], wire: str) -> None:
     """The engine drops a request fed by two prefill ranks mid-way: both are told to
     stop (their leases are long), and the decode side's blocks (and staging) come back
@@ -383,17 +398,17 @@ def test_staging_runs_of_any_head_count_stay_inside_their_slots_and_apart() -> N
 
 
 @pytest.mark.parametrize(
-    ("layout", "n", "cleared"),
-    [("fused", 150, True), ("fused", 160, False), ("hnd", 150, False)],
-    ids=["fused-partial", "fused-whole-blocks", "hnd"],
+    ("wire", "layout", "n", "cleared"),
+    [("fp8", "fused", 150, True), ("fp8", "fused", 160, False), ("fp8", "hnd", 150, False), ("packed", "fused", 150, False)],
+    ids=["fused-partial", "fused-whole-blocks", "hnd", "exact-packed"],
 )
-def test_the_partial_last_block_is_cleared_before_the_engine_writes_it(ranks: list[Rank], layout: str, n: int, cleared: bool) -> None:
+def test_the_partial_last_block_is_cleared_before_the_engine_writes_it(ranks: list[Rank], wire: str, layout: str, n: int, cleared: bool) -> None:
     """A fused block packs rows that mix tokens (vLLM CPU keeps keys dim-major): the
     unused tail of the prompt's last block would enter the FP8 scales with whatever an
     earlier request left there. The sender zeroes that block, and only that one, when
     the engine hands it over (first chunk or a later one); per-token rows (hnd, nhd)
-    and prompts of whole blocks need nothing."""
-    p = Rank("P", 1, 0, layout, seed=5, wire="fp8")
+    and prompts of whole blocks need nothing, nor exact packing (no scales)."""
+    p = Rank("P", 1, 0, layout, seed=5, wire=wire)
     ranks.append(p)
     before = p.cache.clone()
     p.ep.sender.track("c", [3, 4, 5, 6], n)  # a chunk of 64 tokens: the last block not yet

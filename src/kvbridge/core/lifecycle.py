@@ -252,7 +252,10 @@ class RecvRequest(_Request[RecvPhase]):
     }
 
     def __init__(self, transfer_id: str, blocks: Sequence[int], timeouts: Timeouts, now: float) -> None:
-        super().__init__(transfer_id, blocks, RecvPhase.ALLOCATED, now + timeouts.handshake_s, timeouts)
+        # ALLOCATED covers waiting for staging room, the handshake and the destination's
+        # delivery; each network call has its own handshake_s bound, so the phase as a
+        # whole gets the queueing bound
+        super().__init__(transfer_id, blocks, RecvPhase.ALLOCATED, now + timeouts.receive_s, timeouts)
         self.layers_arrived = 0
 
     def destination_sent(self, now: float) -> None:

@@ -33,7 +33,7 @@ class Endpoint:
         send: this worker prefills for others (serves the side channel).
         receive: this worker decodes with KV from others.
         transport: an already-created transport (tests); default: from ``config``.
-        planes: per layer its K and V planes, for ``wire_dtype: fp8`` (see
+        planes: per layer its K and V planes, for the packed path (``config.packed``) (see
             :class:`~kvbridge.runtime.node.Node`).
     """
 

@@ -16,8 +16,8 @@ Tensor parallelism: peers whose instances split the KV heads differently (one TP
 a multiple of the other) are paired at the handshake
 (:func:`kvbridge.core.tp.pair_split`): both sides then address blocks as head ranges
 (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
-those; on the packed path (``wire_dtype: fp8``) they exchange the head range they pair
-on through their staging buffers instead (``Peer.heads``, any layout). Pairings that
+those; on the packed path (``data_path: packed``, implied by ``wire_dtype: fp8``) they
+exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any layout). Pairings that
 cannot work are refused naming the fix.
 """
 
@@ -88,7 +88,8 @@ class Node:
         engine_id: the engine instance's id; ``rank``: the worker's rank in it.
         transport: an already-created transport (tests); default: from ``config``.
         planes: per layer its K and V planes (:func:`kvbridge.ops.kv_planes`); needed
-            by ``wire_dtype: fp8``, which packs from and unpacks into them.
+            by the packed path (``config.packed``), which packs from and unpacks into
+            them.
     """
 
     def __init__(
@@ -112,10 +113,14 @@ class Node:
             self.transport.register(geometry.regions(), memory=geometry.memory, device=geometry.device)
             self.table = self.transport.prepare(geometry.slot_table(), memory=geometry.memory)
             self.packed: PackedPath | None = None
-            if config.wire_dtype == "fp8":
+            if config.packed:
                 if planes is None:
-                    raise ConfigError("wire_dtype 'fp8' needs the cache tensors, which this engine adapter does not pass", key="wire_dtype", fix="use wire_dtype 'exact'")
-                self.packed = PackedPath(geometry, planes, config.staging_mb, self.transport)
+                    raise ConfigError(
+                        "the packed data path (wire_dtype 'fp8', data_path 'packed') needs the cache tensors, which this engine adapter does not pass",
+                        key="data_path",
+                        fix="use wire_dtype 'exact' and data_path 'direct'",
+                    )
+                self.packed = PackedPath(geometry, planes, config.staging_mb, self.transport, fp8=config.wire_dtype == "fp8")
         except Exception:
             self.transport.close()
             raise
@@ -164,10 +169,10 @@ class Node:
             raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
         split = self._split(msg, prefill)
         if (self.packed is None) != (msg.staging is None):
-            # the compat hash covers wire_dtype; a mismatch here means a hand-made frame
+            # the compat hash covers data_path; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
-        if msg.staging is not None and msg.staging.slot_bytes != slot_format(msg.geometry).nbytes:
-            raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {slot_format(msg.geometry).nbytes}")
+        if msg.staging is not None and msg.staging.slot_bytes != (want := slot_format(msg.geometry, self.packed.fp8).nbytes):
+            raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {want}")
         agent = self.transport.add_peer(msg.transport_metadata)
         parts = split is not None and self.packed is None  # the exact path moves head ranges of blocks
         table = self.transport.prepare(msg.geometry.part_table(split.remote_parts if parts else 1), memory=msg.geometry.memory, peer=agent)
@@ -214,7 +219,7 @@ class Node:
             raise IncompatiblePeerError(
                 f"{what}: the KV cache layout nhd interleaves heads within a block, so a rank's heads cannot be cut out of it",
                 differences=differences,
-                fix="use the same --tensor-parallel-size on both, an HND cache layout (vLLM: VLLM_KV_CACHE_LAYOUT=HND), or wire_dtype 'fp8' (it packs any head range)",
+                fix="use the same --tensor-parallel-size on both, an HND cache layout (vLLM: VLLM_KV_CACHE_LAYOUT=HND), or the packed path on both (data_path 'packed', exact values; or wire_dtype 'fp8'): it moves any head range",
             )
         split = pair_split(p.model_kv_heads, p.tp_size, d.tp_size, p_rank, d_rank, prefill=prefill)
         if split is None:

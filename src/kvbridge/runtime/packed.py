@@ -1,8 +1,10 @@
-"""The packed data path of one worker (``wire_dtype: fp8``): a registered staging
-buffer, its slot allocator, and packing / unpacking a request's blocks.
+"""The packed data path of one worker (``data_path: packed``, implied by ``wire_dtype:
+fp8``): a registered staging buffer, its slot allocator, and packing / unpacking a
+request's blocks.
 
 A *slot* holds one block of one layer, packed: one chunk of the format of
-``csrc/PACKED_FORMAT.md`` with ``chunk_tokens = block_size``. Peers with the same TP
+``csrc/PACKED_FORMAT.md`` with ``chunk_tokens = block_size``, FP8 with scales
+(``wire_dtype: fp8``) or the cache's own values (``exact``). Peers with the same TP
 split share the cache spec (the handshake checks it), so their slots have the same
 size and a write is a list of slot pairs, like a direct write is a list of cache-slot
 pairs. Peers split differently exchange, for every block, the head range they pair on
@@ -42,10 +44,12 @@ if TYPE_CHECKING:
 _FLOAT_CACHES = ("float16", "bfloat16", "float32")
 
 
-def slot_format(geometry: CacheGeometry) -> PackedFormat:
-    """The format of one slot: one block of one layer, FP8 with scales."""
+def slot_format(geometry: CacheGeometry, fp8: bool = True) -> PackedFormat:
+    """The format of one slot: one block of one layer, FP8 with scales (``fp8``) or
+    the cache's values."""
     s = geometry.spec
-    return PackedFormat(num_tokens=s.block_size, num_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=FP8_DTYPE, scaled=True, chunk_tokens=s.block_size)
+    dtype = FP8_DTYPE if fp8 else s.dtype
+    return PackedFormat(num_tokens=s.block_size, num_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=dtype, scaled=fp8, chunk_tokens=s.block_size)
 
 
 def staging_descs(info: StagingInfo, chunk_bytes: int | None = None) -> np.ndarray:
@@ -128,13 +132,17 @@ class PackedPath:
             :func:`kvbridge.ops.kv_planes`.
         staging_mb: size of the staging buffer.
         transport: registers the buffer; ``prepare`` gives :attr:`table`.
+        fp8: quantize to float8 e4m3 with scales (``wire_dtype: fp8``); False: move
+            the cache's values unchanged.
     """
 
-    def __init__(self, geometry: CacheGeometry, planes: Sequence[tuple[torch.Tensor, torch.Tensor]], staging_mb: int, transport: TransportBase) -> None:
+    def __init__(
+        self, geometry: CacheGeometry, planes: Sequence[tuple[torch.Tensor, torch.Tensor]], staging_mb: int, transport: TransportBase, fp8: bool = True
+    ) -> None:
         import torch
 
         spec = geometry.spec
-        if spec.dtype not in _FLOAT_CACHES:
+        if fp8 and spec.dtype not in _FLOAT_CACHES:
             raise ConfigError(
                 f"wire_dtype 'fp8' packs float16, bfloat16 or float32 caches; this cache is {spec.dtype}",
                 key="wire_dtype",
@@ -144,16 +152,17 @@ class PackedPath:
             # the engine computes a layer on its own stream: packing it needs that layer's
             # compute event, which no engine adapter passes yet (the kernels are ready)
             raise ConfigError(
-                "wire_dtype 'fp8' on GPU caches is not wired into the engine adapters yet",
-                key="wire_dtype",
-                fix="use wire_dtype 'exact' on GPU instances (kvbridge.ops packs GPU caches when called directly)",
+                "the packed data path (wire_dtype 'fp8', data_path 'packed') on GPU caches is not wired into the engine adapters yet",
+                key="wire_dtype" if fp8 else "data_path",
+                fix="use wire_dtype 'exact' and data_path 'direct' on GPU instances (kvbridge.ops packs GPU caches when called directly)",
             )
         if len(planes) != spec.num_layers:
             raise ValueError(f"{len(planes)} layers of cache planes for a {spec.num_layers}-layer cache")
         self.geometry = geometry
         self.planes = list(planes)
         self.block_size = spec.block_size
-        self.slot = slot_format(geometry)
+        self.fp8 = fp8
+        self.slot = slot_format(geometry, fp8)
         num_slots = (staging_mb << 20) // self.slot.nbytes
         if num_slots < spec.num_layers:
             raise ConfigError(f"staging_mb {staging_mb} holds {num_slots} packed blocks, fewer than one block per layer", key="staging_mb", fix="raise staging_mb")
@@ -226,8 +235,9 @@ class PackedPath:
     def mixes_tokens(self) -> bool:
         """True when a packed row of a block may hold values of several tokens (the
         ``fused`` layout: vLLM's CPU kernel keeps a block's keys dim-major), so a
-        row's FP8 scale covers the block's unused token positions too."""
-        return self.geometry.spec.layout == "fused"
+        row's FP8 scale covers the block's unused token positions too (exact packing
+        has no scales: False)."""
+        return self.fp8 and self.geometry.spec.layout == "fused"
 
     def clear(self, block_id: int) -> None:
         """Zero block ``block_id`` in every layer. The sender clears a prompt's partial
@@ -255,7 +265,7 @@ class PackedPath:
         n = len(block_ids)
         fmt = self.chunk(self.slot.num_heads if heads is None else heads[1] - heads[0])
         out = self._chunks(fmt, first, len(layers) * n)
-        ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, heads=heads, fp8=True, chunk_tokens=self.block_size, out=out)
+        ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, heads=heads, fp8=self.fp8, chunk_tokens=self.block_size, out=out)
 
     def unpack(self, layer: int, block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None) -> None:
         """Unpack chunks ``[first, first + len(block_ids))`` of one layer into the whole

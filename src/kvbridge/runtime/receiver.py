@@ -168,7 +168,7 @@ class Receiver:
         sources = [_Source(a, e) for a, e in zip(addresses, epochs, strict=True)]
         entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks)
         if self.node.packed is not None and block_ids:
-            self._fail(entry, "wire_dtype 'fp8' packs KV on the prefill side as it is computed: it needs the push flow, not P-first reads (use the proxy's default --flow push)")
+            self._fail(entry, "the packed data path (wire_dtype 'fp8', data_path 'packed') packs KV on the prefill side as it is computed: it needs the push flow, not P-first reads (use the proxy's default --flow push)")
             return
         self._pool.submit(self._start_read, entry)
 

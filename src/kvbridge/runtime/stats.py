@@ -36,7 +36,7 @@ class StatsSnapshot:
     request_transfer_s: list[float] = field(default_factory=list)
     """Per request: first post to last completion."""
     staging_slots: int = 0
-    """Level of :data:`GAUGES` (``wire_dtype: fp8``, for adapters that report levels in
+    """Level of :data:`GAUGES` (the packed path, for adapters that report levels in
     snapshots): the instance's staging slots, all ranks (:meth:`merge` keeps the
     largest); 0: not reported."""
     staging_slots_used: int = 0
@@ -98,8 +98,8 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
 """Histogram fields of :class:`StatsSnapshot` -> (metric name, description)."""
 
 GAUGES: dict[str, str] = {
-    "staging_slots_used": "Staging slots (one packed block of one layer each) held by requests in flight (wire_dtype fp8)",
-    "staging_slots": "Staging slots of this rank's buffer (wire_dtype fp8)",
+    "staging_slots_used": "Staging slots (one packed block of one layer each) held by requests in flight (packed data path: wire_dtype fp8 or data_path packed)",
+    "staging_slots": "Staging slots of this rank's buffer (packed data path: wire_dtype fp8 or data_path packed)",
 }
 """Levels an adapter reads from its own state: name -> description. The SGLang backend
 sets them directly; the vLLM connector reports them in every step's

@@ -44,16 +44,22 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     tp_size: int = 1
     wire_dtype: str = "exact"
-    """How KV travels (config ``wire_dtype``): both sides must pack or neither."""
+    """What KV values travel (config ``wire_dtype``)."""
     total_kv_heads: int = 0
     """KV heads of the model (before the TP split); 0: ``num_kv_heads * tp_size``."""
+    data_path: str = "direct"
+    """How KV moves (config ``data_path``, resolved: ``direct`` or ``packed``): both
+    sides must pack or neither."""
 
     @property
     def model_kv_heads(self) -> int:
         return self.total_kv_heads or self.num_kv_heads * self.tp_size
 
     @classmethod
-    def from_spec(cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0) -> CompatInfo:
+    def from_spec(
+        cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0, packed: bool | None = None
+    ) -> CompatInfo:
+        """``packed``: whether KV moves through staging (default: for ``fp8`` only)."""
         return cls(
             model=model,
             dtype=spec.dtype,
@@ -65,6 +71,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             tp_size=tp_size,
             wire_dtype=wire_dtype,
             total_kv_heads=total_kv_heads,
+            data_path="packed" if (wire_dtype == "fp8" if packed is None else packed) else "direct",
         )
 
 
@@ -79,7 +86,7 @@ def compat_hash(info: CompatInfo) -> str:
     across processes and versions of msgspec: values are encoded in field order)."""
     shared = [getattr(info, f) for f in info.__struct_fields__ if f not in _TP_SPLIT] + [info.model_kv_heads]
     payload = msgspec.msgpack.encode(shared)
-    return hashlib.sha256(b"kvbridge-compat-v2\0" + payload).hexdigest()[:16]
+    return hashlib.sha256(b"kvbridge-compat-v3\0" + payload).hexdigest()[:16]
 
 
 def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object, object]]:

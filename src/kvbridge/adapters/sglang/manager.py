@@ -35,9 +35,10 @@ acks. What kvbridge adds:
   sender's ``clear``/``abort``);
 - on decode, a notification thread turning ``Done`` into SGLang's Success, and a control
   thread applying failure statuses and abort acks;
-- ``wire_dtype: fp8`` (CPU pools, :mod:`.packed`): the decode reserves a run of staging
-  slots per room and names it in its ``Destination``; every post above packs its pages
-  into the prefill's staging slots (FP8 + scales) and writes those into the room's run;
+- the packed path (``wire_dtype: fp8`` or ``data_path: packed``; CPU pools,
+  :mod:`.packed`): the decode reserves a run of staging slots per room and names it in
+  its ``Destination``; every post above packs its pages into the prefill's staging
+  slots (FP8 + scales, or exact values) and writes those into the room's run;
   on ``Done`` the notification thread unpacks the run into the room's pages, then marks
   it received. Incompatible peers (transport, wire dtype, page or packed format) are
   refused at registration and their rooms fail with the reason;
@@ -238,10 +239,10 @@ class KVBridgeKVManager(_c.Manager):
             self.kv_table = self.transport.prepare(self.geometry.slot_table(), memory=self.memory)
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
-            if self.config.wire_dtype == "fp8":
+            if self.config.packed:
                 dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
-                self.packed = PackedPath(typed, pool_planes(typed), self.config.staging_mb, self.transport)
+                self.packed = PackedPath(typed, pool_planes(typed), self.config.staging_mb, self.transport, fp8=self.config.wire_dtype == "fp8")
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
         except Exception:
             self.transport.close()
@@ -375,6 +376,7 @@ class KVBridgeKVManager(_c.Manager):
                 wire_dtype=self.config.wire_dtype,
                 staging=self.packed.info if self.packed is not None else None,
                 packed_spec=self.packed.geometry.spec if self.packed is not None else None,
+                data_path="packed" if self.packed is not None else "direct",
             )
         )
 
@@ -476,6 +478,8 @@ class KVBridgeKVManager(_c.Manager):
             return f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}"
         if reg.wire_dtype != self.config.wire_dtype:
             return f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}"
+        if reg.data_path != (ours := "packed" if self.packed is not None else "direct"):
+            return f"it uses data_path {reg.data_path!r}, this prefill {ours!r}; {fix}"
         if reg.geometry.spec != self.geometry.spec:
             return f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}"
         if self.packed is not None and (
@@ -511,7 +515,7 @@ class KVBridgeKVManager(_c.Manager):
             # A decode that registered with an earlier instance of this prefill.
             reason = f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch {self.epoch})"
         elif not msg.is_dummy and self.packed is not None and msg.staging_first is None:
-            reason = "kvbridge: the decode's staging buffer had no room for this request (wire_dtype fp8); raise staging_mb on the decode"
+            reason = "kvbridge: the decode's staging buffer had no room for this request (packed data path); raise staging_mb on the decode"
         if reason is not None:
             self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
             return

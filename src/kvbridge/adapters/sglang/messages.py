@@ -56,10 +56,12 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """The decode rank's control socket (SGLang's ``rank_port``)."""
     wire_dtype: str = "exact"
     staging: Union[StagingInfo, None] = None
-    """``wire_dtype: fp8``: the decode rank's staging buffer (:mod:`.packed`)."""
+    """Packed path (``config.packed``): the decode rank's staging buffer (:mod:`.packed`)."""
     packed_spec: Union[CacheSpec, None] = None
-    """``wire_dtype: fp8``: the pool as numbers (dtype, heads, head dim); both sides'
-    must be equal."""
+    """Packed path: the pool as numbers (dtype, heads, head dim); both sides' must be
+    equal."""
+    data_path: str = "direct"
+    """``direct`` or ``packed`` (config ``data_path``, resolved)."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):

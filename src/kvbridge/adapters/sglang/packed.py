@@ -1,4 +1,4 @@
-"""``wire_dtype: fp8`` for the SGLang backend: SGLang's KV pool as typed planes, the
+"""The packed path (``wire_dtype: fp8`` or ``data_path: packed``) for the SGLang backend: SGLang's KV pool as typed planes, the
 packed slots of a room on both sides, and the decode's reservations. No SGLang imports.
 
 The direct path moves SGLang's pages as opaque bytes (:func:`.layout.kv_geometry`). The
@@ -49,10 +49,10 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
     row = opaque.spec.head_dim  # opaque spec: one "head" of page_bytes / page_size bytes
     if size is None or head_dim <= 0 or row % (head_dim * size):
         raise ConfigError(
-            f"wire_dtype 'fp8': SGLang's KV pages hold {row} bytes per token, not whole heads of "
+            f"the packed data path: SGLang's KV pages hold {row} bytes per token, not whole heads of "
             f"{head_dim} {dtype} values",
             key="wire_dtype",
-            fix="use wire_dtype 'exact' for this model (a quantized or MLA KV cache is not packed)",
+            fix="use wire_dtype 'exact' and data_path 'direct' for this model (a quantized or MLA KV cache is not packed)",
         )
     spec = CacheSpec(
         num_layers=opaque.spec.num_layers,
@@ -75,9 +75,9 @@ def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tenso
 
     if geometry.memory != "host":
         raise ConfigError(
-            "wire_dtype 'fp8' with SGLang packs CPU KV pools only for now",
+            "the packed data path (wire_dtype 'fp8', data_path 'packed') with SGLang packs CPU KV pools only for now",
             key="wire_dtype",
-            fix="use wire_dtype 'exact' on GPU servers",
+            fix="use wire_dtype 'exact' and data_path 'direct' on GPU servers",
         )
     s = geometry.spec
     nbytes = geometry.num_blocks * s.block_bytes

@@ -71,17 +71,19 @@ class WorkerSide:
         if not self.total_kv_heads:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
         compat = CompatInfo.from_spec(
-            geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads
+            geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads,
+            packed=self.config.packed,
         )
         planes = None
-        if self.config.wire_dtype != "exact":  # the packed path reads and writes the tensors
+        if self.config.packed:  # the packed path reads and writes the tensors
             from kvbridge.ops import kv_planes
 
             planes = [kv_planes(kv_caches[name], geometry.spec.layout) for name in ordered]
         self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
         log.info(
-            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s), side channel %s",
+            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",
             self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.config.wire_dtype,
+            "packed" if self.config.packed else "direct",
             self.endpoint.address,
         )
 
