@@ -25,6 +25,7 @@ import json
 import math
 import random
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -124,9 +125,9 @@ def _pd_config(transport: str, layerwise: bool) -> dict:
     return {"transport": transport, "layerwise_min_tokens": 0} if layerwise else {"transport": transport, "layerwise": False}
 
 
-def _start_pd(model: Path, log_dir: Path, env: dict[str, str], layerwise: bool):
+def _start_pd(model: Path, log_dir: Path, env: dict[str, str], layerwise: bool, decode_env: dict[str, str] | None = None):
     """Prefill + decode (with ``--enable-metrics``) + router; yields the :class:`PD`,
-    kills all three at the end."""
+    kills all three at the end. ``decode_env``: the decode's, if not ``env``."""
     bootstrap = _free_port()
     procs: list[Proc] = []
     try:
@@ -141,7 +142,7 @@ def _start_pd(model: Path, log_dir: Path, env: dict[str, str], layerwise: bool):
             "decode", model, log_dir,
             ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbridge",
              "--disaggregation-decode-retraction-backup", "cpu_tensor", *PD_FLAGS],
-            env,
+            env if decode_env is None else decode_env,
         )
         procs.append(decode)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -285,14 +286,20 @@ def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) ->
 FP8_CONFIGS = [("nixl", True), ("mooncake", False)]
 FP8_PROMPTS = [_prompt(n, seed=900 + n) for n in (12, 64, 200)]
 FP8_MAX_DRIFT = 0.6
+# The decode's staging: 1 MiB holds 455 packed pages of one layer (2 x 16 tokens x 2
+# heads x (32 FP8 bytes + a 4-byte scale), csrc/PACKED_FORMAT.md), so one 2000-token
+# request (125 pages x 2 layers) fits and two do not: concurrent ones must wait.
+DECODE_STAGING_MB = 1
+LONG_PROMPTS = [_prompt(2000, seed=950 + i) for i in range(3)]
 
 
 @pytest.fixture(scope="module", params=FP8_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in FP8_CONFIGS])
 def fp8_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
     transport, layerwise = request.param
     log_dir = tmp_path_factory.mktemp(f"fp8-{transport}")
-    env = _server_env({**_pd_config(transport, layerwise), "wire_dtype": "fp8", "staging_mb": 64})
-    yield from _start_pd(model, log_dir, env, layerwise)
+    config = {**_pd_config(transport, layerwise), "wire_dtype": "fp8", "staging_mb": 64}
+    decode_env = _server_env({**config, "staging_mb": DECODE_STAGING_MB})
+    yield from _start_pd(model, log_dir, _server_env(config), layerwise, decode_env)
 
 
 def _generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
@@ -339,3 +346,41 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(fp8_pd: PD
         assert exact / received > 1.7  # the test model: float16, head_dim 32: 64 bytes per row vs 36
     record_property("fp8_max_logprob_drift", worst)
     print(f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} prompts; logprobs within {worst:.2f}")
+
+
+def test_fp8_requests_wait_for_room_in_the_decode_staging_buffer(fp8_pd: PD) -> None:
+    """Three 2000-token prompts at once into a decode staging buffer that holds one: the
+    rooms that find it full wait for runs to free up (their destinations are held, not
+    refused), and each output equals that prompt's output when sent alone (FP8 KV is
+    deterministic on SGLang's per-token layout). Before rooms waited, the prefill failed
+    the ones that found no run."""
+    router, _, decode, _ = fp8_pd
+    alone = [_generate(router.url, ids) for ids in LONG_PROMPTS]
+    offset = decode.log_path.stat().st_size
+    results: dict[int, list[int] | BaseException] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _generate(router.url, LONG_PROMPTS[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(LONG_PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S + 30)
+    for i, want in enumerate(alone):
+        got = results.get(i)
+        assert not isinstance(got, BaseException) and got is not None, f"prompt {i}: {got!r}\n{decode.log_tail()}"
+        assert got == want, f"prompt {i}: {got} concurrently vs {want} alone"
+    with open(decode.log_path, "rb") as f:
+        f.seek(offset)
+        waited = f.read().count(b"waits for room in the staging buffer")
+    assert waited >= 1, "no room waited: the test did not fill the decode's staging buffer"
+    used = _kvbridge_metrics(decode.url).get("sglang:kvbridge_staging_slots_used")
+    deadline = time.monotonic() + 30
+    while used != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        used = _kvbridge_metrics(decode.url).get("sglang:kvbridge_staging_slots_used")
+    assert used == 0, f"the decode still holds {used} staging slots"

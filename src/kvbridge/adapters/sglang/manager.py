@@ -394,9 +394,9 @@ class KVBridgeKVManager(_c.Manager):
     ) -> list[bytes]:
         staging_first = None
         if self.packed is not None and not is_dummy:
-            res = self.reservations.reserve(int(bootstrap_room), np.asarray(kv_indices, dtype=np.int64))
+            res = self.reservations.get(int(bootstrap_room))  # reserved by the receiver's send_metadata
             if res is None:
-                log.warning("kvbridge: room %s: no free staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices), self.config.staging_mb)
+                log.warning("kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices), self.config.staging_mb)
             else:
                 staging_first = res.first
         return wire.encode(
@@ -698,7 +698,7 @@ class KVBridgeKVManager(_c.Manager):
         first = self.packed.allocator.alloc(count)
         if first is None:
             raise PlanError(
-                f"the staging buffer has no run of {count} free slots (wire_dtype fp8, staging_mb "
+                f"the staging buffer has no run of {count} free slots (packed path, staging_mb "
                 f"{self.config.staging_mb}); raise staging_mb on the prefill"
             )
         self._packed_runs.setdefault(room, []).append((first, count))
@@ -930,10 +930,60 @@ class KVBridgeKVSender(_c.Sender):
             mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
 
 
+class _StagingWait(NamedTuple):
+    """A room's ``send_metadata`` call, held until a staging run is free."""
+
+    args: tuple
+    kwargs: dict
+    pages: np.ndarray
+    deadline: float
+
+
 class KVBridgeKVReceiver(_c.Receiver):
-    """SGLang's receiver; with ``wire_dtype: fp8`` a room's clear or abort waits for an
-    unpack in progress (the pages stay SGLang's until it ends) and retires the room's
-    staging run if it never completed."""
+    """SGLang's receiver. On the packed path (``wire_dtype: fp8``, ``data_path:
+    packed``):
+
+    - ``send_metadata`` first reserves the room's staging run; when the buffer is full
+      the call is held (SGLang sees the room waiting for input, its own waiting timeout
+      not yet started) and retried at each ``poll`` from SGLang's scheduler, in the
+      order rooms poll. It goes out once a run is free, or after
+      ``timeouts.receive_s`` without one (then, as for a room that can never fit,
+      without a run: the prefill fails the room naming ``staging_mb``);
+    - a room's clear or abort waits for an unpack in progress (the pages stay SGLang's
+      until it ends), drops a held ``send_metadata``, and retires the room's staging
+      run if it never completed.
+
+    Who calls: SGLang's decode scheduler thread, all methods.
+    """
+
+    _staging_wait: _StagingWait | None = None
+
+    def send_metadata(self, kv_indices, aux_index=None, *args, **kwargs) -> None:
+        mgr = self.kv_mgr
+        if mgr.packed is None or getattr(self, "bootstrap_infos", None) is None:
+            super().send_metadata(kv_indices, aux_index, *args, **kwargs)
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        wait = _StagingWait((kv_indices, aux_index, *args), kwargs, pages, time.monotonic() + mgr.config.timeouts.receive_s)
+        if not mgr.reservations.fits(int(pages.size)):
+            log.warning("kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however empty", self.bootstrap_room, pages.size, mgr.config.staging_mb)
+        elif mgr.reservations.reserve(int(self.bootstrap_room), pages) is None:
+            log.info("kvbridge: room %s waits for room in the staging buffer (%d pages)", self.bootstrap_room, pages.size)
+            self._staging_wait = wait
+            return
+        super().send_metadata(*wait.args, **wait.kwargs)
+
+    def poll(self):
+        wait = self._staging_wait
+        if wait is not None:
+            if self.conclude_state is not None:
+                self._staging_wait = None
+            elif self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages) is not None or time.monotonic() >= wait.deadline:
+                if self.kv_mgr.reservations.get(int(self.bootstrap_room)) is None:
+                    log.warning("kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it", self.bootstrap_room)
+                self._staging_wait = None
+                super().send_metadata(*wait.args, **wait.kwargs)
+        return super().poll()
 
     def clear(self) -> None:
         mgr = self.kv_mgr
@@ -941,6 +991,7 @@ class KVBridgeKVReceiver(_c.Receiver):
             super().clear()
             return
         owned = getattr(self, "_owns_bootstrap_room", True)  # SGLang's: this receiver's room
+        self._staging_wait = None
         with mgr._unpack_lock:
             super().clear()
             if owned:
@@ -951,6 +1002,7 @@ class KVBridgeKVReceiver(_c.Receiver):
         if mgr.packed is None:
             super().abort()
             return
+        self._staging_wait = None
         with mgr._unpack_lock:
             super().abort()
 

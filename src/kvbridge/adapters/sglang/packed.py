@@ -116,8 +116,9 @@ class Reservation(NamedTuple):
 class RoomReservations:
     """The decode's staging runs, one per room in flight. Thread-safe.
 
-    Who calls: the scheduler thread reserves when it sends a room's destination
-    (:meth:`reserve`) and retires a room SGLang clears (:meth:`retire`); the notification
+    Who calls: the scheduler thread reserves before it sends a room's destination
+    (:meth:`reserve`; a room that finds no free run waits, retried from SGLang's polls)
+    and retires a room SGLang clears (:meth:`retire`); the notification
     thread takes a room whose ``Done`` arrived (:meth:`take`), unpacks it and frees it
     (:meth:`free`), and reaps retired runs (:meth:`reap`).
 
@@ -139,6 +140,10 @@ class RoomReservations:
         self._retired: list[tuple[float, int, int]] = []  # (free at, first, count)
         self._lock = threading.Lock()
 
+    def fits(self, pages: int) -> bool:
+        """Whether a room of ``pages`` pages fits the buffer at all (an empty one)."""
+        return self.num_layers * pages <= self.allocator.num_slots
+
     def reserve(self, room: int, pages: np.ndarray) -> Reservation | None:
         """A run for ``room``'s pages (all layers), or None when no run is free."""
         if pages.size == 0:
@@ -154,6 +159,11 @@ class RoomReservations:
         if old is not None:  # a room id reused before its first run ended: hold that one
             self._hold(old, time.monotonic())
         return res
+
+    def get(self, room: int) -> Reservation | None:
+        """The room's run, still owned by the reservations; None if it has none."""
+        with self._lock:
+            return self._rooms.get(room)
 
     def take(self, room: int) -> Reservation | None:
         """The room's run, now owned by the caller (:meth:`free` it); None if it has none."""
