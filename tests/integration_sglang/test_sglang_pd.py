@@ -112,10 +112,11 @@ class PD(NamedTuple):
     layerwise: bool
 
 
-# (transport, per-layer streaming): per-chunk keeps today's path exactly; per-layer with
-# threshold 0 streams every prompt (the 12-token one too: its only page is partial but
-# it is the last chunk).
-PD_CONFIGS = [("nixl", False), ("nixl", True), ("mooncake", False), ("mooncake", True)]
+# (transport, per-layer streaming, data path): per-chunk keeps today's path exactly;
+# per-layer with threshold 0 streams every prompt (the 12-token one too: its only page
+# is partial but it is the last chunk); "packed" moves the exact values through the
+# staging buffers (data_path: packed), so output and bytes must not change either.
+PD_CONFIGS = [("nixl", False, "direct"), ("nixl", True, "direct"), ("mooncake", False, "direct"), ("mooncake", True, "direct"), ("nixl", True, "packed")]
 PD_FLAGS = ["--enable-metrics"]
 SENT_LINE = re.compile(rb"kvbridge: room (\d+) sent: (\d+) layer writes, (\d+) chunk writes")
 LOG_LINE_TIMEOUT_S = 30.0
@@ -157,11 +158,15 @@ def _start_pd(model: Path, log_dir: Path, env: dict[str, str], layerwise: bool, 
             proc.kill()
 
 
-@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS])
+def _pd_id(transport: str, layerwise: bool, path: str) -> str:
+    return f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "")
+
+
+@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
 def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport, layerwise = request.param
-    log_dir = tmp_path_factory.mktemp(f"pd-{transport}-{'layer' if layerwise else 'chunk'}")
-    yield from _start_pd(model, log_dir, _server_env(_pd_config(transport, layerwise)), layerwise)
+    transport, layerwise, path = request.param
+    log_dir = tmp_path_factory.mktemp(f"pd-{_pd_id(*request.param)}")
+    yield from _start_pd(model, log_dir, _server_env({**_pd_config(transport, layerwise), "data_path": path}), layerwise)
 
 
 def _sent_lines(prefill: Proc, offset: int) -> list[tuple[int, int, int]]:
@@ -252,8 +257,9 @@ def _wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, fl
         time.sleep(0.05)
 
 
-def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) -> None:
+def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path, request: pytest.FixtureRequest) -> None:
     router, prefill, decode, _ = pd_router
+    packed = request.node.callspec.params["pd_router"][2] == "packed"
     input_ids = _prompt(PROMPTS["chunked"], seed=4242)  # not sent before: no radix-cache hit
     p0, d0 = _kvbridge_metrics(prefill.url), _kvbridge_metrics(decode.url)
     _generate(router.url, input_ids)
@@ -272,6 +278,8 @@ def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path) ->
     assert delta(p1, p0, "exposed_transfer_seconds_count") == 1
     assert delta(p1, p0, "request_transfer_seconds_count") == 1
     assert delta(p1, p0, "failures_total") == 0 and delta(d1, d0, "failures_total") == 0
+    for now in (p1, d1):  # the packed path's staging gauges exist on its servers only
+        assert (now.get("sglang:kvbridge_staging_slots", 0.0) > 0) == packed, now
 
 
 # --- wire_dtype fp8 ---------------------------------------------------------------------
