@@ -79,6 +79,10 @@ def configs(storage: Path) -> dict[str, Config]:
             Config("colocated", "colocated"),
             Config("kvbridge-nixl", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "nixl"}}, kvbridge=True),
             Config("kvbridge-mooncake", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "mooncake"}}, kvbridge=True),
+            # the packed path (not in the default set; `--configs` picks them): exact
+            # values through staging, and FP8 on the wire
+            Config("kvbridge-nixl-packed", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "nixl", "data_path": "packed"}}, kvbridge=True),
+            Config("kvbridge-nixl-fp8", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "nixl", "wire_dtype": "fp8"}}, kvbridge=True),
             Config(
                 "vllm-nixl",
                 "pd",

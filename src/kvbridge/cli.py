@@ -78,6 +78,14 @@ def _proxy(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from kvbridge.config import load_config
+    from kvbridge.errors import ConfigError
+
+    try:  # before any server starts
+        load_config({"transport": args.transport, "wire_dtype": args.wire_dtype, "data_path": args.data_path})
+    except ConfigError as exc:
+        print(f"kvbridge demo: {exc}", file=sys.stderr)
+        return 2
     lengths = tuple(int(n) for n in args.prompt_tokens.split(","))
     logs = Path(args.logs) if args.logs else None
     if args.engine == "sglang":
@@ -86,10 +94,10 @@ def _demo(args: argparse.Namespace) -> int:
         if args.flow != "push":
             print("kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)", file=sys.stderr)
             return 2
-        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype)
+        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype, args.data_path)
     from kvbridge.demo.run import run
 
-    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype)
+    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype, args.data_path)
 
 
 def _build_ops(args: argparse.Namespace) -> int:
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
     p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype)")
+    p.add_argument("--data-path", choices=("auto", "direct", "packed"), default="auto", help="cache to cache, or through staging (config key data_path)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
     p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")

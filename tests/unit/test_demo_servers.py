@@ -104,3 +104,13 @@ def test_demo_without_sglang_names_the_fix(monkeypatch: pytest.MonkeyPatch, caps
     assert cli.main(["demo", "--engine", "sglang"]) == 2
     out = " ".join(capsys.readouterr().out.split())
     assert "make setup-sglang" in out and ".venv-sglang/bin/kvbridge demo --engine sglang" in out
+
+
+def test_demo_refuses_a_contradictory_data_path_before_starting_anything(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def started(*_a, **_k):  # pragma: no cover - reached only on failure
+        raise AssertionError("a server started")
+
+    monkeypatch.setattr(servers.VllmServer, "start", started)
+    assert cli.main(["demo", "--wire-dtype", "fp8", "--data-path", "direct"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "data_path" in err and "'packed'" in err

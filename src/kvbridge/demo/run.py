@@ -54,6 +54,7 @@ def run(
     flow: str = "push",
     logs: Path | None = None,
     wire_dtype: str = "exact",
+    data_path: str = "auto",
 ) -> int:
     """The demonstration; exit status 0 when every disaggregated output equals the
     colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
@@ -61,12 +62,12 @@ def run(
     console = Console()
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]kvbridge demo[/bold]: prefill/decode over {transport}, {flow} flow, wire {wire_dtype}; logs in {logs}")
+    console.print(f"[bold]kvbridge demo[/bold]: prefill/decode over {transport}, {flow} flow, wire {wire_dtype}, data path {data_path}; logs in {logs}")
     model = build_tiny_model(default_model_dir())
     common = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
 
     def kv(role: str) -> list[str]:
-        extra = {"transport": transport, "wire_dtype": wire_dtype}
+        extra = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
         return ["--kv-transfer-config", json.dumps({"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": extra})]
 
     # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1

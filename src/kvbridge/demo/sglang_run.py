@@ -36,6 +36,7 @@ def run(
     max_tokens: int = 32,
     logs: Path | None = None,
     wire_dtype: str = "exact",
+    data_path: str = "auto",
 ) -> int:
     """The demonstration; exit status 0 when every disaggregated output equals the
     colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
@@ -49,11 +50,11 @@ def run(
         return 2
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-sglang-"))
     logs.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]kvbridge demo[/bold]: SGLang prefill/decode over {transport}, wire {wire_dtype}; logs in {logs}")
+    console.print(f"[bold]kvbridge demo[/bold]: SGLang prefill/decode over {transport}, wire {wire_dtype}, data path {data_path}; logs in {logs}")
     model = build_tiny_model(default_model_dir())
     # pages cross prompts' ends and long prompts are prefilled in chunks, as in the vLLM demo
     common = ["--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK)]
-    config = {"transport": transport, "wire_dtype": wire_dtype}
+    config = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
     pd_args = [*common, "--enable-metrics"]  # kvbridge's metrics on the servers' /metrics
     # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1
     # (the reference runs while the decode server idles), as if each had its own device

@@ -25,9 +25,14 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and ``Req.bootstrap_room
   / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len / kv.req_pool_idx``;
   ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
-- ``wire_dtype: fp8`` (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
+- The packed path (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
   .from_server_args`` (``.dtype``, ``.head_dim``) and ``KVArgs.kv_cache_dtype_str``
-  (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache).
+  (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache). A room waiting for staging
+  (``manager.KVBridgeKVReceiver``) holds ``CommonKVReceiver.send_metadata(kv_indices,
+  aux_index, ...)`` (the decode scheduler's only call, made once a room's pages are
+  allocated, then ``poll`` each step; ``init_time`` unset until it runs, so SGLang's
+  waiting timeout does not start) and reads ``bootstrap_infos`` and
+  ``conclude_state``.
 
 Nothing here is imported before SGLang loads the plugin.
 """
