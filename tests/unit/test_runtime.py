@@ -185,6 +185,18 @@ def test_destination_that_does_not_fit_fails_both_sides(pd) -> None:
     assert P.sender.wait_released(5) == ["m"]
 
 
+def test_a_destination_for_a_p_first_request_is_refused_on_the_direct_path(pd, caplog: pytest.LogCaptureFixture) -> None:
+    """On the direct path the decode side reads P-first requests itself: a destination
+    for one is a confused decode, refused on both sides (the packed path accepts it)."""
+    P, D, _, _ = pd
+    P.sender.track("f", [1, 2, 3], 40, pull=True)
+    P.sender.prefill_done("f")
+    D.receiver.expect_push("f", P.address, [5, 6, 7], 40)
+    assert D.receiver.wait_finished(5) == ([], ["f"])
+    assert P.sender.wait_released(5) == ["f"]
+    assert any("the request is P-first" in r.getMessage() for r in caplog.records)
+
+
 def test_pull_from_a_restarted_prefill_fails_at_once(pd) -> None:
     P, D, _, _ = pd
     D.receiver.expect_pull("w", P.address, "an-old-epoch", [1], [1], 10)

@@ -13,6 +13,7 @@ import torch
 from kvbridge import ops
 from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.lifecycle import SendPhase
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.transports.loopback import LoopbackTransport
 from kvbridge.wire.compat import CompatInfo
@@ -53,11 +54,11 @@ def pd() -> Iterator[tuple]:
     P.close()
 
 
-def _prefill(P: Endpoint, tid: str, blocks: list[int], n: int, chunks: tuple[int, ...], cache: torch.Tensor | None = None) -> None:
+def _prefill(P: Endpoint, tid: str, blocks: list[int], n: int, chunks: tuple[int, ...], cache: torch.Tensor | None = None, pull: bool = False) -> None:
     """Track, then compute: ``cache``'s contents stand for the KV the engine writes
     after ``track`` (which may clear the partial last block first)."""
     written = None if cache is None else cache[:, blocks].clone()
-    P.sender.track(tid, blocks, n)
+    P.sender.track(tid, blocks, n, pull=pull)
     if cache is not None:
         cache[:, blocks] = written
     for done in chunks:
@@ -128,12 +129,38 @@ def test_a_request_larger_than_the_staging_buffer_fails_naming_staging_mb(caplog
         P.close()
 
 
-def test_fp8_needs_the_push_flow(caplog: pytest.LogCaptureFixture, pd) -> None:
-    P, D, _, _ = pd
-    P.sender.track("q", [1, 2], 20, pull=True)
-    D.receiver.expect_pull("q", P.address, P.epoch, [1, 2], [3, 4], 20)
-    assert D.receiver.wait_finished(5) == ([], ["q"])
-    assert any("needs the push flow" in r.getMessage() for r in caplog.records)
+def test_p_first_requests_are_written_like_pushed_ones(pd) -> None:
+    """P-first on the packed path: the prefill has computed and holds the request; the
+    decode side (given its kv_transfer_params) sends a destination instead of reading,
+    for the tokens it lacks (here all but the first block), and the prefill writes every
+    layer at once and lets go by itself."""
+    P, D, pa, da = pd
+    n, pblocks, dblocks = 90, [5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24]  # 6 blocks, the first cached on D
+    _prefill(P, "q", pblocks, n, (n,), pa, pull=True)
+    assert P.sender.phase("q") is SendPhase.HELD
+    D.receiver.expect_pull("q", P.address, P.epoch, pblocks, dblocks, n, skip_tokens=BS)
+    assert D.receiver.wait_finished(5) == (["q"], [])
+    assert P.sender.wait_released(5) == ["q"]
+    for layer in range(L):
+        (ks, vs), (kd, vd) = ops.kv_planes(pa[layer], "fused"), ops.kv_planes(da[layer], "fused")
+        src = torch.cat([ks[pblocks[1:]], vs[pblocks[1:]]])
+        dst = torch.cat([kd[dblocks], vd[dblocks]])
+        assert 0 < rel_err(src, dst) < 0.04, layer
+    assert not da[:, :20].any() and not da[:, 25:].any(), "unpack wrote outside the destination"
+    assert D.stats.take().bytes_received == P.stats.take().bytes_sent == L * len(dblocks) * D.node.packed.slot.nbytes
+    for ep in (P, D):
+        assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
+
+
+def test_p_first_from_a_restarted_prefill_is_refused(caplog: pytest.LogCaptureFixture, pd) -> None:
+    """The kv_transfer_params name the epoch of the instance that computed the KV: a
+    prefill with another epoch (it restarted) no longer holds it."""
+    P, D, pa, _ = pd
+    _prefill(P, "e", [1, 2], 20, (20,), pa, pull=True)
+    D.receiver.expect_pull("e", P.address, "0123456789ab", [1, 2], [3, 4], 20)
+    assert D.receiver.wait_finished(5) == ([], ["e"])
+    assert any("restarted" in r.getMessage() for r in caplog.records)
+    assert D.node.packed.allocator.free_slots == D.node.packed.allocator.num_slots
 
 
 def test_fp8_prefill_and_exact_decode_are_refused_naming_wire_dtype(caplog: pytest.LogCaptureFixture) -> None:

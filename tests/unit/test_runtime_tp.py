@@ -172,9 +172,12 @@ def test_push_from_one_prefill_rank_to_every_decode_rank(ranks: list[Rank], wire
     assert p.staging_idle()
 
 
-def test_pull_releases_once_every_decode_rank_read_its_heads(ranks: list[Rank]) -> None:
-    p = Rank("P", 1, 0, seed=2)
-    ds = [Rank("D", 2, r) for r in range(2)]
+@pytest.mark.parametrize("wire", ["exact", "packed", "fp8"])
+def test_pull_releases_once_every_decode_rank_read_its_heads(ranks: list[Rank], wire: str) -> None:
+    """P-first (on the packed path each decode rank sends a destination instead of
+    reading, and the prefill writes its head range)."""
+    p = Rank("P", 1, 0, seed=2, wire=wire)
+    ds = [Rank("D", 2, r, wire=wire) for r in range(2)]
     ranks += [p, *ds]
     _prefill_all(p, "q", [3, 4, 5], 40, pull=True)
     ds[0].ep.receiver.expect_pull("q", p.ep.address, p.ep.epoch, [3, 4, 5], [7, 8], 40, skip_tokens=16)
@@ -184,7 +187,9 @@ def test_pull_releases_once_every_decode_rank_read_its_heads(ranks: list[Rank]) 
     assert ds[1].ep.receiver.wait_finished(5) == (["q"], [])
     assert p.ep.sender.wait_released(5) == ["q"]
     for d in ds:
-        assert torch.equal(d.kv([7, 8]), p.kv([4, 5])[..., 2 * d.rank : 2 * d.rank + 2, :])
+        assert torch.equal(d.kv([7, 8]), p.sent([4, 5])[..., 2 * d.rank : 2 * d.rank + 2, :])
+        assert d.staging_idle()
+    assert p.staging_idle()
 
 
 @pytest.mark.parametrize("wire", ["exact", "packed", "fp8"])
@@ -250,9 +255,10 @@ def test_push_from_every_prefill_rank_into_one_decode_rank(ranks: list[Rank], wi
     assert d.staging_idle() and all(p.staging_idle() for p in ps)
 
 
-def test_pull_reads_every_prefill_rank_then_releases_each(ranks: list[Rank]) -> None:
-    ps = [Rank("P", 2, r, seed=30 + r) for r in range(2)]
-    d = Rank("D", 1, 0)
+@pytest.mark.parametrize("wire", ["exact", "packed", "fp8"])
+def test_pull_reads_every_prefill_rank_then_releases_each(ranks: list[Rank], wire: str) -> None:
+    ps = [Rank("P", 2, r, seed=30 + r, wire=wire) for r in range(2)]
+    d = Rank("D", 1, 0, wire=wire)
     ranks += [*ps, d]
     for p in ps:
         _prefill_all(p, "q", [3, 4, 5], 40, pull=True)
@@ -260,7 +266,9 @@ def test_pull_reads_every_prefill_rank_then_releases_each(ranks: list[Rank]) -> 
     assert d.ep.receiver.wait_finished(5) == (["q"], [])
     for p in ps:
         assert p.ep.sender.wait_released(5) == ["q"]
-        assert torch.equal(d.kv([7, 8])[..., 2 * p.rank : 2 * p.rank + 2, :], p.kv([4, 5]))
+        assert torch.equal(d.kv([7, 8])[..., 2 * p.rank : 2 * p.rank + 2, :], p.sent([4, 5]))
+        assert p.staging_idle()
+    assert d.staging_idle()
 
 
 @pytest.mark.parametrize("wire", ["exact", "fp8"])
@@ -296,11 +304,12 @@ def test_pairings_that_cannot_work_are_refused_at_the_handshake(ranks: list[Rank
     assert match in str(err.value) and fix in str(err.value)
 
 
-def test_pull_from_a_dead_prefill_rank_fails_and_releases_the_other(ranks: list[Rank]) -> None:
+@pytest.mark.parametrize("wire", ["exact", "fp8"])
+def test_pull_from_a_dead_prefill_rank_fails_and_releases_the_other(ranks: list[Rank], wire: str) -> None:
     """P-first with two sources, one gone: the load fails at once and the live source
     is released by the decode side, long before its lease would end."""
-    ps = [Rank("P", 2, r, seed=50 + r, timeout_s=60) for r in range(2)]
-    d = Rank("D", 1, 0, timeout_s=60)
+    ps = [Rank("P", 2, r, seed=50 + r, timeout_s=60, wire=wire) for r in range(2)]
+    d = Rank("D", 1, 0, timeout_s=60, wire=wire)
     ranks += [*ps, d]
     for p in ps:
         _prefill_all(p, "y", [3, 4], 20, pull=True)

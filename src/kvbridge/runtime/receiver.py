@@ -7,7 +7,8 @@ Who calls what (the engine adapter, on the decode worker):
   ``LayerDone`` notifications, and the request is complete when every layer of every
   destination block is covered;
 - :meth:`Receiver.expect_pull` (P-first): the prefill instance already holds the
-  blocks; D reads them, then sends ``Release``;
+  blocks; D reads them, then sends ``Release`` (packed path: D sends a
+  ``Destination`` as in the push flow and the prefill writes them);
 - :meth:`Receiver.take_finished` once per engine step: transfer ids that completed and
   ones that failed, each reported exactly once (then the engine's load-failure
   policy recomputes or fails the failed ones);
@@ -162,15 +163,21 @@ class Receiver:
         """P-first: read ``remote_blocks`` (the prefill's, whole prompt) into ``block_ids``
         (D's, for tokens from ``skip_tokens``), then release them on the prefill side.
         Lists of addresses and epochs: read our KV heads from each of those prefill
-        workers (their block ids are the same)."""
+        workers (their block ids are the same).
+
+        Packed path: the prefill packs, so instead of reading we send each source our
+        destination as in the push flow (the prefill, done computing, writes every layer
+        at once into our staging and lets go by itself); the epochs are still checked."""
         addresses = [address] if isinstance(address, str) else list(address)
         epochs = [epoch] * len(addresses) if epoch is None or isinstance(epoch, str) else list(epoch)
         sources = [_Source(a, e) for a, e in zip(addresses, epochs, strict=True)]
-        entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=True, remote_blocks=remote_blocks)
-        if self.node.packed is not None and block_ids:
-            self._fail(entry, "the packed data path (wire_dtype 'fp8', data_path 'packed') packs KV on the prefill side as it is computed: it needs the push flow, not P-first reads (use the proxy's default --flow push)")
-            return
-        self._pool.submit(self._start_read, entry)
+        packed = self.node.packed is not None
+        entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=not packed, remote_blocks=remote_blocks)
+        if packed:
+            entry.coverage = np.zeros((len(sources), self._layers, len(block_ids)), dtype=bool)
+            self._pool.submit(self._start_push, entry)
+        else:
+            self._pool.submit(self._start_read, entry)
 
     def refuse(self, transfer_id: str, block_ids: list[int], num_tokens: int, reason: str) -> None:
         """Fail a load before it starts (the adapter found it cannot be served, e.g. the

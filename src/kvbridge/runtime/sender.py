@@ -16,7 +16,9 @@ Who calls what (the engine adapter, on the prefill worker):
 
 The decode side drives the rest through the side channel: ``Destination`` (layer-wise
 push: where to write; it may arrive before or after :meth:`track`, before, during or
-after the prefill), ``Release`` (P-first: D has read the blocks itself), ``Abort``.
+after the prefill), ``Release`` (P-first: D has read the blocks itself; on the packed
+path a P-first decode sends a ``Destination`` instead and the request, computed,
+is written at once like a pushed one), ``Abort``.
 When the decode instance has more TP ranks than ours, each of the ``Peer.fanout``
 decode ranks this rank feeds sends its own ``Destination`` (or ``Release``), gets its
 head range of every block (packed separately for each on the packed path), and the
@@ -254,6 +256,12 @@ class Sender:
             reason = f"destination of {msg.transfer_id} from {msg.peer}: this prefill rank already has the {peer.fanout} it sends to"
             out.req.fail(reason, now)
             return reason
+        if out.pull:
+            if self.node.packed is None:  # the decode side reads P-first requests itself
+                reason = f"destination of {msg.transfer_id} from {msg.peer}: the request is P-first, its decode side reads the blocks"
+                out.req.fail(reason, now)
+                return reason
+            out.pull = False  # packed: P-first requests are written like pushed ones
         out.dests.append(_Dest(msg=msg, peer=peer, posted=[0] * self._layers))
         if out.req.phase is SendPhase.HELD:
             out.req.start_sending(now)
