@@ -45,7 +45,9 @@ def fp8_pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: py
     logs = tmp_path_factory.mktemp(f"fp8-{request.param}")
     extra = {"wire_dtype": "fp8", "staging_mb": STAGING_MB}
     p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", request.param, extra), log_path=logs / "P.log")
-    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", request.param, extra), log_path=logs / "D.log")
+    # no prefix caching on D: a prompt sent twice (push, then P-first) moves all its KV twice
+    d_args = ["--no-enable-prefix-caching"] + kv_args("kv_consumer", request.param, extra)
+    d = VllmServer(model_dir, extra_args=COMMON_ARGS + d_args, log_path=logs / "D.log")
     start_all([p, d])
     yield p, d, discover(p.url)
     for s in (p, d):
