@@ -12,7 +12,7 @@ feeds the data to :class:`KVBridgePromMetrics`, which exports:
 - histograms ``vllm:kvbridge_transfer_seconds`` (per posted transfer),
   ``vllm:kvbridge_exposed_transfer_seconds`` (per request: prefill done -> last byte
   landed, what streaming did not hide) and ``vllm:kvbridge_request_transfer_seconds``;
-- with ``wire_dtype: fp8``, gauges ``vllm:kvbridge_staging_slots`` and
+- on the packed path (``wire_dtype: fp8`` or ``data_path: packed``), gauges ``vllm:kvbridge_staging_slots`` and
   ``..._staging_slots_used`` (the instance's staging slots and those held, all ranks;
   workers report them in the steps where they change or slots are held).
 """
