@@ -152,6 +152,30 @@ def test_p_first_requests_are_written_like_pushed_ones(pd) -> None:
         assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
 
 
+def test_a_p_first_request_larger_than_the_prefill_staging_goes_out_in_parts() -> None:
+    """P-first: every layer is ready at once, but the prefill's staging holds fewer
+    than all of them: the request goes out in posts of a quarter of the buffer (here
+    one layer each) instead of failing."""
+    p, d = make_cache(1, 160), make_cache(None, 160)
+    P, D = endpoint("P", p, staging_mb=1), endpoint("D", d, staging_mb=2)  # 455 and 910 slots of 2304 bytes
+    try:
+        n, blocks = 120 * BS, list(range(120))
+        assert L * len(blocks) > P.node.packed.allocator.num_slots
+        _prefill(P, "big", blocks, n, (n,), p[0], pull=True)
+        D.receiver.expect_pull("big", P.address, P.epoch, blocks, blocks, n)
+        assert D.receiver.wait_finished(10) == (["big"], [])
+        assert P.sender.wait_released(5) == ["big"]
+        assert P.stats.take().transfers == L
+        for layer in range(L):
+            assert 0 < rel_err(p[0][layer, :120], d[0][layer, :120]) < 0.04, layer
+        assert not d[0][:, 120:].any()
+        for ep in (P, D):
+            assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
+    finally:
+        D.close()
+        P.close()
+
+
 def test_p_first_from_a_restarted_prefill_is_refused(caplog: pytest.LogCaptureFixture, pd) -> None:
     """The kv_transfer_params name the epoch of the instance that computed the KV: a
     prefill with another epoch (it restarted) no longer holds it."""

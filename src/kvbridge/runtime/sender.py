@@ -346,7 +346,7 @@ class Sender:
         self._starved = False
         for out in self._out.values():
             posts = []
-            for dest, layers, start, end in self._postable(out):
+            for dest, layers, start, end in self._split(self._postable(out)):
                 run = None
                 if packed is not None:
                     need, heads = len(layers) * (end - start), dest.peer.heads[1] - dest.peer.heads[0]
@@ -363,6 +363,21 @@ class Sender:
             if posts:
                 work.append((out, posts))
         return work
+
+    def _split(self, groups: list[tuple[_Dest, list[int], int, int]]) -> list[tuple[_Dest, list[int], int, int]]:
+        """Packed path: cut a group's layers into posts of at most a quarter of the
+        staging buffer each (at least one layer), so that a large group (a P-first
+        request, every layer at once) neither exceeds the buffer nor holds all of it."""
+        packed = self.node.packed
+        if packed is None:
+            return groups
+        cap = max(1, packed.allocator.num_slots // 4)
+        out = []
+        for dest, layers, start, end in groups:
+            heads = dest.peer.heads[1] - dest.peer.heads[0]
+            per = max(1, cap // packed.slots_for(end - start, heads))
+            out += [(dest, layers[i : i + per], start, end) for i in range(0, len(layers), per)]
+        return out
 
     def _post(self, out: _Out, posts: list[tuple[_Dest, list[int], int, int, Run | None]]) -> None:
         packed = self.node.packed
