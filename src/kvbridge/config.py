@@ -170,6 +170,11 @@ class KVBridgeConfig(_Section):
         """True when KV moves through the staging buffers (``data_path``, resolved)."""
         return self.data_path == "packed" or (self.data_path == "auto" and self.wire_dtype == "fp8")
 
+    @property
+    def resolved_data_path(self) -> Literal["direct", "packed"]:
+        """``data_path`` with ``auto`` resolved: what peers must agree on."""
+        return "packed" if self.packed else "direct"
+
 
 def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBridgeConfig:
     """Build a :class:`KVBridgeConfig` from a mapping or a JSON document.

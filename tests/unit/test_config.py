@@ -51,6 +51,7 @@ def test_documents_that_are_not_objects(doc: object) -> None:
 )
 def test_data_path_resolves_auto_by_wire_dtype(doc: dict, packed: bool) -> None:
     assert load_config(doc).packed is packed
+    assert load_config(doc).resolved_data_path == ("packed" if packed else "direct")
 
 
 def test_config_is_frozen() -> None:

@@ -36,7 +36,7 @@ def endpoint(role: str, cache, wire_dtype: str = "fp8", **cfg) -> Endpoint:
     config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5}, "wire_dtype": wire_dtype, **cfg})
     planes = [ops.kv_planes(t[i], "fused") for i in range(L)]
     return Endpoint(
-        config, geo, CompatInfo.from_spec(SPEC, model="m", wire_dtype=wire_dtype), role,
+        config, geo, CompatInfo.from_spec(SPEC, model="m", wire_dtype=wire_dtype, data_path=config.resolved_data_path), role,
         send=role == "P", receive=role == "D", transport=LoopbackTransport(f"{role}-{next(_names)}"), planes=planes,
     )
 

@@ -64,11 +64,11 @@ class Rank:
         spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=self.heads, head_dim=HD, dtype="float32", layout=layout)
         geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases)
         dtype = "fp8" if wire == "fp8" else "exact"
-        compat = CompatInfo.from_spec(spec, model="m", wire_dtype=dtype, tp_size=tp, total_kv_heads=total, packed=wire != "exact")
         t = {"receive_s": timeout_s, "transfer_s": timeout_s, "lease_s": timeout_s, "handshake_s": 3}
         path = "packed" if wire == "packed" else "auto"
         config = load_config({"wire_dtype": dtype, "data_path": path, "staging_mb": staging_mb, "timeouts": t})
         assert config.packed is (wire != "exact")
+        compat = CompatInfo.from_spec(spec, model="m", wire_dtype=dtype, tp_size=tp, total_kv_heads=total, data_path=config.resolved_data_path)
         self.ep = Endpoint(
             config, geo, compat, role, rank, send=role == "P", receive=role == "D",
             transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"), planes=self.planes() if config.packed else None,

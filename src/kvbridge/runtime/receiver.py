@@ -146,9 +146,7 @@ class Receiver:
         addresses: each of those prefill workers holds some of our KV heads and writes
         them (a prefill instance with more TP ranks than ours)."""
         addresses = [address] if isinstance(address, str) else list(address)
-        entry = self._new(transfer_id, [_Source(a) for a in addresses], block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[])
-        entry.coverage = np.zeros((len(addresses), self._layers, len(block_ids)), dtype=bool)
-        self._pool.submit(self._start_push, entry)
+        self._push(self._new(transfer_id, [_Source(a) for a in addresses], block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[]))
 
     def expect_pull(
         self,
@@ -174,8 +172,7 @@ class Receiver:
         packed = self.node.packed is not None
         entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=not packed, remote_blocks=remote_blocks)
         if packed:
-            entry.coverage = np.zeros((len(sources), self._layers, len(block_ids)), dtype=bool)
-            self._pool.submit(self._start_push, entry)
+            self._push(entry)
         else:
             self._pool.submit(self._start_read, entry)
 
@@ -250,6 +247,11 @@ class Receiver:
         with self._lock:
             src.peer = peer
         return peer
+
+    def _push(self, entry: _In) -> None:
+        """Track what lands per source, layer and block; start sending destinations."""
+        entry.coverage = np.zeros((len(entry.sources), self._layers, len(entry.block_ids)), dtype=bool)
+        self._pool.submit(self._start_push, entry)
 
     def _start_push(self, entry: _In) -> None:
         """Reserve the request's staging (packed path), then send every source our

@@ -57,9 +57,9 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_spec(
-        cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0, packed: bool | None = None
+        cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0, data_path: str = "direct"
     ) -> CompatInfo:
-        """``packed``: whether KV moves through staging (default: for ``fp8`` only)."""
+        """``data_path``: ``KVBridgeConfig.resolved_data_path``."""
         return cls(
             model=model,
             dtype=spec.dtype,
@@ -71,7 +71,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             tp_size=tp_size,
             wire_dtype=wire_dtype,
             total_kv_heads=total_kv_heads,
-            data_path="packed" if (wire_dtype == "fp8" if packed is None else packed) else "direct",
+            data_path=data_path,
         )
 
 

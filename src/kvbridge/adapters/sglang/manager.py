@@ -376,7 +376,7 @@ class KVBridgeKVManager(_c.Manager):
                 wire_dtype=self.config.wire_dtype,
                 staging=self.packed.info if self.packed is not None else None,
                 packed_spec=self.packed.geometry.spec if self.packed is not None else None,
-                data_path="packed" if self.packed is not None else "direct",
+                data_path=self.config.resolved_data_path,
             )
         )
 
@@ -478,8 +478,8 @@ class KVBridgeKVManager(_c.Manager):
             return f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}"
         if reg.wire_dtype != self.config.wire_dtype:
             return f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}"
-        if reg.data_path != (ours := "packed" if self.packed is not None else "direct"):
-            return f"it uses data_path {reg.data_path!r}, this prefill {ours!r}; {fix}"
+        if reg.data_path != self.config.resolved_data_path:
+            return f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}"
         if reg.geometry.spec != self.geometry.spec:
             return f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}"
         if self.packed is not None and (
@@ -978,8 +978,8 @@ class KVBridgeKVReceiver(_c.Receiver):
         if wait is not None:
             if self.conclude_state is not None:
                 self._staging_wait = None
-            elif self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages) is not None or time.monotonic() >= wait.deadline:
-                if self.kv_mgr.reservations.get(int(self.bootstrap_room)) is None:
+            elif (run := self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages)) is not None or time.monotonic() >= wait.deadline:
+                if run is None:
                     log.warning("kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it", self.bootstrap_room)
                 self._staging_wait = None
                 super().send_metadata(*wait.args, **wait.kwargs)

@@ -72,7 +72,7 @@ class WorkerSide:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
         compat = CompatInfo.from_spec(
             geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads,
-            packed=self.config.packed,
+            data_path=self.config.resolved_data_path,
         )
         planes = None
         if self.config.packed:  # the packed path reads and writes the tensors
@@ -83,7 +83,7 @@ class WorkerSide:
         log.info(
             "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",
             self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.config.wire_dtype,
-            "packed" if self.config.packed else "direct",
+            self.config.resolved_data_path,
             self.endpoint.address,
         )
 
