@@ -165,6 +165,10 @@ class KVBridgeConfig(_Section):
     nixl: NixlOptions = msgspec.field(default_factory=NixlOptions)
     mooncake: MooncakeOptions = msgspec.field(default_factory=MooncakeOptions)
 
+    def __post_init__(self) -> None:
+        # load_config checks the document first (same error); this catches hand-built configs
+        _check_data_path(self.wire_dtype, self.data_path)
+
     @property
     def packed(self) -> bool:
         """True when KV moves through the staging buffers (``data_path``, resolved)."""
@@ -203,17 +207,20 @@ def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBrid
             fix="pass a mapping of config keys, e.g. {\"transport\": \"nixl\"}",
         )
     _check_keys(KVBridgeConfig, source, prefix="")
+    _check_data_path(source.get("wire_dtype"), source.get("data_path"))  # before msgspec rewords it
     try:
-        config = msgspec.convert(dict(source), KVBridgeConfig, strict=True)
+        return msgspec.convert(dict(source), KVBridgeConfig, strict=True)
     except msgspec.ValidationError as exc:
         raise _explain(exc) from exc
-    if config.wire_dtype == "fp8" and config.data_path == "direct":
+
+
+def _check_data_path(wire_dtype: object, data_path: object) -> None:
+    if wire_dtype == "fp8" and data_path == "direct":
         raise ConfigError(
             "wire_dtype 'fp8' quantizes KV while packing it, so it cannot use data_path 'direct' (cache to cache)",
             key="data_path",
             fix="drop data_path (auto) or set it to 'packed'",
         )
-    return config
 
 
 def config_keys(cls: type[msgspec.Struct] = KVBridgeConfig, prefix: str = "") -> list[str]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sglang_helpers import START_TIMEOUT_S, server_env, start_server
+
+from kvbridge.demo.servers import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +17,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvbridge.demo.model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A colocated SGLang server (TP 1, the tests' engine flags): the reference output."""
+    proc = start_server("colocated", model, tmp_path_factory.mktemp("colocated"), [], server_env())
+    try:
+        proc.wait_ready(START_TIMEOUT_S)
+        yield proc
+    finally:
+        proc.kill()

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_sglang_pd import START_TIMEOUT_S, _http, _kvbridge_metrics, _prompt
+from sglang_helpers import START_TIMEOUT_S, http, kvbridge_metrics, prompt_ids
 
 from kvbridge.demo.servers import free_port
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
@@ -54,7 +54,7 @@ pytestmark = pytest.mark.timeout(900)  # server (re)starts take minutes on a loa
 
 
 def _loads(url: str) -> dict:
-    status, body = _http(f"{url}/v1/loads", timeout=10)
+    status, body = http(f"{url}/v1/loads", timeout=10)
     assert status == 200, f"{url}/v1/loads -> {status}: {body[:300]!r}"
     (load,) = json.loads(body)["loads"]
     return load
@@ -113,7 +113,7 @@ class Pair:
 
     def generate(self, input_ids: list[int], timeout: float = 120) -> tuple[int, dict | bytes]:
         body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
-        status, data = _http(f"{self.router.url}/generate", body, timeout=timeout)
+        status, data = http(f"{self.router.url}/generate", body, timeout=timeout)
         try:
             return status, json.loads(data)
         except ValueError:
@@ -148,7 +148,7 @@ class Pair:
                 _wait(lambda server=server: self.staging_used(server) > 0, 30, f"staging slots held on {server.log_path.stem}")
 
     def staging_used(self, server) -> float:
-        return _kvbridge_metrics(server.url).get(STAGING_USED, 0.0)
+        return kvbridge_metrics(server.url).get(STAGING_USED, 0.0)
 
     def assert_settles(self, sides=("prefill", "decode")) -> None:
         """Both pools back at their idle baseline, no leak logged."""
@@ -193,7 +193,7 @@ def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.T
     try:
         p = Pair(model, tmp_path_factory.mktemp(f"failures-{request.param}"), CONFIGS[request.param])
         # the reference for "the next request works": this pair's output before any failure
-        status, body = p.generate(_prompt(40, seed=7))
+        status, body = p.generate(prompt_ids(40, seed=7))
         assert status == 200, body
         p.reference = body["output_ids"]
         yield p
@@ -204,17 +204,17 @@ def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.T
 
 
 def _next_request_works(pair: Pair) -> None:
-    status, body = pair.generate(_prompt(40, seed=7))
+    status, body = pair.generate(prompt_ids(40, seed=7))
     assert status == 200, f"{status} {str(body)[:300]}\n{pair.tails()}"
     assert body["output_ids"] == pair.reference
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_abort_mid_transfer(pair: Pair, side: str) -> None:
-    req = pair.in_background(_prompt(LONG_PROMPT, seed=11 if side == "decode" else 12))
+    req = pair.in_background(prompt_ids(LONG_PROMPT, seed=11 if side == "decode" else 12))
     pair.wait_mid_transfer(req)
     server = pair.decode if side == "decode" else pair.prefill
-    assert _http(f"{server.url}/abort_request", {"abort_all": True})[0] == 200
+    assert http(f"{server.url}/abort_request", {"abort_all": True})[0] == 200
     req["thread"].join(FAIL_WITHIN_S)
     assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the {side} aborted\n{pair.tails()}"
     assert _failed(req), req
@@ -223,7 +223,7 @@ def test_abort_mid_transfer(pair: Pair, side: str) -> None:
 
 
 def test_prefill_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) -> None:
-    req = pair.in_background(_prompt(LONG_PROMPT, seed=13))
+    req = pair.in_background(prompt_ids(LONG_PROMPT, seed=13))
     pair.wait_mid_transfer(req)
     pair.prefill.kill()
     req["thread"].join(FAIL_WITHIN_S)

@@ -64,3 +64,12 @@ def test_config_keys_lists_every_leaf() -> None:
     keys = config_keys()
     assert "transport" in keys and "timeouts.lease_s" in keys and "mooncake.workers" in keys
     assert not any(k in ("timeouts", "nixl", "mooncake") for k in keys)
+
+
+def test_a_hand_built_config_is_checked_like_a_loaded_one() -> None:
+    """Adapters and tests build configs without load_config too: fp8 through the direct
+    path is refused there, with the same key and fix."""
+    with pytest.raises(ConfigError, match="set it to 'packed'") as info:
+        KVBridgeConfig(wire_dtype="fp8", data_path="direct")
+    assert info.value.key == "data_path"
+    assert KVBridgeConfig(wire_dtype="fp8").resolved_data_path == "packed"

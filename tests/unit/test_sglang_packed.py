@@ -9,14 +9,23 @@ untouched."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
 
 from kvbridge.adapters.sglang.layout import kv_geometry
-from kvbridge.adapters.sglang.packed import RoomReservations, pool_planes, room_slots, typed_geometry
-from kvbridge.errors import ConfigError, PlanError
-from kvbridge.runtime.packed import PackedPath, SlotAllocator
+from kvbridge.adapters.sglang.packed import (
+    RoomReservations,
+    decode_parts,
+    pool_planes,
+    room_part,
+    room_slots,
+    typed_geometry,
+)
+from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError
+from kvbridge.runtime.packed import PackedPath, staging_descs
 from kvbridge.transports.loopback import LoopbackTransport
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 4, 12, 4, 2, 16
@@ -70,6 +79,107 @@ def rows_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm(dim=1) / a.norm(dim=1)).max().item()
 
 
+TOTAL = 4  # the model's KV heads in the TP tests below
+
+
+def tp_pools(tp: int, seed: int | None) -> list:
+    """One SGLang pool per rank of a TP-``tp`` instance: rank ``r`` holds heads
+    ``[r * TOTAL / tp, ...)`` of the same random model KV (zeros: ``seed`` None)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    model = [torch.randn(PAGES * PAGE, TOTAL, DIM, generator=gen).to(torch.bfloat16) for _ in range(2 * LAYERS)]
+    if seed is None:
+        model = [torch.zeros_like(b) for b in model]
+    n = TOTAL // tp
+    pools = []
+    for r in range(tp):
+        bufs = [b[:, r * n : (r + 1) * n].contiguous() for b in model]
+        geo = kv_geometry(
+            page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
+            item_lens=[PAGE * n * DIM * bufs[0].element_size()] * len(bufs),
+        )  # fmt: skip
+        pools.append((bufs, typed_geometry(geo, dtype="bfloat16", head_dim=DIM)))
+    return pools
+
+
+def _copy_chunks(src: PackedPath, src_chunks: np.ndarray, dst: PackedPath, dst_chunks: np.ndarray, heads: int) -> None:
+    """What a transport's write does: descriptor for descriptor, through both buffers'
+    chunk tables (:func:`staging_descs` cut at the pairing's chunk size)."""
+    size = src.chunk(heads).nbytes
+    assert dst.chunk(heads).nbytes == size
+    s_tab, d_tab = staging_descs(src.info, size), staging_descs(dst.info, size)
+    for s, d in zip(src_chunks, dst_chunks):
+        ctypes.memmove(int(d_tab[d, 0]), int(s_tab[s, 0]), size)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["exact", "fp8"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2), (2, 1), (1, 4), (4, 2)])
+def test_a_room_moves_between_tp_sizes_through_staging_chunks(p_tp: int, d_tp: int, fp8: bool) -> None:
+    """What the manager does for one room, rank by rank: each decode rank reserves one
+    part per source (:func:`decode_parts`); each prefill rank packs, per decode rank it
+    feeds (:func:`room_part`), that rank's heads of the room's pages into chunks and
+    writes them into the source's part of the run; each decode rank unpacks a part as
+    its ``Done`` arrives and frees the run after the last. Exact: bit for bit; FP8:
+    within FP8 error. Other pages stay untouched, every staging chunk comes back."""
+    prefill = [(bufs, PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"p{r}"), fp8=fp8)) for r, (bufs, g) in enumerate(tp_pools(p_tp, 5))]
+    decode = [(bufs, PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"d{r}"), fp8=fp8)) for r, (bufs, g) in enumerate(tp_pools(d_tp, None))]
+    model = tp_pools(1, 5)[0][0]
+    src_pages, dst_pages = np.array([4, 9, 1, 6, 2]), np.array([0, 11, 3, 8, 5])
+    P = dst_pages.size
+    rooms = []
+    for d, (_, path) in enumerate(decode):
+        parts = decode_parts(TOTAL, p_tp, d_tp, d)
+        assert [p.d_heads for p in parts] == sorted(p.d_heads for p in parts) and parts[-1].d_heads[1] == TOTAL // d_tp
+        r = RoomReservations(path, num_layers=LAYERS, hold_s=5.0)
+        res = r.reserve(77, dst_pages, parts)
+        assert res is not None
+        rooms.append((r, res))
+    for p, (_, path) in enumerate(prefill):
+        fed = [(d, room_part(TOTAL, p_tp, d_tp, p, d)) for d in range(d_tp)]
+        fed = [(d, part) for d, part in fed if part is not None]
+        assert fed, f"prefill rank {p} feeds no decode rank"
+        for layers, positions in (([0, 1], np.arange(P)), ([2, 3], np.array([0, 1, 2])), ([2, 3], np.array([3, 4]))):
+            for d, part in fed:  # as _post: one pack per head range
+                count = len(layers) * positions.size
+                run = path.reserve(count, part.heads)
+                whole = part.heads == path.slot.num_heads
+                path.pack(layers, src_pages[positions], run.first, heads=None if whole else part.p_heads)
+                res = rooms[d][1]
+                dst = room_slots(res.part_first(part.index, LAYERS), P, layers, positions)
+                _copy_chunks(path, np.arange(run.first, run.first + count), decode[d][1], dst, part.heads)
+                path.release(run)
+        assert path.allocator.free_slots == path.allocator.num_slots
+    for d, (bufs, path) in enumerate(decode):  # every source's Done, last one first
+        r, res = rooms[d]
+        for index in reversed(range(len(res.parts))):
+            got, last = r.arrive(77, index)
+            assert got == res and last == (index == 0)
+            part = res.parts[index]
+            whole = part.heads == path.slot.num_heads
+            for layer in range(LAYERS):
+                path.unpack(layer, res.pages, res.part_first(index, LAYERS) + layer * P, heads=None if whole else part.d_heads)
+        assert r.arrive(77, 0) == (None, False), "a repeated Done must not unpack twice"
+        r.free(res)
+        assert path.allocator.free_slots == path.allocator.num_slots
+        n = TOTAL // d_tp
+        for i, buf in enumerate(bufs):
+            want = model[i].view(PAGES, PAGE, TOTAL, DIM)[torch.as_tensor(src_pages), :, d * n : (d + 1) * n]
+            got = buf.view(PAGES, PAGE, n, DIM)[torch.as_tensor(dst_pages)]
+            if fp8:
+                assert rows_rel_err(want, got) < 0.07, f"decode rank {d}, buffer {i}"
+            else:
+                assert torch.equal(want, got), f"decode rank {d}, buffer {i}"
+            others = np.setdiff1d(np.arange(PAGES), dst_pages)
+            assert buf.view(PAGES, PAGE, n, DIM)[torch.as_tensor(others)].abs().sum().item() == 0
+
+
+def test_tp_sizes_that_do_not_pair_are_refused() -> None:
+    with pytest.raises(IncompatiblePeerError, match="multiple"):
+        decode_parts(TOTAL, 2, 3, 0)
+    with pytest.raises(IncompatiblePeerError, match="replicas"):
+        room_part(2, 4, 2, 0, 0)  # 4 prefill ranks hold 2 heads twice over
+    assert room_part(TOTAL, 1, 2, 0, 1) is not None and room_part(TOTAL, 2, 4, 0, 3) is None
+
+
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "exact"])
 def test_a_room_goes_through_packed_slots_into_the_decode_pages(fp8: bool) -> None:
     """FP8: within FP8 error; exact (``data_path: packed``): bit for bit."""
@@ -78,10 +188,10 @@ def test_a_room_goes_through_packed_slots_into_the_decode_pages(fp8: bool) -> No
     p_geo, d_geo = (typed_geometry(g, dtype="bfloat16", head_dim=DIM) for g in (p_opaque, d_opaque))
     prefill = PackedPath(p_geo, pool_planes(p_geo), 1, LoopbackTransport("p"), fp8=fp8)
     decode = PackedPath(d_geo, pool_planes(d_geo), 1, LoopbackTransport("d"), fp8=fp8)
-    reservations = RoomReservations(decode.allocator, num_layers=LAYERS, hold_s=5.0)
+    reservations = RoomReservations(decode, num_layers=LAYERS, hold_s=5.0)
     src_pages = np.array([4, 9, 1, 6, 2])  # the prefill's pages of the room, in order
     dst_pages = np.array([0, 11, 3, 8, 5])  # the decode's (its Destination)
-    res = reservations.reserve(77, dst_pages)
+    res = reservations.reserve(77, dst_pages, decode_parts(HEADS, 1, 1, 0))
     assert res is not None
 
     def post(layers: list[int], positions: np.ndarray) -> None:
@@ -97,8 +207,8 @@ def test_a_room_goes_through_packed_slots_into_the_decode_pages(fp8: bool) -> No
     post([0, 1], np.arange(5))  # two layers streamed whole
     post([2, 3], np.array([0, 1, 2]))  # the rest in two chunks
     post([2, 3], np.array([3, 4]))
-    taken = reservations.take(77)
-    assert taken == res and reservations.take(77) is None
+    taken, last = reservations.arrive(77, 0)
+    assert taken == res and last and reservations.arrive(77, 0) == (None, False)
     for layer in range(LAYERS):
         decode.unpack(layer, taken.pages, taken.first + layer * taken.pages.size)
     reservations.free(taken)
@@ -116,20 +226,33 @@ def test_a_room_goes_through_packed_slots_into_the_decode_pages(fp8: bool) -> No
 
 
 def test_reservations_end_once_and_retired_runs_wait_out_their_hold() -> None:
-    alloc = SlotAllocator(3 * 6)
-    r = RoomReservations(alloc, num_layers=3, hold_s=10.0)
-    a = r.reserve(1, np.arange(4))
-    assert a is not None and r.reserve(2, np.arange(3)) is None  # 12 of 18 slots taken
+    _, _, opaque = sglang_pool(None)
+    geo = typed_geometry(opaque, dtype="bfloat16", head_dim=DIM)
+    path = PackedPath(geo, pool_planes(geo), 1, LoopbackTransport("d"), fp8=False)
+    alloc = path.allocator
+    total = alloc.num_slots
+    r = RoomReservations(path, num_layers=3, hold_s=10.0)
+    one = decode_parts(HEADS, 1, 1, 0)
+    pages = total // 3 * 2 // 3  # a room of these takes about two thirds of the buffer
+    a = r.reserve(1, np.arange(pages), one)
+    assert a is not None and r.reserve(2, np.arange(pages), one) is None
+    assert r.fits(total // 3, one) and not r.fits(total // 3 + 1, one)
     with pytest.raises(PlanError, match="no pages"):
-        r.reserve(3, np.array([], dtype=np.int64))
+        r.reserve(3, np.array([], dtype=np.int64), one)
     r.retire(1, now=100.0)
     r.retire(1, now=100.0)  # a second clear of the room frees nothing twice
-    assert len(r) == 0 and r.take(1) is None
-    assert r.reap(now=109.0) == 0 and alloc.free_slots == 6
-    assert r.reap(now=110.0) == 1 and alloc.free_slots == 18
-    b = r.reserve(2, np.arange(2))
-    again = r.reserve(2, np.arange(2))  # the same room id again: the first run is held
+    assert len(r) == 0 and r.arrive(1, 0) == (None, False)
+    assert r.reap(now=109.0) == 0 and alloc.free_slots == total - 3 * pages
+    assert r.reap(now=110.0) == 1 and alloc.free_slots == total
+    b = r.reserve(2, np.arange(2), one)
+    again = r.reserve(2, np.arange(2), one)  # the same room id again: the first run is held
     assert b is not None and again is not None and again.first != b.first
-    assert r.take(2) == again
+    assert r.arrive(2, 0) == (again, True)
     r.free(again)
-    assert r.reap(now=float("inf")) == 1 and alloc.free_slots == 18
+    assert r.reap(now=float("inf")) == 1 and alloc.free_slots == total
+    two = decode_parts(2 * HEADS, 2, 1, 0)  # two sources of HEADS // ... heads each
+    c = r.reserve(4, np.arange(2), two)
+    assert c is not None and c.part_first(1, 3) == c.first + 3 * 2
+    assert r.arrive(4, 1) == (c, False) and r.arrive(4, 1) == (None, False) and r.arrive(4, 2) == (None, False)
+    r.retire(4, now=0.0)  # cleared with one part in: held, then freed once
+    assert r.arrive(4, 0) == (None, False) and r.reap(now=10.0) == 1 and alloc.free_slots == total

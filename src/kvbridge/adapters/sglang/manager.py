@@ -36,12 +36,15 @@ acks. What kvbridge adds:
 - on decode, a notification thread turning ``Done`` into SGLang's Success, and a control
   thread applying failure statuses and abort acks;
 - the packed path (``wire_dtype: fp8`` or ``data_path: packed``; CPU pools,
-  :mod:`.packed`): the decode reserves a run of staging slots per room and names it in
-  its ``Destination``; every post above packs its pages into the prefill's staging
-  slots (FP8 + scales, or exact values) and writes those into the room's run;
-  on ``Done`` the notification thread unpacks the run into the room's pages, then marks
-  it received. Incompatible peers (transport, wire dtype, page or packed format) are
-  refused at registration and their rooms fail with the reason;
+  :mod:`.packed`): the decode reserves a run of staging chunks per room (a part per
+  prefill rank feeding it) and names it in its ``Destination``; every post above packs
+  its pages, the decode rank's heads of them, into the prefill's staging (FP8 + scales,
+  or exact values) and writes those into its part of the room's run; on each ``Done``
+  the notification thread unpacks that part into the room's pages, then passes the
+  status on (SGLang counts the prefill ranks). Prefill and decode may so have
+  different attention TP sizes (:func:`.packed.room_part`); the direct path needs
+  equal ones. Incompatible peers (transport, wire dtype, data path, page or packed
+  format, TP sizes) are refused at registration and their rooms fail with the reason;
 - metrics (:mod:`.metrics`): counters and per-request histograms on SGLang's
   ``/metrics`` when it runs with ``--enable-metrics``.
 
@@ -65,6 +68,7 @@ import time
 import uuid
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import requests
 import zmq
@@ -83,8 +87,11 @@ from kvbridge.adapters.sglang.lifecycle import (
     rank_key,
 )
 from kvbridge.adapters.sglang.packed import (
+    Part,
     RoomReservations,
+    decode_parts,
     pool_planes,
+    room_part,
     room_slots,
     typed_geometry,
 )
@@ -98,8 +105,15 @@ from kvbridge.adapters.sglang.streaming import (
     completed_span,
     streams,
 )
-from kvbridge.errors import ConfigError, DeadlineExceeded, KVBridgeError, PlanError
-from kvbridge.runtime.packed import PackedPath, staging_descs
+from kvbridge.core.tp import heads_per_rank
+from kvbridge.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    IncompatiblePeerError,
+    KVBridgeError,
+    PlanError,
+)
+from kvbridge.runtime.packed import PackedPath, Run, staging_descs
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 
@@ -181,7 +195,8 @@ class _Peer(NamedTuple):
     geometry: object
     aux_layout: AuxLayout
     aux_count: int
-    staging: object = None  # DescTable of the decode's staging slots (wire_dtype fp8)
+    staging: object = None  # packed path: DescTable of the decode's staging, in chunks of part.heads
+    part: Part | None = None  # packed path: the heads this rank moves to the decode rank
 
 
 class _Dest(NamedTuple):
@@ -260,7 +275,7 @@ class KVBridgeKVManager(_c.Manager):
             self._chunk_writes: dict[int, int] = {}
             self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
             self._first_post: dict[int, float] = {}
-            self._packed_runs: dict[int, list[tuple[int, int]]] = {}  # room -> our staging runs
+            self._packed_runs: dict[int, list[Run]] = {}  # room -> our staging runs
             self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
             self._num_layers = self.geometry.spec.num_layers
             self._start_layer = compat.start_layer(args)
@@ -274,9 +289,7 @@ class KVBridgeKVManager(_c.Manager):
             self.epochs = EpochWatcher()
             self._epochs_lock = threading.Lock()
             if self.packed is not None:
-                self.reservations = RoomReservations(
-                    self.packed.allocator, num_layers=self.geometry.spec.num_layers, hold_s=self.config.timeouts.transfer_s
-                )
+                self.reservations = RoomReservations(self.packed, num_layers=self.geometry.spec.num_layers, hold_s=self.config.timeouts.transfer_s)
             # held while a room is unpacked, and by the receiver's clear/abort: SGLang never
             # frees a room's pages while kvbridge writes into them
             self._unpack_lock = threading.Lock()
@@ -377,8 +390,22 @@ class KVBridgeKVManager(_c.Manager):
                 staging=self.packed.info if self.packed is not None else None,
                 packed_spec=self.packed.geometry.spec if self.packed is not None else None,
                 data_path=self.config.resolved_data_path,
+                tp_size=self.attn_tp_size,
+                tp_rank=self.attn_tp_rank,
+                kv_heads=self._total_kv_heads(),
             )
         )
+
+    def _total_kv_heads(self) -> int:
+        """The model's KV heads over all ranks (SGLang's ``KVArgs``; 0 when unknown)."""
+        return int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+
+    def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
+        """Decode, packed path: every source's part of this rank's rooms from a prefill
+        of attention TP ``prefill_tp``. Raises
+        :class:`~kvbridge.errors.IncompatiblePeerError` for sizes that do not pair."""
+        total = self._total_kv_heads() or self.packed.geometry.spec.num_kv_heads * self.attn_tp_size
+        return decode_parts(total, prefill_tp, self.attn_tp_size, self.attn_tp_rank)
 
     def build_receiver_metadata_message(
         self,
@@ -446,10 +473,11 @@ class KVBridgeKVManager(_c.Manager):
             log.warning("kvbridge: unexpected %s on the prefill control socket", type(msg).__name__)
 
     def _add_peer(self, reg: wire.Registration) -> None:
-        refused = self._incompatible(reg)
-        if refused is not None:
-            log.error("kvbridge: refused decode %s: %s", reg.agent, refused)
-            self._refused[reg.agent] = refused
+        try:
+            part = self._pairing(reg)
+        except IncompatiblePeerError as exc:
+            log.error("kvbridge: refused decode %s: %s", reg.agent, exc)
+            self._refused[reg.agent] = str(exc)
             return
         with self._peers_lock:
             if reg.agent in self.peers:
@@ -458,35 +486,60 @@ class KVBridgeKVManager(_c.Manager):
             kv = self.transport.prepare(reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer)
             aux = self.transport.prepare(reg.aux.table(), memory="host", peer=peer)
             staging = None
-            if reg.staging is not None and self.packed is not None:
-                staging = self.transport.prepare(staging_descs(reg.staging), memory=reg.staging.memory, peer=peer)
+            if part is not None:
+                chunks = staging_descs(reg.staging, self.packed.chunk(part.heads).nbytes)
+                staging = self.transport.prepare(chunks, memory=reg.staging.memory, peer=peer)
             count = paired_count(self.aux_layout, reg.aux)
             if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
                 self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
-            self.peers[reg.agent] = _Peer(reg.agent, kv, aux, reg.geometry, reg.aux, count, staging)
+            self.peers[reg.agent] = _Peer(reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part)
             # A restarted decode (same address, new epoch) replaces its old agent.
             stale = [a for a in self.peers if a != reg.agent and a.rsplit("-", 1)[0] == reg.agent.rsplit("-", 1)[0]]
         for agent in stale:
             self._drop_peer(agent)
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
 
-    def _incompatible(self, reg: wire.Registration) -> str | None:
-        """Why a decode's registration cannot be served (its rooms then fail with this
-        reason), or None."""
+    def _pairing(self, reg: wire.Registration) -> Part | None:
+        """Check a decode's registration: on the packed path, the heads this rank moves
+        to it (:func:`.packed.room_part`; any TP sizes that pair); on the direct path
+        None (whole pages, equal TP sizes only).
+
+        Raises:
+            IncompatiblePeerError: why it cannot be served (its rooms then fail with
+                this reason), naming the fix.
+        """
         fix = "set the same KVBRIDGE_CONFIG on prefill and decode"
         if reg.transport != self.config.transport:
-            return f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}"
+            raise IncompatiblePeerError(f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}")
         if reg.wire_dtype != self.config.wire_dtype:
-            return f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}"
+            raise IncompatiblePeerError(f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}")
         if reg.data_path != self.config.resolved_data_path:
-            return f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}"
-        if reg.geometry.spec != self.geometry.spec:
-            return f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}"
-        if self.packed is not None and (
-            reg.staging is None or reg.packed_spec != self.packed.geometry.spec or reg.staging.slot_bytes != self.packed.info.slot_bytes
-        ):
-            return f"its packed KV ({reg.packed_spec}) differs from this prefill's ({self.packed.geometry.spec})"
-        return None
+            raise IncompatiblePeerError(f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}")
+        p_tp, d_tp = self.attn_tp_size, reg.tp_size
+        if self.packed is None:
+            if p_tp != d_tp:
+                raise IncompatiblePeerError(
+                    f"prefill attention TP {p_tp}, decode TP {d_tp}: the direct data path moves whole pages, and an "
+                    "SGLang page holds every KV head of its rank token by token",
+                    fix="set data_path 'packed' (exact values) or wire_dtype 'fp8' in KVBRIDGE_CONFIG on both instances",
+                )
+            if reg.geometry.spec != self.geometry.spec:
+                raise IncompatiblePeerError(f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}")
+            return None
+        mine = self.packed.geometry.spec
+        theirs = reg.packed_spec
+        if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
+            raise IncompatiblePeerError(f"its packed KV ({theirs}) differs from this prefill's ({mine})")
+        total = self._total_kv_heads() or mine.num_kv_heads * p_tp
+        if reg.kv_heads and reg.kv_heads != total:
+            raise IncompatiblePeerError(f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both")
+        part = room_part(total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank)
+        if part is None or (mine.num_kv_heads, theirs.num_kv_heads) != (heads_per_rank(total, p_tp), heads_per_rank(total, d_tp)):
+            raise IncompatiblePeerError(
+                f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV heads) does not pair with "
+                f"prefill rank {self.attn_tp_rank} of TP {p_tp} ({mine.num_kv_heads} KV heads) for a model of {total}"
+            )
+        return part
 
     def _drop_peer(self, agent: str) -> None:
         with self._peers_lock:
@@ -563,14 +616,14 @@ class KVBridgeKVManager(_c.Manager):
     ):
         """Queue one chunk (never blocks the scheduler)."""
         if bootstrap_room not in self.transfer_infos:
-            return None  # dummy rank, or already cleared
+            return  # dummy rank, or already cleared
         if _has_state(state_indices):
             self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvbridge: state (mamba/SWA) transfer is not supported yet")
-            return None
+            return
         self._work.put(
             _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic())
         )
-        return None
+        return
 
     # --- prefill: per-layer streaming (scheduler thread / forward) ------------------------------
 
@@ -658,7 +711,7 @@ class KVBridgeKVManager(_c.Manager):
         (a slice or an index array) of every destination's page list; returns the
         number of writes posted. The room's list of in-flight transfers owns them."""
         xfers = self._inflight.setdefault(room, [])
-        packed = self._pack(room, src_pages, layers) if self.packed is not None and src_pages.size else None
+        packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}  # head range -> packed chunks
         posted = 0
         for dest in dests:
             peer = self.peers.get(dest.agent)
@@ -672,13 +725,17 @@ class KVBridgeKVManager(_c.Manager):
                     f"(positions {where} of {dest.pages.size})"
                 )
             if src_pages.size:
-                if packed is None:  # the pages themselves
+                if peer.part is None:  # the pages themselves
                     src_table, src, dst_table = self.kv_table, self.geometry.slots(src_pages, layers), peer.kv
                     dst, slot_bytes = peer.geometry.slots(dst_pages, layers), self.geometry.spec.block_bytes
-                else:  # their packed slots, into the room's run on the decode
-                    (layer_ids, src), src_table, dst_table = packed, self.packed.table, peer.staging
+                else:  # the decode rank's heads of them, packed, into its part of the room's run
+                    part = peer.part
+                    if part.p_heads not in packed:
+                        packed[part.p_heads] = self._pack(room, src_pages, layers, part)
+                    (layer_ids, src, src_table), dst_table = packed[part.p_heads], peer.staging
                     at = np.arange(dest.pages.size, dtype=np.int64)[positions]
-                    dst, slot_bytes = room_slots(dest.staging_first, dest.pages.size, layer_ids, at), self.packed.info.slot_bytes
+                    first = dest.staging_first + part.index * self._num_layers * dest.pages.size
+                    dst, slot_bytes = room_slots(first, dest.pages.size, layer_ids, at), self.packed.chunk(part.heads).nbytes
                 xfers.append(self.transport.post("write", src_table, src, dst_table, dst))
                 self._staging_outstanding[room] += 1
                 posted += 1
@@ -689,21 +746,22 @@ class KVBridgeKVManager(_c.Manager):
                 self._count(transfers=1, bytes_sent=nbytes)
         return posted
 
-    def _pack(self, room: int, src_pages: np.ndarray, layers) -> tuple[list[int], np.ndarray]:
-        """Pack ``layers`` (default all) of ``src_pages`` into a run of our staging slots,
-        layer-major; the room holds the run until it is released. Returns the layer ids
-        and the run's slots."""
+    def _pack(self, room: int, src_pages: np.ndarray, layers, part: Part) -> tuple[list[int], np.ndarray, object]:
+        """Pack ``part``'s heads of ``layers`` (default all) of ``src_pages`` into a run of
+        chunks of our staging buffer, layer-major; the room holds the run until it is
+        released. Returns the layer ids, the run's chunks and the table they index."""
         layer_ids = list(range(self._num_layers)) if layers is None else [int(l) for l in layers]
         count = len(layer_ids) * int(src_pages.size)
-        first = self.packed.allocator.alloc(count)
-        if first is None:
+        run = self.packed.reserve(count, part.heads)
+        if run is None:
             raise PlanError(
-                f"the staging buffer has no run of {count} free slots (packed path, staging_mb "
+                f"the staging buffer has no run for {count} packed pages (packed path, staging_mb "
                 f"{self.config.staging_mb}); raise staging_mb on the prefill"
             )
-        self._packed_runs.setdefault(room, []).append((first, count))
-        self.packed.pack(layer_ids, src_pages, first)
-        return layer_ids, np.arange(first, first + count, dtype=np.int64)
+        self._packed_runs.setdefault(room, []).append(run)
+        whole = part.heads == self.packed.slot.num_heads
+        self.packed.pack(layer_ids, src_pages, run.first, heads=None if whole else part.p_heads)
+        return layer_ids, np.arange(run.first, run.first + count, dtype=np.int64), self.packed.table_for(part.heads)
 
     def _send_layers(self, item: LayerReady) -> None:
         if item.event is not None:
@@ -752,7 +810,10 @@ class KVBridgeKVManager(_c.Manager):
         sent = self._room_bytes.get(room, {})
         for dest in dests:
             peer = self.peers[dest.agent]
-            done = wire.Done(room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch, bytes=sent.get(dest.agent, 0))
+            done = wire.Done(
+                room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch, bytes=sent.get(dest.agent, 0),
+                part=0 if peer.part is None else peer.part.index,
+            )
             if chunk.aux_index is None or dest.aux_index is None:
                 raise PlanError("the last chunk carries no metadata row")
             x = self.transport.post(
@@ -820,8 +881,8 @@ class KVBridgeKVManager(_c.Manager):
                     pass  # failed: it writes no more
         for x in xfers:
             self.transport.release(x)
-        for first, count in self._packed_runs.pop(room, []):
-            self.packed.allocator.free(first, count)
+        for run in self._packed_runs.pop(room, []):
+            self.packed.release(run)
         if not drained:
             log.warning("kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged", room, drain_s)
             self.poison_deferred_ack_room(room)
@@ -845,19 +906,23 @@ class KVBridgeKVManager(_c.Manager):
             self._count(failures=1)
         self.apply_prefill_status(bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason)
 
-    def _unpack(self, room: int) -> bool:
-        """Unpack a room whose ``Done`` arrived into its pages (notification thread,
-        before SGLang sees the room received). False: the room is gone or failed."""
+    def _unpack(self, room: int, index: int) -> bool:
+        """Unpack source ``index``'s part of a room whose ``Done`` from that source
+        arrived into its pages' heads (notification thread, before SGLang counts the
+        source). False: the room is gone or failed, or the part unknown."""
         with self._unpack_lock:
-            res = self.reservations.take(room)
+            res, last = self.reservations.arrive(room, index)
             if res is None:
-                log.warning("kvbridge: Done for room %s, which holds no staging run (cleared or aborted); ignored", room)
+                log.warning("kvbridge: Done for part %d of room %s, which holds no such staging run (cleared, aborted or repeated); ignored", index, room)
                 return False
             try:
                 if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
                     return False
-                for layer in range(self.geometry.spec.num_layers):
-                    self.packed.unpack(layer, res.pages, res.first + layer * res.pages.size)
+                part, layers = res.parts[index], self.geometry.spec.num_layers
+                first = res.part_first(index, layers)
+                heads = None if part.heads == self.packed.slot.num_heads else part.d_heads
+                for layer in range(layers):
+                    self.packed.unpack(layer, res.pages, first + layer * res.pages.size, heads=heads)
                 return True
             except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
                 log.warning("kvbridge: room %s: unpacking failed: %s", room, exc)
@@ -866,7 +931,8 @@ class KVBridgeKVManager(_c.Manager):
                 self.update_status(room, KVPoll.Failed)
                 return False
             finally:
-                self.reservations.free(res)  # Done: the prefill writes into it no more
+                if last:
+                    self.reservations.free(res)  # every source is done: none writes into it any more
 
     def _decode_notify_loop(self) -> None:
         while not self._stop.is_set():
@@ -880,7 +946,7 @@ class KVBridgeKVManager(_c.Manager):
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                     continue
                 if isinstance(msg, wire.Done):
-                    if self.packed is not None and not self._unpack(msg.room):
+                    if self.packed is not None and not self._unpack(msg.room, msg.part):
                         continue
                     self.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank)
                     self._count(requests_received=1, bytes_received=msg.bytes)
@@ -936,6 +1002,7 @@ class _StagingWait(NamedTuple):
     args: tuple
     kwargs: dict
     pages: np.ndarray
+    parts: tuple[Part, ...]
     deadline: float
 
 
@@ -943,7 +1010,8 @@ class KVBridgeKVReceiver(_c.Receiver):
     """SGLang's receiver. On the packed path (``wire_dtype: fp8``, ``data_path:
     packed``):
 
-    - ``send_metadata`` first reserves the room's staging run; when the buffer is full
+    - ``send_metadata`` first reserves the room's staging run (a part per prefill rank
+      that feeds this rank, :func:`.packed.decode_parts`); when the buffer is full
       the call is held (SGLang sees the room waiting for input, its own waiting timeout
       not yet started) and retried at each ``poll`` from SGLang's scheduler, in the
       order rooms poll. It goes out once a run is free, or after
@@ -964,10 +1032,16 @@ class KVBridgeKVReceiver(_c.Receiver):
             super().send_metadata(kv_indices, aux_index, *args, **kwargs)
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
-        wait = _StagingWait((kv_indices, aux_index, *args), kwargs, pages, time.monotonic() + mgr.config.timeouts.receive_s)
-        if not mgr.reservations.fits(int(pages.size)):
+        try:
+            parts = mgr.decode_parts(int(self.prefill_info.attn_tp_size))
+        except IncompatiblePeerError as exc:  # the prefill refuses this rank too, naming it
+            log.warning("kvbridge: room %s: %s", self.bootstrap_room, exc)
+            super().send_metadata(kv_indices, aux_index, *args, **kwargs)
+            return
+        wait = _StagingWait((kv_indices, aux_index, *args), kwargs, pages, parts, time.monotonic() + mgr.config.timeouts.receive_s)
+        if not mgr.reservations.fits(int(pages.size), parts):
             log.warning("kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however empty", self.bootstrap_room, pages.size, mgr.config.staging_mb)
-        elif mgr.reservations.reserve(int(self.bootstrap_room), pages) is None:
+        elif mgr.reservations.reserve(int(self.bootstrap_room), pages, parts) is None:
             log.info("kvbridge: room %s waits for room in the staging buffer (%d pages)", self.bootstrap_room, pages.size)
             self._staging_wait = wait
             return
@@ -978,7 +1052,7 @@ class KVBridgeKVReceiver(_c.Receiver):
         if wait is not None:
             if self.conclude_state is not None:
                 self._staging_wait = None
-            elif (run := self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages)) is not None or time.monotonic() >= wait.deadline:
+            elif (run := self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages, wait.parts)) is not None or time.monotonic() >= wait.deadline:
                 if run is None:
                     log.warning("kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it", self.bootstrap_room)
                 self._staging_wait = None
@@ -1042,4 +1116,4 @@ def classes():
     return KVBridgeKVManager, KVBridgeKVSender, KVBridgeKVReceiver, KVBridgeKVBootstrapServer
 
 
-__all__ = ["KVBridgeKVManager", "KVBridgeKVSender", "KVBridgeKVReceiver", "KVBridgeKVBootstrapServer", "classes"]
+__all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender", "classes"]

@@ -55,13 +55,20 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     port: int
     """The decode rank's control socket (SGLang's ``rank_port``)."""
     wire_dtype: str = "exact"
-    staging: Union[StagingInfo, None] = None
+    staging: StagingInfo | None = None
     """Packed path (``config.packed``): the decode rank's staging buffer (:mod:`.packed`)."""
-    packed_spec: Union[CacheSpec, None] = None
+    packed_spec: CacheSpec | None = None
     """Packed path: the pool as numbers (dtype, heads, head dim); both sides' must be
     equal."""
     data_path: str = "direct"
     """``direct`` or ``packed`` (config ``data_path``, resolved)."""
+    tp_size: int = 1
+    """The decode's attention TP size; the prefill pairs its heads with the decode
+    rank's from it (:func:`.packed.room_part`)."""
+    tp_rank: int = 0
+    """The decode rank's attention TP rank."""
+    kv_heads: int = 0
+    """The model's KV heads, all ranks (0: not given)."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
@@ -71,13 +78,15 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     port: int
     pages: bytes
     """Destination page ids, little-endian int32 (:func:`encode_pages`)."""
-    aux_index: Union[int, None]
+    aux_index: int | None
     required_dst_info_num: int
-    decode_prefix_len: Union[int, None] = None
+    decode_prefix_len: int | None = None
     is_dummy: bool = False
-    staging_first: Union[int, None] = None
-    """``wire_dtype: fp8``: the first of the room's ``layers * pages`` staging slots on
-    the decode (None: the decode had no free run, the room fails naming ``staging_mb``)."""
+    staging_first: int | None = None
+    """Packed path: the first chunk of the room's run in the decode's staging buffer,
+    cut into chunks of the pairing's heads (:mod:`.packed`; ``sources * layers *
+    pages`` chunks); None: the decode had no free run, the room fails naming
+    ``staging_mb``."""
 
 
 class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
@@ -86,6 +95,9 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     epoch: str
     bytes: int = 0
     """KV bytes written to this decode for the room (its metrics); 0 from older senders."""
+    part: int = 0
+    """Packed path: which part of the room's staging run this prefill rank wrote (its
+    place among the decode rank's sources, :class:`.packed.Part`)."""
 
 
 Message = Union[Registration, Destination, Done]

@@ -9,17 +9,26 @@ K and V buffer as a torch tensor (:func:`pool_planes`; CPU pools only, like
 :class:`~kvbridge.runtime.packed.PackedPath`, which does the staging buffer, the slot
 allocator and the packing).
 
-Slots of a room: the decode reserves ``layers * pages`` contiguous staging slots per
-room (:class:`RoomReservations`) and sends the first one in its ``Destination``; layer
-``l``'s page at position ``p`` of the room's page list goes to slot ``first + l * pages +
-p`` (:func:`room_slots`). The prefill packs what a post covers into slots of its own
-buffer, in the same layer-major order, and writes them there. The decode unpacks a room
-when its ``Done`` arrives, before SGLang sees the room as received.
+Chunks of a room: a decode rank receives a room's KV from one prefill rank, or, when
+the prefill has more attention TP ranks, from several (SGLang's rank mapping), each
+holding some of its KV heads; when the decode has more ranks, a prefill rank feeds
+several decode ranks, each a part of its heads. Every (prefill rank, decode rank)
+pairing moves one contiguous head range (:class:`Part`, :func:`room_part`, from
+:mod:`kvbridge.core.tp`); both sides address their staging buffers as *chunks* of that
+many heads (:meth:`~kvbridge.runtime.packed.PackedPath.table_for`; between equal TP
+sizes a chunk is a slot: one page of one layer, all heads). The decode reserves a run
+of ``sources * layers * pages`` chunks per room (:class:`RoomReservations`) and sends
+its first chunk in its ``Destination``; source ``k``'s layer ``l`` page at position
+``p`` of the room's page list goes to chunk ``first + (k * layers + l) * pages + p``
+(:func:`room_slots`). The prefill packs what a post covers, for each destination its
+head range, into chunks of its own buffer in the same layer-major order, and writes
+them there. The decode unpacks each source's part into its heads when that source's
+``Done`` arrives, before SGLang sees the room as received (SGLang counts the sources).
 
-A reservation ends exactly once: unpacked (``Done``), or retired when SGLang clears a
-room that never completed (failure, abort, timeout). A retired run is held for
-``hold_s`` (the prefill's transfer deadline: its writes into the run have finished or
-been given up by then) before its slots are reused.
+A reservation ends exactly once: freed once every source's part is unpacked, or retired
+when SGLang clears a room that never completed (failure, abort, timeout). A retired run
+is held for ``hold_s`` (the prefill's transfer deadline: its writes into the run have
+finished or been given up by then) before its chunks are reused.
 """
 
 from __future__ import annotations
@@ -33,12 +42,13 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from kvbridge.core.layout import DTYPE_SIZES, CacheGeometry, CacheSpec
-from kvbridge.errors import ConfigError, PlanError
+from kvbridge.core.tp import check_pairing, head_slices, prefill_ranks
+from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError
 
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.runtime.packed import SlotAllocator
+    from kvbridge.runtime.packed import PackedPath, Run
 
 
 def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> CacheGeometry:
@@ -91,9 +101,63 @@ def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tenso
     return [ops.kv_planes((view(bases[2 * l]), view(bases[2 * l + 1])), "nhd", block_size=s.block_size) for l in range(s.num_layers)]
 
 
+class Part(NamedTuple):
+    """What one prefill rank moves to one decode rank of a room on the packed path."""
+
+    index: int
+    """This prefill rank's place among the decode rank's sources (the order of
+    :func:`kvbridge.core.tp.prefill_ranks`): its part of the room's run."""
+    sources: int
+    """Prefill ranks feeding the decode rank (1 unless the prefill has more TP ranks)."""
+    heads: int
+    """KV heads moved, the chunk size of the pairing."""
+    p_heads: tuple[int, int]
+    """The prefill rank's heads ``[first, end)``, its own numbering."""
+    d_heads: tuple[int, int]
+    """The decode rank's heads ``[first, end)`` they become."""
+
+
+def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> Part | None:
+    """The pairing of prefill rank ``p_rank`` (of ``p_tp``) and decode rank ``d_rank``
+    (of ``d_tp``) for a model of ``total`` KV heads; None when they exchange nothing.
+    Both sides compute it alike.
+
+    Raises:
+        IncompatiblePeerError: the TP sizes do not pair (naming the fix).
+
+    >>> room_part(4, 1, 2, 0, 1)
+    Part(index=0, sources=1, heads=2, p_heads=(2, 4), d_heads=(0, 2))
+    >>> room_part(4, 2, 1, 1, 0)
+    Part(index=1, sources=2, heads=2, p_heads=(0, 2), d_heads=(2, 4))
+    """
+    check_pairing(total, p_tp, d_tp)
+    mine = [s for s in head_slices(total, p_tp, d_tp) if (s.p_rank, s.d_rank) == (p_rank, d_rank)]
+    if not mine:
+        return None
+    if len(mine) != 1:  # cannot happen when one size is a multiple of the other
+        raise IncompatiblePeerError(f"prefill rank {p_rank} of TP {p_tp} and decode rank {d_rank} of TP {d_tp} share {len(mine)} head ranges")
+    s = mine[0]
+    sources = prefill_ranks(total, p_tp, d_tp, d_rank)
+    return Part(sources.index(p_rank), len(sources), s.count, (s.p_first, s.p_first + s.count), (s.d_first, s.d_first + s.count))
+
+
+def decode_parts(total: int, p_tp: int, d_tp: int, d_rank: int) -> tuple[Part, ...]:
+    """Every source's part of decode rank ``d_rank``'s rooms, in source order. Raises
+    :class:`~kvbridge.errors.IncompatiblePeerError` like :func:`room_part`.
+
+    >>> [(p.index, p.heads, p.d_heads) for p in decode_parts(4, 2, 1, 0)]
+    [(0, 2, (0, 2)), (1, 2, (2, 4))]
+    """
+    check_pairing(total, p_tp, d_tp)
+    parts = tuple(room_part(total, p_tp, d_tp, p, d_rank) for p in prefill_ranks(total, p_tp, d_tp, d_rank))
+    if len({p.heads for p in parts}) != 1:  # cannot happen when one size is a multiple of the other
+        raise IncompatiblePeerError(f"decode rank {d_rank} of TP {d_tp} takes unequal head ranges from prefill TP {p_tp}")
+    return parts  # type: ignore[return-value]
+
+
 def room_slots(first: int, pages: int, layers: Sequence[int], positions: np.ndarray) -> np.ndarray:
-    """The decode staging slots of ``layers`` x ``positions`` of a room whose run starts
-    at ``first`` and spans ``pages`` pages per layer, layer-major (the order
+    """The decode staging chunks of ``layers`` x ``positions`` of a room part whose
+    chunks start at ``first`` and span ``pages`` pages per layer, layer-major (the order
     :meth:`~kvbridge.runtime.packed.PackedPath.pack` fills).
 
     >>> room_slots(100, 4, [0, 2], np.array([1, 2])).tolist()
@@ -106,11 +170,22 @@ def room_slots(first: int, pages: int, layers: Sequence[int], positions: np.ndar
 
 
 class Reservation(NamedTuple):
-    first: int
+    run: Run
+    """The room's chunks in the decode's staging buffer."""
     pages: np.ndarray
     """The room's decode page ids (its ``Destination``), position order."""
-    count: int
-    """Slots in the run: ``layers * pages``."""
+    parts: tuple[Part, ...]
+    """One per source, in source order (:func:`decode_parts`)."""
+
+    @property
+    def first(self) -> int:
+        """The run's first chunk (of ``parts[0].heads`` heads): what the
+        ``Destination`` names."""
+        return self.run.first
+
+    def part_first(self, index: int, num_layers: int) -> int:
+        """The first chunk of source ``index``'s part."""
+        return self.run.first + index * num_layers * int(self.pages.size)
 
 
 class RoomReservations:
@@ -118,43 +193,45 @@ class RoomReservations:
 
     Who calls: the scheduler thread reserves before it sends a room's destination
     (:meth:`reserve`; a room that finds no free run waits, retried from SGLang's polls)
-    and retires a room SGLang clears (:meth:`retire`); the notification
-    thread takes a room whose ``Done`` arrived (:meth:`take`), unpacks it and frees it
-    (:meth:`free`), and reaps retired runs (:meth:`reap`).
+    and retires a room SGLang clears (:meth:`retire`); the notification thread marks a
+    source's part arrived (:meth:`arrive`), unpacks it, frees the run after the last
+    part (:meth:`free`), and reaps retired runs (:meth:`reap`).
 
-    >>> from kvbridge.runtime.packed import SlotAllocator
-    >>> r = RoomReservations(SlotAllocator(8), num_layers=2, hold_s=5.0)
-    >>> r.reserve(1, np.array([7, 9])).first, r.reserve(2, np.array([3, 4, 5]))
-    (0, None)
-    >>> r.retire(1, now=0.0); r.reap(now=4.0), r.reap(now=6.0)
-    (0, 1)
-    >>> r.reserve(2, np.array([3, 4, 5])).first
-    0
+    Args:
+        packed: the decode's staging buffer (its chunk runs: ``reserve``, ``release``,
+            ``slots_for``).
+        num_layers: layers of the pool.
+        hold_s: how long a retired run is held before its chunks are reused.
     """
 
-    def __init__(self, allocator: SlotAllocator, *, num_layers: int, hold_s: float) -> None:
-        self.allocator = allocator
+    def __init__(self, packed: PackedPath, *, num_layers: int, hold_s: float) -> None:
+        self.packed = packed
         self.num_layers = num_layers
         self.hold_s = hold_s
         self._rooms: dict[int, Reservation] = {}
-        self._retired: list[tuple[float, int, int]] = []  # (free at, first, count)
+        self._arrived: dict[int, set[int]] = {}
+        self._retired: list[tuple[float, Run]] = []  # (free at, run)
         self._lock = threading.Lock()
 
-    def fits(self, pages: int) -> bool:
-        """Whether a room of ``pages`` pages fits the buffer at all (an empty one)."""
-        return self.num_layers * pages <= self.allocator.num_slots
+    def _chunks(self, pages: int, parts: Sequence[Part]) -> int:
+        return len(parts) * self.num_layers * pages
 
-    def reserve(self, room: int, pages: np.ndarray) -> Reservation | None:
-        """A run for ``room``'s pages (all layers), or None when no run is free."""
+    def fits(self, pages: int, parts: Sequence[Part]) -> bool:
+        """Whether a room of ``pages`` pages fits the buffer at all (an empty one)."""
+        return self.packed.slots_for(self._chunks(pages, parts), parts[0].heads) <= self.packed.allocator.num_slots
+
+    def reserve(self, room: int, pages: np.ndarray, parts: Sequence[Part]) -> Reservation | None:
+        """A run for ``room``'s pages (all layers, every source's part), or None when no
+        run is free."""
         if pages.size == 0:
             raise PlanError(f"room {room}: no pages to reserve staging for")
-        count = self.num_layers * int(pages.size)
-        first = self.allocator.alloc(count)
-        if first is None:
+        run = self.packed.reserve(self._chunks(int(pages.size), parts), parts[0].heads)
+        if run is None:
             return None
-        res = Reservation(first, np.asarray(pages, dtype=np.int64), count)
+        res = Reservation(run, np.asarray(pages, dtype=np.int64), tuple(parts))
         with self._lock:
             old = self._rooms.pop(room, None)
+            self._arrived.pop(room, None)
             self._rooms[room] = res
         if old is not None:  # a room id reused before its first run ended: hold that one
             self._hold(old, time.monotonic())
@@ -165,24 +242,38 @@ class RoomReservations:
         with self._lock:
             return self._rooms.get(room)
 
-    def take(self, room: int) -> Reservation | None:
-        """The room's run, now owned by the caller (:meth:`free` it); None if it has none."""
+    def arrive(self, room: int, index: int) -> tuple[Reservation | None, bool]:
+        """Source ``index``'s part of ``room`` has landed: ``(reservation, last)``. After
+        the last part the caller owns the run (:meth:`free` it); before, the
+        reservations still do. ``(None, False)``: the room has no run, or no such part,
+        or that part arrived already."""
         with self._lock:
-            return self._rooms.pop(room, None)
+            res = self._rooms.get(room)
+            if res is None or not 0 <= index < len(res.parts):
+                return None, False
+            arrived = self._arrived.setdefault(room, set())
+            if index in arrived:
+                return None, False
+            arrived.add(index)
+            if len(arrived) < len(res.parts):
+                return res, False
+            del self._rooms[room], self._arrived[room]
+            return res, True
 
     def free(self, res: Reservation) -> None:
-        self.allocator.free(res.first, res.count)
+        self.packed.release(res.run)
 
     def retire(self, room: int, now: float | None = None) -> None:
         """SGLang cleared ``room``: a run it still has is held for ``hold_s``, then reused."""
         with self._lock:
             res = self._rooms.pop(room, None)
+            self._arrived.pop(room, None)
         if res is not None:
             self._hold(res, time.monotonic() if now is None else now)
 
     def _hold(self, res: Reservation, now: float) -> None:
         with self._lock:
-            self._retired.append((now + self.hold_s, res.first, res.count))
+            self._retired.append((now + self.hold_s, res.run))
 
     def reap(self, now: float | None = None) -> int:
         """Free the retired runs whose hold is over; how many."""
@@ -190,8 +281,8 @@ class RoomReservations:
         with self._lock:
             due = [r for r in self._retired if r[0] <= now]
             self._retired = [r for r in self._retired if r[0] > now]
-        for _, first, count in due:
-            self.allocator.free(first, count)
+        for _, run in due:
+            self.packed.release(run)
         return len(due)
 
     def __len__(self) -> int:
@@ -199,4 +290,4 @@ class RoomReservations:
             return len(self._rooms)
 
 
-__all__ = ["Reservation", "RoomReservations", "pool_planes", "room_slots", "typed_geometry"]
+__all__ = ["Part", "Reservation", "RoomReservations", "decode_parts", "pool_planes", "room_part", "room_slots", "typed_geometry"]

@@ -1,0 +1,188 @@
+"""What the SGLang integration tests share: the servers' flags, prompts, requests, a
+prefill + decode + router trio, kvbridge's metrics and log lines, KV byte counts from
+the model's config. Imported by the test modules and conftest.py of this directory
+(run in .venv-sglang)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kvbridge.demo.run import prom
+from kvbridge.demo.servers import ServerProcess as Proc
+from kvbridge.demo.servers import free_port
+from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
+
+# Page 16 and 64-token chunks: prompts cross pages and chunks (the notes' chunked setting).
+ENGINE_FLAGS = ["--page-size", "16", "--chunked-prefill-size", "64"]
+START_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+MAX_NEW_TOKENS = 16
+
+def prompt_ids(num_tokens: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 2000) for _ in range(num_tokens)]
+
+
+def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        return 0, str(exc).encode()
+
+
+def server_env(config: dict | None = None) -> dict[str, str]:
+    """kvbridge's config for a server; SglangServer adds SGLang's CPU environment (CPU_ENV)."""
+    return {} if config is None else {"KVBRIDGE_CONFIG": json.dumps(config)}
+
+
+def start_server(name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str]) -> SglangServer:
+    log = log_dir / f"{name}.log"
+    return SglangServer(model, extra_args=ENGINE_FLAGS + extra, env=env, log_path=log, nice=19).start()
+
+
+def generate_ids(url: str, input_ids: list[int]) -> list[int]:
+    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
+    status, data = http(f"{url}/generate", body)
+    assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
+    out = json.loads(data)
+    return list(out["output_ids"])
+
+
+class PD(NamedTuple):
+    router: Proc
+    prefill: Proc
+    decode: Proc
+    layerwise: bool
+
+
+PD_FLAGS = ["--enable-metrics"]
+SENT_LINE = re.compile(rb"kvbridge: room (\d+) sent: (\d+) layer writes, (\d+) chunk writes")
+LOG_LINE_TIMEOUT_S = 30.0
+
+
+def pd_config(transport: str, layerwise: bool) -> dict:
+    return {"transport": transport, "layerwise_min_tokens": 0} if layerwise else {"transport": transport, "layerwise": False}
+
+
+def start_pd(
+    model: Path,
+    log_dir: Path,
+    env: dict[str, str],
+    layerwise: bool,
+    decode_env: dict[str, str] | None = None,
+    *,
+    prefill_env: dict[str, str] | None = None,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
+):
+    """Prefill + decode (with ``--enable-metrics``) + router; yields the :class:`PD`,
+    kills all three at the end. ``decode_env`` / ``prefill_env``: a side's, if not
+    ``env``; ``prefill_args`` / ``decode_args``: more flags for one side (``--tp 2``)."""
+    bootstrap = free_port()
+    procs: list[Proc] = []
+    try:
+        prefill = start_server(
+            "prefill", model, log_dir,
+            ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvbridge",
+             "--disaggregation-bootstrap-port", str(bootstrap), *PD_FLAGS, *prefill_args],
+            env if prefill_env is None else prefill_env,
+        )
+        procs.append(prefill)
+        decode = start_server(
+            "decode", model, log_dir,
+            ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbridge",
+             "--disaggregation-decode-retraction-backup", "cpu_tensor", *PD_FLAGS, *decode_args],
+            env if decode_env is None else decode_env,
+        )
+        procs.append(decode)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        prefill.wait_ready(deadline=deadline)
+        decode.wait_ready(deadline=deadline)
+        router = SglangRouter(prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19).start()
+        procs.append(router)
+        router.wait_ready(60)
+        yield PD(router, prefill, decode, layerwise)
+    finally:
+        for proc in reversed(procs):
+            proc.kill()
+
+
+def sent_lines(prefill: Proc, offset: int) -> list[tuple[int, int, int]]:
+    with open(prefill.log_path, "rb") as f:
+        f.seek(offset)
+        return [tuple(int(g) for g in m.groups()) for m in SENT_LINE.finditer(f.read())]
+
+
+def wait_sent_lines(prefill: Proc, offset: int, count: int = 1) -> list[tuple[int, int, int]]:
+    """The prefill's ``count`` "room R sent" lines logged after ``offset`` (one per
+    prefill rank the room went through): each is written just after the decode was
+    notified, so it may trail the response by a moment; poll for them."""
+    deadline = time.monotonic() + LOG_LINE_TIMEOUT_S
+    while True:
+        lines = sent_lines(prefill, offset)
+        if len(lines) >= count or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    assert len(lines) == count, f"expected {count} 'room R sent' lines in the prefill log, got {lines}:\n{prefill.log_tail()}"
+    return lines
+
+
+def wait_sent_line(prefill: Proc, offset: int) -> tuple[int, int, int]:
+    """:func:`wait_sent_lines` of one prefill rank."""
+    return wait_sent_lines(prefill, offset)[0]
+
+
+KV_DTYPE_LINE = re.compile(rb"KV Cache is allocated\. dtype: torch\.(\w+)")
+METRICS_TIMEOUT_S = 30.0
+
+
+def kvbridge_metrics(url: str) -> dict[str, float]:
+    """``sglang:kvbridge_*`` samples of a server's ``/metrics``, summed over labels."""
+    return prom(url, prefix="sglang:kvbridge_")
+
+
+def kv_rows(model: Path, num_tokens: int) -> tuple[int, int]:
+    """``(rows, head_dim)`` of a prompt's pages, from the model's config: one row is one
+    token's one head of K or V, for every layer; the last page counts whole."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
+    rows = math.ceil(num_tokens / page) * page * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+    return rows, head_dim
+
+
+def kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
+    """KV bytes of a prompt's pages, from the model's config and the KV dtype SGLang logged."""
+    match = KV_DTYPE_LINE.search(server.log_path.read_bytes())
+    assert match, f"SGLang did not log its KV dtype:\n{server.log_tail()}"
+    itemsize = torch.empty(0, dtype=getattr(torch, match.group(1).decode())).element_size()
+    rows, head_dim = kv_rows(model, num_tokens)
+    return rows * head_dim * itemsize
+
+
+def wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, float]:
+    """A server's kvbridge metrics once ``sglang:kvbridge_<name>`` grew past ``before``'s
+    (kvbridge counts just after notifying: polled), or as they are at the deadline."""
+    key = f"sglang:kvbridge_{name}"
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        now = kvbridge_metrics(url)
+        if now.get(key, 0.0) > before.get(key, 0.0) or time.monotonic() >= deadline:
+            return now
+        time.sleep(0.05)
