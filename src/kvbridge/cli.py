@@ -82,9 +82,20 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.errors import ConfigError
 
     try:  # before any server starts
-        load_config({"transport": args.transport, "wire_dtype": args.wire_dtype, "data_path": args.data_path})
+        config = load_config({"transport": args.transport, "wire_dtype": args.wire_dtype, "data_path": args.data_path})
     except ConfigError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
+        return 2
+    tp = (args.prefill_tp, args.decode_tp)
+    if min(tp) < 1 or (max(tp) % min(tp)):
+        print(f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)", file=sys.stderr)
+        return 2
+    if args.engine == "sglang" and tp[0] != tp[1] and not config.packed:
+        print(
+            "kvbridge demo --engine sglang: different TP sizes move KV on the packed path only "
+            "(fix: add --data-path packed, or --wire-dtype fp8)",
+            file=sys.stderr,
+        )
         return 2
     lengths = tuple(int(n) for n in args.prompt_tokens.split(","))
     logs = Path(args.logs) if args.logs else None
@@ -94,10 +105,10 @@ def _demo(args: argparse.Namespace) -> int:
         if args.flow != "push":
             print("kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)", file=sys.stderr)
             return 2
-        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype, args.data_path)
+        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype, args.data_path, tp)
     from kvbridge.demo.run import run
 
-    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype, args.data_path)
+    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype, args.data_path, tp)
 
 
 def _build_ops(args: argparse.Namespace) -> int:
@@ -153,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
     p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype)")
     p.add_argument("--data-path", choices=("auto", "direct", "packed"), default="auto", help="cache to cache, or through staging (config key data_path)")
+    p.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="the prefill's tensor parallel size (default 1)")
+    p.add_argument("--decode-tp", type=int, default=1, metavar="N", help="the decode's tensor parallel size (default 1)")
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
     p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")

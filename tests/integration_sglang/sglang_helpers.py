@@ -186,3 +186,55 @@ def wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, flo
         if now.get(key, 0.0) > before.get(key, 0.0) or time.monotonic() >= deadline:
             return now
         time.sleep(0.05)
+
+
+def generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
+    body = {
+        "input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        "return_logprob": True, "top_logprobs_num": 5,
+    }  # fmt: skip
+    status, data = http(f"{url}/generate", body)
+    assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
+    out = json.loads(data)
+    tops = [{int(tok): float(lp) for lp, tok, *_ in step} for step in out["meta_info"]["output_top_logprobs"]]
+    return list(out["output_ids"]), tops
+
+
+def fp8_bytes(model: Path, num_tokens: int) -> int:
+    """Packed bytes of a prompt's pages: 1 byte per value plus a float32 scale per row
+    (token and head), for K and V of every layer (csrc/PACKED_FORMAT.md)."""
+    rows, head_dim = kv_rows(model, num_tokens)
+    return rows * (head_dim + 4)
+
+
+def generate_through(pd: PD, input_ids: list[int]) -> list[int]:
+    """:func:`generate_ids` through the pair's router; a failure quotes both servers' logs."""
+    try:
+        return generate_ids(pd.router.url, input_ids)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- prefill ---\n{pd.prefill.log_tail()}\n--- decode ---\n{pd.decode.log_tail()}") from None
+
+
+FP8_MAX_DRIFT = 0.6
+"""How far FP8 KV may move the top-5 logprobs of the decode's first computed token (a
+page or a layer in the wrong place moves them by more than 1)."""
+
+
+def fp8_drift(want: dict[int, float], got: dict[int, float]) -> float:
+    """Largest logprob difference over the tokens two top-5 lists share (at least 3)."""
+    common = set(want) & set(got)
+    assert len(common) >= 3, f"top-5 barely overlap: {want} vs {got}"
+    return max(abs(want[t] - got[t]) for t in common)
+
+
+def wait_received_bytes(url: str, before: dict[str, float], expected: float) -> float:
+    """KV bytes a decode server received since ``before`` (its kvbridge metrics), once
+    they reach ``expected`` (each decode rank counts just after its notification:
+    polled), or as they are at the deadline."""
+    name = "sglang:kvbridge_bytes_received_total"
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        got = kvbridge_metrics(url).get(name, 0.0) - before.get(name, 0.0)
+        if got >= expected or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.05)

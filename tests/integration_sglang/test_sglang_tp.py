@@ -14,6 +14,9 @@ the direct path:
   pages and chunks), every prefill rank logs the room sent, the decode side receives
   exactly the prompt's KV bytes (all heads once), and on the packed path both sides'
   staging slots all come back;
+- ``wire_dtype: fp8`` from prefill TP 1 to decode TP 2 over Mooncake, per chunk: the
+  decode's first token from the transferred KV within FP8 noise of colocated (top-5
+  logprobs within 0.6, as in test_sglang_pd.py) and exactly the packed format's bytes;
 - the direct path between TP sizes is refused at registration, and the request fails
   with the reason, naming ``data_path 'packed'``.
 
@@ -30,17 +33,22 @@ from pathlib import Path
 
 import pytest
 from sglang_helpers import (
+    FP8_MAX_DRIFT,
     MAX_NEW_TOKENS,
     PD,
     Proc,
+    fp8_bytes,
+    fp8_drift,
     generate_ids,
+    generate_logprobs,
+    generate_through,
     http,
     kv_bytes,
     kvbridge_metrics,
     prompt_ids,
     server_env,
     start_pd,
-    wait_counted,
+    wait_received_bytes,
     wait_sent_lines,
 )
 
@@ -84,22 +92,14 @@ def test_greedy_output_between_tp_sizes_equals_colocated(tp_pd: tuple[PD, int, i
     want = generate_ids(colocated.url, input_ids)
     d0 = kvbridge_metrics(decode.url)
     offset = prefill.log_path.stat().st_size
-    try:
-        got = generate_ids(router.url, input_ids)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- prefill ---\n{prefill.log_tail()}\n--- decode ---\n{decode.log_tail()}") from None
+    got = generate_through(tp_pd[0], input_ids)
     assert len(want) == MAX_NEW_TOKENS
     assert got == want, f"{prompt} ({PROMPTS[prompt]} tokens), prefill TP {p_tp} -> decode TP {d_tp}: {got} != colocated {want}"
     lines = wait_sent_lines(prefill, offset, count=p_tp)  # one per prefill rank
     assert len({room for room, _, _ in lines}) == 1 and all(layer > 0 for _, layer, _ in lines), lines
-    name = "sglang:kvbridge_bytes_received_total"
-    d1 = wait_counted(decode.url, d0, "requests_received_total")
-    deadline = time.monotonic() + 30
-    while d1.get(name, 0.0) - d0.get(name, 0.0) < kv_bytes(model, prefill, len(input_ids)) and time.monotonic() < deadline:
-        time.sleep(0.05)  # a TP 2 decode: the second rank counts a moment later
-        d1 = kvbridge_metrics(decode.url)
-    received = d1.get(name, 0.0) - d0.get(name, 0.0)
-    assert received == kv_bytes(model, prefill, len(input_ids)), "the decode ranks together must receive every head of every page once"
+    expected = kv_bytes(model, prefill, len(input_ids))
+    received = wait_received_bytes(decode.url, d0, expected)
+    assert received == expected, "the decode ranks together must receive every head of every page once"
     for s in (prefill, decode) if path == "packed" else ():
         used = _staging_used(s.url)
         deadline = time.monotonic() + 30
@@ -109,6 +109,31 @@ def test_greedy_output_between_tp_sizes_equals_colocated(tp_pd: tuple[PD, int, i
         assert used == 0, f"{s.log_path.stem} still holds {used} staging slots"
 
 
+REFUSAL_ANSWER_S = 60.0
+"""The router answers once both sides failed the request: well before SGLang's own
+300 s bootstrap and waiting timeouts."""
+
+
+def test_fp8_between_tp_sizes_stays_within_fp8_noise(model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory) -> None:
+    sides = _sides({"transport": "mooncake", "layerwise": False, "wire_dtype": "fp8", "staging_mb": 16}, 1, 2)
+    env = sides.pop("env")
+    pairs = start_pd(model, tmp_path_factory.mktemp("tp-fp8"), env, False, **sides)
+    router, prefill, decode, _ = next(pairs)
+    try:
+        for n in (12, 64, 200):
+            input_ids = prompt_ids(n, seed=SEED + 7 * n)
+            want, want_tops = generate_logprobs(colocated.url, input_ids)
+            d0 = kvbridge_metrics(decode.url)
+            got, got_tops = generate_logprobs(router.url, input_ids)
+            assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], f"the prefill's token differs: {got} vs {want}"
+            drift = fp8_drift(want_tops[1], got_tops[1])  # the decode's first token from the transferred KV
+            assert drift < FP8_MAX_DRIFT, f"{n} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
+            received = wait_received_bytes(decode.url, d0, fp8_bytes(model, n))
+            assert received == fp8_bytes(model, n), f"{n} tokens: {received} bytes, not the FP8 bytes of every head of every page"
+    finally:
+        pairs.close()
+
+
 def test_direct_path_between_tp_sizes_is_refused_naming_the_fix(model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     sides = _sides({"transport": "nixl"}, 2, 1)
     env = sides.pop("env")
@@ -116,8 +141,12 @@ def test_direct_path_between_tp_sizes_is_refused_naming_the_fix(model: Path, tmp
     pairs = start_pd(model, log_dir, env, False, **sides)
     router, prefill, decode, _ = next(pairs)
     try:
-        status, body = http(f"{router.url}/generate", {"input_ids": prompt_ids(40, seed=5), "sampling_params": {"max_new_tokens": 4}})
+        started = time.monotonic()
+        body_in = {"input_ids": prompt_ids(40, seed=5), "sampling_params": {"max_new_tokens": 4}}
+        status, body = http(f"{router.url}/generate", body_in, timeout=REFUSAL_ANSWER_S)
+        assert status != 0, f"no answer within {REFUSAL_ANSWER_S:.0f} s (both sides must fail the request): {body[:300]!r}\n{prefill.log_tail()}"
         assert status != 200, f"the direct path between TP 2 and TP 1 served a request: {body[:300]!r}"
+        print(f"\nrefused request answered {status} after {time.monotonic() - started:.1f} s")
         logs = prefill.log_path.read_bytes()
         assert b"refused decode" in logs and b"data_path 'packed'" in logs, prefill.log_tail()
         text = body.decode(errors="replace") + decode.log_path.read_text(errors="replace")

@@ -114,3 +114,32 @@ def test_demo_refuses_a_contradictory_data_path_before_starting_anything(monkeyp
     assert cli.main(["demo", "--wire-dtype", "fp8", "--data-path", "direct"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "data_path" in err and "'packed'" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "in_err"),
+    [
+        (["--prefill-tp", "2", "--decode-tp", "3"], "multiple of the other"),
+        (["--decode-tp", "0"], "multiple of the other"),
+        (["--engine", "sglang", "--prefill-tp", "2"], "--data-path packed"),
+    ],
+)
+def test_demo_refuses_tp_sizes_it_cannot_pair_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], in_err: str
+) -> None:
+    def started(*_a, **_k):  # pragma: no cover - reached only on failure
+        raise AssertionError("a server started")
+
+    monkeypatch.setattr(servers.VllmServer, "start", started)
+    monkeypatch.setattr(sglang_servers.SglangServer, "start", started)
+    assert cli.main(["demo", *args]) == 2
+    assert in_err in " ".join(capsys.readouterr().err.split())
+
+
+def test_sglang_server_with_tp_ranks_binds_each_rank_to_its_cores(tmp_path) -> None:
+    one = SglangServer(tmp_path, cpus=[0, 1, 2, 3])
+    two = SglangServer(tmp_path, cpus=[0, 1, 2, 3], tp=2)
+    assert "--tp" not in one.command() and "SGLANG_CPU_OMP_THREADS_BIND" not in one._own_env()
+    cmd = two.command()
+    assert cmd[cmd.index("--tp") + 1] == "2"
+    assert two._own_env()["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1|2,3"

@@ -55,14 +55,19 @@ def run(
     logs: Path | None = None,
     wire_dtype: str = "exact",
     data_path: str = "auto",
+    tp: tuple[int, int] = (1, 1),
 ) -> int:
     """The demonstration; exit status 0 when every disaggregated output equals the
     colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
-    the near-tied logits of the random-weight demo model)."""
+    the near-tied logits of the random-weight demo model). ``tp``: the prefill's and the
+    decode's ``--tensor-parallel-size`` (the colocated reference runs TP 1)."""
     console = Console()
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]kvbridge demo[/bold]: prefill/decode over {transport}, {flow} flow, wire {wire_dtype}, data path {data_path}; logs in {logs}")
+    console.print(
+        f"[bold]kvbridge demo[/bold]: prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, {flow} flow, wire {wire_dtype}, "
+        f"data path {data_path}; logs in {logs}"
+    )
     model = build_tiny_model(default_model_dir())
     common = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
 
@@ -70,12 +75,16 @@ def run(
         extra = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
         return ["--kv-transfer-config", json.dumps({"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": extra})]
 
+    def tp_args(n: int) -> list[str]:
+        return ["--tensor-parallel-size", str(n)] if n > 1 else []
+
     # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1
-    # (the reference runs while the decode instance idles), as if each had its own device
-    cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 else (None, None)
+    # (the reference runs while the decode instance idles), as if each had its own device;
+    # with TP workers, all share the cores
+    cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 and tp == (1, 1) else (None, None)
     servers = {
-        "prefill": VllmServer(model, extra_args=common + kv("kv_producer"), log_path=logs / "prefill.log", cpus=cores[0]),
-        "decode": VllmServer(model, extra_args=common + kv("kv_consumer"), log_path=logs / "decode.log", cpus=cores[1]),
+        "prefill": VllmServer(model, extra_args=common + tp_args(tp[0]) + kv("kv_producer"), log_path=logs / "prefill.log", cpus=cores[0]),
+        "decode": VllmServer(model, extra_args=common + tp_args(tp[1]) + kv("kv_consumer"), log_path=logs / "decode.log", cpus=cores[1]),
         "colocated": VllmServer(model, extra_args=common, log_path=logs / "colocated.log", cpus=cores[1]),
     }
     proxy = None
@@ -88,23 +97,24 @@ def run(
         proxy, proxy_url = start_proxy(servers["prefill"].url, servers["decode"].url, flow, logs / "proxy.log")
         console.print(f"proxy on {proxy_url}; sending {len(lengths)} requests of {max_tokens} tokens each")
         stream(proxy_url, random_prompt(16, seed=1), 2)  # first contact: handshake
-        before = wait_requests_sent(servers["prefill"].url, {}, 1)  # the warm-up's stats are in
-        title = f"disaggregated (kvbridge, {transport}) vs colocated, greedy, {max_tokens} output tokens"
+        ranks = tp[0]  # each prefill worker counts a request it sent (vLLM sums the workers' stats)
+        before = wait_requests_sent(servers["prefill"].url, {}, ranks)  # the warm-up's stats are in
+        title = f"disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}) vs colocated, greedy, {max_tokens} output tokens"
         matched = compare(
             console, title, lengths, lambda p: stream(proxy_url, p, max_tokens), lambda p: stream(servers["colocated"].url, p, max_tokens),
             exact=wire_dtype == "exact",
         )  # fmt: skip
-        after = wait_requests_sent(servers["prefill"].url, before, len(lengths))
+        after = wait_requests_sent(servers["prefill"].url, before, ranks * len(lengths))
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         transfers = d.get("vllm:kvbridge_transfer_seconds_count", 0.0)
         exposed, total = d.get("vllm:kvbridge_exposed_transfer_seconds_sum", 0.0), d.get("vllm:kvbridge_request_transfer_seconds_sum", 0.0)
-        requests = d.get("vllm:kvbridge_requests_sent_total", 0.0)
+        requests = d.get("vllm:kvbridge_requests_sent_total", 0.0) / ranks
         writing = d.get("vllm:kvbridge_transfer_seconds_sum", 0.0)
         hidden = max(0.0, 1 - exposed / writing) if writing else 0.0
         console.print(
             f"KV moved: {d.get('vllm:kvbridge_bytes_sent_total', 0) / 1e6:.2f} MB for {requests:.0f} requests in {transfers:.0f} writes "
             f"(one per layer and prefill chunk when streaming), {1e3 * writing / max(transfers, 1):.2f} ms per write on average, "
-            f"{1e3 * writing:.1f} ms of writing in all; first write to last byte landed {1e3 * total / max(requests, 1):.0f} ms per request. "
+            f"{1e3 * writing:.1f} ms of writing in all; first write to last byte landed {1e3 * total / max(ranks * requests, 1):.0f} ms per request. "
             f"Exposed (after the prefill finished): {1e3 * exposed:.1f} ms in all, "
             f"[bold]{100 * hidden:.0f}% of the writing hidden behind prefill compute[/bold]"
         )

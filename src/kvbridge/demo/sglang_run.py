@@ -37,11 +37,13 @@ def run(
     logs: Path | None = None,
     wire_dtype: str = "exact",
     data_path: str = "auto",
+    tp: tuple[int, int] = (1, 1),
 ) -> int:
     """The demonstration; exit status 0 when every disaggregated output equals the
     colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
     the near-tied logits of the random-weight demo model), 1 when one differs or a server
-    fails, 2 when SGLang is not installed here."""
+    fails, 2 when SGLang is not installed here. ``tp``: the prefill's and the decode's
+    ``--tp`` (the colocated reference runs TP 1)."""
     console = Console()
     try:
         require_sglang()
@@ -50,19 +52,23 @@ def run(
         return 2
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-sglang-"))
     logs.mkdir(parents=True, exist_ok=True)
-    console.print(f"[bold]kvbridge demo[/bold]: SGLang prefill/decode over {transport}, wire {wire_dtype}, data path {data_path}; logs in {logs}")
+    console.print(
+        f"[bold]kvbridge demo[/bold]: SGLang prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, wire {wire_dtype}, "
+        f"data path {data_path}; logs in {logs}"
+    )
     model = build_tiny_model(default_model_dir())
     # pages cross prompts' ends and long prompts are prefilled in chunks, as in the vLLM demo
     common = ["--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK)]
     config = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
     pd_args = [*common, "--enable-metrics"]  # kvbridge's metrics on the servers' /metrics
     # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1
-    # (the reference runs while the decode server idles), as if each had its own device
-    cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 else (None, None)
-    prefill = SglangServer(model, extra_args=pd_args, log_path=logs / "prefill.log", mode="prefill", kvbridge_config=config, cpus=cores[0])
+    # (the reference runs while the decode server idles), as if each had its own device;
+    # with TP ranks, all share the cores (each rank bound to its share)
+    cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 and tp == (1, 1) else (None, None)
+    prefill = SglangServer(model, extra_args=pd_args, log_path=logs / "prefill.log", mode="prefill", kvbridge_config=config, cpus=cores[0], tp=tp[0])
     servers = [
         prefill,
-        SglangServer(model, extra_args=pd_args, log_path=logs / "decode.log", mode="decode", kvbridge_config=config, cpus=cores[1]),
+        SglangServer(model, extra_args=pd_args, log_path=logs / "decode.log", mode="decode", kvbridge_config=config, cpus=cores[1], tp=tp[1]),
         SglangServer(model, extra_args=common, log_path=logs / "colocated.log", cpus=cores[1]),
     ]
     colocated = servers[2]
@@ -77,21 +83,22 @@ def run(
         router.start().wait_ready(60)
         console.print(f"router on {router.url}; sending {len(lengths)} requests of {max_tokens} tokens each")
         router.call(stream_generate, random_prompt(16, seed=1), 2)  # first contact: bootstrap, handshake
-        before = wait_requests_sent(prefill.url, {}, 1, engine="sglang")
-        title = f"SGLang disaggregated (kvbridge, {transport}, wire {wire_dtype}) vs colocated, greedy, {max_tokens} output tokens"
+        ranks = tp[0]  # each prefill rank counts a request it sent (metric label tp_rank)
+        before = wait_requests_sent(prefill.url, {}, ranks, engine="sglang")
+        title = f"SGLang disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}, wire {wire_dtype}) vs colocated, greedy, {max_tokens} output tokens"
         matched = compare(
             console, title, lengths,
             lambda p: router.call(stream_generate, p, max_tokens), lambda p: colocated.call(stream_generate, p, max_tokens),
             exact=wire_dtype == "exact",
         )  # fmt: skip
-        after = wait_requests_sent(prefill.url, before, len(lengths), engine="sglang")
+        after = wait_requests_sent(prefill.url, before, ranks * len(lengths), engine="sglang")
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        requests = max(d.get("sglang:kvbridge_requests_sent_total", 0.0), 1.0)
+        requests = max(d.get("sglang:kvbridge_requests_sent_total", 0.0) / ranks, 1.0)
         console.print(
             f"KV moved: {d.get('sglang:kvbridge_bytes_sent_total', 0.0) / 1e6:.2f} MB for {requests:.0f} requests in "
             f"{d.get('sglang:kvbridge_transfers_total', 0.0):.0f} writes; per request, first write to the last one done "
-            f"{1e3 * d.get('sglang:kvbridge_request_transfer_seconds_sum', 0.0) / requests:.1f} ms, of which "
-            f"[bold]{1e3 * d.get('sglang:kvbridge_exposed_transfer_seconds_sum', 0.0) / requests:.1f} ms after the prefill's "
+            f"{1e3 * d.get('sglang:kvbridge_request_transfer_seconds_sum', 0.0) / (ranks * requests):.1f} ms, of which "
+            f"[bold]{1e3 * d.get('sglang:kvbridge_exposed_transfer_seconds_sum', 0.0) / (ranks * requests):.1f} ms after the prefill's "
             "last forward[/bold] (the rest was hidden behind its compute)"
         )
         console.print(f"outputs equal to the colocated server: {matched}/{len(lengths)}")

@@ -57,6 +57,19 @@ DECODE_ARGS: tuple[str, ...] = ("--disaggregation-decode-retraction-backup", "cp
 SETUP_FIX = "make setup-sglang, then .venv-sglang/bin/kvbridge demo --engine sglang"
 
 
+def omp_bind(ranks: int, cores: Sequence[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` TP ranks on ``cores``: consecutive
+    equal shares, ``|``-separated (ranks share cores when there are fewer cores).
+
+    >>> omp_bind(2, [0, 1, 2, 3]), omp_bind(2, [5]), omp_bind(3, [0, 1])
+    ('0,1|2,3', '5|5', '0|1|0')
+    """
+    if len(cores) >= ranks:
+        share = len(cores) // ranks
+        return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(ranks))
+    return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+
+
 def require_sglang(python: str = sys.executable) -> None:
     """Raise :class:`~kvbridge.errors.KVBridgeError` (naming the fix) unless SGLang and
     ``sglang_router`` are importable here (the servers run with this interpreter)."""
@@ -78,6 +91,9 @@ class SglangServer(ServerProcess):
         kvbridge_config: kvbridge's config (``KVBRIDGE_CONFIG``), e.g. ``{"transport": "mooncake"}``.
         bootstrap_port: the prefill's ``--disaggregation-bootstrap-port``; default: a
             free one (prefill only; the router needs it, :attr:`bootstrap_port`).
+        tp: ``--tp``; with more than one rank each is bound to its share of the cores
+            (``cpus``, default all this process may use; :func:`omp_bind`), which SGLang
+            on CPU requires once ranks outnumber NUMA nodes.
         port, log_path, ready_timeout, python, cpus, nice: see
             :class:`~kvbridge.demo.servers.ServerProcess`.
 
@@ -101,6 +117,7 @@ class SglangServer(ServerProcess):
         backend: str = "kvbridge",
         kvbridge_config: Mapping[str, Any] | None = None,
         bootstrap_port: int | None = None,
+        tp: int = 1,
         ready_timeout: float = 300.0,
         python: str = sys.executable,
         cpus: Sequence[int] | None = None,
@@ -115,6 +132,9 @@ class SglangServer(ServerProcess):
         self.backend = backend
         self.kvbridge_config = dict(kvbridge_config) if kvbridge_config is not None else None
         self.bootstrap_port = (bootstrap_port or free_port()) if mode == "prefill" else None
+        if tp < 1:
+            raise KVBridgeError(f"SGLang server with --tp {tp}", fix="use a tensor parallel size of at least 1")
+        self.tp = tp
 
     def command(self) -> list[str]:
         disagg: list[str] = []
@@ -129,11 +149,14 @@ class SglangServer(ServerProcess):
             "--model-path", str(self.model_dir),
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            *CPU_ARGS, *disagg, *self.extra_args,
+            *CPU_ARGS, *(["--tp", str(self.tp)] if self.tp > 1 else []), *disagg, *self.extra_args,
         ]  # fmt: skip
 
     def _own_env(self) -> dict[str, str]:
-        return {} if self.kvbridge_config is None else {"KVBRIDGE_CONFIG": json.dumps(self.kvbridge_config)}
+        env = {} if self.kvbridge_config is None else {"KVBRIDGE_CONFIG": json.dumps(self.kvbridge_config)}
+        if self.tp > 1:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(self.tp, self.cpus or sorted(os.sched_getaffinity(0)))
+        return env
 
     def generate(self, input_ids: Sequence[int], max_new_tokens: int = 16, **kwargs: Any) -> list[int]:
         """:func:`generate` against this server; a failure quotes the log if it died."""
@@ -211,6 +234,7 @@ __all__ = [
     "SglangRouter",
     "SglangServer",
     "generate",
+    "omp_bind",
     "require_sglang",
     "stream_generate",
 ]

@@ -135,11 +135,14 @@ class EpochWatcher:
 
 
 class Tombstones:
-    """Rooms aborted on this prefill, most recent ``capacity`` of them.
+    """Rooms this prefill failed before their transfer: aborted here, or their
+    destination refused (an incompatible decode, no staging run); most recent
+    ``capacity`` of them.
 
-    Who calls: the prefill's sender (:meth:`add`, on the scheduler thread) and its
-    control thread (:meth:`reason`, when a destination arrives). Bounded: old entries
-    go first. Thread-safe.
+    Who calls: the prefill's sender (:meth:`add` on abort, :meth:`reason` when it is
+    made: a refusal may come first) on the scheduler thread, and its control thread
+    (:meth:`add` on a refusal, :meth:`reason` when a destination arrives). Bounded: old
+    entries go first. Thread-safe.
     """
 
     def __init__(self, capacity: int = 65536) -> None:
@@ -155,7 +158,7 @@ class Tombstones:
                 self._rooms.popitem(last=False)
 
     def reason(self, room: int) -> str | None:
-        """Why ``room`` was aborted, or None when it was not (recently)."""
+        """Why ``room`` failed, or None when it did not (recently)."""
         with self._lock:
             return self._rooms.get(room)
 

@@ -571,6 +571,10 @@ class KVBridgeKVManager(_c.Manager):
             reason = "kvbridge: the decode's staging buffer had no room for this request (packed data path); raise staging_mb on the decode"
         if reason is not None:
             self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
+            # and this side's request too (SGLang's router waits for both answers): now,
+            # or, when its sender is not made yet, as it is (the tombstone)
+            self.tombstones.add(room, reason)
+            self.fail_room(room, reason)
             return
         infos = self.transfer_infos.setdefault(room, {})
         infos[msg.agent] = dest
@@ -580,6 +584,16 @@ class KVBridgeKVManager(_c.Manager):
                 (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
             )
             self.update_status(room, KVPoll.WaitingForInput)
+
+    def fail_room(self, room: int, reason: str) -> bool:
+        """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's
+        scheduler then aborts the request with ``reason``). Whether it did; False too
+        when the room has no sender yet. Any thread."""
+        if room in self.request_status and self.check_status(room) not in (KVPoll.Success, KVPoll.Failed):
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+            return True
+        return False
 
     def _handle_abort(self, frames: list[bytes]) -> None:
         note = _c.AbortNotification.from_zmq(frames)
@@ -974,6 +988,13 @@ def _raise(exc: BaseException) -> None:
 class KVBridgeKVSender(_c.Sender):
     # The scheduler must hand page ids as numpy arrays (its host-tensor path needs CUDA).
     supports_host_tensor_indices = False
+
+    def __init__(self, mgr, *args, **kwargs):
+        super().__init__(mgr, *args, **kwargs)
+        # a destination refused (or a room aborted) before this sender existed
+        reason = mgr.tombstones.reason(self.bootstrap_room)
+        if reason is not None and self.conclude_state is None and mgr.fail_room(self.bootstrap_room, reason):
+            log.warning("kvbridge: room %s failed before its request reached this prefill: %s", self.bootstrap_room, reason)
 
     def clear(self) -> None:
         super().clear()
