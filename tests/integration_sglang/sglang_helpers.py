@@ -238,3 +238,21 @@ def wait_received_bytes(url: str, before: dict[str, float], expected: float) -> 
         if got >= expected or time.monotonic() >= deadline:
             return got
         time.sleep(0.05)
+
+
+TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+"""A TP 2 server's environment on this machine: SGLang on CPU binds each rank to cores
+and, unless told how, asserts ranks <= NUMA nodes."""
+
+
+def tp_sides(config: dict, p_tp: int, d_tp: int) -> dict:
+    """:func:`start_pd`'s keyword arguments (``env`` too) for a prefill of TP ``p_tp``
+    and a decode of TP ``d_tp`` (1 or 2) with kvbridge ``config``: two ranks bound one
+    per core (:data:`TWO_RANKS`)."""
+    env = server_env(config)
+
+    def side(tp: int) -> tuple[list[str], dict[str, str]]:
+        return (["--tp", str(tp)], {**env, **TWO_RANKS}) if tp == 2 else ([], env)
+
+    (p_args, p_env), (d_args, d_env) = side(p_tp), side(d_tp)
+    return {"env": env, "prefill_env": p_env, "decode_env": d_env, "prefill_args": p_args, "decode_args": d_args}
