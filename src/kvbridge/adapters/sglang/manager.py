@@ -90,6 +90,7 @@ from kvbridge.adapters.sglang.packed import (
     Part,
     RoomReservations,
     decode_parts,
+    part_start,
     pool_planes,
     room_part,
     room_slots,
@@ -397,15 +398,18 @@ class KVBridgeKVManager(_c.Manager):
         )
 
     def _total_kv_heads(self) -> int:
-        """The model's KV heads over all ranks (SGLang's ``KVArgs``; 0 when unknown)."""
-        return int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+        """The model's KV heads over all ranks: SGLang's ``KVArgs``, else, on the packed
+        path, this rank's heads times the attention TP size; 0 when unknown."""
+        total = int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
+        if not total and self.packed is not None:
+            total = self.packed.geometry.spec.num_kv_heads * self.attn_tp_size
+        return total
 
     def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
         of attention TP ``prefill_tp``. Raises
         :class:`~kvbridge.errors.IncompatiblePeerError` for sizes that do not pair."""
-        total = self._total_kv_heads() or self.packed.geometry.spec.num_kv_heads * self.attn_tp_size
-        return decode_parts(total, prefill_tp, self.attn_tp_size, self.attn_tp_rank)
+        return decode_parts(self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank)
 
     def build_receiver_metadata_message(
         self,
@@ -530,7 +534,7 @@ class KVBridgeKVManager(_c.Manager):
         theirs = reg.packed_spec
         if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
             raise IncompatiblePeerError(f"its packed KV ({theirs}) differs from this prefill's ({mine})")
-        total = self._total_kv_heads() or mine.num_kv_heads * p_tp
+        total = self._total_kv_heads()
         if reg.kv_heads and reg.kv_heads != total:
             raise IncompatiblePeerError(f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both")
         part = room_part(total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank)
@@ -748,7 +752,7 @@ class KVBridgeKVManager(_c.Manager):
                         packed[part.p_heads] = self._pack(room, src_pages, layers, part)
                     (layer_ids, src, src_table), dst_table = packed[part.p_heads], peer.staging
                     at = np.arange(dest.pages.size, dtype=np.int64)[positions]
-                    first = dest.staging_first + part.index * self._num_layers * dest.pages.size
+                    first = part_start(dest.staging_first, part.index, self._num_layers, int(dest.pages.size))
                     dst, slot_bytes = room_slots(first, dest.pages.size, layer_ids, at), self.packed.chunk(part.heads).nbytes
                 xfers.append(self.transport.post("write", src_table, src, dst_table, dst))
                 self._staging_outstanding[room] += 1

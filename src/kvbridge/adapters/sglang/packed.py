@@ -155,6 +155,17 @@ def decode_parts(total: int, p_tp: int, d_tp: int, d_rank: int) -> tuple[Part, .
     return parts  # type: ignore[return-value]
 
 
+def part_start(first: int, index: int, num_layers: int, pages: int) -> int:
+    """The first chunk of source ``index``'s part of a room run starting at chunk
+    ``first`` (``num_layers * pages`` chunks per part): where the prefill writes and the
+    decode unpacks, so both sides use this one rule.
+
+    >>> part_start(100, 1, 2, 4)
+    108
+    """
+    return first + index * num_layers * pages
+
+
 def room_slots(first: int, pages: int, layers: Sequence[int], positions: np.ndarray) -> np.ndarray:
     """The decode staging chunks of ``layers`` x ``positions`` of a room part whose
     chunks start at ``first`` and span ``pages`` pages per layer, layer-major (the order
@@ -185,7 +196,7 @@ class Reservation(NamedTuple):
 
     def part_first(self, index: int, num_layers: int) -> int:
         """The first chunk of source ``index``'s part."""
-        return self.run.first + index * num_layers * int(self.pages.size)
+        return part_start(self.run.first, index, num_layers, int(self.pages.size))
 
 
 class RoomReservations:
@@ -290,4 +301,4 @@ class RoomReservations:
             return len(self._rooms)
 
 
-__all__ = ["Part", "Reservation", "RoomReservations", "decode_parts", "pool_planes", "room_part", "room_slots", "typed_geometry"]
+__all__ = ["Part", "Reservation", "RoomReservations", "decode_parts", "part_start", "pool_planes", "room_part", "room_slots", "typed_geometry"]
