@@ -39,7 +39,7 @@ def _registration(rank_port: int, epoch: str, tp_rank: int = 0, tp_size: int = 1
 
 
 def _start(port: int):
-    from kvbridge.adapters.sglang.manager import KVBridgeKVBootstrapServer
+    from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 
     server = KVBridgeKVBootstrapServer("127.0.0.1", port)
     deadline = time.monotonic() + 30
@@ -55,7 +55,7 @@ def _start(port: int):
 
 
 def test_restart_on_the_same_port_is_a_new_instance() -> None:
-    from kvbridge.adapters.sglang.manager import fetch_epoch
+    from kvbridge.adapters.sglang.decode import fetch_epoch
 
     port = _free_port()
     addr = f"127.0.0.1:{port}"
@@ -108,7 +108,7 @@ def test_a_foreign_answer_is_no_epoch(body: bytes) -> None:
         def log_message(self, *args):
             pass
 
-    from kvbridge.adapters.sglang.manager import fetch_epoch
+    from kvbridge.adapters.sglang.decode import fetch_epoch
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -26,9 +26,9 @@ def _classes():
 
 
 def _plan_forward(batch, model_runner):
-    # The manager module is imported only where SGLang resolved our backend.
-    manager = sys.modules.get("kvbridge.adapters.sglang.manager")
-    return None if manager is None else manager.plan_forward(batch, model_runner)
+    # The backend's modules are imported only where SGLang resolved it.
+    prefill = sys.modules.get("kvbridge.adapters.sglang.prefill")
+    return None if prefill is None else prefill.plan_forward(batch, model_runner)
 
 
 def register() -> None:

@@ -28,7 +28,7 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
 - The packed path (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
   .from_server_args`` (``.dtype``, ``.head_dim``) and ``KVArgs.kv_cache_dtype_str``
   (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache). A room waiting for staging
-  (``manager.KVBridgeKVReceiver``) holds ``CommonKVReceiver.send_metadata(kv_indices,
+  (``decode.KVBridgeKVReceiver``) holds ``CommonKVReceiver.send_metadata(kv_indices,
   aux_index, ...)`` (the decode scheduler's only call, made once a room's pages are
   allocated, then ``poll`` each step; ``init_time`` unset until it runs, so SGLang's
   waiting timeout does not start) and reads ``bootstrap_infos`` and

@@ -1,5 +1,6 @@
 """Which peers are new and which rooms are dead: restart and abort bookkeeping of the
-SGLang backend. Pure (no SGLang, no I/O); :mod:`.manager` does the HTTP and the threads.
+SGLang backend. Pure (no SGLang, no I/O); :mod:`.decode` and :mod:`.bootstrap` do the
+HTTP and the threads.
 
 Restarts (the decode side). SGLang's decode caches each prefill's bootstrap info (rank
 addresses) and keeps it while the prefill's ``/health`` answers; a prefill restarted on

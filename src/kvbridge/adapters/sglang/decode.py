@@ -1,0 +1,338 @@
+"""Decode side of the ``kvbridge`` SGLang backend: what a decode rank's manager does
+(:class:`DecodeSide`, mixed into :class:`~.manager.KVBridgeKVManager`) and SGLang's
+receiver (:class:`KVBridgeKVReceiver`).
+
+Threads and who calls what:
+
+- SGLang's ``CommonKVReceiver`` (decode scheduler thread) sends the prefill this
+  rank's :class:`~.messages.Registration` once per prefill rank and a
+  :class:`~.messages.Destination` per room, built here;
+- the *notification thread* (:meth:`DecodeSide._decode_notify_loop`) turns each
+  ``Done`` into SGLang's Success for that prefill rank (packed path: after unpacking
+  that source's part of the room's staging run into its pages' heads);
+- the *control thread* applies failure statuses and abort acknowledgements from the
+  prefill;
+- the *epoch thread* polls each known prefill's epochs (:mod:`.lifecycle`) every
+  ``timeouts.heartbeat_s`` and fails the in-flight rooms of a restarted or refusing
+  prefill at once, so the next request bootstraps anew instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+import numpy as np
+import requests
+
+from kvbridge.adapters.sglang import compat
+from kvbridge.adapters.sglang import messages as wire
+from kvbridge.adapters.sglang.lifecycle import (
+    EPOCH_PATH,
+    EpochWatcher,
+    InstanceEpoch,
+    Verdict,
+    decode_epoch,
+)
+from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts
+from kvbridge.errors import IncompatiblePeerError, KVBridgeError
+
+log = logging.getLogger(__name__)
+_c = compat.common()
+KVPoll = _c.KVPoll
+
+
+def fetch_epoch(addr: str, timeout: float) -> tuple[InstanceEpoch | None, bool]:
+    """``(epoch, refused)`` of the prefill whose bootstrap server is at ``addr``
+    (``host:port``): its epoch document, or None and whether the connection was refused
+    (None, False: no answer within ``timeout``, or not a kvbridge prefill; logged)."""
+    try:
+        resp = requests.get(f"http://{addr}{EPOCH_PATH}", timeout=(timeout, timeout))
+    except requests.Timeout:
+        return None, False
+    except requests.ConnectionError:
+        return None, True
+    if resp.status_code != 200:
+        log.warning("kvbridge: %s%s answered %s; is the prefill running the kvbridge backend?", addr, EPOCH_PATH, resp.status_code)
+        return None, False
+    try:
+        return decode_epoch(resp.content), False
+    except KVBridgeError as exc:
+        log.warning("kvbridge: %s%s: %s", addr, EPOCH_PATH, exc)
+        return None, False
+
+
+
+class DecodeSide:
+    """The decode rank's part of :class:`~.manager.KVBridgeKVManager` (a mixin: it uses
+    the manager's transport, packed path, config and SGLang's status table). See the
+    module docstring for its threads."""
+
+    def _init_decode(self) -> None:
+        """State and threads of a decode rank (the manager's constructor, once)."""
+        self.epochs = EpochWatcher()
+        self._epochs_lock = threading.Lock()
+        if self.packed is not None:
+            self.reservations = RoomReservations(self.packed, num_layers=self.geometry.spec.num_layers, hold_s=self.config.timeouts.transfer_s)
+        # held while a room is unpacked, and by the receiver's clear/abort: SGLang never
+        # frees a room's pages while kvbridge writes into them
+        self._unpack_lock = threading.Lock()
+        self._thread("kvbridge-decode-control", self._decode_control_loop)
+        self._thread("kvbridge-decode-notify", self._decode_notify_loop)
+        self._thread("kvbridge-decode-epochs", self._epoch_loop)
+        self._start_heartbeat_checker_thread()
+
+    # --- decode: is the prefill we cached still the same instance? --------------------------
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        # Called by the decode scheduler per new request; fetches once per prefill.
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        epoch, _ = self._fetch_epoch(bootstrap_addr)  # before the info: a race errs towards "restarted"
+        ok = super().try_ensure_parallel_info(bootstrap_addr)
+        if ok and epoch is not None and epoch.ready:
+            with self._epochs_lock:
+                self.epochs.remember(bootstrap_addr, epoch)
+        return ok
+
+    def _fetch_epoch(self, addr: str) -> tuple[InstanceEpoch | None, bool]:
+        return fetch_epoch(addr, timeout=min(2.0, self.config.timeouts.heartbeat_s))
+
+    def _epoch_loop(self) -> None:
+        period = self.config.timeouts.heartbeat_s
+        while not self._stop.wait(period):
+            with self.connection_lock:
+                addrs = list(self.prefill_info_table)
+            with self._epochs_lock:
+                for gone in self.epochs.addresses() - set(addrs):
+                    self.epochs.forget(gone)  # SGLang's heartbeat dropped it
+            for addr in addrs:
+                epoch, refused = self._fetch_epoch(addr)
+                with self._epochs_lock:
+                    before = self.epochs.known(addr)
+                    verdict = self.epochs.observe(addr, epoch, refused=refused)
+                if verdict is Verdict.RESTARTED:
+                    log.warning(
+                        "kvbridge: the prefill at %s restarted (instance %s -> %s): dropping its cached "
+                        "bootstrap info and failing its in-flight requests; new requests bootstrap again",
+                        addr, before.instance if before else "?", epoch.instance if epoch else "?",
+                    )
+                    self._handle_node_failure(addr)
+                elif verdict is Verdict.DOWN:
+                    log.warning("kvbridge: the prefill at %s refuses connections: failing its in-flight requests", addr)
+                    self._handle_node_failure(addr)
+
+    # --- decode -> prefill messages (built on decode, sent by CommonKVReceiver) ------------
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        return wire.encode(
+            wire.Registration(
+                agent=self.transport.agent_name,
+                epoch=self.epoch,
+                transport=self.config.transport,
+                transport_md=self.transport.metadata(),
+                geometry=self.geometry,
+                aux=self.aux_layout,
+                ip=self.local_ip,
+                port=self.rank_port,
+                wire_dtype=self.config.wire_dtype,
+                staging=self.packed.info if self.packed is not None else None,
+                packed_spec=self.packed.geometry.spec if self.packed is not None else None,
+                data_path=self.config.resolved_data_path,
+                tp_size=self.attn_tp_size,
+                tp_rank=self.attn_tp_rank,
+                kv_heads=self._total_kv_heads(),
+            )
+        )
+
+    def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
+        """Decode, packed path: every source's part of this rank's rooms from a prefill
+        of attention TP ``prefill_tp``. Raises
+        :class:`~kvbridge.errors.IncompatiblePeerError` for sizes that do not pair."""
+        return decode_parts(self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank)
+
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room,
+        required_dst_info_num,
+        kv_indices,
+        aux_index,
+        state_indices,
+        decode_prefix_len,
+        is_dummy,
+        device_kv_indices=None,
+    ) -> list[bytes]:
+        staging_first = None
+        if self.packed is not None and not is_dummy:
+            res = self.reservations.get(int(bootstrap_room))  # reserved by the receiver's send_metadata
+            if res is None:
+                log.warning("kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices), self.config.staging_mb)
+            else:
+                staging_first = res.first
+        return wire.encode(
+            wire.Destination(
+                room=int(bootstrap_room),
+                agent=self.transport.agent_name,
+                ip=self.local_ip,
+                port=self.rank_port,
+                pages=wire.encode_pages(kv_indices),
+                aux_index=None if aux_index is None else int(aux_index),
+                required_dst_info_num=int(required_dst_info_num),
+                decode_prefix_len=None if decode_prefix_len is None else int(decode_prefix_len),
+                is_dummy=bool(is_dummy),
+                staging_first=staging_first,
+            )
+        )
+
+    # --- decode: control and notification threads -------------------------------------------
+
+    def _decode_control_loop(self) -> None:
+        self._recv_loop(self._decode_handle)
+
+    def _decode_handle(self, frames: list[bytes]) -> None:
+        if self.handle_abort_ack_message(frames):
+            return
+        status = self.parse_kv_status_message(frames)
+        if status is None:
+            log.warning("kvbridge: unexpected %d-frame message on the decode control socket", len(frames))
+            return
+        room, value, prefill_rank, reason = status
+        if value == KVPoll.Failed:
+            self._count(failures=1)
+        self.apply_prefill_status(bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason)
+
+    def _unpack(self, room: int, index: int) -> bool:
+        """Unpack source ``index``'s part of a room whose ``Done`` from that source
+        arrived into its pages' heads (notification thread, before SGLang counts the
+        source). False: the room is gone or failed, or the part unknown."""
+        with self._unpack_lock:
+            res, last = self.reservations.arrive(room, index)
+            if res is None:
+                log.warning("kvbridge: Done for part %d of room %s, which holds no such staging run (cleared, aborted or repeated); ignored", index, room)
+                return False
+            try:
+                if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+                    return False
+                part, layers = res.parts[index], self.geometry.spec.num_layers
+                first = res.part_first(index, layers)
+                heads = None if part.heads == self.packed.slot.num_heads else part.d_heads
+                for layer in range(layers):
+                    self.packed.unpack(layer, res.pages, first + layer * res.pages.size, heads=heads)
+                return True
+            except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
+                log.warning("kvbridge: room %s: unpacking failed: %s", room, exc)
+                self._count(failures=1)
+                self.record_failure(room, f"kvbridge: unpacking the FP8 KV failed: {exc}")
+                self.update_status(room, KVPoll.Failed)
+                return False
+            finally:
+                if last:
+                    self.reservations.free(res)  # every source is done: none writes into it any more
+
+    def _decode_notify_loop(self) -> None:
+        while not self._stop.is_set():
+            if self.packed is not None:
+                self.reservations.reap()
+                self._report_staging()
+            for note in self.transport.take_notifications(timeout=self._poll_s):
+                try:
+                    msg = wire.decode_payload(note.payload)
+                except KVBridgeError as exc:
+                    log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
+                    continue
+                if isinstance(msg, wire.Done):
+                    if self.packed is not None and not self._unpack(msg.room, msg.part):
+                        continue
+                    self.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank)
+                    self._count(requests_received=1, bytes_received=msg.bytes)
+
+
+class _StagingWait(NamedTuple):
+    """A room's ``send_metadata`` call, held until a staging run is free."""
+
+    args: tuple
+    kwargs: dict
+    pages: np.ndarray
+    parts: tuple[Part, ...]
+    deadline: float
+
+
+class KVBridgeKVReceiver(_c.Receiver):
+    """SGLang's receiver. On the packed path (``wire_dtype: fp8``, ``data_path:
+    packed``):
+
+    - ``send_metadata`` first reserves the room's staging run (a part per prefill rank
+      that feeds this rank, :func:`.packed.decode_parts`); when the buffer is full
+      the call is held (SGLang sees the room waiting for input, its own waiting timeout
+      not yet started) and retried at each ``poll`` from SGLang's scheduler, in the
+      order rooms poll. It goes out once a run is free, or after
+      ``timeouts.receive_s`` without one (then, as for a room that can never fit,
+      without a run: the prefill fails the room naming ``staging_mb``);
+    - a room's clear or abort waits for an unpack in progress (the pages stay SGLang's
+      until it ends), drops a held ``send_metadata``, and retires the room's staging
+      run if it never completed.
+
+    Who calls: SGLang's decode scheduler thread, all methods.
+    """
+
+    _staging_wait: _StagingWait | None = None
+
+    def send_metadata(self, kv_indices, aux_index=None, *args, **kwargs) -> None:
+        mgr = self.kv_mgr
+        if mgr.packed is None or getattr(self, "bootstrap_infos", None) is None:
+            super().send_metadata(kv_indices, aux_index, *args, **kwargs)
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        try:
+            parts = mgr.decode_parts(int(self.prefill_info.attn_tp_size))
+        except IncompatiblePeerError as exc:  # the prefill refuses this rank too, naming it
+            log.warning("kvbridge: room %s: %s", self.bootstrap_room, exc)
+            super().send_metadata(kv_indices, aux_index, *args, **kwargs)
+            return
+        wait = _StagingWait((kv_indices, aux_index, *args), kwargs, pages, parts, time.monotonic() + mgr.config.timeouts.receive_s)
+        if not mgr.reservations.fits(int(pages.size), parts):
+            log.warning("kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however empty", self.bootstrap_room, pages.size, mgr.config.staging_mb)
+        elif mgr.reservations.reserve(int(self.bootstrap_room), pages, parts) is None:
+            log.info("kvbridge: room %s waits for room in the staging buffer (%d pages)", self.bootstrap_room, pages.size)
+            self._staging_wait = wait
+            return
+        super().send_metadata(*wait.args, **wait.kwargs)
+
+    def poll(self):
+        wait = self._staging_wait
+        if wait is not None:
+            if self.conclude_state is not None:
+                self._staging_wait = None
+            elif (run := self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages, wait.parts)) is not None or time.monotonic() >= wait.deadline:
+                if run is None:
+                    log.warning("kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it", self.bootstrap_room)
+                self._staging_wait = None
+                super().send_metadata(*wait.args, **wait.kwargs)
+        return super().poll()
+
+    def clear(self) -> None:
+        mgr = self.kv_mgr
+        if mgr.packed is None:
+            super().clear()
+            return
+        owned = getattr(self, "_owns_bootstrap_room", True)  # SGLang's: this receiver's room
+        self._staging_wait = None
+        with mgr._unpack_lock:
+            super().clear()
+            if owned:
+                mgr.reservations.retire(self.bootstrap_room)
+
+    def abort(self) -> None:
+        mgr = self.kv_mgr
+        if mgr.packed is None:
+            super().abort()
+            return
+        self._staging_wait = None
+        with mgr._unpack_lock:
+            super().abort()
+
+
+__all__ = ["DecodeSide", "KVBridgeKVReceiver", "fetch_epoch"]

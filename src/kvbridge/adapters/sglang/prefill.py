@@ -1,0 +1,662 @@
+"""Prefill side of the ``kvbridge`` SGLang backend: what a prefill rank's manager does
+(:class:`PrefillSide`, mixed into :class:`~.manager.KVBridgeKVManager`) and SGLang's
+sender (:class:`KVBridgeKVSender`).
+
+Threads and who calls what:
+
+- the *control thread* (:meth:`PrefillSide._prefill_control_loop`) reads SGLang's
+  control socket: a decode's :class:`~.messages.Registration` (once per decode rank:
+  checked, then its KV, metadata and staging tables prepared), its
+  :class:`~.messages.Destination` per room, and abort notifications;
+- SGLang's scheduler calls :meth:`PrefillSide.add_transfer_request` after each chunk's
+  forward (queued, never blocks) and, per forward, :func:`plan_forward` through the
+  hook of :func:`.compat.hook_layerwise` (per-layer streaming: the decode page
+  positions the forward completes; :meth:`PrefillSide.layer_done` queues each layer,
+  O(1));
+- the *transfer thread* (:meth:`PrefillSide._transfer_loop`) owns every posted
+  transfer of this rank and all per-room bookkeeping: it posts each layer's or chunk's
+  K and V pages (packed path: the decode rank's heads of them, packed into our staging
+  and written into its part of the room's run), after the last chunk the metadata row
+  with a :class:`~.messages.Done`, then marks the room sent and releases what it holds
+  (each transfer and staging run exactly once, :meth:`PrefillSide._release_room`). A
+  failed or aborted room posts nothing more; its transfers are released once drained.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+from kvbridge.adapters.sglang import compat
+from kvbridge.adapters.sglang import messages as wire
+from kvbridge.adapters.sglang.layout import AuxLayout, paired_count
+from kvbridge.adapters.sglang.lifecycle import Tombstones
+from kvbridge.adapters.sglang.packed import Part, part_start, room_part, room_slots
+from kvbridge.adapters.sglang.streaming import (
+    ForwardPlan,
+    LayerReady,
+    ReqSpan,
+    RoomProgress,
+    coalesce,
+    completed_span,
+    streams,
+)
+from kvbridge.core.tp import heads_per_rank
+from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
+from kvbridge.runtime.packed import Run, staging_descs
+
+log = logging.getLogger(__name__)
+_c = compat.common()
+KVPoll = _c.KVPoll
+
+
+def _has_state(state_indices) -> bool:
+    """Whether SGLang asks to move per-request state (mamba/SWA pools): for an MHA
+    pool it passes None or a list of empty components."""
+    if state_indices is None:
+        return False
+    return any(s is not None and len(s) > 0 for s in state_indices)
+
+
+class _Chunk(NamedTuple):
+    room: int
+    pages: np.ndarray
+    index_slice: slice
+    is_last: bool
+    aux_index: int | None
+    queued_at: float
+    """``time.monotonic()`` when SGLang handed the chunk over (after its forward)."""
+
+
+class _Forget(NamedTuple):
+    """The sender of ``room`` was cleared or aborted, or the decode aborted it: unless
+    it is still being transferred, let its posted writes finish, release them and
+    acknowledge a decode's abort (which then reuses its pages)."""
+
+    room: int
+
+
+_streaming_managers: list = []
+"""Prefill managers of this process with ``layerwise`` on (normally at most one); the
+forward hooks do nothing while it is empty."""
+
+
+def plan_forward(batch, model_runner) -> ForwardPlan | None:
+    """The per-layer plan of one prefill forward, or None (scheduler thread, once per
+    ``ForwardBatch``; called by the hook of :func:`.compat.hook_layerwise`)."""
+    if not _streaming_managers:
+        return None
+    mine = [r for r in compat.extend_requests(batch, model_runner) if isinstance(r.sender, KVBridgeKVSender)]
+    if not mine:
+        return None
+    return mine[0].sender.kv_mgr.plan(batch, [r for r in mine if r.sender.kv_mgr is mine[0].sender.kv_mgr])
+
+
+def stop_streaming(mgr) -> None:
+    """``mgr`` is closing: the forward hooks stop planning for it (any thread)."""
+    if mgr in _streaming_managers:
+        _streaming_managers.remove(mgr)
+
+
+class _Peer(NamedTuple):
+    agent: str
+    kv: object  # DescTable of the decode's KV slots
+    aux: object  # DescTable of the decode's metadata rows
+    geometry: object
+    aux_layout: AuxLayout
+    aux_count: int
+    staging: object = None  # packed path: DescTable of the decode's staging, in chunks of part.heads
+    part: Part | None = None  # packed path: the heads this rank moves to the decode rank
+
+
+class _Dest(NamedTuple):
+    """One decode rank's destination for a room; SGLang's helpers read ``endpoint``,
+    ``dst_port``, ``is_dummy`` and ``required_dst_info_num``."""
+
+    agent: str
+    endpoint: str
+    dst_port: int
+    pages: np.ndarray
+    aux_index: int | None
+    required_dst_info_num: int
+    decode_prefix_len: int | None
+    is_dummy: bool
+    staging_first: int | None = None
+
+
+
+class PrefillSide:
+    """The prefill rank's part of :class:`~.manager.KVBridgeKVManager` (a mixin: it
+    uses the manager's transport, tables, geometry, config and SGLang's status table).
+    See the module docstring for its threads."""
+
+    def _init_prefill(self, args) -> None:
+        """State and threads of a prefill rank (the manager's constructor, once)."""
+        self.peers: dict[str, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._inflight: dict[int, list] = {}
+        self._progress: dict[int, RoomProgress] = {}
+        self._chunk_writes: dict[int, int] = {}
+        self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
+        self._first_post: dict[int, float] = {}
+        self._packed_runs: dict[int, list[Run]] = {}  # room -> our staging runs
+        self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
+        self._num_layers = self.geometry.spec.num_layers
+        self._start_layer = compat.start_layer(args)
+        self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
+        self.tombstones = Tombstones()
+        self._thread("kvbridge-prefill-control", self._prefill_control_loop)
+        self._thread("kvbridge-transfer", self._transfer_loop)
+        if self.config.layerwise:
+            _streaming_managers.append(self)
+
+    # --- bootstrap registration (prefill) --------------------------------------------------
+
+    def _register_topology_row(self, url, payload):
+        # This rank's epoch is part of what it registers (a restart is a new instance);
+        # rows gathered from other ranks (SGLang's multi-DP registry path) carry their own.
+        if payload.get("rank_port") == self.rank_port and payload.get("rank_ip") == self.local_ip:
+            payload = dict(payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name)
+        return super()._register_topology_row(url, payload)
+
+
+    # --- prefill: control thread -----------------------------------------------------------
+
+    def _prefill_control_loop(self) -> None:
+        self._recv_loop(self._prefill_handle)
+
+    def _prefill_handle(self, frames: list[bytes]) -> None:
+        if self.deferred_bootstrap is not None and self._handle_bootstrap_message(frames):
+            return
+        if frames and frames[0] == _c.ABORT_TAG:
+            self._handle_abort(frames)
+            return
+        msg = wire.decode(frames)
+        if isinstance(msg, wire.Registration):
+            self._add_peer(msg)
+        elif isinstance(msg, wire.Destination):
+            self._add_destination(msg)
+        else:
+            log.warning("kvbridge: unexpected %s on the prefill control socket", type(msg).__name__)
+
+    def _add_peer(self, reg: wire.Registration) -> None:
+        try:
+            part = self._pairing(reg)
+        except IncompatiblePeerError as exc:
+            log.error("kvbridge: refused decode %s: %s", reg.agent, exc)
+            self._refused[reg.agent] = str(exc)
+            return
+        with self._peers_lock:
+            if reg.agent in self.peers:
+                return
+            peer = self.transport.add_peer(reg.transport_md)
+            kv = self.transport.prepare(reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer)
+            aux = self.transport.prepare(reg.aux.table(), memory="host", peer=peer)
+            staging = None
+            if part is not None:
+                chunks = staging_descs(reg.staging, self.packed.chunk(part.heads).nbytes)
+                staging = self.transport.prepare(chunks, memory=reg.staging.memory, peer=peer)
+            count = paired_count(self.aux_layout, reg.aux)
+            if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
+                self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
+            self.peers[reg.agent] = _Peer(reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part)
+            # A restarted decode (same address, new epoch) replaces its old agent.
+            stale = [a for a in self.peers if a != reg.agent and a.rsplit("-", 1)[0] == reg.agent.rsplit("-", 1)[0]]
+        for agent in stale:
+            self._drop_peer(agent)
+        log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
+
+    def _pairing(self, reg: wire.Registration) -> Part | None:
+        """Check a decode's registration: on the packed path, the heads this rank moves
+        to it (:func:`.packed.room_part`; any TP sizes that pair); on the direct path
+        None (whole pages, equal TP sizes only).
+
+        Raises:
+            IncompatiblePeerError: why it cannot be served (its rooms then fail with
+                this reason), naming the fix.
+        """
+        fix = "set the same KVBRIDGE_CONFIG on prefill and decode"
+        if reg.transport != self.config.transport:
+            raise IncompatiblePeerError(f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}")
+        if reg.wire_dtype != self.config.wire_dtype:
+            raise IncompatiblePeerError(f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}")
+        if reg.data_path != self.config.resolved_data_path:
+            raise IncompatiblePeerError(f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}")
+        p_tp, d_tp = self.attn_tp_size, reg.tp_size
+        if self.packed is None:
+            if p_tp != d_tp:
+                raise IncompatiblePeerError(
+                    f"prefill attention TP {p_tp}, decode TP {d_tp}: the direct data path moves whole pages, and an "
+                    "SGLang page holds every KV head of its rank token by token",
+                    fix="set data_path 'packed' (exact values) or wire_dtype 'fp8' in KVBRIDGE_CONFIG on both instances",
+                )
+            if reg.geometry.spec != self.geometry.spec:
+                raise IncompatiblePeerError(f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}")
+            return None
+        mine = self.packed.geometry.spec
+        theirs = reg.packed_spec
+        if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
+            raise IncompatiblePeerError(f"its packed KV ({theirs}) differs from this prefill's ({mine})")
+        total = self._total_kv_heads()
+        if reg.kv_heads and reg.kv_heads != total:
+            raise IncompatiblePeerError(f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both")
+        part = room_part(total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank)
+        if part is None or (mine.num_kv_heads, theirs.num_kv_heads) != (heads_per_rank(total, p_tp), heads_per_rank(total, d_tp)):
+            raise IncompatiblePeerError(
+                f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV heads) does not pair with "
+                f"prefill rank {self.attn_tp_rank} of TP {p_tp} ({mine.num_kv_heads} KV heads) for a model of {total}"
+            )
+        return part
+
+    def _drop_peer(self, agent: str) -> None:
+        with self._peers_lock:
+            peer = self.peers.pop(agent, None)
+        if peer is None:
+            return
+        for table in (peer.kv, peer.aux, peer.staging):
+            if table is not None:
+                self.transport.release_table(table)
+        self.transport.remove_peer(peer.agent)
+
+    def _add_destination(self, msg: wire.Destination) -> None:
+        room = msg.room
+        dest = _Dest(
+            msg.agent, msg.ip, msg.port, wire.decode_pages(msg.pages), msg.aux_index,
+            msg.required_dst_info_num, msg.decode_prefix_len, msg.is_dummy, msg.staging_first,
+        )
+        aborted = self.tombstones.reason(room)
+        if aborted is not None:
+            self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=aborted)
+            return
+        reason = None
+        if not msg.is_dummy and msg.agent in self._refused:
+            reason = f"kvbridge: this prefill refused decode {msg.agent}: {self._refused[msg.agent]}"
+        elif not msg.is_dummy and msg.agent not in self.peers:
+            # A decode that registered with an earlier instance of this prefill.
+            reason = f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch {self.epoch})"
+        elif not msg.is_dummy and self.packed is not None and msg.staging_first is None:
+            reason = "kvbridge: the decode's staging buffer had no room for this request (packed data path); raise staging_mb on the decode"
+        if reason is not None:
+            self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
+            # and this side's request too (SGLang's router waits for both answers): now,
+            # or, when its sender is not made yet, as it is (the tombstone)
+            self.tombstones.add(room, reason)
+            self.fail_room(room, reason)
+            return
+        infos = self.transfer_infos.setdefault(room, {})
+        infos[msg.agent] = dest
+        if len(infos) == msg.required_dst_info_num:
+            self.resolve_kv_replica_factor(infos)
+            self.req_to_decode_prefix_len[room] = next(
+                (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
+            )
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def fail_room(self, room: int, reason: str) -> bool:
+        """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's
+        scheduler then aborts the request with ``reason``). Whether it did; False too
+        when the room has no sender yet. Any thread."""
+        if room in self.request_status and self.check_status(room) not in (KVPoll.Success, KVPoll.Failed):
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+            return True
+        return False
+
+    def _handle_abort(self, frames: list[bytes]) -> None:
+        note = _c.AbortNotification.from_zmq(frames)
+        if note is None:
+            return
+        room = note.room
+        if room in self.request_status and self.check_status(room) != KVPoll.Success:
+            self.record_failure(room, "Aborted by decode-side abort notification.")
+            self.update_status(room, KVPoll.Failed)
+            self._count(aborted=1)
+        if self.enable_deferred_decode_kv_release:
+            target = note.deferred_ack_target()
+            if target is not None:
+                self.register_deferred_ack_target(room, target)
+                self._maybe_ack_drained_abort(room)  # acks now when nothing is in flight
+        if self._staging_outstanding.get(room, 0) > 0:
+            self._work.put(_Forget(room))  # the transfer thread acks once they drained
+
+    # --- prefill: transfers ----------------------------------------------------------------
+
+    def add_transfer_request(
+        self,
+        bootstrap_room,
+        kv_indices,
+        index_slice,
+        is_last_chunk,
+        aux_index=None,
+        state_indices=None,
+        num_kv_tokens=None,
+        *,
+        wait_event=None,
+        indices_event=None,
+        trace_ctx=None,
+    ):
+        """Queue one chunk (never blocks the scheduler)."""
+        if bootstrap_room not in self.transfer_infos:
+            return  # dummy rank, or already cleared
+        if _has_state(state_indices):
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvbridge: state (mamba/SWA) transfer is not supported yet")
+            return
+        self._work.put(
+            _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic())
+        )
+        return
+
+    # --- prefill: per-layer streaming (scheduler thread / forward) ------------------------------
+
+    def plan(self, batch, reqs: list[compat.ExtendReq]) -> ForwardPlan | None:
+        """Which decode pages of which rooms this forward completes (scheduler thread,
+        before the forward). Rooms below ``layerwise_min_tokens`` or without a known
+        destination are left to the chunk sends."""
+        page = self.geometry.spec.block_size
+        spans = []
+        for r in reqs:
+            if not streams(layerwise=self.config.layerwise, min_tokens=self.config.layerwise_min_tokens, prompt_len=r.prompt_len):
+                continue
+            if r.room not in self.transfer_infos:
+                continue  # no destination yet (or a dummy rank): the chunk sends cover it
+            lo, hi = completed_span(
+                prefix_len=r.prefix_len, extend_len=r.extend_len, prompt_len=r.prompt_len,
+                decode_prefix_len=r.decode_prefix_len, page_size=page,
+            )
+            if hi <= lo:
+                continue
+            first = (lo * page) + r.decode_prefix_len
+            src = compat.page_ids(batch, r.req_pool_idx, first, first + (hi - lo) * page, page)
+            if src.size != hi - lo:
+                log.warning("kvbridge: room %s: %d page ids for positions %d:%d; left to the chunk send", r.room, src.size, lo, hi)
+                continue
+            spans.append(ReqSpan(r.room, lo, hi, src))
+        return ForwardPlan(tuple(spans), self.layer_done) if spans else None
+
+    def layer_done(self, plan: ForwardPlan, layer_id: int) -> None:
+        """Attention layer ``layer_id`` of ``plan``'s forward has written its K and V
+        (forward thread, once per layer; O(1), never blocks)."""
+        layer = layer_id - self._start_layer
+        if not 0 <= layer < self._num_layers:
+            return
+        event = compat.record_layer_event() if self.memory == "device" else None
+        self._work.put(LayerReady(plan, (layer,), event))
+
+    # --- prefill: transfer thread -----------------------------------------------------------
+
+    def _transfer_loop(self) -> None:
+        while not self._stop.is_set():
+            self._report_staging()
+            try:
+                items = [self._work.get(timeout=self._poll_s)]
+            except queue.Empty:
+                continue
+            while True:  # whatever else is ready: layers of one forward go out together
+                try:
+                    items.append(self._work.get_nowait())
+                except queue.Empty:
+                    break
+            for item in coalesce(items):
+                if isinstance(item, LayerReady):
+                    self._send_layers(item)
+                elif isinstance(item, _Forget):
+                    self._release_if_inactive(item.room)
+                else:
+                    self._guarded(item.room, self._send_chunk, item)
+
+    def _guarded(self, room: int, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure fails the room, not the thread
+            log.warning("kvbridge: room %s failed: %s", room, exc)
+            self._count(failures=1)
+            self.conclude_failure(bootstrap_room=room, failure_reason=f"kvbridge: {exc}")
+            self._release_room(room, drain_s=0.0)  # no waiting here: other rooms queue behind
+
+    def _room_active(self, room: int) -> bool:
+        return room in self.request_status and self.check_status(room) != KVPoll.Failed and room in self.transfer_infos
+
+    def _release_if_inactive(self, room: int) -> bool:
+        """A failed, aborted or cleared room posts nothing more: release what it holds,
+        after its posted writes drained (:meth:`_release_room`). Whether it was inactive."""
+        if self._room_active(room):
+            return False
+        self._release_room(room, drain_s=self.config.timeouts.transfer_s)
+        return True
+
+    def _dests(self, room: int) -> list[_Dest]:
+        return [d for d in self.transfer_infos[room].values() if not d.is_dummy]
+
+    def _post(self, room: int, dests: list[_Dest], src_pages: np.ndarray, positions, layers=None) -> int:
+        """Write ``src_pages`` (of ``layers``, default all) to the pages at ``positions``
+        (a slice or an index array) of every destination's page list; returns the
+        number of writes posted. The room's list of in-flight transfers owns them."""
+        xfers = self._inflight.setdefault(room, [])
+        packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}  # head range -> packed chunks
+        posted = 0
+        for dest in dests:
+            peer = self.peers.get(dest.agent)
+            if peer is None:
+                raise PlanError(f"decode peer {dest.agent} is gone")
+            dst_pages = dest.pages[positions]
+            if dst_pages.size != src_pages.size:
+                where = f"{positions.start}:{positions.stop}" if isinstance(positions, slice) else f"{positions.tolist()}"
+                raise PlanError(
+                    f"{src_pages.size} pages map to {dst_pages.size} destination pages "
+                    f"(positions {where} of {dest.pages.size})"
+                )
+            if src_pages.size:
+                if peer.part is None:  # the pages themselves
+                    src_table, src, dst_table = self.kv_table, self.geometry.slots(src_pages, layers), peer.kv
+                    dst, slot_bytes = peer.geometry.slots(dst_pages, layers), self.geometry.spec.block_bytes
+                else:  # the decode rank's heads of them, packed, into its part of the room's run
+                    part = peer.part
+                    if part.p_heads not in packed:
+                        packed[part.p_heads] = self._pack(room, src_pages, layers, part)
+                    (layer_ids, src, src_table), dst_table = packed[part.p_heads], peer.staging
+                    at = np.arange(dest.pages.size, dtype=np.int64)[positions]
+                    first = part_start(dest.staging_first, part.index, self._num_layers, int(dest.pages.size))
+                    dst, slot_bytes = room_slots(first, dest.pages.size, layer_ids, at), self.packed.chunk(part.heads).nbytes
+                xfers.append(self.transport.post("write", src_table, src, dst_table, dst))
+                self._staging_outstanding[room] += 1
+                posted += 1
+                nbytes = int(src.size) * slot_bytes
+                sent = self._room_bytes.setdefault(room, {})
+                sent[dest.agent] = sent.get(dest.agent, 0) + nbytes
+                self._first_post.setdefault(room, time.monotonic())
+                self._count(transfers=1, bytes_sent=nbytes)
+        return posted
+
+    def _pack(self, room: int, src_pages: np.ndarray, layers, part: Part) -> tuple[list[int], np.ndarray, object]:
+        """Pack ``part``'s heads of ``layers`` (default all) of ``src_pages`` into a run of
+        chunks of our staging buffer, layer-major; the room holds the run until it is
+        released. Returns the layer ids, the run's chunks and the table they index."""
+        layer_ids = list(range(self._num_layers)) if layers is None else [int(l) for l in layers]
+        count = len(layer_ids) * int(src_pages.size)
+        run = self.packed.reserve(count, part.heads)
+        if run is None:
+            raise PlanError(
+                f"the staging buffer has no run for {count} packed pages (packed path, staging_mb "
+                f"{self.config.staging_mb}); raise staging_mb on the prefill"
+            )
+        self._packed_runs.setdefault(room, []).append(run)
+        whole = part.heads == self.packed.slot.num_heads
+        self.packed.pack(layer_ids, src_pages, run.first, heads=None if whole else part.p_heads)
+        return layer_ids, np.arange(run.first, run.first + count, dtype=np.int64), self.packed.table_for(part.heads)
+
+    def _send_layers(self, item: LayerReady) -> None:
+        if item.event is not None:
+            deadline = time.monotonic() + self.config.timeouts.transfer_s
+            while not item.event.query():  # the layer's kernels, then our reads
+                if time.monotonic() >= deadline:
+                    exc = DeadlineExceeded(f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s")
+                    for span in item.plan.spans:
+                        self._guarded(span.room, _raise, exc)
+                    return
+                time.sleep(50e-6)
+        for span in item.plan.spans:
+            self._guarded(span.room, self._send_span, span, item.layers)
+
+    def _send_span(self, span: ReqSpan, layers: tuple[int, ...]) -> None:
+        room = span.room
+        if self._release_if_inactive(room):
+            return
+        dests = self._dests(room)
+        progress = self._progress.get(room)
+        if progress is None:
+            progress = self._progress[room] = RoomProgress(self._num_layers, min(d.pages.size for d in dests) if dests else 0)
+        for group, positions in progress.take(layers, span.lo, span.hi):
+            progress.layer_writes += self._post(room, dests, span.src_pages[positions - span.lo], positions, group)
+
+    def _send_chunk(self, chunk: _Chunk) -> None:
+        room = chunk.room
+        if self._release_if_inactive(room):
+            return
+        dests = self._dests(room)
+        progress = self._progress.get(room)
+        if progress is None:  # the per-chunk path: every layer of the chunk's pages
+            self._chunk_writes[room] = self._chunk_writes.get(room, 0) + self._post(room, dests, chunk.pages, chunk.index_slice)
+        else:  # streamed: only the (layer, page) pairs no layer post covered
+            start = chunk.index_slice.start
+            if chunk.index_slice.stop - start != chunk.pages.size:
+                raise PlanError(f"chunk of {chunk.pages.size} pages for positions {start}:{chunk.index_slice.stop}")
+            for group, positions in progress.take(range(self._num_layers), start, chunk.index_slice.stop):
+                progress.chunk_writes += self._post(room, dests, chunk.pages[positions - start], positions, group)
+        if not chunk.is_last:
+            return
+        deadline = time.monotonic() + self.config.timeouts.transfer_s
+        self._wait_room(room, deadline)
+        if self._release_if_inactive(room):
+            return
+        sent = self._room_bytes.get(room, {})
+        for dest in dests:
+            peer = self.peers[dest.agent]
+            done = wire.Done(
+                room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch, bytes=sent.get(dest.agent, 0),
+                part=0 if peer.part is None else peer.part.index,
+            )
+            if chunk.aux_index is None or dest.aux_index is None:
+                raise PlanError("the last chunk carries no metadata row")
+            x = self.transport.post(
+                "write",
+                self.aux_table,
+                self.aux_layout.slots(chunk.aux_index, peer.aux_count),
+                peer.aux,
+                peer.aux_layout.slots(dest.aux_index, peer.aux_count),
+                notify=wire.encode_payload(done),
+            )
+            self._inflight.setdefault(room, []).append(x)
+            self._staging_outstanding[room] += 1
+        self._wait_room(room, deadline)
+        first_post = self._first_post.get(room)
+        progress = self._progress.get(room)
+        if progress is None:
+            layer_writes, chunk_writes = 0, self._chunk_writes.get(room, 0)
+        else:
+            layer_writes, chunk_writes = progress.layer_writes, progress.chunk_writes
+        self._release_room(room)
+        with self.failure_lock:
+            failed = room in self.failure_records
+        if not failed and room in self.request_status:
+            # Tests read this line: it shows which path a room took. The time is what the
+            # transfer added after the last chunk's forward (what streaming hides).
+            now = time.monotonic()
+            log.info(
+                "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the last chunk",
+                room, layer_writes, chunk_writes, (now - chunk.queued_at) * 1000,
+            )
+            self.update_status(room, KVPoll.Success)
+            self._count(
+                requests_sent=1, exposed_s=[now - chunk.queued_at],
+                request_transfer_s=[now - first_post] if first_post is not None else [],
+            )
+
+    def _wait_room(self, room: int, deadline: float) -> None:
+        for x in self._inflight.get(room, []):
+            if not x.done:
+                self.transport.wait(x, max(0.0, deadline - time.monotonic()))
+
+    def _release_room(self, room: int, *, drain_s: float | None = None) -> None:
+        """Release the room's posted transfers (each exactly once: they leave
+        ``_inflight`` here). ``drain_s`` (a failed or aborted room): first give the
+        posted writes that long to finish, since the decode reuses its pages once the
+        abort is acknowledged; writes still running then mean no acknowledgement (the
+        decode frees its pages at SGLang's deferred-release timeout instead). Drops the
+        room's bookkeeping. Transfer thread only."""
+        self._progress.pop(room, None)
+        self._chunk_writes.pop(room, None)
+        self._room_bytes.pop(room, None)
+        self._first_post.pop(room, None)
+        xfers = self._inflight.pop(room, [])
+        drained = True
+        if drain_s is not None:
+            deadline = time.monotonic() + drain_s
+            for x in xfers:
+                if x.done or x.error is not None:
+                    continue
+                try:
+                    self.transport.wait(x, max(0.0, deadline - time.monotonic()))
+                except DeadlineExceeded:
+                    drained = False
+                except KVBridgeError:
+                    pass  # failed: it writes no more
+        for x in xfers:
+            self.transport.release(x)
+        for run in self._packed_runs.pop(room, []):
+            self.packed.release(run)
+        if not drained:
+            log.warning("kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged", room, drain_s)
+            self.poison_deferred_ack_room(room)
+        if self._staging_outstanding.pop(room, 0):
+            self._maybe_ack_drained_abort(room)
+
+
+    def forget(self, room: int) -> None:
+        """The sender of ``room`` is done with it (any thread; never blocks)."""
+        self._work.put(_Forget(room))
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+class KVBridgeKVSender(_c.Sender):
+    # The scheduler must hand page ids as numpy arrays (its host-tensor path needs CUDA).
+    supports_host_tensor_indices = False
+
+    def __init__(self, mgr, *args, **kwargs):
+        super().__init__(mgr, *args, **kwargs)
+        # a destination refused (or a room aborted) before this sender existed
+        reason = mgr.tombstones.reason(self.bootstrap_room)
+        if reason is not None and self.conclude_state is None and mgr.fail_room(self.bootstrap_room, reason):
+            log.warning("kvbridge: room %s failed before its request reached this prefill: %s", self.bootstrap_room, reason)
+
+    def clear(self) -> None:
+        super().clear()
+        self.kv_mgr.forget(self.bootstrap_room)
+
+    def abort(self) -> None:
+        """The prefill aborted this request (scheduler thread): fail the room here, tell
+        the decode now if its destination is known, else when it arrives (tombstone);
+        the transfer thread then releases what the room holds."""
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        targets = mgr._room_notify_targets(room) if room in mgr.transfer_infos else []
+        super().abort()
+        mgr.forget(room)
+        if self.conclude_state != KVPoll.Failed:
+            return  # not ours to abort (deferred bootstrap owned elsewhere)
+        reason = "kvbridge: the prefill aborted this request"
+        mgr._count(aborted=1)
+        mgr.tombstones.add(room, reason)
+        if targets:
+            mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
+
+
+
+__all__ = ["KVBridgeKVSender", "PrefillSide", "plan_forward"]
