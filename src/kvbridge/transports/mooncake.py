@@ -24,8 +24,10 @@ metadata server), and what it avoids:
   ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s`` and ``MC_LOG_LEVEL`` defaults
   to WARNING, as INFO logs every batch (each unless the user set it);
 - the engine returns -1 for any failure; the worker then runs ``send_probe`` to tell a
-  dead peer from a rejected transfer, and retries once when the peer is alive (a TCP
-  lane can fail transiently; the bytes are simply moved again);
+  dead peer from a rejected transfer and, while the peer answers, retries the batch
+  after growing pauses (:data:`RETRY_PAUSES_S`): a TCP lane can fail transiently (an
+  idle lane, a lane reconnecting after a cool-down under load), and moving the same
+  bytes again is harmless. A dead peer fails at once;
 - ``close`` waits a bounded time for batches in flight; batches stuck on a frozen peer
   keep the engine alive (parked, with a warning) rather than being pulled from under.
 """
@@ -71,6 +73,12 @@ _USER_TIMEOUT = "MC_TRANSFER_TIMEOUT" in os.environ
 
 _ENGINE_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
 _OPCODES = {"write": TransferOpcode.Write, "read": TransferOpcode.Read}
+
+RETRY_PAUSES_S = (0.05, 0.5, 1.5)
+"""Pauses before each retry of a batch that failed while its peer answers a probe. The
+later ones outlast the cool-down after which Mooncake's TCP transport reconnects a
+failed lane (about 1 s); all of them together stay well inside any transfer
+deadline (``MC_TRANSFER_TIMEOUT`` is at least 5 s)."""
 
 _parked: list[object] = []
 """Engines (with their pools) closed while a frozen peer still held batches; kept alive
@@ -139,6 +147,7 @@ class MooncakeTransport(TransportBase):
         self._endpoints: dict[str, str] = {}
         self._inflight: set[cf.Future] = set()
         self._inflight_lock = threading.Lock()
+        self._closing = threading.Event()  # cuts retry pauses short
         self._start_pump(blocking=True)
 
     @classmethod
@@ -176,14 +185,17 @@ class MooncakeTransport(TransportBase):
         engine = self._engine  # close() may drop the attribute while we run; not the engine
         rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
         probe = 0
-        if rc != 0:
+        for attempt, pause in enumerate(RETRY_PAUSES_S, 1):
+            if rc == 0:
+                break
             probe = engine.send_probe(endpoint)
-            if probe == 0:
-                # the peer is alive: a transient TCP session or queue failure (seen
-                # rarely after a lane sat idle). Moving the same bytes again is
-                # harmless, and the notification only follows success.
-                log.info("Mooncake batch to %s failed (rc=%s) with the peer alive; retrying once", peer, rc)
-                rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+            if probe != 0 or self._closing.wait(pause):
+                break  # the peer is gone (or we are closing): no retry can help
+            # the peer is alive: a transient TCP lane failure (seen after a lane sat
+            # idle, and under load). The notification only follows success.
+            log.info("Mooncake batch to %s failed (rc=%s) with the peer alive; retry %d of %d", peer, rc, attempt, len(RETRY_PAUSES_S))
+            rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+            probe = 0
         if rc == 0:
             if notify is not None:
                 self._notifier.send(peer, self.agent_name, notify)
@@ -196,7 +208,7 @@ class MooncakeTransport(TransportBase):
         if probe != 0:
             raise self._peer_lost(peer, what, f"Mooncake rc={rc}, the peer does not answer a probe")
         raise TransferFailedError(
-            f"Mooncake {what} to {peer!r} failed (rc={rc}) although the peer answers a probe",
+            f"Mooncake {what} to {peer!r} failed (rc={rc}) {len(RETRY_PAUSES_S) + 1} times although the peer answers a probe",
             fix="check that the target addresses are registered on the peer",
         )
 
@@ -304,6 +316,7 @@ class MooncakeTransport(TransportBase):
         return self._notifier.receive(timeout_ms=20)
 
     def _close_backend(self) -> None:
+        self._closing.set()
         pools = list(self._pools.values()) + self._draining
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -324,4 +337,4 @@ class MooncakeTransport(TransportBase):
         self._engine = None  # type: ignore[assignment]
 
 
-__all__ = ["MooncakeTransport"]
+__all__ = ["RETRY_PAUSES_S", "MooncakeTransport"]

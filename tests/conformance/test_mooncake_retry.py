@@ -1,0 +1,101 @@
+"""Mooncake's retry of a batch that fails while its peer is alive: a real engine and a
+real peer process on loopback; only the failures are injected (the engine's
+``batch_transfer_sync`` answers -1 a given number of times before it runs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.errors import TransferFailedError
+from kvbridge.transports.testing import Local, Peer, digest, pattern, unique
+
+pytestmark = pytest.mark.conformance
+
+KiB = 1 << 10
+
+
+class _FailingEngine:
+    """The real engine, whose next ``failures`` batches fail as a broken TCP lane's do
+    (rc -1, peer still answering probes) without moving anything."""
+
+    def __init__(self, engine: object, failures: int) -> None:
+        self._engine = engine
+        self.failures = failures
+        self.batches = 0
+
+    def batch_transfer_sync(self, *args: object) -> int:
+        self.batches += 1
+        if self.failures > 0:
+            self.failures -= 1
+            return -1
+        return self._engine.batch_transfer_sync(*args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Local, Peer]]:
+    with Peer("mooncake", unique("retry-peer")) as peer:
+        local = Local("mooncake")
+        local.peer_id = local.connect(peer)  # type: ignore[attr-defined]
+        try:
+            yield local, peer
+        finally:
+            local.close()
+
+
+def _write(local: Local, peer: Peer, failures: int, seed: int) -> tuple[_FailingEngine, float]:
+    """Inject ``failures``, write 64 KiB with a notification; (engine, seconds taken).
+    Raises what the transport raises."""
+    from kvbridge.transports.mooncake import MooncakeTransport
+
+    t = local.t
+    assert isinstance(t, MooncakeTransport)
+    n, size = 16, 4 * KiB
+    local.buf[: n * size] = pattern(seed, n * size)
+    peer.call("zero")
+    lt = local.table(np.arange(n) * size, size)
+    rt = local.table(np.arange(n) * size, size, peer=local.peer_id, base=peer.base)  # type: ignore[attr-defined]
+    real, flaky = t._engine, _FailingEngine(t._engine, failures)
+    t._engine = flaky
+    start = time.monotonic()
+    try:
+        x = t.post("write", lt, np.arange(n), rt, np.arange(n), notify=f"seed-{seed}".encode())
+        try:
+            t.wait(x, 30)
+        finally:
+            t.release(x)
+    finally:
+        t._engine = real
+    return flaky, time.monotonic() - start
+
+
+def test_transient_failures_with_the_peer_alive_are_retried(pair: tuple[Local, Peer]) -> None:
+    from kvbridge.transports.mooncake import RETRY_PAUSES_S
+
+    local, peer = pair
+    n = 16 * 4 * KiB
+    flaky, _ = _write(local, peer, failures=len(RETRY_PAUSES_S), seed=5)
+    assert flaky.batches == len(RETRY_PAUSES_S) + 1  # every retry used, the last one landed
+    assert peer.call("digest", 0, n) == digest(local.buf[:n])
+    # the notification follows the landed batch, once
+    assert [p for _, p in peer.call("take", 1, 10)] == [b"seed-5"]
+
+
+def test_a_batch_failing_every_retry_fails_with_the_count_and_the_transport_keeps_working(pair: tuple[Local, Peer]) -> None:
+    from kvbridge.transports.mooncake import RETRY_PAUSES_S
+
+    local, peer = pair
+    with pytest.raises(TransferFailedError, match=rf"failed \(rc=-1\) {len(RETRY_PAUSES_S) + 1} times although the peer answers a probe") as info:
+        _write(local, peer, failures=100, seed=6)
+    assert "registered on the peer" in (info.value.fix or "")
+    assert peer.call("take", 1, 0.5) == []  # a failed batch sends no notification
+    flaky, _ = _write(local, peer, failures=0, seed=7)
+    assert flaky.batches == 1
+    n = 16 * 4 * KiB
+    assert peer.call("digest", 0, n) == digest(local.buf[:n])
