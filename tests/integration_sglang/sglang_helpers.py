@@ -188,6 +188,21 @@ def wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, flo
         time.sleep(0.05)
 
 
+STAGING_USED = "sglang:kvbridge_staging_slots_used"
+
+
+def wait_staging_idle(server: Proc, timeout: float = 30.0) -> None:
+    """Assert that every staging slot of ``server`` (packed path) comes back within
+    ``timeout``: a room's run is freed after its last write or unpack, a decode's
+    retired run when its hold ends (polled on ``/metrics``)."""
+    deadline = time.monotonic() + timeout
+    used = kvbridge_metrics(server.url).get(STAGING_USED)
+    while used != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        used = kvbridge_metrics(server.url).get(STAGING_USED)
+    assert used == 0, f"{server.log_path.stem} still holds {used} staging slots"
+
+
 def generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
     body = {
         "input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_helpers import START_TIMEOUT_S, http, kvbridge_metrics, prompt_ids
+from sglang_helpers import STAGING_USED, START_TIMEOUT_S, http, kvbridge_metrics, prompt_ids
 
 from kvbridge.demo.servers import free_port
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
@@ -41,7 +41,6 @@ CONFIGS = {
     # may still land): 10 s keeps the wait for the slots short
     "nixl-fp8": {"transport": "nixl", "wire_dtype": "fp8", "staging_mb": 64, "timeouts": {"transfer_s": 10.0}},
 }
-STAGING_USED = "sglang:kvbridge_staging_slots_used"
 LONG_PROMPT = 2000  # 63 chunks: seconds of prefill on 2 cores
 MAX_NEW_TOKENS = 8
 FAIL_WITHIN_S = 120.0

@@ -22,7 +22,6 @@ disaggregated SGLang server drains in-flight requests on SIGTERM, possibly forev
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +51,7 @@ from sglang_helpers import (
     start_pd,
     wait_counted,
     wait_sent_line,
+    wait_staging_idle,
 )
 
 PROMPTS = {
@@ -212,9 +212,4 @@ def test_fp8_requests_wait_for_room_in_the_decode_staging_buffer(fp8_pd: PD) -> 
         f.seek(offset)
         waited = f.read().count(b"waits for room in the staging buffer")
     assert waited >= 1, "no room waited: the test did not fill the decode's staging buffer"
-    used = kvbridge_metrics(decode.url).get("sglang:kvbridge_staging_slots_used")
-    deadline = time.monotonic() + 30
-    while used != 0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        used = kvbridge_metrics(decode.url).get("sglang:kvbridge_staging_slots_used")
-    assert used == 0, f"the decode still holds {used} staging slots"
+    wait_staging_idle(decode)

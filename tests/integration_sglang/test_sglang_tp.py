@@ -26,7 +26,6 @@ tip either way; these prompts have none.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +42,7 @@ from sglang_helpers import (
     tp_sides,
     wait_received_bytes,
     wait_sent_lines,
+    wait_staging_idle,
 )
 
 # (prefill TP, decode TP, data path): equal sizes pair rank for rank on the direct path
@@ -62,10 +62,6 @@ def tp_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.
         yield pd, p_tp, d_tp, path
 
 
-def _staging_used(url: str) -> float | None:
-    return kvbridge_metrics(url).get("sglang:kvbridge_staging_slots_used")
-
-
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_greedy_output_between_tp_sizes_equals_colocated(tp_pd: tuple[PD, int, int, str], colocated: Proc, model: Path, prompt: str) -> None:
     (router, prefill, decode, _), p_tp, d_tp, path = tp_pd
@@ -82,9 +78,4 @@ def test_greedy_output_between_tp_sizes_equals_colocated(tp_pd: tuple[PD, int, i
     received = wait_received_bytes(decode.url, d0, expected)
     assert received == expected, "the decode ranks together must receive every head of every page once"
     for s in (prefill, decode) if path == "packed" else ():
-        used = _staging_used(s.url)
-        deadline = time.monotonic() + 30
-        while used != 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            used = _staging_used(s.url)
-        assert used == 0, f"{s.log_path.stem} still holds {used} staging slots"
+        wait_staging_idle(s)
