@@ -127,8 +127,10 @@ class KVBridgeConfig(_Section):
     ports. Peers learn it from ``kv_transfer_params``, so 0 suits most deployments."""
 
     secret: Union[str, None] = None
-    """Shared secret: when set (identically on prefill and decode), side-channel
-    messages are authenticated with HMAC-SHA256 and others are refused."""
+    """Shared secret: when set (identically on prefill and decode), kvbridge's messages
+    between the two (the side channel and the transport's notifications; on SGLang its
+    registrations, destinations and ``Done`` notifications) are authenticated with
+    HMAC-SHA256 and others are refused."""
 
     layerwise: bool = True
     """Stream each layer as soon as the prefill computed it (the transfer hides behind

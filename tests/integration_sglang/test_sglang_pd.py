@@ -62,22 +62,31 @@ PROMPTS = {
 }
 
 
-# (transport, per-layer streaming, data path): per-chunk keeps today's path exactly;
-# per-layer with threshold 0 streams every prompt (the 12-token one too: its only page
-# is partial but it is the last chunk); "packed" moves the exact values through the
-# staging buffers (data_path: packed), so output and bytes must not change either.
-PD_CONFIGS = [("nixl", False, "direct"), ("nixl", True, "direct"), ("mooncake", False, "direct"), ("mooncake", True, "direct"), ("nixl", True, "packed")]
+# (transport, per-layer streaming, data path, secret): per-chunk keeps today's path
+# exactly; per-layer with threshold 0 streams every prompt (the 12-token one too: its
+# only page is partial but it is the last chunk); "packed" moves the exact values
+# through the staging buffers (data_path: packed), so output and bytes must not change
+# either; with a shared secret every kvbridge message carries a MAC (and nothing else
+# changes).
+PD_CONFIGS = [
+    ("nixl", False, "direct", False),
+    ("nixl", True, "direct", False),
+    ("mooncake", False, "direct", False),
+    ("mooncake", True, "direct", True),
+    ("nixl", True, "packed", False),
+]
 
 
-def _pd_id(transport: str, layerwise: bool, path: str) -> str:
-    return f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "")
+def _pd_id(transport: str, layerwise: bool, path: str, secret: bool) -> str:
+    return f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "") + ("-secret" if secret else "")
 
 
 @pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
 def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport, layerwise, path = request.param
+    transport, layerwise, path, secret = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{_pd_id(*request.param)}")
-    yield from start_pd(model, log_dir, server_env({**pd_config(transport, layerwise), "data_path": path}), layerwise)
+    config = {**pd_config(transport, layerwise), "data_path": path, **({"secret": "shared by prefill and decode"} if secret else {})}
+    yield from start_pd(model, log_dir, server_env(config), layerwise)
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))

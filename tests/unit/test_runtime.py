@@ -215,6 +215,46 @@ def test_incompatible_peer_is_refused_naming_what_differs(caplog: pytest.LogCapt
         P.close()
 
 
+def test_a_shared_secret_authenticates_the_handshake_and_a_different_one_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    P = endpoint("P", p_cache, secret="ours")
+    D, E = endpoint("D", d_cache, secret="ours"), endpoint("D", make_cache(None), secret="not ours")
+    try:
+        D.receiver.expect_push("a", P.address, [3, 4], 20)
+        P.sender.track("a", [7, 8], 20)
+        P.sender.prefill_done("a")
+        assert D.receiver.wait_finished(5) == (["a"], [])  # MACs on requests, replies and notifications
+        np.testing.assert_array_equal(d_cache[0][:, [3, 4]], p_cache[0][:, [7, 8]])
+        E.receiver.expect_push("b", P.address, [3], 10)
+        assert E.receiver.wait_finished(5) == ([], ["b"])
+        assert any("failed authentication" in r.getMessage() and "same 'secret'" in r.getMessage() for r in caplog.records)
+    finally:
+        for e in (E, D, P):
+            e.close()
+
+
+def test_with_a_secret_a_notification_without_its_mac_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """A forged ``LayerDone`` would make the decode take blocks nobody wrote as received."""
+    from kvbridge.wire.messages import LayerDone
+
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    P, D = endpoint("P", p_cache, secret="s"), endpoint("D", d_cache, secret="s")
+    try:
+        D.receiver.expect_push("f", P.address, [1], 10)  # the prefill never tracks it
+        eventually(lambda: P.node.knows(D.node.id))  # the destination went out: D shook hands
+        forged = LayerDone(transfer_id="f", layers=list(range(L)), first_block=0, num_blocks=1)
+        P.node.transport.notify(D.node.transport.agent_name, P.node.codec.encode(forged))
+        eventually(lambda: any("failed authentication" in r.getMessage() for r in caplog.records))
+        assert D.receiver.take_finished() == ([], [])
+        assert D.receiver.phase("f").value != "received"
+        # the same message with its MAC is taken
+        P.node.transport.notify(D.node.transport.agent_name, P.node.encode_note(forged))
+        assert D.receiver.wait_finished(5) == (["f"], [])
+    finally:
+        D.close()
+        P.close()
+
+
 @pytest.mark.parametrize("field", ["bytes_received", "requests_sent", "descriptors", "exposed_s", "request_transfer_s", "transfer_s"])
 def test_a_snapshot_with_any_single_record_is_not_empty(field: str) -> None:
     """Workers drop empty snapshots after taking them: nothing recorded may be dropped."""

@@ -128,6 +128,36 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         wire.decode_pages(b"\x01\x02\x03")
 
 
+def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_what_they_said() -> None:
+    a, b = b"prefill-and-decode", b"another"
+    dst = wire.Destination(room=2**62 + 5, agent="d", ip="127.0.0.1", port=5, pages=wire.encode_pages([3, 4]), aux_index=1, required_dst_info_num=1)
+    frames = wire.encode(dst, a)
+    assert len(frames) == 3 and wire.decode(frames, a) == dst
+    refusals = {
+        "other secret": (frames, b),
+        "no MAC": (wire.encode(dst), a),
+        "MAC but no secret here": (frames, None),
+        "tampered": ([frames[0], wire.encode(msgspec.structs.replace(dst, room=1))[1], frames[2]], a),
+    }
+    for what, (got, secret) in refusals.items():
+        with pytest.raises(wire.AuthenticationError, match="failed authentication|no 'secret'") as info:
+            wire.decode(got, secret)
+        assert "set the same 'secret'" in str(info.value), what
+        assert isinstance(info.value.unverified, wire.Destination), what  # for the refusal, untrusted
+    assert issubclass(wire.AuthenticationError, WireError)  # control loops log and go on
+    # Done notifications: the MAC follows the payload
+    done = wire.Done(room=7, prefill_rank=1, epoch="e", bytes=10)
+    payload = wire.encode_payload(done, a)
+    assert wire.decode_payload(payload, a) == done
+    with pytest.raises(wire.AuthenticationError) as info:
+        wire.decode_payload(payload, b)
+    assert info.value.unverified == done
+    with pytest.raises(wire.AuthenticationError):
+        wire.decode_payload(wire.encode_payload(done), a)  # unauthenticated
+    with pytest.raises(WireError, match="malformed"):
+        wire.decode_payload(payload)  # a MAC this side cannot check is not a message
+
+
 def test_config_from_env(tmp_path) -> None:
     assert config_from_env({}).transport == "nixl"
     assert config_from_env({CONFIG_ENV: '{"transport": "mooncake"}'}).transport == "mooncake"

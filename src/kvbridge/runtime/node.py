@@ -36,15 +36,22 @@ from kvbridge.config import KVBridgeConfig
 from kvbridge.core.layout import CacheGeometry
 from kvbridge.core.plan import plan_blocks, plan_parts
 from kvbridge.core.tp import Split, check_pairing, pair_split, prefill_ranks
-from kvbridge.errors import ConfigError, IncompatiblePeerError, KVBridgeError, TransportError
+from kvbridge.errors import (
+    ConfigError,
+    IncompatiblePeerError,
+    KVBridgeError,
+    TransportError,
+    WireError,
+)
 from kvbridge.runtime.packed import PackedPath, slot_format, staging_descs
 from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
+from kvbridge.wire.auth import MAC_BYTES, mac, verify
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.compat import CompatInfo
-from kvbridge.wire.messages import Hello, PeerId, Reply, Welcome
+from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,7 @@ class Node:
         self.config = config
         self.geometry = geometry
         self.codec = Codec(compat)
+        self._secret = config.secret.encode() if config.secret else None
         self.id = PeerId(engine_id=engine_id, epoch=uuid.uuid4().hex[:12], rank=rank)
         self.transport = transport or create_transport(
             config.transport, config, agent_name=f"{engine_id}-{self.id.epoch}-r{rank}", memory=geometry.memory
@@ -254,6 +262,26 @@ class Node:
             return self.table, plan.local_slots, peer.table, plan.remote_slots
         plan = plan_parts(self.geometry, peer.geometry, local_blocks, remote_blocks, peer.split, layers=layers)
         return self.local_table(peer.split.local_parts), plan.local_slots, peer.table, plan.remote_slots
+
+    # --- notifications -------------------------------------------------------------------
+
+    def encode_note(self, msg: Message) -> bytes:
+        """The payload of a transport notification (``LayerDone``, ``Done``): the codec's
+        frame, followed by its MAC when a ``secret`` is set (notifications travel
+        outside the side channel, on the transport). Any thread."""
+        body = self.codec.encode(msg)
+        return body if self._secret is None else body + mac(self._secret, b"note", body)
+
+    def decode_note(self, payload: bytes) -> Message:
+        """Inverse of :meth:`encode_note`. Raises :class:`~kvbridge.errors.WireError`
+        for a payload that fails authentication, is malformed, or comes from an
+        incompatible peer."""
+        if self._secret is not None:
+            body, tag = payload[:-MAC_BYTES], payload[-MAC_BYTES:]
+            if len(payload) <= MAC_BYTES or not verify(self._secret, tag, b"note", body):
+                raise WireError("a notification failed authentication", fix="set the same 'secret' on prefill and decode")
+            payload = body
+        return self.codec.decode(payload)
 
     # --- server side ---------------------------------------------------------------------
 

@@ -423,7 +423,7 @@ class Receiver:
         while not self._stop:
             for note in self.node.transport.take_notifications(timeout=0.1):
                 try:
-                    msg = self.node.codec.decode(note.payload)
+                    msg = self.node.decode_note(note.payload)
                 except WireError as exc:
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                     continue

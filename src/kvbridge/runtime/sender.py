@@ -398,7 +398,7 @@ class Sender:
                         return
                     out.req.posted(key)
                     registered = True
-                xfer = self.node.transport.post("write", local, lidx, remote, ridx, notify=self.node.codec.encode(note))
+                xfer = self.node.transport.post("write", local, lidx, remote, ridx, notify=self.node.encode_note(note))
             except KVBridgeError as exc:
                 with self._lock:
                     if registered:
@@ -512,7 +512,7 @@ class Sender:
                         tell += [(d.peer, Done(transfer_id=tid, ok=False, reason=reason, source=d.msg.source)) for d in out.dests]
         for peer, msg in tell:  # best effort: D also has its own deadlines
             try:
-                self.node.transport.notify(peer.agent, self.node.codec.encode(msg))
+                self.node.transport.notify(peer.agent, self.node.encode_note(msg))
             except KVBridgeError as exc:
                 log.debug("could not tell %s that %s ended: %s", peer.id, msg.transfer_id, exc)
 

@@ -16,8 +16,6 @@ handlers short. Client methods may be called from any thread (one lock per addre
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import itertools
 import logging
 import socket
@@ -28,20 +26,13 @@ from collections.abc import Callable
 import zmq
 
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, PeerUnreachableError, WireError
+from kvbridge.wire.auth import mac, verify
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
 from kvbridge.wire.messages import Message, Reply
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Message]
-
-
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    h = hmac.new(secret, digestmod=hashlib.sha256)
-    for p in parts:
-        h.update(len(p).to_bytes(8, "little"))
-        h.update(p)
-    return h.digest()
 
 
 def listening(address: str, timeout: float = 1.0) -> bool:
@@ -122,14 +113,14 @@ class SideChannelServer:
             out = self._codec.encode(reply)
             parts = [identity, rid, out]
             if self._secret is not None:
-                parts.append(_mac(self._secret, rid, out))
+                parts.append(mac(self._secret, rid, out))
             try:
                 self._sock.send_multipart(parts, flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the client went away meanwhile
                 log.debug("side channel: reply not sent: %s", exc)
 
     def _answer(self, rid: bytes, payload: bytes, rest: list[bytes]) -> Message:
-        if self._secret is not None and (len(rest) != 1 or not hmac.compare_digest(rest[0], _mac(self._secret, rid, payload))):
+        if self._secret is not None and (len(rest) != 1 or not verify(self._secret, rest[0], rid, payload)):
             log.warning("side channel: refused a request that failed authentication")
             return Reply(ok=False, code="error", detail="authentication failed: set the same 'secret' on prefill and decode")
         try:
@@ -195,7 +186,7 @@ class SideChannelClient:
         sock, lock = self._socket(address)
         rid = str(next(self._ids)).encode()
         payload = self._codec.encode(msg)
-        parts = [rid, payload] + ([_mac(self._secret, rid, payload)] if self._secret is not None else [])
+        parts = [rid, payload] + ([mac(self._secret, rid, payload)] if self._secret is not None else [])
         deadline = time.monotonic() + timeout
         with lock:
             sock.send_multipart(parts)
@@ -210,7 +201,7 @@ class SideChannelClient:
                 frames = sock.recv_multipart()
                 if len(frames) < 2 or frames[0] != rid:
                     continue  # a late reply to an earlier, timed-out request
-                if self._secret is not None and (len(frames) != 3 or not hmac.compare_digest(frames[2], _mac(self._secret, frames[0], frames[1]))):
+                if self._secret is not None and (len(frames) != 3 or not verify(self._secret, frames[2], frames[0], frames[1])):
                     raise WireError(f"reply from {address} failed authentication", fix="set the same 'secret' on prefill and decode")
                 return self._codec.decode(frames[1])
 

@@ -144,7 +144,8 @@ class DecodeSide:
                 tp_size=self.attn_tp_size,
                 tp_rank=self.attn_tp_rank,
                 kv_heads=self._total_kv_heads(),
-            )
+            ),
+            self.secret,
         )
 
     def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
@@ -184,7 +185,8 @@ class DecodeSide:
                 decode_prefix_len=None if decode_prefix_len is None else int(decode_prefix_len),
                 is_dummy=bool(is_dummy),
                 staging_first=staging_first,
-            )
+            ),
+            self.secret,
         )
 
     # --- decode: control and notification threads -------------------------------------------
@@ -239,7 +241,7 @@ class DecodeSide:
                 self._report_staging()
             for note in self.transport.take_notifications(timeout=self._poll_s):
                 try:
-                    msg = wire.decode_payload(note.payload)
+                    msg = wire.decode_payload(note.payload, self.secret)
                 except KVBridgeError as exc:
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                     continue

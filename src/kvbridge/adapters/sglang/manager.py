@@ -88,6 +88,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         compat.warn_if_untested()
         self.config = config_from_env()
+        self.secret = self.config.secret.encode() if self.config.secret else None
+        """Authenticates kvbridge's messages between the two sides (:mod:`.messages`)."""
         self.epoch = uuid.uuid4().hex[:12]
         if is_mla_backend:
             raise ConfigError("the kvbridge SGLang backend does not support MLA models yet", fix="use --disaggregation-transfer-backend mooncake or nixl")

@@ -15,6 +15,12 @@ delivered only once the data posted with it has landed.
 Network input is decoded into these typed Structs once, at the boundary; a malformed or
 foreign message raises :class:`~kvbridge.errors.WireError`.
 
+With a shared ``secret`` (config) every message carries an HMAC-SHA256
+(:mod:`kvbridge.wire.auth`): a control message as a third frame over the tag and the
+payload, a ``Done`` notification as the payload's last 32 bytes. A message whose MAC is
+missing, wrong, or present where this side has no secret raises
+:class:`AuthenticationError`, which carries what the message said, unverified.
+
 >>> msg = Destination(room=7, agent="d", ip="127.0.0.1", port=5, pages=encode_pages([3, 4]),
 ...                   aux_index=1, required_dst_info_num=1)
 >>> frames = encode(msg)
@@ -36,6 +42,7 @@ import numpy as np
 from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.errors import WireError
+from kvbridge.wire.auth import MAC_BYTES, mac, verify
 from kvbridge.wire.messages import StagingInfo
 
 PROTOCOL = 1
@@ -116,15 +123,44 @@ def decode_pages(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4").astype(np.int64)
 
 
-def encode(msg: Message) -> list[bytes]:
-    return [TAG, _encoder.encode(msg)]
+_AUTH_FIX = "set the same 'secret' in KVBRIDGE_CONFIG on the prefill and decode servers"
 
 
-def encode_payload(msg: Message) -> bytes:
-    return _encoder.encode(msg)
+class AuthenticationError(WireError):
+    """A kvbridge message that failed authentication. ``unverified``: what it said
+    (None if it did not decode): trust none of it."""
+
+    def __init__(self, message: str, unverified: Message | None) -> None:
+        super().__init__(message, fix=_AUTH_FIX)
+        self.unverified = unverified
 
 
-def decode_payload(data: bytes) -> Message:
+def _unverified(payload: bytes) -> Message | None:
+    try:
+        return _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def encode(msg: Message, secret: bytes | None = None) -> list[bytes]:
+    """Frames of a control message: ``[TAG, payload]``, plus its MAC with a ``secret``."""
+    payload = _encoder.encode(msg)
+    return [TAG, payload] if secret is None else [TAG, payload, mac(secret, TAG, payload)]
+
+
+def encode_payload(msg: Message, secret: bytes | None = None) -> bytes:
+    """A notification's payload: the message, followed by its MAC with a ``secret``."""
+    payload = _encoder.encode(msg)
+    return payload if secret is None else payload + mac(secret, payload)
+
+
+def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
+    """Inverse of :func:`encode_payload` with the same ``secret``."""
+    if secret is not None:
+        body, tag = data[:-MAC_BYTES], data[-MAC_BYTES:]
+        if len(data) <= MAC_BYTES or not verify(secret, tag, body):
+            raise AuthenticationError("a kvbridge notification failed authentication (its sender's secret differs, or it has none)", _unverified(body))
+        data = body
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -135,21 +171,28 @@ def is_ours(frames: Sequence[bytes]) -> bool:
     return bool(frames) and frames[0].startswith(b"KVBRIDGE/")
 
 
-def decode(frames: Sequence[bytes]) -> Message:
-    """Decode ``[TAG, payload]``; a different protocol version is refused by name."""
-    if len(frames) != 2 or not is_ours(frames):
+def decode(frames: Sequence[bytes], secret: bytes | None = None) -> Message:
+    """Decode the frames of :func:`encode` with the same ``secret``; a different
+    protocol version is refused by name."""
+    if len(frames) not in (2, 3) or not is_ours(frames):
         raise WireError(f"not a kvbridge control message ({len(frames)} frames)")
     if frames[0] != TAG:
         raise WireError(
             f"peer speaks {frames[0].decode(errors='replace')}, this instance {TAG.decode()}: "
             "run the same kvbridge version on prefill and decode"
         )
+    if secret is not None and (len(frames) != 3 or not verify(secret, frames[2], frames[0], frames[1])):
+        why = "carries no MAC (no 'secret' is set there)" if len(frames) == 2 else "has a MAC made with another secret"
+        raise AuthenticationError(f"a kvbridge control message failed authentication: it {why}", _unverified(frames[1]))
+    if secret is None and len(frames) == 3:
+        raise AuthenticationError("a kvbridge control message carries a MAC, but this instance has no 'secret' to check it", _unverified(frames[1]))
     return decode_payload(frames[1])
 
 
 __all__ = [
     "PROTOCOL",
     "TAG",
+    "AuthenticationError",
     "Destination",
     "Done",
     "Message",

@@ -177,7 +177,11 @@ class PrefillSide:
         if frames and frames[0] == _c.ABORT_TAG:
             self._handle_abort(frames)
             return
-        msg = wire.decode(frames)
+        try:
+            msg = wire.decode(frames, self.secret)
+        except wire.AuthenticationError as exc:
+            self._refuse_unauthenticated(exc)
+            return
         if isinstance(msg, wire.Registration):
             self._add_peer(msg)
         elif isinstance(msg, wire.Destination):
@@ -283,11 +287,7 @@ class PrefillSide:
         elif not msg.is_dummy and self.packed is not None and msg.staging_first is None:
             reason = "kvbridge: the decode's staging buffer had no room for this request (packed data path); raise staging_mb on the decode"
         if reason is not None:
-            self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
-            # and this side's request too (SGLang's router waits for both answers): now,
-            # or, when its sender is not made yet, as it is (the tombstone)
-            self.tombstones.add(room, reason)
-            self.fail_room(room, reason)
+            self._refuse_room(msg, reason)
             return
         infos = self.transfer_infos.setdefault(room, {})
         infos[msg.agent] = dest
@@ -297,6 +297,26 @@ class PrefillSide:
                 (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
             )
             self.update_status(room, KVPoll.WaitingForInput)
+
+    def _refuse_room(self, msg: wire.Destination, reason: str) -> None:
+        """Fail the room of a destination this prefill refuses: at the decode (a status
+        to its control socket) and here too (SGLang's router waits for both answers):
+        now, or, when its sender is not made yet, as it is (the tombstone)."""
+        self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=msg.room, status=KVPoll.Failed, failure_reason=reason)
+        self.tombstones.add(msg.room, reason)
+        self.fail_room(msg.room, reason)
+
+    def _refuse_unauthenticated(self, exc: wire.AuthenticationError) -> None:
+        """A decode's message failed authentication (its ``secret`` differs from ours,
+        or one side has none). Nothing in it is trusted or kept, with one exception so
+        that a misconfigured pair fails at once naming the fix instead of at SGLang's
+        timeouts: a destination fails the room it names (here and at the decode's
+        address). Room ids are random 64-bit numbers the router draws, so a stranger
+        cannot aim this at other requests."""
+        msg = exc.unverified
+        log.error("kvbridge: refused a decode's %s: %s", type(msg).__name__ if msg is not None else "message", exc)
+        if isinstance(msg, wire.Destination) and not msg.is_dummy:
+            self._refuse_room(msg, f"kvbridge: this prefill refused the decode's destination: {exc}")
 
     def fail_room(self, room: int, reason: str) -> bool:
         """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's
@@ -549,7 +569,7 @@ class PrefillSide:
                 self.aux_layout.slots(chunk.aux_index, peer.aux_count),
                 peer.aux,
                 peer.aux_layout.slots(dest.aux_index, peer.aux_count),
-                notify=wire.encode_payload(done),
+                notify=wire.encode_payload(done, self.secret),
             )
             self._inflight.setdefault(room, []).append(x)
             self._staging_outstanding[room] += 1
