@@ -46,6 +46,7 @@ from kvbridge.adapters.sglang.streaming import (
     coalesce,
     completed_span,
     streams,
+    wait_device_event,
 )
 from kvbridge.core.tp import heads_per_rank
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
@@ -72,6 +73,10 @@ class _Chunk(NamedTuple):
     aux_index: int | None
     queued_at: float
     """``time.monotonic()`` when SGLang handed the chunk over (after its forward)."""
+    wait_event: object = None
+    """SGLang's early send of a cached prefix under overlap scheduling (GPU): a device
+    event after which the previous forward no longer writes these pages; None when
+    the pages are final (always on CPU)."""
 
 
 class _Forget(NamedTuple):
@@ -367,8 +372,10 @@ class PrefillSide:
         if _has_state(state_indices):
             self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvbridge: state (mamba/SWA) transfer is not supported yet")
             return
+        # indices_event is only given to senders that take host tensors (we do not:
+        # KVBridgeKVSender.supports_host_tensor_indices), so kv_indices are final here
         self._work.put(
-            _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic())
+            _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic(), wait_event)
         )
         return
 
@@ -511,15 +518,12 @@ class PrefillSide:
         return layer_ids, np.arange(run.first, run.first + count, dtype=np.int64), self.packed.table_for(part.heads)
 
     def _send_layers(self, item: LayerReady) -> None:
-        if item.event is not None:
-            deadline = time.monotonic() + self.config.timeouts.transfer_s
-            while not item.event.query():  # the layer's kernels, then our reads
-                if time.monotonic() >= deadline:
-                    exc = DeadlineExceeded(f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s")
-                    for span in item.plan.spans:
-                        self._guarded(span.room, _raise, exc)
-                    return
-                time.sleep(50e-6)
+        # the layer's kernels, then our reads
+        if item.event is not None and not wait_device_event(item.event, time.monotonic() + self.config.timeouts.transfer_s):
+            exc = DeadlineExceeded(f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s")
+            for span in item.plan.spans:
+                self._guarded(span.room, _raise, exc)
+            return
         for span in item.plan.spans:
             self._guarded(span.room, self._send_span, span, item.layers)
 
@@ -538,6 +542,10 @@ class PrefillSide:
         room = chunk.room
         if self._release_if_inactive(room):
             return
+        # an early send's pages may still be written by the previous forward: wait, as
+        # SGLang's own backends do, before any transfer reads them
+        if chunk.wait_event is not None and not wait_device_event(chunk.wait_event, time.monotonic() + self.config.timeouts.transfer_s):
+            raise DeadlineExceeded(f"the cached prefix pages of an early send were not written within {self.config.timeouts.transfer_s:g}s")
         dests = self._dests(room)
         progress = self._progress.get(room)
         if progress is None:  # the per-chunk path: every layer of the chunk's pages
