@@ -48,7 +48,7 @@ from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
-from kvbridge.wire.auth import MAC_BYTES, mac, verify
+from kvbridge.wire.auth import seal, unseal
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
@@ -269,19 +269,16 @@ class Node:
         """The payload of a transport notification (``LayerDone``, ``Done``): the codec's
         frame, followed by its MAC when a ``secret`` is set (notifications travel
         outside the side channel, on the transport). Any thread."""
-        body = self.codec.encode(msg)
-        return body if self._secret is None else body + mac(self._secret, b"note", body)
+        return seal(self._secret, self.codec.encode(msg), b"note")
 
     def decode_note(self, payload: bytes) -> Message:
         """Inverse of :meth:`encode_note`. Raises :class:`~kvbridge.errors.WireError`
         for a payload that fails authentication, is malformed, or comes from an
         incompatible peer."""
-        if self._secret is not None:
-            body, tag = payload[:-MAC_BYTES], payload[-MAC_BYTES:]
-            if len(payload) <= MAC_BYTES or not verify(self._secret, tag, b"note", body):
-                raise WireError("a notification failed authentication", fix="set the same 'secret' on prefill and decode")
-            payload = body
-        return self.codec.decode(payload)
+        body = unseal(self._secret, payload, b"note")
+        if body is None:
+            raise WireError("a notification failed authentication", fix="set the same 'secret' on prefill and decode")
+        return self.codec.decode(body)
 
     # --- server side ---------------------------------------------------------------------
 

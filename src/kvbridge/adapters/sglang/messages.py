@@ -42,7 +42,7 @@ import numpy as np
 from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.errors import WireError
-from kvbridge.wire.auth import MAC_BYTES, mac, verify
+from kvbridge.wire.auth import MAC_BYTES, mac, seal, unseal, verify
 from kvbridge.wire.messages import StagingInfo
 
 PROTOCOL = 1
@@ -150,17 +150,15 @@ def encode(msg: Message, secret: bytes | None = None) -> list[bytes]:
 
 def encode_payload(msg: Message, secret: bytes | None = None) -> bytes:
     """A notification's payload: the message, followed by its MAC with a ``secret``."""
-    payload = _encoder.encode(msg)
-    return payload if secret is None else payload + mac(secret, payload)
+    return seal(secret, _encoder.encode(msg))
 
 
 def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
     """Inverse of :func:`encode_payload` with the same ``secret``."""
-    if secret is not None:
-        body, tag = data[:-MAC_BYTES], data[-MAC_BYTES:]
-        if len(data) <= MAC_BYTES or not verify(secret, tag, body):
-            raise AuthenticationError("a kvbridge notification failed authentication (its sender's secret differs, or it has none)", _unverified(body))
-        data = body
+    body = unseal(secret, data)
+    if body is None:
+        raise AuthenticationError("a kvbridge notification failed authentication (its sender's secret differs, or it has none)", _unverified(data[:-MAC_BYTES]))
+    data = body
     try:
         return _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
