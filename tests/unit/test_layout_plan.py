@@ -25,7 +25,8 @@ def make_cache(layout: str, seed: int, dtype=np.float32, cross_layer: bool = Fal
     """A KV cache laid out as the named engine does, plus its geometry and a function
     returning the exact bytes of (layer, plane, block) by numpy indexing."""
     rng = np.random.default_rng(seed)
-    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=D, dtype=np.dtype(dtype).name, layout=layout)
+    heads = 1 if layout == "latent" else H
+    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=heads, head_dim=D, dtype=np.dtype(dtype).name, layout=layout)
     if cross_layer:  # blocks of all layers interleaved: (N, L, 2, BS, H, D)
         arr = rng.standard_normal((N, L, 2, BS, H, D)).astype(dtype)
         bases = tuple(arr[0, l, p].ctypes.data for l in range(L) for p in range(2))
@@ -33,6 +34,10 @@ def make_cache(layout: str, seed: int, dtype=np.float32, cross_layer: bool = Fal
         return [arr], geo, lambda l, p, b: arr[b, l, p].tobytes()
     if layout == "fused":  # vLLM CPU: per layer (N, H, BS, 2D)
         layers = [rng.standard_normal((N, H, BS, 2 * D)).astype(dtype) for _ in range(L)]
+        bases = tuple(t.ctypes.data for t in layers)
+        block = lambda l, p, b: layers[l][b].tobytes()  # noqa: E731
+    elif layout == "latent":  # MLA: per layer (N, BS, D), one latent vector per token
+        layers = [rng.standard_normal((N, BS, D)).astype(dtype) for _ in range(L)]
         bases = tuple(t.ctypes.data for t in layers)
         block = lambda l, p, b: layers[l][b].tobytes()  # noqa: E731
     else:  # per layer (2, N, BS, H, D) for nhd, (2, N, H, BS, D) for hnd
@@ -43,11 +48,11 @@ def make_cache(layout: str, seed: int, dtype=np.float32, cross_layer: bool = Fal
     return layers, CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases), block
 
 
-@pytest.mark.parametrize("layout", ["fused", "nhd", "hnd"])
+@pytest.mark.parametrize("layout", ["fused", "nhd", "hnd", "latent"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_slot_addresses_match_numpy_indexing(layout: str, dtype) -> None:
     keep, geo, block = make_cache(layout, 0, dtype)
-    planes = 1 if layout == "fused" else 2
+    planes = 1 if layout in ("fused", "latent") else 2
     assert geo.spec.planes_per_layer == planes
     assert geo.num_slots == L * planes * N
     table = geo.slot_table()
@@ -115,6 +120,8 @@ def test_spec_rejects_unknown_dtype_and_layout() -> None:
         CacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="complex64", layout="nhd")
     with pytest.raises(ValueError, match="layout 'nhwc'"):
         CacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32", layout="nhwc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a latent .MLA. cache has one KV head, got 2"):
+        CacheSpec(num_layers=1, block_size=16, num_kv_heads=2, head_dim=576, dtype="float32", layout="latent")
 
 
 def naive_coalesce(src, dst, length):
@@ -150,7 +157,7 @@ def test_coalesce_rejects_ragged_input() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.sampled_from(["fused", "nhd", "hnd"]),
+    st.sampled_from(["fused", "nhd", "hnd", "latent"]),
     st.permutations(range(N)),
     st.permutations(range(N)),
     st.integers(1, N),

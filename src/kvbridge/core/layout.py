@@ -21,6 +21,11 @@ Layouts (shape of one block inside one plane, row-major)
   SGLang's per-layer ``k_buffer`` / ``v_buffer`` of ``(num_pages * page_size, heads, dim)``.
 - ``hnd``: K and V planes, each block ``(num_kv_heads, block_size, head_dim)``
   (FlashInfer's HND).
+- ``latent``: one plane, each block ``(block_size, head_dim)``: multi-head latent
+  attention (DeepSeek's MLA) caches one compressed vector per token (``kv_lora_rank``
+  + ``qk_rope_head_dim`` values) from which the heads' keys and values are computed;
+  ``num_kv_heads`` is 1. Every tensor-parallel rank holds the same latent cache. vLLM's
+  MLA layer tensor ``(num_blocks, block_size, head_dim)``; SGLang's MLA ``kv_buffer``.
 
 >>> spec = CacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64,
 ...                  dtype="bfloat16", layout="nhd")
@@ -44,7 +49,7 @@ import numpy as np
 
 from kvbridge.errors import PlanError
 
-Layout = Literal["fused", "nhd", "hnd"]
+Layout = Literal["fused", "nhd", "hnd", "latent"]
 MemoryKind = Literal["host", "device"]
 
 #: Bytes per element of the cache dtypes kvbridge moves (torch dtype names, no prefix).
@@ -85,8 +90,10 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"CacheSpec.dtype {self.dtype!r} is not supported; "
                 f"supported: {', '.join(sorted(DTYPE_SIZES))}"
             )
-        if self.layout not in ("fused", "nhd", "hnd"):
-            raise ValueError(f"CacheSpec.layout {self.layout!r} is not one of fused, nhd, hnd")
+        if self.layout not in ("fused", "nhd", "hnd", "latent"):
+            raise ValueError(f"CacheSpec.layout {self.layout!r} is not one of fused, nhd, hnd, latent")
+        if self.layout == "latent" and self.num_kv_heads != 1:
+            raise ValueError(f"a latent (MLA) cache has one KV head, got {self.num_kv_heads}")
 
     @property
     def element_size(self) -> int:
@@ -94,7 +101,7 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def planes_per_layer(self) -> int:
-        return 1 if self.layout == "fused" else 2
+        return 1 if self.layout in ("fused", "latent") else 2
 
     @property
     def block_bytes(self) -> int:

@@ -2,10 +2,13 @@
 
 No model hub is needed: :func:`build_tiny_model` writes a Hugging Face model directory
 that vLLM (and SGLang) load like any other: ``config.json`` + ``model.safetensors`` and
-a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. Two shapes
-(:data:`SHAPES`): ``tiny`` (2 layers, hidden 128, 4 attention heads, 2 KV heads, about
-3 MB; tests and demo) and ``bench`` (8 layers, hidden 512, 8 heads, 4 KV heads, about
-110 MB; enough compute per layer for the serving benchmark to show streaming).
+a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. Three shapes
+(:data:`SHAPES`): ``tiny`` (Llama, 2 layers, hidden 128, 4 attention heads, 2 KV heads,
+about 3 MB; tests and demo), ``bench`` (Llama, 8 layers, hidden 512, 8 heads, 4 KV heads,
+about 110 MB; enough compute per layer for the serving benchmark to show streaming) and
+``mla`` (DeepSeek-V2, 2 layers, hidden 128, 4 heads, multi-head latent attention with a
+512 + 64 latent per token, the only size vLLM's CPU MLA kernel takes; dense MLPs;
+about 5 MB).
 
 Contract:
 
@@ -44,8 +47,13 @@ VOCAB_SIZE = 2048
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
-}
-"""Model shapes by name (Llama architecture, float32, vocab 2048)."""
+    "mla": {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+    },
+}  # fmt: skip
+"""Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
+(MLA), the others Llama."""
 MAX_POSITIONS = 8192
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
@@ -61,10 +69,16 @@ CHAT_TEMPLATE = (
 _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
 
 
+def architecture(shape: str) -> str:
+    """``"deepseek-v2"`` for the MLA shapes, else ``"llama"``."""
+    return "deepseek-v2" if "kv_lora_rank" in SHAPES[shape] else "llama"
+
+
 def default_model_dir(shape: str = "tiny") -> Path:
-    """``$KVBRIDGE_CACHE_DIR/<shape>-llama``, else ``~/.cache/kvbridge/<shape>-llama``."""
+    """``$KVBRIDGE_CACHE_DIR/<shape>-<architecture>`` (``tiny-llama``), else the same under
+    ``~/.cache/kvbridge``."""
     root = os.environ.get("KVBRIDGE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "kvbridge") / f"{shape}-llama"
+    return (Path(root) if root else Path.home() / ".cache" / "kvbridge") / f"{shape}-{architecture(shape)}"
 
 
 def read_marker(path: Path) -> dict | None:
@@ -159,10 +173,10 @@ class _locked:
 
 def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     _build_tokenizer(out)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=VOCAB_SIZE,
         **shape,
         max_position_embeddings=MAX_POSITIONS,
@@ -175,9 +189,26 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         tie_word_embeddings=False,
         dtype="float32",
     )
+    if "kv_lora_rank" in shape:
+        config = DeepseekV2Config(
+            **common,
+            q_lora_rank=None,
+            # dense MLPs in every layer (the experts are declared, never built)
+            first_k_dense_replace=shape["num_hidden_layers"], n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=64, moe_layer_freq=1,  # SGLang reads moe_layer_freq
+            # SGLang's CPU rotary embedding is DeepSeek's YaRN only; factor 1 leaves the
+            # frequencies as plain RoPE's
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": MAX_POSITIONS,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            },
+        )  # fmt: skip
+        model_cls = DeepseekV2ForCausalLM
+    else:
+        config, model_cls = LlamaConfig(**common), LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model = model_cls(config).to(torch.float32).eval()
     with _quiet_progress_bars():
         model.save_pretrained(out)
 

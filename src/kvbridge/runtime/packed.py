@@ -44,6 +44,16 @@ if TYPE_CHECKING:
 _FLOAT_CACHES = ("float16", "bfloat16", "float32")
 
 
+def latent_refused(fp8: bool) -> ConfigError:
+    """The error for an MLA (``latent``) cache on the packed path: raised by
+    :class:`PackedPath` and by engine adapters that find out before building one."""
+    return ConfigError(
+        "the packed data path (wire_dtype 'fp8', data_path 'packed') does not pack MLA latent caches yet",
+        key="wire_dtype" if fp8 else "data_path",
+        fix="use wire_dtype 'exact' and data_path 'auto' or 'direct' for MLA models (every TP rank holds the whole latent cache, so the direct path pairs any TP sizes)",
+    )
+
+
 def slot_format(geometry: CacheGeometry, fp8: bool = True) -> PackedFormat:
     """The format of one slot: one block of one layer, FP8 with scales (``fp8``) or
     the cache's values."""
@@ -148,6 +158,8 @@ class PackedPath:
                 key="wire_dtype",
                 fix="use wire_dtype 'exact' (a float8 cache is already as small)",
             )
+        if spec.layout == "latent":
+            raise latent_refused(fp8)
         if planes and planes[0][0].device.type != "cpu":
             # the engine computes a layer on its own stream: packing it needs that layer's
             # compute event, which no engine adapter passes yet (the kernels are ready)
@@ -279,4 +291,4 @@ class PackedPath:
         ops.unpack(self._chunks(chunk, first, len(block_ids)), fmt, self.planes[layer], block_ids, head_start=h0)
 
 
-__all__ = ["PackedPath", "Run", "SlotAllocator", "slot_format", "staging_descs"]
+__all__ = ["PackedPath", "Run", "SlotAllocator", "latent_refused", "slot_format", "staging_descs"]

@@ -6,7 +6,11 @@ plain CPU tensors. Supported layouts of vLLM 0.32:
 - CPU backend: per layer ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``
   -> ``fused``;
 - FlashAttention-style GPU backends: ``(2, num_blocks, block_size, num_kv_heads,
-  head_dim)`` -> ``nhd`` (K and V planes), or with heads before tokens -> ``hnd``.
+  head_dim)`` -> ``nhd`` (K and V planes), or with heads before tokens -> ``hnd``;
+- MLA backends (``mla``): ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` on GPU,
+  the same with a heads axis of 1 on CPU ``(num_blocks, 1, block_size, ...)``
+  -> ``latent``. Only the caller knows a cache is MLA: the CPU shape is also a
+  one-head CPU attention cache.
 
 Anything else raises with the shape it saw: kvbridge never guesses a layout.
 """
@@ -33,14 +37,26 @@ def layer_order(names: list[str], index_of) -> list[str]:
     return [n for _, n in indexed]
 
 
-def geometry_from_tensors(kv_caches: Mapping[str, torch.Tensor], ordered: list[str], block_size: int) -> CacheGeometry:
+def geometry_from_tensors(kv_caches: Mapping[str, torch.Tensor], ordered: list[str], block_size: int, mla: bool = False) -> CacheGeometry:
     """Describe the cache whose per-layer tensors are ``kv_caches[name]`` for the layer
-    names in ``ordered`` (model order)."""
+    names in ``ordered`` (model order); ``mla``: the model's attention is MLA (vLLM's
+    ``model_config.use_mla``)."""
     first = kv_caches[ordered[0]]
     dtype = str(first.dtype).removeprefix("torch.")
     shape = tuple(first.shape)
     es = first.element_size()
-    if first.device.type == "cpu" and len(shape) == 4 and shape[2] == block_size:
+    tokens = [d for d in shape[1:-1] if d != 1]  # the latent cache's axes between blocks and values
+    if mla and tokens == [block_size] and first.stride(-1) == 1 and first.stride(shape.index(block_size, 1)) == shape[-1]:
+        num_blocks, dim = shape[0], shape[-1]
+        spec = CacheSpec(num_layers=len(ordered), block_size=block_size, num_kv_heads=1, head_dim=dim, dtype=dtype, layout="latent")
+        bases = [kv_caches[n].data_ptr() for n in ordered]
+        stride = first.stride(0) * es
+    elif mla:
+        raise KVBridgeError(
+            f"unsupported MLA KV cache layout: tensor of shape {shape}, strides {first.stride()} on {first.device} (block size {block_size})",
+            fix="kvbridge supports MLA caches of (blocks, block_size, latent) with each token's latent values contiguous",
+        )
+    elif first.device.type == "cpu" and len(shape) == 4 and shape[2] == block_size:
         num_blocks, heads, _, two_d = shape
         spec = CacheSpec(num_layers=len(ordered), block_size=block_size, num_kv_heads=heads, head_dim=two_d // 2, dtype=dtype, layout="fused")
         bases = [kv_caches[n].data_ptr() for n in ordered]

@@ -56,6 +56,18 @@ from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+def is_mla(model_config) -> bool:
+    """The model's attention is multi-head latent attention (DeepSeek-style)."""
+    return bool(model_config.use_mla)
+
+
+def model_kv_heads(model_config) -> int:
+    """The model's KV heads before the TP split, as its cache holds them: 1 for MLA (one
+    latent vector per token, the same on every rank; vLLM's
+    ``get_total_num_kv_heads`` reports the config's attention KV heads there)."""
+    return 1 if is_mla(model_config) else model_config.get_total_num_kv_heads()
+
+
 FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 """Request statuses after which the prefill's KV is complete and worth sending."""
 
@@ -76,6 +88,8 @@ __all__ = [
     "check_version",
     "create_metric_per_engine",
     "extract_layer_index",
+    "is_mla",
+    "model_kv_heads",
     "vllm_version",
     "yield_req_data",
 ]

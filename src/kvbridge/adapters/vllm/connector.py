@@ -22,6 +22,8 @@ from kvbridge.adapters.vllm.compat import (
     KVConnectorTransferResults,
     SupportsHMA,
     check_version,
+    is_mla,
+    model_kv_heads,
 )
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
@@ -83,7 +85,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 get_tensor_model_parallel_rank(),
                 model=str(vllm_config.model_config.model),
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+                total_kv_heads=model_kv_heads(vllm_config.model_config),
+                mla=is_mla(vllm_config.model_config),
                 block_size=block_size,
                 send=send,
                 receive=receive,

@@ -40,7 +40,17 @@ IDLE_WAIT_S = 0.005
 
 class WorkerSide:
     def __init__(
-        self, config: KVBridgeConfig, engine_id: str, rank: int, model: str, tp_size: int, block_size: int, send: bool, receive: bool, total_kv_heads: int = 0
+        self,
+        config: KVBridgeConfig,
+        engine_id: str,
+        rank: int,
+        model: str,
+        tp_size: int,
+        block_size: int,
+        send: bool,
+        receive: bool,
+        total_kv_heads: int = 0,
+        mla: bool = False,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -49,6 +59,8 @@ class WorkerSide:
         self.tp_size = tp_size
         self.total_kv_heads = total_kv_heads
         """The model's KV heads before the TP split (0: this rank's heads x TP size)."""
+        self.mla = mla
+        """The model's attention is MLA: its cache holds one latent vector per token."""
         self.block_size = block_size
         self.send = send
         self.receive = receive
@@ -67,7 +79,7 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         ordered = layer_order(list(kv_caches), extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(ordered)}
-        geometry = geometry_from_tensors(kv_caches, ordered, self.block_size)
+        geometry = geometry_from_tensors(kv_caches, ordered, self.block_size, mla=self.mla)
         if not self.total_kv_heads:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
         compat = CompatInfo.from_spec(
@@ -78,7 +90,8 @@ class WorkerSide:
         if self.config.packed:  # the packed path reads and writes the tensors
             from kvbridge.ops import kv_planes
 
-            planes = [kv_planes(kv_caches[name], geometry.spec.layout) for name in ordered]
+            # a latent (MLA) cache has no K and V planes: the packed path refuses it by name
+            planes = [] if geometry.spec.layout == "latent" else [kv_planes(kv_caches[name], geometry.spec.layout) for name in ordered]
         self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
         log.info(
             "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",

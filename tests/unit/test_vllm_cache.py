@@ -1,0 +1,95 @@
+"""vLLM's per-layer cache tensors described as kvbridge geometries (``adapters.vllm.cache``):
+each supported shape gives the layout, heads and addresses that torch indexing of the
+same tensors gives; MLA's latent caches count one KV head whatever the model's config
+says; the packed path refuses a latent cache by name."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbridge.adapters.vllm.cache import geometry_from_tensors
+from kvbridge.errors import ConfigError, KVBridgeError
+
+BS, BLOCKS = 16, 5
+
+
+def caches(shape: tuple[int, ...], layers: int = 3) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.attn": torch.randn(shape) for i in range(layers)}
+
+
+def block_bytes(t: torch.Tensor) -> bytes:
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+@pytest.mark.parametrize(
+    ("shape", "mla", "layout", "heads", "dim"),
+    [
+        ((BLOCKS, 2, BS, 2 * 64), False, "fused", 2, 64),  # vLLM CPU attention
+        ((BLOCKS, 1, BS, 2 * 288), False, "fused", 1, 288),  # ... with one KV head
+        ((2, BLOCKS, BS, 2, 64), False, "nhd", 2, 64),  # FlashAttention
+        ((2, BLOCKS, 2, BS, 64), False, "hnd", 2, 64),  # FlashInfer HND
+        ((BLOCKS, BS, 576), True, "latent", 1, 576),  # MLA on GPU: kv_lora_rank 512 + rope 64
+        ((BLOCKS, 1, BS, 576), True, "latent", 1, 576),  # MLA on CPU (CPU_MLA): the same shape as one-head CPU attention
+    ],
+)
+def test_each_supported_shape_maps_to_its_layout_and_addresses(shape: tuple[int, ...], mla: bool, layout: str, heads: int, dim: int) -> None:
+    kv = caches(shape)
+    names = list(kv)
+    geo = geometry_from_tensors(kv, names, BS, mla=mla)
+    spec = geo.spec
+    assert (spec.layout, spec.num_kv_heads, spec.head_dim, spec.block_size, spec.num_layers, geo.num_blocks) == (layout, heads, dim, BS, 3, BLOCKS)
+    for l, name in enumerate(names):
+        t = kv[name]
+        for p in range(spec.planes_per_layer):
+            for b in range(BLOCKS):
+                block = t[b] if spec.planes_per_layer == 1 else t[p, b]
+                slot = geo.slot(l, p, b)
+                assert geo.slot_address(slot) == block.data_ptr()
+                assert ctypes.string_at(geo.slot_address(slot), spec.block_bytes) == block_bytes(block.contiguous())
+
+
+@pytest.mark.parametrize(
+    ("shape", "mla", "what"),
+    [
+        ((BLOCKS, BS, 576), False, "unsupported KV cache layout"),  # MLA's shape without MLA
+        ((BLOCKS, 8, 576), True, "unsupported MLA KV cache layout"),  # blocks of 8, vLLM's block size 16
+        ((BLOCKS, 2, BS, 576), True, "unsupported MLA KV cache layout"),  # two latent heads
+    ],
+)
+def test_an_unknown_shape_is_refused_with_what_was_seen(shape: tuple[int, ...], mla: bool, what: str) -> None:
+    kv = caches(shape)
+    with pytest.raises(KVBridgeError, match=rf"{what}: tensor of shape \({', '.join(map(str, shape))}\)") as err:
+        geometry_from_tensors(kv, list(kv), BS, mla=mla)
+    assert err.value.fix
+
+
+def test_a_latent_cache_whose_token_values_are_not_contiguous_is_refused() -> None:
+    kv = {name: t.transpose(1, 2) for name, t in caches((BLOCKS, 576, BS)).items()}  # (blocks, BS, 576) viewed dim-major
+    with pytest.raises(KVBridgeError, match="unsupported MLA KV cache layout"):
+        geometry_from_tensors(kv, list(kv), BS, mla=True)
+
+
+def test_mla_models_have_one_kv_head_whatever_their_config_says() -> None:
+    from kvbridge.adapters.vllm.compat import model_kv_heads
+
+    def config(use_mla: bool) -> SimpleNamespace:
+        return SimpleNamespace(use_mla=use_mla, get_total_num_kv_heads=lambda: 4)  # DeepSeek-V2's config: 4 (= attention heads)
+
+    assert model_kv_heads(config(True)) == 1
+    assert model_kv_heads(config(False)) == 4
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_the_packed_path_refuses_a_latent_cache_naming_the_key(fp8: bool) -> None:
+    from kvbridge.runtime.packed import PackedPath
+
+    kv = caches((BLOCKS, BS, 576), layers=2)
+    geo = geometry_from_tensors(kv, list(kv), BS, mla=True)
+    with pytest.raises(ConfigError, match="does not pack MLA latent caches") as err:
+        PackedPath(geo, [], 8, transport=None, fp8=fp8)  # type: ignore[arg-type]  # refused before it is used
+    assert err.value.key == ("wire_dtype" if fp8 else "data_path")
+    assert "data_path 'auto' or 'direct'" in (err.value.fix or "")
