@@ -5,10 +5,12 @@ layout), the same on every TP rank.
 - TP 1 -> TP 1 over NIXL and Mooncake, both flows, prompt lengths around block
   boundaries: decode output equals a colocated instance token for token, and D
   receives exactly the prompt's latent blocks;
-- TP 1 -> TP 2 (NIXL): each decode worker receives the whole latent cache from the one
-  prefill worker (every TP rank holds all of it), which lets the request go once both
-  have it: output equals a colocated TP 2 instance, each decode worker received the
-  prompt's blocks, and both instances' KV usage returns to idle.
+- between TP sizes (NIXL): 1 -> 2, each decode worker receives the whole latent cache
+  from the one prefill worker (every TP rank holds all of it); 2 -> 1, the decode worker
+  reads from one prefill worker and tells the other, which holds the same cache, to
+  let go; 2 -> 2 rank to rank. Output equals a colocated instance of the decode's TP
+  size, each decode worker received the prompt's blocks, and both instances' KV usage
+  returns to idle without any lease expiring.
 
 vLLM's CPU MLA backend takes blocks of 16 tokens only and runs without chunked prefill
 or prefix caching."""
@@ -87,32 +89,47 @@ def test_mla_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n
     expect_received(pd.d, before, n)
 
 
+class TP:
+    """MLA instances of TP 2 and 1 (NIXL): P2 prefill, D2 decode, C2 the colocated TP 2
+    reference, X1 a TP 1 instance that is a prefill, a decode and its own reference
+    (vLLM's CPU MLA runs without prefix caching: its own KV never serves a later request)."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        two = ["--tensor-parallel-size", "2"]
+        self.p = server(model, logs, "P2", *two, *kv_args("kv_producer", "nixl"))
+        self.d = server(model, logs, "D2", *two, *kv_args("kv_consumer", "nixl", policy="fail"))
+        self.c = server(model, logs, "C2", *two)
+        self.x = server(model, logs, "X1", *kv_args("kv_both", "nixl", policy="fail"))
+        self.servers = [self.p, self.d, self.c, self.x]
+        start_all(self.servers)
+        self.address = {self.p.url: discover(self.p.url), self.x.url: discover(self.x.url)}
+
+
 @pytest.fixture(scope="module")
-def tp2(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
-    """A TP 1 prefill, a TP 2 decode and the TP 2 colocated reference (NIXL)."""
-    logs = tmp_path_factory.mktemp("mla-tp")
-    two = ["--tensor-parallel-size", "2"]
-    p = server(mla_model, logs, "P1", *kv_args("kv_producer", "nixl"))
-    d = server(mla_model, logs, "D2", *two, *kv_args("kv_consumer", "nixl", policy="fail"))
-    c = server(mla_model, logs, "C2", *two)
-    servers = [p, d, c]
-    start_all(servers)
-    yield p, d, c
-    for s in servers:
+def tp(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TP]:
+    cluster = TP(mla_model, tmp_path_factory.mktemp("mla-tp"))
+    yield cluster
+    for s in cluster.servers:
         s.stop()
 
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 300])
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_mla_tp1_prefill_feeds_both_ranks_of_a_tp2_decode(tp2: tuple[VllmServer, VllmServer, VllmServer], flow: str, n: int) -> None:
-    p, d, c = tp2
-    prompt = random_prompt(n, seed=1000 + 10 * n + (flow == "pull"))
-    ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+@pytest.mark.parametrize("pair", ["1->2", "2->1", "2->2"])
+def test_mla_between_tp_sizes(tp: TP, pair: str, flow: str, n: int) -> None:
+    """1 -> 2: the one prefill worker writes the whole latent cache to both decode
+    workers and lets go once both have it. 2 -> 1: the decode worker reads from prefill
+    worker 0 and tells worker 1, which holds the same latent cache, to let go at once
+    (not at its lease's end: nothing expires). 2 -> 2: rank to rank."""
+    p, d, ref = {"1->2": (tp.x, tp.d, tp.c), "2->1": (tp.p, tp.x, tp.x), "2->2": (tp.p, tp.d, tp.c)}[pair]
+    prompt = random_prompt(n, seed=1000 * ["1->2", "2->1", "2->2"].index(pair) + 10 * n + (flow == "pull"))
+    want = complete(ref.url, prompt, max_tokens=MAX_TOKENS)
     usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
     before = metric(d.url, RECEIVED)
-    out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, discover(p.url))
-    assert out.token_ids == ref.token_ids
-    expect_received(d, before, n, ranks=2)  # each decode rank holds the whole latent cache
-    for s in (p, d):  # the prefill let go only once both decode ranks were served
+    out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, tp.address[p.url])
+    assert out.token_ids == want.token_ids
+    expect_received(d, before, n, ranks=2 if pair != "2->1" else 1)  # each decode rank holds the whole latent cache
+    for s in (p, d):  # both sides let go of the request's blocks, every prefill worker at once
         idle = usage[s.url] + 1e-9
         assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"
+    assert metric(p.url, "vllm:kvbridge_leases_expired_total") == 0

@@ -30,6 +30,7 @@ from kvbridge import ops
 from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.lifecycle import SendPhase
+from kvbridge.core.tp import head_slices, idle_prefill_ranks, prefill_ranks
 from kvbridge.errors import KVBridgeError
 from kvbridge.ops.format import FP8_DTYPE, PackedFormat
 from kvbridge.runtime.endpoint import Endpoint
@@ -287,10 +288,52 @@ def test_a_dead_prefill_rank_fails_the_load_and_stops_the_others(ranks: list[Ran
     assert d.staging_idle() and ps[0].staging_idle()
 
 
+@pytest.mark.parametrize("flow", ["push", "pull"])
+@pytest.mark.parametrize(("total", "p_tp", "d_tp"), [(1, 2, 1), (1, 4, 2), (2, 4, 1)])
+def test_idle_prefill_replicas_are_told_to_let_go(ranks: list[Rank], flow: str, total: int, p_tp: int, d_tp: int) -> None:
+    """More prefill replicas than the decode reads (an MLA model's one latent head on
+    every rank; two KV heads over four ranks): each decode rank reads every head from
+    one replica and tells the idle prefill ranks assigned to it to let go. Every
+    prefill rank releases the request at once (leases are 60 s), the idle ones whether
+    the word comes before they track the request (push: kept until they do) or after
+    (P-first); a decode rank holds exactly its heads from the ranks that fed them."""
+    ps = [Rank("P", p_tp, r, seed=70 + r, total=total, timeout_s=60) for r in range(p_tp)]
+    ds = [Rank("D", d_tp, r, total=total, timeout_s=60) for r in range(d_tp)]
+    ranks += [*ps, *ds]
+    idle = {d.rank: idle_prefill_ranks(total, p_tp, d_tp, d.rank) for d in ds}
+    assert sorted(sum(idle.values(), [])) == sorted(set(range(p_tp)) - {s.p_rank for s in head_slices(total, p_tp, d_tp)}) != []
+    pblocks, dblocks, n = [3, 4], [7, 8], 20
+
+    def tell_idle(d: Rank) -> None:
+        done = d.ep.receiver.release_idle("m", [ps[i].ep.address for i in idle[d.rank]], [ps[i].ep.epoch for i in idle[d.rank]])
+        assert all(f.result(5) is None for f in done)  # answered: the idle ranks have the word
+
+    for d in ds:
+        sources = [ps[i] for i in prefill_ranks(total, p_tp, d_tp, d.rank)]
+        if flow == "push":
+            d.ep.receiver.expect_push("m", [p.ep.address for p in sources], dblocks, n)
+            tell_idle(d)  # before any prefill rank tracks the request
+    for p in ps:
+        _prefill_all(p, "m", pblocks, n, pull=flow == "pull")
+    for d in ds:
+        if flow == "pull":
+            sources = [ps[i] for i in prefill_ranks(total, p_tp, d_tp, d.rank)]
+            d.ep.receiver.expect_pull("m", [p.ep.address for p in sources], [p.ep.epoch for p in sources], pblocks, dblocks, n)
+            tell_idle(d)
+        assert d.ep.receiver.wait_finished(5) == (["m"], [])
+        for s in head_slices(total, p_tp, d_tp):
+            if s.d_rank == d.rank:
+                got = d.kv(dblocks)[..., s.d_first : s.d_first + s.count, :]
+                assert torch.equal(got, ps[s.p_rank].sent(pblocks)[..., s.p_first : s.p_first + s.count, :]), f"decode rank {d.rank} from {s.p_rank}"
+    for p in ps:
+        assert p.ep.sender.wait_released(5) == ["m"], f"prefill rank {p.rank} still holds the request"
+    assert all(p.ep.stats.take().leases_expired == 0 for p in ps)
+
+
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "layout", "d_rank", "p_rank", "match", "fix"),
     [
-        (8, 2, "fused", 0, 0, "hold replicas of the model's 4 KV heads", "--tensor-parallel-size of at least 8"),
+        (3, 2, "fused", 0, 0, "tensor parallel size 3 does not split 4 KV heads evenly", "divides the model's 4 KV heads"),
         (1, 2, "nhd", 1, 0, "nhd interleaves heads", "data_path 'packed'"),
         (2, 4, "fused", 2, 0, "decode rank 2 gets none of its KV heads from prefill rank 0", "reads from prefill ranks [1]"),
     ],

@@ -112,7 +112,7 @@ def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> N
         p_ep.close()
 
 
-@pytest.mark.parametrize(("ranks", "match"), [(8, "hold replicas of the model's 4 KV heads"), (3, "size 3 does not split 4 KV heads")])
+@pytest.mark.parametrize(("ranks", "match"), [(3, "size 3 does not split 4 KV heads"), (6, "size 6 does not split 4 KV heads")])
 def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(ranks: int, match: str, caplog: pytest.LogCaptureFixture) -> None:
     cache = make_cache(None)
     d_ep = endpoint("D", cache)
@@ -139,6 +139,15 @@ def test_prefill_address_sources() -> None:
     with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 3") as err:
         both.sources(0, 3, 6)
     assert err.value.fix and "--tensor-parallel-size" in err.value.fix
+    assert [both.idle(r, 4, 4) for r in range(4)] == [[]] * 4 and both.idle(0, 1, 4) == [], "every prefill rank holds heads a decode rank reads"
+    # MLA (one latent "head" on every rank): a decode reads from one prefill rank each and
+    # releases the replicas nobody reads, each idle rank by exactly one decode rank
+    four = PrefillAddress("h:0", ranks=[RankAddress(f"h:{r}", f"e{r}") for r in range(4)])
+    assert [(four.sources(d, 2, 1), four.idle(d, 2, 1)) for d in range(2)] == [
+        ([RankAddress("h:0", "e0")], [RankAddress("h:2", "e2")]),
+        ([RankAddress("h:1", "e1")], [RankAddress("h:3", "e3")]),
+    ]
+    assert (both.sources(0, 1, 1), both.idle(0, 1, 1)) == ([RankAddress("h:1", "e0")], [RankAddress("h:2", "e1")])
 
 
 def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:

@@ -10,9 +10,12 @@ one another.
 Every decode head is fed by exactly one prefill rank. kvbridge pairs instances when
 one TP size is a multiple of the other (:func:`check_pairing`): a decode rank then
 reads from one prefill rank (decode TP >= prefill TP) or from several (prefill TP >
-decode TP), and every prefill rank feeds at least one decode rank. Where several
-prefill ranks hold a head (replicas), decode rank ``d`` takes it from replica
-``d % replicas``, so the work spreads over them.
+decode TP). Where several prefill ranks hold a head (replicas), decode rank ``d``
+takes it from replica ``d % replicas``, so the work spreads over them; when the decode
+has fewer ranks than the prefill has replicas (an MLA model, whose one latent "head"
+every rank holds, on a prefill of more ranks than its decode), some prefill ranks feed
+nobody: each such *idle* rank is told by one decode rank (:func:`idle_prefill_ranks`)
+to let go of every request.
 
 >>> [(s.p_rank, s.d_rank, s.p_first, s.d_first, s.count) for s in head_slices(8, 1, 2)]
 [(0, 0, 0, 0, 4), (0, 1, 4, 0, 4)]
@@ -20,6 +23,8 @@ prefill ranks hold a head (replicas), decode rank ``d`` takes it from replica
 [(0, 0, 0, 0, 4), (1, 0, 0, 4, 4)]
 >>> rank_heads(2, 4, 3)
 range(1, 2)
+>>> prefill_ranks(1, 2, 1, 0), idle_prefill_ranks(1, 2, 1, 0)   # MLA, prefill TP 2, decode TP 1
+([0], [1])
 """
 
 from __future__ import annotations
@@ -51,11 +56,12 @@ def _check(total: int, tp: int, side: str) -> None:
         )
 
 
-def check_pairing(total: int, p_tp: int, d_tp: int) -> None:
+def check_pairing(total: int, p_tp: int, d_tp: int, *, idle: bool = False) -> None:
     """Raise unless the two splits pair up: both split the ``total`` heads evenly, one
     TP size is a multiple of the other, and every prefill rank feeds some decode rank
     (a prefill with more ranks than heads holds replicas: then the decode needs at
-    least as many ranks, or some prefill ranks would hold requests nobody reads).
+    least as many ranks, or some prefill ranks would hold requests nobody reads),
+    unless ``idle``: the caller tells such ranks to let go (:func:`idle_prefill_ranks`).
 
     Raises:
         IncompatiblePeerError: naming the fix.
@@ -67,7 +73,7 @@ def check_pairing(total: int, p_tp: int, d_tp: int) -> None:
             f"prefill TP {p_tp}, decode TP {d_tp}: one TP size must be a multiple of the other",
             fix="give the decode instance a --tensor-parallel-size that is a multiple or a divisor of the prefill's",
         )
-    if p_tp > d_tp and p_tp > total:
+    if p_tp > d_tp and p_tp > total and not idle:
         raise IncompatiblePeerError(
             f"prefill TP {p_tp}, decode TP {d_tp}: the prefill's ranks hold replicas of the model's {total} KV heads, "
             "and the decode would read each head from one of them only",
@@ -124,6 +130,12 @@ class Split(NamedTuple):
     """Prefill side: how many decode ranks of the peer's instance this rank feeds (each
     sends its own destination for every request); 1 on the decode side."""
 
+    @property
+    def idle(self) -> bool:
+        """An idle prefill rank and the decode rank that tells it to let go
+        (:func:`idle_prefill_ranks`): no heads move between them."""
+        return not self.runs
+
     def local_heads(self, num_heads: int) -> tuple[int, int]:
         """Our KV heads ``[first, end)`` (of our ``num_heads``) that this pairing moves.
         One run always: two ranks' heads overlap in one contiguous range.
@@ -142,7 +154,8 @@ def pair_split(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, pr
     """The :class:`Split` between prefill rank ``p_rank`` and decode rank ``d_rank``,
     seen from the prefill side (``prefill=True``) or the decode side; None when that
     pair exchanges nothing. Both sides derive the same part size from the whole
-    pairing, so their descriptors have equal lengths.
+    pairing, so their descriptors have equal lengths. An idle prefill rank and the
+    decode rank that tells it to let go pair without runs (``Split.idle``, fanout 1).
 
     >>> pair_split(8, 1, 2, 0, 1, prefill=True)
     Split(local_parts=2, remote_parts=1, runs=((1, 0, 1),), fanout=2)
@@ -156,7 +169,7 @@ def pair_split(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, pr
         unit = gcd(unit, gcd(s.count, gcd(s.p_first, s.d_first)))
     mine = [s for s in slices if (s.p_rank, s.d_rank) == (p_rank, d_rank)]
     if not mine:
-        return None
+        return Split(1, 1, (), 1) if p_rank in idle_prefill_ranks(total, p_tp, d_tp, d_rank) else None
     if prefill:
         runs = tuple((s.p_first // unit, s.d_first // unit, s.count // unit) for s in mine)
         fanout = len({s.d_rank for s in slices if s.p_rank == p_rank})
@@ -170,4 +183,14 @@ def prefill_ranks(total: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
     return sorted({s.p_rank for s in head_slices(total, p_tp, d_tp) if s.d_rank == d_rank})
 
 
-__all__ = ["HeadSlice", "Split", "check_pairing", "head_slices", "heads_per_rank", "pair_split", "prefill_ranks", "rank_heads"]
+def idle_prefill_ranks(total: int, p_tp: int, d_tp: int, d_rank: int) -> list[int]:
+    """The prefill ranks that feed no decode rank (replicas nobody reads) and that decode
+    rank ``d_rank`` tells to let go of each request: idle rank ``p`` is told by decode
+    rank ``p % d_tp``, so each idle rank hears from exactly one decode rank."""
+    fed = {s.p_rank for s in head_slices(total, p_tp, d_tp)}
+    return [p for p in range(p_tp) if p not in fed and p % d_tp == d_rank]
+
+
+__all__ = [
+    "HeadSlice", "Split", "check_pairing", "head_slices", "heads_per_rank", "idle_prefill_ranks", "pair_split", "prefill_ranks", "rank_heads",
+]  # fmt: skip

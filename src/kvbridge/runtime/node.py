@@ -190,7 +190,7 @@ class Node:
         if msg.staging is not None:
             # packed: both sides cut their staging into chunks of the heads the pair moves
             num_heads = self.geometry.spec.num_kv_heads
-            heads = (0, num_heads) if split is None else split.local_heads(num_heads)
+            heads = (0, num_heads) if split is None or split.idle else split.local_heads(num_heads)
             chunk = self.packed.chunk(heads[1] - heads[0]).nbytes
             self.packed.table_for(heads[1] - heads[0])  # prepared once, before the first transfer
             staging = self.transport.prepare(staging_descs(msg.staging, chunk), memory=msg.staging.memory, peer=agent)
@@ -220,7 +220,7 @@ class Node:
         what = f"prefill TP {p.tp_size} ({p.num_kv_heads} KV heads per rank), decode TP {d.tp_size} ({d.num_kv_heads} per rank)"
         differences = {"tp_size": (ours.tp_size, theirs.tp_size), "num_kv_heads": (ours.num_kv_heads, theirs.num_kv_heads)}
         try:
-            check_pairing(p.model_kv_heads, p.tp_size, d.tp_size)
+            check_pairing(p.model_kv_heads, p.tp_size, d.tp_size, idle=True)  # the receiver tells idle prefill ranks to let go
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
         if self.geometry.spec.layout == "nhd" and self.packed is None:

@@ -176,6 +176,24 @@ class Receiver:
         else:
             self._pool.submit(self._start_read, entry)
 
+    def release_idle(self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None]) -> list[cf.Future[None]]:
+        """Tell prefill workers this worker needs nothing from (idle replicas,
+        :func:`~kvbridge.core.tp.idle_prefill_ranks`) to let go of ``transfer_id`` now,
+        whether or not they track it yet. Fire and forget (pool threads, each bounded by
+        ``timeouts.handshake_s``; the returned futures end when the messages did): if a
+        message is lost, that worker's lease frees the blocks."""
+        return [self._pool.submit(self._release_idle, transfer_id, a, e) for a, e in zip(addresses, epochs, strict=True)]
+
+    def _release_idle(self, transfer_id: str, address: str, epoch: str | None) -> None:
+        try:
+            self.node.connect(address, epoch=epoch)
+            reply = self.node.client.request(address, Release(transfer_id=transfer_id, peer=self.node.id), self.cfg.timeouts.handshake_s)
+        except KVBridgeError as exc:
+            log.warning("kvbridge: could not tell idle prefill worker %s to let go of %s (its lease will): %s", address, transfer_id, exc)
+            return
+        if isinstance(reply, Reply) and not reply.ok:
+            log.warning("kvbridge: idle prefill worker %s refused to let go of %s: %s", address, transfer_id, reply.detail or reply.code)
+
     def refuse(self, transfer_id: str, block_ids: list[int], num_tokens: int, reason: str) -> None:
         """Fail a load before it starts (the adapter found it cannot be served, e.g. the
         prefill instance is incompatible); reported by :meth:`take_finished` like any

@@ -18,7 +18,9 @@ The decode side drives the rest through the side channel: ``Destination`` (layer
 push: where to write; it may arrive before or after :meth:`track`, before, during or
 after the prefill), ``Release`` (P-first: D has read the blocks itself; on the packed
 path a P-first decode sends a ``Destination`` instead and the request, computed,
-is written at once like a pushed one), ``Abort``.
+is written at once like a pushed one; either flow: from the decode rank this rank is
+*idle* for, :func:`~kvbridge.core.tp.idle_prefill_ranks`, which needs nothing from it:
+it may come before :meth:`track` too), ``Abort``.
 When the decode instance has more TP ranks than ours, each of the ``Peer.fanout``
 decode ranks this rank feeds sends its own ``Destination`` (or ``Release``), gets its
 head range of every block (packed separately for each on the packed path), and the
@@ -108,7 +110,9 @@ class Sender:
         self._layers = node.geometry.spec.num_layers
         self._lock = threading.Condition()
         self._out: dict[str, _Out] = {}
-        self._early: dict[str, list[tuple[Destination, float]]] = {}
+        self._early: dict[str, list[tuple[Destination | Release, float]]] = {}
+        """Destinations (and idle ranks' releases) that came before :meth:`track`, with
+        the time they are dropped."""
         self._released: list[str] = []
         self._keys = itertools.count()
         self._stop = False
@@ -141,7 +145,10 @@ class Sender:
             self._out[transfer_id] = out
             self._clear_tail(out, 0, blocks)
             for msg, _ in self._early.pop(transfer_id, []):
-                self._accept(out, msg, now)
+                if isinstance(msg, Release):
+                    self._release(out, msg, now)
+                else:
+                    self._accept(out, msg, now)
             self._lock.notify()
 
     def add_blocks(self, transfer_id: str, blocks: list[int]) -> None:
@@ -252,6 +259,10 @@ class Sender:
         if peer is None:
             out.req.fail(f"destination from {msg.peer}, which never shook hands", now)
             return "unknown peer"
+        if peer.split is not None and peer.split.idle:
+            reason = f"destination of {msg.transfer_id} from {msg.peer}, for which this prefill rank holds no KV heads (it is idle for it)"
+            out.req.fail(reason, now)
+            return reason
         if len(out.dests) >= peer.fanout:
             reason = f"destination of {msg.transfer_id} from {msg.peer}: this prefill rank already has the {peer.fanout} it sends to"
             out.req.fail(reason, now)
@@ -272,15 +283,24 @@ class Sender:
         with self._lock:
             out = self._out.get(msg.transfer_id)
             if out is None:
+                peer = self.node.peer(msg.peer)
+                if peer is not None and peer.split is not None and peer.split.idle:
+                    # an idle rank may hear before it tracks the request (push flow)
+                    self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
+                    return Reply(ok=True, epoch=self.node.id.epoch)
                 return Reply(ok=False, code="unknown_transfer", detail=f"no blocks held for {msg.transfer_id}", epoch=self.node.id.epoch)
-            peer = self.node.peer(msg.peer)
-            out.released_by.add(str(msg.peer))
-            # every decode rank this rank feeds reads its own part, then releases it
-            if out.req.phase is SendPhase.HELD and len(out.released_by) >= (1 if peer is None else peer.fanout):
-                out.req.start_sending(now)
-                out.req.finish(now)
+            self._release(out, msg, now)
             self._lock.notify()
         return Reply(ok=True, epoch=self.node.id.epoch)
+
+    def _release(self, out: _Out, msg: Release, now: float) -> None:
+        """A decode rank lets go of ``out`` (lock held): it read its part (P-first), or
+        this rank is idle for it. The request ends once every decode rank it feeds did."""
+        peer = self.node.peer(msg.peer)
+        out.released_by.add(str(msg.peer))
+        if out.req.phase is SendPhase.HELD and len(out.released_by) >= (1 if peer is None else peer.fanout):
+            out.req.start_sending(now)
+            out.req.finish(now)
 
     def on_abort(self, msg: Abort) -> Reply:
         """Reply ``stopped`` when nothing will be written for the transfer any more (the

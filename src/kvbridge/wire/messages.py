@@ -106,7 +106,9 @@ class Destination(_Msg, tag="dest"):
 
 class Release(_Msg, tag="release"):
     """D -> P (P-first flow): D has read the blocks held for ``transfer_id`` (or gave
-    up, ``ok=False``); P frees them."""
+    up, ``ok=False``); P frees them. Either flow: P is a replica D needs nothing from
+    (an *idle* prefill rank, :func:`kvbridge.core.tp.idle_prefill_ranks`); P frees them,
+    or, not tracking the request yet, frees them as soon as it does."""
 
     transfer_id: str
     peer: PeerId

@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-from kvbridge.core.tp import check_pairing, prefill_ranks
+from kvbridge.core.tp import check_pairing, idle_prefill_ranks, prefill_ranks
 from kvbridge.errors import IncompatiblePeerError
 
 log = logging.getLogger(__name__)
@@ -56,18 +56,35 @@ class PrefillAddress(msgspec.Struct, frozen=True):
             IncompatiblePeerError: the two TP sizes cannot be paired
                 (:func:`~kvbridge.core.tp.check_pairing`).
         """
-        ranks = self.ranks or [RankAddress(self.address, self.epoch)]
+        ranks = self._ranks(tp_size, total_kv_heads)
         if len(ranks) == tp_size:
             return [ranks[rank]]
+        return [ranks[r] for r in prefill_ranks(total_kv_heads, len(ranks), tp_size, rank)]
+
+    def idle(self, rank: int, tp_size: int, total_kv_heads: int) -> list[RankAddress]:
+        """The prefill workers that feed no decode worker and that decode worker ``rank``
+        tells to let go of each request: replicas nobody reads, as when an MLA model
+        (one latent "head", on every rank) runs on more prefill ranks than decode
+        ranks (:func:`~kvbridge.core.tp.idle_prefill_ranks`). Raises as :meth:`sources`."""
+        ranks = self._ranks(tp_size, total_kv_heads)
+        if len(ranks) == tp_size:
+            return []
+        return [ranks[r] for r in idle_prefill_ranks(total_kv_heads, len(ranks), tp_size, rank)]
+
+    def _ranks(self, tp_size: int, total_kv_heads: int) -> list[RankAddress]:
+        """Every prefill rank's address, once their TP size is known to pair with ours."""
+        ranks = self.ranks or [RankAddress(self.address, self.epoch)]
+        if len(ranks) == tp_size:
+            return ranks
         try:
-            check_pairing(total_kv_heads, len(ranks), tp_size)
+            check_pairing(total_kv_heads, len(ranks), tp_size, idle=True)
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(
                 f"the prefill instance at {self.address} runs tensor parallel size {len(ranks)}, this decode instance {tp_size}: {exc.message}",
                 differences={"tp_size": (tp_size, len(ranks))},
                 fix=exc.fix,
             ) from None
-        return [ranks[r] for r in prefill_ranks(total_kv_heads, len(ranks), tp_size, rank)]
+        return ranks
 
 
 Flow = Literal["push", "pull", "discover"]

@@ -131,8 +131,9 @@ class WorkerSide:
             return
         for task in meta.recv:
             self._recv_req[task.transfer_id] = task.req_id
-            try:  # the prefill workers holding this worker's KV heads
+            try:  # the prefill workers holding this worker's KV heads, and idle ones to release
                 sources = task.prefill.sources(self.rank, self.tp_size, self.total_kv_heads)
+                idle = task.prefill.idle(self.rank, self.tp_size, self.total_kv_heads)
             except KVBridgeError as exc:
                 ep.receiver.refuse(task.transfer_id, task.block_ids, task.num_tokens, str(exc))
                 continue
@@ -142,6 +143,8 @@ class WorkerSide:
                 ep.receiver.expect_pull(task.transfer_id, addresses, epochs, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens)
             else:
                 ep.receiver.expect_push(task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens)
+            if idle:
+                ep.receiver.release_idle(task.transfer_id, [s.address for s in idle], [s.epoch or None for s in idle])
         for req_id, tid in meta.abort_recv.items():
             if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):
                 self._aborted_recv.add(req_id)  # reported in finished_sending once the load stops
