@@ -16,7 +16,7 @@ VENV=.venv-sglang
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.kvbridge-setup-sglang"
 STUBS="$ROOT/tests/sglang_stubs"
-inputs_hash=$( (cat pyproject.toml scripts/setup-sglang.sh scripts/debian-packages.sh; echo "$ROOT") | sha256sum | cut -c1-16)
+inputs_hash=$( (cat pyproject.toml tests/sglang_stubs/pyproject.toml scripts/setup-sglang.sh scripts/debian-packages.sh; echo "$ROOT") | sha256sum | cut -c1-16)
 
 SGLANG_VERSION=0.5.23
 # The last sglang-router release; it ships `python -m sglang_router.launch_router` with
@@ -106,8 +106,9 @@ quiet "${PIP[@]}" "${KVB_DEPS[@]}"
 # on sys.path, so edits to them take effect without re-running this script.
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$STUBS" > "$SITE/kvbridge-sglang-stubs.pth"
-# The test-only plugin with SGLang's own backends fixed for CPU (mooncake_cpu, nixl_cpu):
-# installed as a distribution, because SGLang finds plugins by entry point.
+# The test-only plugins, SGLang's own backends fixed for CPU (mooncake_cpu, nixl_cpu) and
+# DeepSeek's MLA on the torch_native attention backend: installed as a distribution,
+# because SGLang finds plugins by entry point.
 quiet "${PIP[@]}" --no-deps -e tests/sglang_stubs
 
 PYTHONWARNINGS=ignore "$PY" - "$STUBS" <<'EOF' || { echo "SGLang environment check failed" >&2; exit 1; }
@@ -122,7 +123,7 @@ assert importlib.util.find_spec("torchaudio") is None, "torchaudio must be absen
 import torch, sgl_kernel, torchvision, sglang, sglang_router, nixl, mooncake.engine, kvbridge  # noqa: F401
 import sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn  # noqa: F401
 import sglang_router.launch_router, sglang_router.mini_lb  # noqa: F401
-import sglang_stock_cpu  # noqa: F401
+import sglang_stock_cpu, sglang_cpu_mla  # noqa: F401
 assert torch.version.cuda is None, "expected a CPU build of torch"
 for stub in (sgl_kernel, torchvision):
     assert stub.__file__.startswith(sys.argv[1]), f"{stub.__name__} is not the stand-in: {stub.__file__}"

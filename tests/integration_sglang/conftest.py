@@ -20,6 +20,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight DeepSeek-V2 (MLA) of the MLA tests."""
+    from kvbridge.demo.model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "mla-deepseek-v2", shape="mla")
+
+
+@pytest.fixture(scope="session")
 def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A colocated SGLang server (TP 1, the tests' engine flags): the reference output."""
     proc = start_server("colocated", model, tmp_path_factory.mktemp("colocated"), [], server_env())

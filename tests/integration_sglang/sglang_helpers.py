@@ -12,7 +12,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -186,13 +186,27 @@ def kv_rows(model: Path, num_tokens: int) -> tuple[int, int]:
     return rows, head_dim
 
 
-def kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
-    """KV bytes of a prompt's pages, from the model's config and the KV dtype SGLang logged."""
+def kv_itemsize(server: Proc) -> int:
+    """Bytes per KV value of ``server``, from the KV dtype SGLang logged."""
     match = KV_DTYPE_LINE.search(server.log_path.read_bytes())
     assert match, f"SGLang did not log its KV dtype:\n{server.log_tail()}"
-    itemsize = torch.empty(0, dtype=getattr(torch, match.group(1).decode())).element_size()
+    return torch.empty(0, dtype=getattr(torch, match.group(1).decode())).element_size()
+
+
+def kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
+    """KV bytes of a prompt's pages, from the model's config and the KV dtype SGLang logged."""
     rows, head_dim = kv_rows(model, num_tokens)
-    return rows * head_dim * itemsize
+    return rows * head_dim * kv_itemsize(server)
+
+
+def latent_bytes(model: Path, server: Proc, num_tokens: int) -> int:
+    """MLA: bytes of a prompt's latent pages (one ``kv_lora_rank + qk_rope_head_dim`` row
+    per token and layer; the last page whole), from the model's config and the KV dtype
+    ``server`` logged."""
+    cfg = json.loads((model / "config.json").read_text())
+    page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
+    row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * kv_itemsize(server)
+    return math.ceil(num_tokens / page) * page * cfg["num_hidden_layers"] * row
 
 
 def wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, float]:
@@ -277,6 +291,18 @@ def wait_received_bytes(url: str, before: dict[str, float], expected: float) -> 
 TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 """A TP 2 server's environment on this machine: SGLang on CPU binds each rank to cores
 and, unless told how, asserts ranks <= NUMA nodes."""
+
+
+def start_colocated(model: Path, log_dir: Path, tp: int = 1) -> Iterator[Proc]:
+    """A colocated server of TP ``tp`` (1 or 2) with the tests' engine flags, ready;
+    yields it, kills it at the end."""
+    extra, env = (["--tp", "2"], dict(TWO_RANKS)) if tp == 2 else ([], {})
+    proc = start_server(f"colocated-tp{tp}", model, log_dir, extra, env)
+    try:
+        proc.wait_ready(START_TIMEOUT_S)
+        yield proc
+    finally:
+        proc.kill()
 
 
 def tp_sides(config: dict, p_tp: int, d_tp: int) -> dict:

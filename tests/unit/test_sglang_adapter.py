@@ -61,6 +61,26 @@ def test_slots_address_the_pages_numpy_indexing_gives() -> None:
     assert got == expected
 
 
+def test_an_mla_pool_is_one_latent_buffer_per_layer() -> None:
+    """SGLang's MLA pool: ``kv_data_ptrs`` is one ``(PAGES * PAGE, 1, latent)`` buffer per
+    layer; its pages are addressed as numpy indexing gives them."""
+    rng = np.random.default_rng(5)
+    latent = 576
+    bufs = [rng.standard_normal((PAGES * PAGE, 1, latent)).astype(np.float32) for _ in range(LAYERS)]
+    geo = kv_geometry(
+        page_size=PAGE, ptrs=[b.ctypes.data for b in bufs], lens=[b.nbytes for b in bufs], item_lens=[PAGE * latent * 4] * LAYERS, mla=True
+    )
+    assert (geo.spec.layout, geo.spec.planes_per_layer, geo.spec.num_layers, geo.num_blocks) == ("latent", 1, LAYERS, PAGES)
+    table = geo.slot_table()
+    pages = [8, 0, 3]
+    got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in geo.slots(pages)]
+    assert got == [bufs[layer][p * PAGE : (p + 1) * PAGE].tobytes() for layer in range(LAYERS) for p in pages]
+    # an MHA pool's two buffers per layer are not an MLA pool's one: the spec differs, so
+    # a peer of the other kind is refused at registration
+    _, _, ptrs, lens, item = sglang_pool(6)
+    assert kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item).spec != geo.spec
+
+
 def test_two_pools_pair_position_by_position() -> None:
     """Slots of a source and a destination pool of different sizes pair up page for page."""
     _, _, ptrs, lens, item = sglang_pool(1)

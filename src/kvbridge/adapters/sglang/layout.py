@@ -6,7 +6,9 @@ docs/sglang-backend-notes.md §5):
 - ``kv_data_ptrs`` = ``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]``, one tensor per layer and
   plane; ``kv_item_lens[i]`` is the bytes of one *page* of tensor ``i``, and page ``p``
   of tensor ``i`` is at ``kv_data_ptrs[i] + p * kv_item_lens[i]`` (the MHA pool's
-  token-major ``(pages * page_size, heads, head_dim)`` buffers: layout ``nhd``).
+  token-major ``(pages * page_size, heads, head_dim)`` buffers: layout ``nhd``). An MLA
+  pool has one tensor per layer, ``[KV_0 .. KV_{L-1}]``, its ``kv_buffer`` of
+  ``(pages * page_size, 1, kv_lora_rank + qk_rope_head_dim)``: layout ``latent``.
 - ``aux_data_ptrs``: the metadata buffers (first token, logprobs, ..., room), one row
   per request slot, ``aux_item_lens[j]`` bytes per row.
 
@@ -48,38 +50,42 @@ def kv_geometry(
     item_lens: Sequence[int],
     memory: MemoryKind = "host",
     device: int = 0,
+    mla: bool = False,
 ) -> CacheGeometry:
-    """The geometry of an SGLang MHA KV pool from its ``KVArgs`` lists.
+    """The geometry of an SGLang KV pool from its ``KVArgs`` lists: an MHA pool, or with
+    ``mla`` (SGLang's ``is_mla_backend``) an MLA pool.
 
     Raises:
-        PlanError: the pool is not one K and one V tensor per layer with equal pages
-            (MLA, hybrid or draft pools are not supported by this backend yet).
+        PlanError: the pool is not one K and one V tensor per layer (MLA: one tensor
+            per layer) with equal pages (hybrid or draft pools are not supported by
+            this backend yet).
     """
     n = len(ptrs)
-    if n == 0 or n % 2 or len(lens) != n or len(item_lens) != n:
+    planes = 1 if mla else 2
+    if n == 0 or n % planes or len(lens) != n or len(item_lens) != n:
         raise PlanError(
             f"SGLang KV pool has {n} buffers ({len(lens)} lengths, {len(item_lens)} page sizes); "
-            "kvbridge supports MHA pools: one K and one V buffer per layer"
+            f"kvbridge supports {'MLA pools: one latent buffer' if mla else 'MHA pools: one K and one V buffer'} per layer"
         )
     if len(set(item_lens)) != 1 or len(set(lens)) != 1:
         raise PlanError(
             "SGLang KV pool buffers differ in page bytes or length "
             f"(page bytes {sorted(set(item_lens))}, lengths {sorted(set(lens))}); "
-            "kvbridge supports MHA pools with equal layers (no MLA, hybrid or draft pools yet)"
+            "kvbridge supports MHA and MLA pools with equal layers (no hybrid or draft pools yet)"
         )
     page_bytes = int(item_lens[0])
     if page_size <= 0 or page_bytes % page_size:
         raise PlanError(f"page bytes {page_bytes} are not a multiple of page_size {page_size}")
-    layers = n // 2
+    layers = n // planes
     spec = CacheSpec(
         num_layers=layers,
         block_size=page_size,
         num_kv_heads=1,
         head_dim=page_bytes // page_size,
         dtype="uint8",
-        layout="nhd",
+        layout="latent" if mla else "nhd",
     )
-    bases = tuple(int(ptrs[plane * layers + layer]) for layer in range(layers) for plane in (0, 1))
+    bases = tuple(int(ptrs[plane * layers + layer]) for layer in range(layers) for plane in range(planes))
     return CacheGeometry(
         spec=spec, num_blocks=int(lens[0]) // page_bytes, plane_bases=bases, memory=memory, device=device
     )

@@ -62,8 +62,8 @@ from kvbridge.adapters.sglang.prefill import (
     stop_streaming,
 )
 from kvbridge.adapters.sglang.settings import config_from_env
-from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.runtime.packed import PackedPath
+from kvbridge.errors import KVBridgeError
+from kvbridge.runtime.packed import PackedPath, latent_refused
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 
@@ -91,8 +91,6 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         self.secret = self.config.secret.encode() if self.config.secret else None
         """Authenticates kvbridge's messages between the two sides (:mod:`.messages`)."""
         self.epoch = uuid.uuid4().hex[:12]
-        if is_mla_backend:
-            raise ConfigError("the kvbridge SGLang backend does not support MLA models yet", fix="use --disaggregation-transfer-backend mooncake or nixl")
         on_cpu = getattr(server_args, "device", "cuda") == "cpu"
         self.memory = "host" if on_cpu else "device"
         self.device_index = 0 if on_cpu else int(args.gpu_id)
@@ -103,6 +101,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             item_lens=args.kv_item_lens,
             memory=self.memory,
             device=self.device_index,
+            mla=is_mla_backend,
         )
         self.aux_layout = AuxLayout.build(ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens)
         role = "prefill" if disaggregation_mode == Mode.PREFILL else "decode"
@@ -121,6 +120,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
             if self.config.packed:
+                if is_mla_backend:
+                    raise latent_refused(self.config.wire_dtype == "fp8")
                 dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
                 self.packed = PackedPath(typed, pool_planes(typed), self.config.staging_mb, self.transport, fp8=self.config.wire_dtype == "fp8")

@@ -224,7 +224,9 @@ class PrefillSide:
     def _pairing(self, reg: wire.Registration) -> Part | None:
         """Check a decode's registration: on the packed path, the heads this rank moves
         to it (:func:`.packed.room_part`; any TP sizes that pair); on the direct path
-        None (whole pages, equal TP sizes only).
+        None (whole pages: equal TP sizes, or any for MLA, whose every rank holds the
+        whole latent cache; SGLang's rank mapping then picks the one prefill rank each
+        decode rank reads from and marks the others dummy).
 
         Raises:
             IncompatiblePeerError: why it cannot be served (its rooms then fail with
@@ -239,7 +241,7 @@ class PrefillSide:
             raise IncompatiblePeerError(f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}")
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
         if self.packed is None:
-            if p_tp != d_tp:
+            if p_tp != d_tp and self.geometry.spec.layout != "latent":
                 raise IncompatiblePeerError(
                     f"prefill attention TP {p_tp}, decode TP {d_tp}: the direct data path moves whole pages, and an "
                     "SGLang page holds every KV head of its rank token by token",
@@ -390,8 +392,11 @@ class PrefillSide:
         for r in reqs:
             if not streams(layerwise=self.config.layerwise, min_tokens=self.config.layerwise_min_tokens, prompt_len=r.prompt_len):
                 continue
-            if r.room not in self.transfer_infos:
-                continue  # no destination yet (or a dummy rank): the chunk sends cover it
+            infos = self.transfer_infos.get(r.room)
+            if not infos or all(d.is_dummy for d in list(infos.values())):
+                # no destination yet, or a dummy one only (MLA: another prefill rank
+                # writes this decode's latent pages): left to the chunk sends
+                continue
             lo, hi = completed_span(
                 prefix_len=r.prefix_len, extend_len=r.extend_len, prompt_len=r.prompt_len,
                 decode_prefix_len=r.decode_prefix_len, page_size=page,
