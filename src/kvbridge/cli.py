@@ -86,11 +86,18 @@ def _demo(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return 2
+    mla = args.model == "mla"
+    if mla and config.packed:
+        print(
+            "kvbridge demo --model mla: MLA caches move on the direct path only (fix: leave --wire-dtype exact and --data-path auto)",
+            file=sys.stderr,
+        )
+        return 2
     tp = (args.prefill_tp, args.decode_tp)
     if min(tp) < 1 or (max(tp) % min(tp)):
         print(f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)", file=sys.stderr)
         return 2
-    if args.engine == "sglang" and tp[0] != tp[1] and not config.packed:
+    if args.engine == "sglang" and tp[0] != tp[1] and not config.packed and not mla:
         print(
             "kvbridge demo --engine sglang: different TP sizes move KV on the packed path only "
             "(fix: add --data-path packed, or --wire-dtype fp8)",
@@ -105,10 +112,10 @@ def _demo(args: argparse.Namespace) -> int:
         if args.flow != "push":
             print("kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)", file=sys.stderr)
             return 2
-        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype, args.data_path, tp)
+        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype, args.data_path, tp, shape=args.model)
     from kvbridge.demo.run import run
 
-    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype, args.data_path, tp)
+    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype, args.data_path, tp, shape=args.model)
 
 
 def _build_ops(args: argparse.Namespace) -> int:
@@ -166,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-path", choices=("auto", "direct", "packed"), default="auto", help="cache to cache, or through staging (config key data_path)")
     p.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="the prefill's tensor parallel size (default 1)")
     p.add_argument("--decode-tp", type=int, default=1, metavar="N", help="the decode's tensor parallel size (default 1)")
+    p.add_argument(
+        "--model",
+        choices=("tiny", "mla"),
+        default="tiny",
+        help="the demo model: tiny (Llama, default) or mla (DeepSeek-V2: multi-head latent attention, one latent vector per token)",
+    )
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
     p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import TPCluster, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
@@ -89,39 +89,24 @@ def test_mla_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n
     expect_received(pd.d, before, n)
 
 
-class TP:
-    """MLA instances of TP 2 and 1 (NIXL): P2 prefill, D2 decode, C2 the colocated TP 2
-    reference, X1 a TP 1 instance that is a prefill, a decode and its own reference
-    (vLLM's CPU MLA runs without prefix caching: its own KV never serves a later request)."""
-
-    def __init__(self, model: Path, logs: Path) -> None:
-        two = ["--tensor-parallel-size", "2"]
-        self.p = server(model, logs, "P2", *two, *kv_args("kv_producer", "nixl"))
-        self.d = server(model, logs, "D2", *two, *kv_args("kv_consumer", "nixl", policy="fail"))
-        self.c = server(model, logs, "C2", *two)
-        self.x = server(model, logs, "X1", *kv_args("kv_both", "nixl", policy="fail"))
-        self.servers = [self.p, self.d, self.c, self.x]
-        start_all(self.servers)
-        self.address = {self.p.url: discover(self.p.url), self.x.url: discover(self.x.url)}
-
-
 @pytest.fixture(scope="module")
-def tp(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TP]:
-    cluster = TP(mla_model, tmp_path_factory.mktemp("mla-tp"))
+def tp(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
+    """vLLM's CPU MLA runs without prefix caching: X1's own KV never serves a later request."""
+    logs = tmp_path_factory.mktemp("mla-tp")
+    cluster = TPCluster(lambda name, args: server(mla_model, logs, name, *args))
     yield cluster
-    for s in cluster.servers:
-        s.stop()
+    cluster.stop()
 
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 300])
 @pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize("pair", ["1->2", "2->1", "2->2"])
-def test_mla_between_tp_sizes(tp: TP, pair: str, flow: str, n: int) -> None:
+def test_mla_between_tp_sizes(tp: TPCluster, pair: str, flow: str, n: int) -> None:
     """1 -> 2: the one prefill worker writes the whole latent cache to both decode
     workers and lets go once both have it. 2 -> 1: the decode worker reads from prefill
     worker 0 and tells worker 1, which holds the same latent cache, to let go at once
     (not at its lease's end: nothing expires). 2 -> 2: rank to rank."""
-    p, d, ref = {"1->2": (tp.x, tp.d, tp.c), "2->1": (tp.p, tp.x, tp.x), "2->2": (tp.p, tp.d, tp.c)}[pair]
+    p, d, ref = tp.pair(pair)
     prompt = random_prompt(n, seed=1000 * ["1->2", "2->1", "2->2"].index(pair) + 10 * n + (flow == "pull"))
     want = complete(ref.url, prompt, max_tokens=MAX_TOKENS)
     usage = {s.url: metric(s.url, USAGE) for s in (p, d)}

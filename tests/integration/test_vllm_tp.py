@@ -17,41 +17,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, TPCluster, handoff, metric, wait_metric
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
-TP2 = ["--tensor-parallel-size", "2"]
 BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads (all ranks) x tokens x head_dim x fp32
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 USAGE = "vllm:kv_cache_usage_perc"
 
 
-class Cluster:
-    """P and D with TP 2, C colocated with TP 2, X with TP 1: a prefill for D, a decode
-    for P, and (no prefix caching, so its own KV never serves a later request) the
-    colocated reference of a TP 1 decode."""
-
-    def __init__(self, model_dir: Path, logs: Path) -> None:
-        self.p = VllmServer(model_dir, extra_args=COMMON_ARGS + TP2 + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
-        self.d = VllmServer(model_dir, extra_args=COMMON_ARGS + TP2 + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "D.log")
-        self.c = VllmServer(model_dir, extra_args=COMMON_ARGS + TP2, log_path=logs / "C.log")
-        x_args = ["--no-enable-prefix-caching"] + kv_args("kv_both", "nixl", policy="fail")
-        self.x = VllmServer(model_dir, extra_args=COMMON_ARGS + x_args, log_path=logs / "X.log")
-        self.servers = [self.p, self.d, self.c, self.x]
-        start_all(self.servers)
-        self.address = {self.p.url: discover(self.p.url), self.x.url: discover(self.x.url)}
-
-
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("tp"))
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
+    logs = tmp_path_factory.mktemp("tp")
+    c = TPCluster(lambda name, args: VllmServer(model_dir, extra_args=COMMON_ARGS + args, log_path=logs / f"{name}.log"), x_args=["--no-enable-prefix-caching"])
     yield c
-    for s in c.servers:
-        s.stop()
+    c.stop()
 
 
-def test_prefill_advertises_every_tp_rank(cluster: Cluster) -> None:
+def test_prefill_advertises_every_tp_rank(cluster: TPCluster) -> None:
     address = cluster.address[cluster.p.url]
     ranks = address["ranks"]
     assert len(ranks) == 2 and ranks[0]["address"] == address["address"]
@@ -61,8 +44,8 @@ def test_prefill_advertises_every_tp_rank(cluster: Cluster) -> None:
 @pytest.mark.parametrize("n", [BLOCK + 1, 2 * CHUNK + 88])
 @pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize("pair", ["2->2", "1->2", "2->1"])
-def test_decode_equals_colocated(cluster: Cluster, pair: str, flow: str, n: int) -> None:
-    p, d, ref_server = {"2->2": (cluster.p, cluster.d, cluster.c), "1->2": (cluster.x, cluster.d, cluster.c), "2->1": (cluster.p, cluster.x, cluster.x)}[pair]
+def test_decode_equals_colocated(cluster: TPCluster, pair: str, flow: str, n: int) -> None:
+    p, d, ref_server = cluster.pair(pair)
     # fixed prompts: TP 1 and TP 2 round differently, a random prompt could meet a near tie
     prompt = random_prompt(n, seed=100_000 * ["2->2", "1->2", "2->1"].index(pair) + 2 * n + (flow == "pull"))
     ref = complete(ref_server.url, prompt, max_tokens=12)

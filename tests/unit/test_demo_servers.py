@@ -122,9 +122,11 @@ def test_demo_refuses_a_contradictory_data_path_before_starting_anything(monkeyp
         (["--prefill-tp", "2", "--decode-tp", "3"], "multiple of the other"),
         (["--decode-tp", "0"], "multiple of the other"),
         (["--engine", "sglang", "--prefill-tp", "2"], "--data-path packed"),
+        (["--model", "mla", "--wire-dtype", "fp8"], "MLA caches move on the direct path only"),
+        (["--model", "mla", "--engine", "sglang", "--data-path", "packed"], "MLA caches move on the direct path only"),
     ],
 )
-def test_demo_refuses_tp_sizes_it_cannot_pair_before_starting_anything(
+def test_demo_refuses_what_it_cannot_run_before_starting_anything(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], in_err: str
 ) -> None:
     def started(*_a, **_k):  # pragma: no cover - reached only on failure

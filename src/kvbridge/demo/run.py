@@ -56,20 +56,24 @@ def run(
     wire_dtype: str = "exact",
     data_path: str = "auto",
     tp: tuple[int, int] = (1, 1),
+    shape: str = "tiny",
 ) -> int:
     """The demonstration; exit status 0 when every disaggregated output equals the
     colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
     the near-tied logits of the random-weight demo model). ``tp``: the prefill's and the
-    decode's ``--tensor-parallel-size`` (the colocated reference runs TP 1)."""
+    decode's ``--tensor-parallel-size`` (the colocated reference runs TP 1). ``shape``:
+    the model (:data:`kvbridge.demo.model.SHAPES`; ``mla`` runs on vLLM's CPU MLA
+    backend: blocks of 16, no chunked prefill)."""
     console = Console()
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
     console.print(
-        f"[bold]kvbridge demo[/bold]: prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, {flow} flow, wire {wire_dtype}, "
+        f"[bold]kvbridge demo[/bold]: {shape} model, prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, {flow} flow, wire {wire_dtype}, "
         f"data path {data_path}; logs in {logs}"
     )
-    model = build_tiny_model(default_model_dir())
-    common = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
+    model = build_tiny_model(default_model_dir(shape), shape=shape)
+    # MLA on CPU: the only block size of vLLM's CPU MLA kernel, which prefills in one piece
+    common = ["--block-size", "16"] if shape == "mla" else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
 
     def kv(role: str) -> list[str]:
         extra = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}

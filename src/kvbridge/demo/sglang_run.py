@@ -38,12 +38,16 @@ def run(
     wire_dtype: str = "exact",
     data_path: str = "auto",
     tp: tuple[int, int] = (1, 1),
+    shape: str = "tiny",
 ) -> int:
     """The demonstration; exit status 0 when every disaggregated output equals the
     colocated one (``wire_dtype: fp8``: when every request completed, since FP8 KV moves
     the near-tied logits of the random-weight demo model), 1 when one differs or a server
     fails, 2 when SGLang is not installed here. ``tp``: the prefill's and the decode's
-    ``--tp`` (the colocated reference runs TP 1)."""
+    ``--tp`` (the colocated reference runs TP 1). ``shape``: the model
+    (:data:`kvbridge.demo.model.SHAPES`; ``mla`` needs the test plugin that runs
+    DeepSeek's attention on SGLang's CPU ``torch_native`` backend, installed by
+    ``make setup-sglang``)."""
     console = Console()
     try:
         require_sglang()
@@ -53,10 +57,10 @@ def run(
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-sglang-"))
     logs.mkdir(parents=True, exist_ok=True)
     console.print(
-        f"[bold]kvbridge demo[/bold]: SGLang prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, wire {wire_dtype}, "
+        f"[bold]kvbridge demo[/bold]: SGLang, {shape} model, prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, wire {wire_dtype}, "
         f"data path {data_path}; logs in {logs}"
     )
-    model = build_tiny_model(default_model_dir())
+    model = build_tiny_model(default_model_dir(shape), shape=shape)
     # pages cross prompts' ends and long prompts are prefilled in chunks, as in the vLLM demo
     common = ["--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK)]
     config = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
