@@ -87,15 +87,16 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return 2
     mla = args.model == "mla"
-    if mla and config.packed:
-        print(
-            "kvbridge demo --model mla: MLA caches move on the direct path only (fix: leave --wire-dtype exact and --data-path auto)",
-            file=sys.stderr,
-        )
-        return 2
     tp = (args.prefill_tp, args.decode_tp)
     if min(tp) < 1 or (max(tp) % min(tp)):
         print(f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)", file=sys.stderr)
+        return 2
+    if mla and config.packed and args.engine == "sglang" and tp[0] > tp[1]:
+        print(
+            "kvbridge demo --model mla --engine sglang: the packed path moves latent caches to a decode of at least the "
+            "prefill's TP size (fix: leave --wire-dtype exact and --data-path auto, or raise --decode-tp)",
+            file=sys.stderr,
+        )
         return 2
     if args.engine == "sglang" and tp[0] != tp[1] and not config.packed and not mla:
         print(

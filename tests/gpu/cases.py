@@ -1,4 +1,5 @@
-"""Shared by the GPU tests and the memcheck script: random paged caches in every layout."""
+"""Shared by the GPU tests, the emulated kernel tests and the memcheck script: random
+paged caches in every layout."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, dim: i
         shape = (num_blocks, heads, block_size, 2 * dim)
     elif layout == "nhd":
         shape = (2, num_blocks, block_size, heads, dim)
+    elif layout == "latent":  # MLA: one vector of 2 * dim values per token; its halves are the planes
+        assert heads == 1, "a latent cache has one head"
+        shape = (num_blocks, block_size, 2 * dim)
     else:
         shape = (2, num_blocks, heads, block_size, dim)
     x = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -27,7 +31,7 @@ def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, dim: i
 
 
 def planes(cache: torch.Tensor, layout: str):
-    return kv_planes(cache, layout)
+    return kv_planes(cache, layout, block_size=cache.shape[1] if layout == "latent" else None)
 
 
 def block_ids(num_blocks: int, count: int, seed: int) -> torch.Tensor:

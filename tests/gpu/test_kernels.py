@@ -74,6 +74,8 @@ PACK_CASES = [
     ("nhd", torch.float32, 8, 1, 1, 31, None, False),
     ("nhd", torch.float8_e4m3fn, 16, 8, 128, 500, None, False),  # FP8 cache: bytes as they are
     ("nhd", torch.bfloat16, 16, 8, 128, 0, None, True),
+    ("latent", torch.bfloat16, 64, 1, 288, 1000, None, True),  # MLA: the halves of 576-value vectors
+    ("latent", torch.bfloat16, 64, 1, 288, 1000, None, False),
 ]
 
 
@@ -105,6 +107,7 @@ UNPACK_CASES = [
     (("nhd", torch.bfloat16, 16), ("nhd", torch.bfloat16, 32), 4, 8, None, 4, True),  # TP 2 -> 1, rank 1
     (("nhd", torch.float8_e4m3fn, 16), ("hnd", torch.float8_e4m3fn, 32), 8, 8, None, 0, False),
     (("nhd", torch.bfloat16, 16), ("nhd", torch.bfloat16, 16), 3, 3, None, 0, True),
+    (("latent", torch.bfloat16, 64), ("latent", torch.bfloat16, 16), 1, 1, None, 0, True),
 ]
 
 
@@ -113,7 +116,7 @@ def test_unpack_equals_reference(kernel, src, dst, src_heads, dst_heads, hr, off
     (sl, sdt, sbs), (dl, ddt, dbs) = src, dst
     chunk = sbs if fp8 == "chunked" else 0
     fp8 = bool(fp8)
-    dim, tokens = (6 if src_heads == 3 else 128), 1111
+    dim, tokens = {3: 6, 1: 288}.get(src_heads, 128), 1111
     snb, dnb = 2 * (tokens // sbs + 1), 2 * (tokens // dbs + 1)
     scache = make_cache(sl, snb, sbs, src_heads, dim, sdt, "cuda", seed=1)
     sk, sv = planes(scache, sl)

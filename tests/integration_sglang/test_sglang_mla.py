@@ -5,21 +5,28 @@ token and layer, the same on every TP rank (kvbridge's ``latent`` layout).
 TP 1 -> TP 1, NIXL per layer and Mooncake per chunk: greedy output equals a colocated
 server token for token, the prefill's log shows the path each request took, and the
 decode received exactly the prompt's latent pages (between TP sizes:
-test_sglang_mla_tp.py). SGLang runs MLA on this CPU through the test plugin
+test_sglang_mla_tp.py). The packed path: exact values through staging (Mooncake, per
+chunk) give colocated's tokens; FP8 (NIXL, per layer) gives the decode's first computed
+token the logprobs of the model run in transformers on the FP8-rounded latent cache,
+3.9x fewer bytes; every staging slot comes back. SGLang runs MLA on this CPU through the test plugin
 ``tests/sglang_stubs/sglang_cpu_mla`` (its AMX backend needs AMX)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mla_reference import fp8_latent_logprobs
 from sglang_helpers import (
     MAX_NEW_TOKENS,
     PD,
     Proc,
     generate_ids,
+    generate_logprobs,
     generate_through,
+    kv_itemsize,
     kvbridge_metrics,
     latent_bytes,
     pd_config,
@@ -29,6 +36,7 @@ from sglang_helpers import (
     start_pd,
     wait_received_bytes,
     wait_sent_line,
+    wait_staging_idle,
 )
 
 PROMPTS = [12, 32, 64, 200]  # under a page, two pages, one chunk, four chunks with a partial page
@@ -66,3 +74,48 @@ def test_mla_greedy_output_equals_colocated(mla_pd: PD, colocated_mla: Proc, mla
     expected = latent_bytes(mla_model, mla_pd.decode, n)
     got_bytes = wait_received_bytes(mla_pd.decode.url, before, expected)
     assert got_bytes == expected, f"the decode received {got_bytes} bytes, the prompt's latent pages are {expected}"
+
+
+PACKED_CONFIGS = [("mooncake", False, "packed"), ("nixl", True, "fp8")]
+
+
+@pytest.fixture(scope="module", params=PACKED_CONFIGS, ids=[f"{w}-{t}" for t, _, w in PACKED_CONFIGS])
+def mla_packed_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PD, str]]:
+    transport, layerwise, wire = request.param
+    config = {**pd_config(transport, layerwise), **({"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"})}
+    # FP8 is checked against a float32 transformers run: SGLang runs this model in float32 too (it picks float16 otherwise)
+    dtype = ["--dtype", "float32"] if wire == "fp8" else []
+    for pd in start_pd(mla_model, tmp_path_factory.mktemp(f"mla-{wire}"), server_env(config), layerwise, prefill_args=dtype, decode_args=dtype):
+        yield pd, wire
+
+
+def test_mla_on_the_packed_path(mla_packed_pd: tuple[PD, str], colocated_mla: Proc, mla_model: Path, record_property) -> None:
+    pd, wire = mla_packed_pd
+    cfg = json.loads((mla_model / "config.json").read_text())
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    worst = 0.0
+    for n in (32, 200):
+        input_ids = prompt_ids(n, seed=750 + n)
+        before = kvbridge_metrics(pd.decode.url)
+        got, got_tops = generate_logprobs(pd.router.url, input_ids)
+        exact = latent_bytes(mla_model, pd.decode, n)
+        if wire == "fp8":
+            # SGLang's first output token comes from the prefill; the decode computes the second on the FP8 latent pages
+            ref = fp8_latent_logprobs(mla_model, input_ids, got[0])
+            assert got_tops[1].keys() == ref.keys(), f"{n} tokens: top-5 {got_tops[1]} differ from the FP8 reference's {ref}"
+            off = max(abs(got_tops[1][t] - ref[t]) for t in ref)
+            assert off < 0.01, f"{n} tokens: logprobs {off:.3f} from the FP8 reference: {got_tops[1]} vs {ref}"
+            worst = max(worst, off)
+            rows = exact // (kv_itemsize(pd.decode) * latent)  # tokens x layers, the last page whole
+            expected = rows * (latent + 2 * 4)  # a byte a value, a float32 scale per half vector
+        else:
+            want, _ = generate_logprobs(colocated_mla.url, input_ids)
+            assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
+            expected = exact
+        received = wait_received_bytes(pd.decode.url, before, expected)
+        assert received == expected, f"{n} tokens: the decode received {received} bytes, expected {expected}"
+    for server in (pd.prefill, pd.decode):
+        wait_staging_idle(server)
+    if wire == "fp8":
+        record_property("sglang_mla_fp8_reference_distance", worst)
+        print(f"\nSGLang MLA, FP8 on the wire: the decode's logprobs within {worst:.4f} of the FP8 reference")

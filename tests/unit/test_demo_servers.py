@@ -122,8 +122,7 @@ def test_demo_refuses_a_contradictory_data_path_before_starting_anything(monkeyp
         (["--prefill-tp", "2", "--decode-tp", "3"], "multiple of the other"),
         (["--decode-tp", "0"], "multiple of the other"),
         (["--engine", "sglang", "--prefill-tp", "2"], "--data-path packed"),
-        (["--model", "mla", "--wire-dtype", "fp8"], "MLA caches move on the direct path only"),
-        (["--model", "mla", "--engine", "sglang", "--data-path", "packed"], "MLA caches move on the direct path only"),
+        (["--model", "mla", "--engine", "sglang", "--data-path", "packed", "--prefill-tp", "2"], "a decode of at least the prefill's TP size"),
     ],
 )
 def test_demo_refuses_what_it_cannot_run_before_starting_anything(

@@ -183,6 +183,8 @@ PACK_CASES = [
     ("nhd", torch.float32, 8, 1, 1, 31, None, False, 0, 2),
     ("nhd", torch.float8_e4m3fn, 16, 4, 128, 50, None, False, 0, 1),  # FP8 cache: bytes as they are
     ("nhd", torch.bfloat16, 16, 4, 128, 0, None, True, 0, 1),  # nothing to do
+    ("latent", torch.bfloat16, 16, 1, 288, 40, None, True, 16, 2),  # MLA: halves of 576, head stride != head_dim
+    ("latent", torch.float32, 16, 1, 288, 40, None, False, 0, 1),
 ]
 
 
@@ -210,6 +212,7 @@ UNPACK_CASES = [
     (("nhd", torch.float8_e4m3fn, 16), ("hnd", torch.float8_e4m3fn, 32), 4, 4, None, 0, False, 0),
     (("nhd", torch.bfloat16, 16), ("nhd", torch.bfloat16, 16), 3, 3, None, 0, True, 5),  # dim 6: one element per access
     (("hnd", torch.float16, 16), ("nhd", torch.float16, 16), 2, 2, None, 0, False, 0),  # dim 96 copy: partial lanes
+    (("latent", torch.float32, 16), ("latent", torch.bfloat16, 32), 1, 1, None, 0, True, 16),  # MLA halves of 576
 ]
 
 
@@ -218,7 +221,7 @@ def test_unpack_equals_reference(emulator, tmp_path, kernel, src, dst, src_heads
     (sl, sdt, sbs), (dl, ddt, dbs) = src, dst
     # head_dim 6 for 3 heads (one-element accesses), 96 for float16 copies (12 chunks of 8:
     # lanes left partly idle), else 64
-    dim, tokens = {3: 6, 2: 96 if sdt == ddt == torch.float16 else 64}.get(src_heads, 64), 111
+    dim, tokens = {3: 6, 2: 96 if sdt == ddt == torch.float16 else 64, 1: 288}.get(src_heads, 64), 111
     snb, dnb = 2 * (tokens // sbs + 1), 2 * (tokens // dbs + 1)
     sk, sv = planes(make_cache(sl, snb, sbs, src_heads, dim, sdt, "cpu", seed=1), sl)
     region, fmt = ops.pack((sk, sv), block_ids(snb, -(-tokens // sbs), 2), tokens, heads=hr, fp8=fp8, chunk_tokens=chunk)

@@ -238,3 +238,76 @@ def test_per_token_head_scales_keep_error_lower_than_per_block_head_scales(outli
     assert err_row < err_block < 0.04, (err_row, err_block)
     rows = (per_row - x).norm(dim=-1) / x.norm(dim=-1)
     assert rows.max().item() < 0.07
+
+
+# --- latent (MLA) caches: one vector per token, packed as its two halves ---------------------
+
+LATENT = 576  # DeepSeek-V2/V3: kv_lora_rank 512 + rope 64
+
+
+def latent_cache(shape, dtype=torch.float32, seed=0):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    x[..., 512:] *= 20.0  # the rope part has its own magnitude
+    return x.to(dtype)
+
+
+def test_latent_planes_are_the_halves_of_each_tokens_vector():
+    """vLLM GPU (blocks, bs, D), vLLM CPU (blocks, 1, bs, D) and SGLang (tokens, 1, D)
+    caches: plane 0 is each token's first D/2 values, plane 1 the rest, as views."""
+    for shape in ((3, 16, LATENT), (3, 1, 16, LATENT), (48, 1, LATENT)):
+        c = latent_cache(shape)
+        rows = c.reshape(-1, LATENT)  # token t of block b is row b * 16 + t in all three
+        k, v = ops.kv_planes(c, "latent", block_size=16)
+        assert k.shape == v.shape == (3, 16, 1, LATENT // 2)
+        for b, t in itertools.product(range(3), (0, 7, 15)):
+            assert torch.equal(k[b, t, 0], rows[b * 16 + t, : LATENT // 2])
+            assert torch.equal(v[b, t, 0], rows[b * 16 + t, LATENT // 2 :])
+        v[1, 2, 0, 0] = 12345.0  # views: the cache itself changes
+        assert rows[16 + 2, LATENT // 2] == 12345.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_round_trip_between_engines_and_block_sizes_is_exact(dtype):
+    """vLLM's CPU MLA cache (blocks of 16) into an SGLang MLA pool (pages of 8): each
+    token's whole vector arrives, bit for bit."""
+    src = latent_cache((10, 1, 16, LATENT), dtype, seed=3)
+    n, ids = 37, [7, 2, 5]
+    region, fmt = ops.pack(ops.kv_planes(src, "latent", 16), ids, n, chunk_tokens=16)
+    assert region.numel() == 3 * 16 * LATENT * src.element_size()  # 3 chunks of 16 tokens
+    assert (fmt.num_heads, fmt.head_dim) == (1, LATENT // 2)
+    dst = torch.zeros(12 * 8, 1, LATENT, dtype=dtype)
+    dst_pages = [11, 0, 4, 9, 3]
+    ops.unpack(region, fmt, ops.kv_planes(dst, "latent", 8), dst_pages)
+    want = src.reshape(-1, LATENT).view(10, 16, LATENT)[ids].reshape(-1, LATENT)[:n]
+    got = dst.view(12, 8, LATENT)[dst_pages].reshape(-1, LATENT)[:n]
+    assert torch.equal(got, want)
+    pages = dst.view(12, 8, LATENT)
+    assert not pages[[p for p in range(12) if p not in dst_pages]].any(), "unpack wrote outside the destination pages"
+    assert not pages[3, n - 32 :].any(), "unpack wrote past the last token"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_fp8_error_is_bounded_per_half_vector(dtype):
+    src = latent_cache((8, 16, LATENT), dtype, seed=4)
+    ids = [1, 3, 6]
+    region, fmt = ops.pack(ops.kv_planes(src, "latent", 16), ids, 40, fp8=True, chunk_tokens=16)
+    assert fmt.num_chunks * fmt.chunk_stride == region.numel() == 3 * (16 * LATENT + 2 * 16 * 4)  # 1 byte a value, 2 scales a token
+    dst = torch.zeros_like(src)
+    ops.unpack(region, fmt, ops.kv_planes(dst, "latent", 16), ids)
+    a, b = src[ids].reshape(-1, LATENT)[:40].float(), dst[ids].reshape(-1, LATENT)[:40].float()
+    rel = ((a - b).norm() / a.norm()).item()
+    assert 0 < rel < FP8_BOUND[dtype], rel
+    for half in (slice(0, LATENT // 2), slice(LATENT // 2, LATENT)):  # one scale per half: each keeps its precision
+        row_rel = ((a[:, half] - b[:, half]).norm(dim=-1) / a[:, half].norm(dim=-1)).max().item()
+        assert row_rel < 0.07, row_rel
+
+
+def test_bad_latent_caches_are_rejected_with_a_clear_error():
+    with pytest.raises(OpsInputError, match="needs its block_size"):
+        ops.kv_planes(torch.zeros(4, 16, LATENT), "latent")
+    with pytest.raises(OpsInputError, match="an even size"):
+        ops.kv_planes(torch.zeros(4, 16, 575), "latent", block_size=16)
+    with pytest.raises(OpsInputError, match="an even size"):
+        ops.kv_planes(torch.zeros(4, 10, LATENT), "latent", block_size=16)  # 40 tokens are not blocks of 16
+    with pytest.raises(OpsInputError, match="not blocks of 16 vectors"):
+        ops.kv_planes(torch.zeros(4, 8, 2, LATENT).transpose(1, 2), "latent", block_size=16)  # tokens of a block not evenly strided

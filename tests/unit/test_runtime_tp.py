@@ -52,17 +52,21 @@ class Rank:
     ) -> None:
         self.heads = max(1, total // tp)
         self.layout, self.wire, self.tp, self.rank = layout, wire, tp, rank
-        self.block_axis = 1 if layout == "fused" else 2
+        self.block_axis = 1 if layout in ("fused", "latent") else 2
         if layout == "fused":  # vLLM's CPU cache: (block, head, token, 2 x dim) per layer
             shape = (L, N, self.heads, BS, 2 * HD)
+        elif layout == "latent":  # MLA: (block, token, vector) per layer; its halves pack as planes of HD
+            assert total == 1, "an MLA model has one latent 'head'"
+            shape = (L, N, BS, 2 * HD)
         else:  # (layer, K/V, block, ...): heads before tokens (hnd) or after (nhd)
             shape = (L, 2, N, *((self.heads, BS, HD) if layout == "hnd" else (BS, self.heads, HD)))
         self.cache = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
-        if layout == "fused":
+        if layout in ("fused", "latent"):
             bases = tuple(self.cache[l].data_ptr() for l in range(L))
         else:
             bases = tuple(self.cache[l, k].data_ptr() for l in range(L) for k in range(2))
-        spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=self.heads, head_dim=HD, dtype="float32", layout=layout)
+        dim = 2 * HD if layout == "latent" else HD
+        spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=self.heads, head_dim=dim, dtype="float32", layout=layout)
         geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases)
         dtype = "fp8" if wire == "fp8" else "exact"
         t = {"receive_s": timeout_s, "transfer_s": timeout_s, "lease_s": timeout_s, "handshake_s": 3}
@@ -76,7 +80,7 @@ class Rank:
         )
 
     def planes(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [ops.kv_planes(self.cache[l], self.layout) for l in range(L)]
+        return [ops.kv_planes(self.cache[l], self.layout, BS) for l in range(L)]
 
     def kv(self, blocks: list[int]) -> torch.Tensor:
         """``(layer, K/V, block, token, head, dim)`` of ``blocks``."""
@@ -328,6 +332,43 @@ def test_idle_prefill_replicas_are_told_to_let_go(ranks: list[Rank], flow: str, 
     for p in ps:
         assert p.ep.sender.wait_released(5) == ["m"], f"prefill rank {p.rank} still holds the request"
     assert all(p.ep.stats.take().leases_expired == 0 for p in ps)
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+@pytest.mark.parametrize("wire", ["packed", "fp8"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2), (2, 1)])
+def test_latent_caches_move_on_the_packed_path_between_tp_sizes(ranks: list[Rank], flow: str, wire: str, p_tp: int, d_tp: int) -> None:
+    """An MLA model's latent cache (one vector per token, the same on every rank) packed
+    as its vectors' halves, exact or FP8: every decode rank gets the whole cache from
+    one prefill rank (what one pack and unpack make of it), the bytes of its blocks and
+    nothing more, and every prefill rank lets go (an idle replica when told to)."""
+    ps = [Rank("P", p_tp, r, "latent", seed=90 + r, wire=wire, total=1, timeout_s=60) for r in range(p_tp)]
+    ds = [Rank("D", d_tp, r, "latent", wire=wire, total=1, timeout_s=60) for r in range(d_tp)]
+    ranks += [*ps, *ds]
+    pblocks, dblocks, n = [3, 9, 4], [7, 1, 8], 40
+    for d in ds:
+        sources = [ps[i] for i in prefill_ranks(1, p_tp, d_tp, d.rank)]
+        idle = [ps[i] for i in idle_prefill_ranks(1, p_tp, d_tp, d.rank)]
+        if flow == "push":
+            d.ep.receiver.expect_push("m", [p.ep.address for p in sources], dblocks, n)
+        if idle:
+            assert all(f.result(5) is None for f in d.ep.receiver.release_idle("m", [p.ep.address for p in idle], [p.ep.epoch for p in idle]))
+    for p in ps:
+        _prefill_all(p, "m", pblocks, n, pull=flow == "pull")
+    for d in ds:
+        [source] = [ps[i] for i in prefill_ranks(1, p_tp, d_tp, d.rank)]
+        if flow == "pull":
+            d.ep.receiver.expect_pull("m", [source.ep.address], [source.ep.epoch], pblocks, dblocks, n)
+        assert d.ep.receiver.wait_finished(5) == (["m"], [])
+        assert torch.equal(d.kv(dblocks), source.sent(pblocks)), f"decode rank {d.rank}"
+        assert not d.outside(dblocks).any(), "unpack wrote outside the request's blocks"
+        assert d.ep.stats.take().bytes_received == L * len(dblocks) * d.wire_bytes(1)
+    if wire == "fp8":  # what one pack and unpack make of it: FP8 noise, nothing worse
+        a, b = ps[0].kv(pblocks), ps[0].sent(pblocks)
+        assert 0 < ((a - b).norm() / a.norm()).item() < 0.04
+    for p in ps:
+        assert p.ep.sender.wait_released(5) == ["m"], f"prefill rank {p.rank} still holds the request"
+    assert all(r.staging_idle() for r in ranks)
 
 
 @pytest.mark.parametrize(

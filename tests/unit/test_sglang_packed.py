@@ -18,6 +18,7 @@ import torch
 from kvbridge.adapters.sglang.layout import kv_geometry
 from kvbridge.adapters.sglang.packed import (
     RoomReservations,
+    check_latent_pairing,
     decode_parts,
     pool_planes,
     room_part,
@@ -66,6 +67,58 @@ def test_pool_planes_are_views_of_sglangs_buffers() -> None:
     assert torch.equal(pk[5, 1], k[3][5 * PAGE + 1]) and torch.equal(pv[0, 3], v[3][3])
     pv[7, 2, 1, 4] = 42.0  # the same memory
     assert v[3][7 * PAGE + 2, 1, 4].item() == 42.0
+
+
+def mla_pool(seed: int | None, latent: int = 576, dtype: torch.dtype = torch.bfloat16):
+    """An SGLang MLA pool: one ``(pages * page_size, 1, latent)`` buffer per layer."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    bufs = [torch.randn(PAGES * PAGE, 1, latent, generator=gen).to(dtype) if seed is not None else torch.zeros(PAGES * PAGE, 1, latent, dtype=dtype) for _ in range(LAYERS)]
+    geo = kv_geometry(
+        page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
+        item_lens=[PAGE * latent * bufs[0].element_size()] * LAYERS, mla=True,
+    )  # fmt: skip
+    return bufs, geo
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "exact"])
+def test_an_mla_pool_packs_as_its_vectors_halves_into_the_decode_pages(fp8: bool) -> None:
+    """SGLang's MLA pool: the typed geometry is one latent 'head' of the whole row
+    (whatever the model's head_dim), its planes are each vector's halves over the pool's
+    memory, and a room's pages cross through staging: exact bit for bit, FP8 within
+    FP8 error, the other pages untouched."""
+    p_bufs, p_opaque = mla_pool(5)
+    d_bufs, d_opaque = mla_pool(None)
+    p_geo, d_geo = (typed_geometry(g, dtype="bfloat16", head_dim=64) for g in (p_opaque, d_opaque))  # the model's head_dim: ignored
+    assert (p_geo.spec.layout, p_geo.spec.num_kv_heads, p_geo.spec.head_dim) == ("latent", 1, 576)
+    planes = pool_planes(p_geo)
+    k, v = planes[2]
+    assert tuple(k.shape) == (PAGES, PAGE, 1, 288)
+    assert torch.equal(k[5, 1, 0], p_bufs[2][5 * PAGE + 1, 0, :288]) and torch.equal(v[5, 1, 0], p_bufs[2][5 * PAGE + 1, 0, 288:])
+    prefill = PackedPath(p_geo, planes, 1, LoopbackTransport("p"), fp8=fp8)
+    decode = PackedPath(d_geo, pool_planes(d_geo), 1, LoopbackTransport("d"), fp8=fp8)
+    src_pages, dst_pages = np.array([4, 9, 1]), np.array([0, 11, 3])
+    first, dfirst = prefill.allocator.alloc(LAYERS * 3), decode.allocator.alloc(LAYERS * 3)
+    prefill.pack(list(range(LAYERS)), src_pages, first)
+    decode.view(dfirst, LAYERS * 3).copy_(prefill.view(first, LAYERS * 3))  # what the transport moves
+    for layer in range(LAYERS):
+        decode.unpack(layer, dst_pages, dfirst + layer * 3)
+        src = p_bufs[layer].view(PAGES, PAGE, 576)[torch.as_tensor(src_pages)]
+        got = d_bufs[layer].view(PAGES, PAGE, 576)[torch.as_tensor(dst_pages)]
+        if fp8:
+            assert 0 < rows_rel_err(src, got) < 0.07, f"layer {layer}"
+        else:
+            assert torch.equal(src, got), f"layer {layer}"
+        others = np.setdiff1d(np.arange(PAGES), dst_pages)
+        assert not d_bufs[layer].view(PAGES, PAGE, 576)[torch.as_tensor(others)].any()
+
+
+def test_mla_pools_pair_on_the_packed_path_only_towards_at_least_the_prefills_tp() -> None:
+    check_latent_pairing(1, 1)
+    check_latent_pairing(1, 2)
+    with pytest.raises(IncompatiblePeerError, match="at least the prefill's TP size") as err:
+        check_latent_pairing(2, 1)
+    assert "data_path 'auto'" in (err.value.fix or "")
+    assert [p.heads for p in decode_parts(1, 1, 2, 1)] == [1]  # every decode rank: the whole latent cache
 
 
 def test_room_slots_are_layer_major_and_bounded() -> None:

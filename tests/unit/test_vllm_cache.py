@@ -1,7 +1,7 @@
 """vLLM's per-layer cache tensors described as kvbridge geometries (``adapters.vllm.cache``):
 each supported shape gives the layout, heads and addresses that torch indexing of the
 same tensors gives; MLA's latent caches count one KV head whatever the model's config
-says; the packed path refuses a latent cache by name."""
+says; the packed path packs a latent cache as its vectors' two halves."""
 
 from __future__ import annotations
 
@@ -83,13 +83,20 @@ def test_mla_models_have_one_kv_head_whatever_their_config_says() -> None:
     assert model_kv_heads(config(False)) == 4
 
 
-@pytest.mark.parametrize("fp8", [True, False])
-def test_the_packed_path_refuses_a_latent_cache_naming_the_key(fp8: bool) -> None:
-    from kvbridge.runtime.packed import PackedPath
+def test_the_packed_path_packs_a_latent_cache_as_two_half_vectors_and_refuses_an_odd_one() -> None:
+    import msgspec
+
+    from kvbridge.core.layout import CacheGeometry
+    from kvbridge.runtime.packed import PackedPath, slot_format
 
     kv = caches((BLOCKS, BS, 576), layers=2)
     geo = geometry_from_tensors(kv, list(kv), BS, mla=True)
-    with pytest.raises(ConfigError, match="does not pack MLA latent caches") as err:
-        PackedPath(geo, [], 8, transport=None, fp8=fp8)  # type: ignore[arg-type]  # refused before it is used
-    assert err.value.key == ("wire_dtype" if fp8 else "data_path")
-    assert "data_path 'auto' or 'direct'" in (err.value.fix or "")
+    for fp8 in (True, False):
+        slot = slot_format(geo, fp8)
+        assert (slot.num_heads, slot.head_dim, slot.num_tokens) == (1, 288, BS)
+        assert slot.nbytes == (BS * 576 + 2 * BS * 4 if fp8 else BS * 576 * 4)  # FP8: 1 byte a value, a scale per half
+    odd = CacheGeometry(spec=msgspec.structs.replace(geo.spec, head_dim=575), num_blocks=BLOCKS, plane_bases=geo.plane_bases)
+    for fp8, key in ((True, "wire_dtype"), (False, "data_path")):
+        with pytest.raises(ConfigError, match="two halves of each vector; this one has 575 values") as err:
+            PackedPath(odd, [], 8, transport=None, fp8=fp8)  # type: ignore[arg-type]  # refused before it is used
+        assert err.value.key == key and "data_path 'direct'" in (err.value.fix or "")

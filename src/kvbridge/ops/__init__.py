@@ -67,12 +67,33 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
     - ``"nhd"``: ``(2, num_blocks, block_size, num_heads, head_dim)``, or a pair of K and V
       tensors of ``(num_blocks, block_size, heads, dim)`` or, with ``block_size``, SGLang's
       ``(num_pages * page_size, heads, dim)``;
-    - ``"hnd"``: ``(2, num_blocks, num_heads, block_size, head_dim)``.
+    - ``"hnd"``: ``(2, num_blocks, num_heads, block_size, head_dim)``;
+    - ``"latent"`` (MLA, needs ``block_size``): one latent vector of ``dim`` values per
+      token, e.g. vLLM's ``(num_blocks, block_size, dim)``, its CPU
+      ``(num_blocks, 1, block_size, dim)`` or SGLang's ``(num_pages * page_size, 1,
+      dim)``. There are no K and V: the two planes are the vector's halves, each one
+      head of ``dim / 2`` values (``csrc/PACKED_FORMAT.md``, "Latent caches").
 
     >>> k, v = kv_planes(torch.zeros(10, 4, 16, 128), "fused")
     >>> tuple(k.shape), k.stride()
     ((10, 16, 4, 64), (8192, 64, 2048, 1))
+    >>> k, v = kv_planes(torch.zeros(10, 16, 576), "latent", block_size=16)
+    >>> tuple(k.shape), v.stride(), v.storage_offset()
+    ((10, 16, 1, 288), (9216, 576, 576, 1), 288)
     """
+    if layout == "latent":
+        if not isinstance(cache, torch.Tensor) or not block_size:
+            raise OpsInputError("a latent (MLA) cache is one tensor, and kv_planes needs its block_size")
+        dim = cache.shape[-1]
+        if dim % 2 or cache.stride(-1) != 1 or cache.numel() % (block_size * dim):
+            raise OpsInputError(
+                f"a latent cache holds blocks of {block_size} contiguous vectors of an even size, got shape {tuple(cache.shape)}, strides {cache.stride()}"
+            )
+        try:
+            rows = cache.view(-1, block_size, 1, dim)
+        except RuntimeError as exc:
+            raise OpsInputError(f"a latent cache of shape {tuple(cache.shape)}, strides {cache.stride()} is not blocks of {block_size} vectors") from exc
+        return rows[..., : dim // 2], rows[..., dim // 2 :]
     if not isinstance(cache, torch.Tensor):
         k, v = cache
         if k.dim() == 3:
@@ -97,7 +118,7 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
         return cache[0], cache[1]
     if layout == "hnd":
         return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
-    raise OpsInputError(f"unknown layout {layout!r}; expected fused, nhd or hnd")
+    raise OpsInputError(f"unknown layout {layout!r}; expected fused, nhd, hnd or latent")
 
 
 def packed_format(

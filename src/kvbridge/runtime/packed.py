@@ -4,7 +4,8 @@ request's blocks.
 
 A *slot* holds one block of one layer, packed: one chunk of the format of
 ``csrc/PACKED_FORMAT.md`` with ``chunk_tokens = block_size``, FP8 with scales
-(``wire_dtype: fp8``) or the cache's own values (``exact``). Peers with the same TP
+(``wire_dtype: fp8``) or the cache's own values (``exact``); a latent (MLA) cache's
+block packs as its vectors' two halves (:func:`slot_format`). Peers with the same TP
 split share the cache spec (the handshake checks it), so their slots have the same
 size and a write is a list of slot pairs, like a direct write is a list of cache-slot
 pairs. Peers split differently exchange, for every block, the head range they pair on
@@ -44,22 +45,14 @@ if TYPE_CHECKING:
 _FLOAT_CACHES = ("float16", "bfloat16", "float32")
 
 
-def latent_refused(fp8: bool) -> ConfigError:
-    """The error for an MLA (``latent``) cache on the packed path: raised by
-    :class:`PackedPath` and by engine adapters that find out before building one."""
-    return ConfigError(
-        "the packed data path (wire_dtype 'fp8', data_path 'packed') does not pack MLA latent caches yet",
-        key="wire_dtype" if fp8 else "data_path",
-        fix="use wire_dtype 'exact' and data_path 'auto' or 'direct' for MLA models (every TP rank holds the whole latent cache, so the direct path pairs any TP sizes)",
-    )
-
-
 def slot_format(geometry: CacheGeometry, fp8: bool = True) -> PackedFormat:
     """The format of one slot: one block of one layer, FP8 with scales (``fp8``) or
     the cache's values."""
     s = geometry.spec
     dtype = FP8_DTYPE if fp8 else s.dtype
-    return PackedFormat(num_tokens=s.block_size, num_heads=s.num_kv_heads, head_dim=s.head_dim, dtype=dtype, scaled=fp8, chunk_tokens=s.block_size)
+    # a latent (MLA) cache packs as two planes, each one head of half the vector (kv_planes)
+    heads, dim = (1, s.head_dim // 2) if s.layout == "latent" else (s.num_kv_heads, s.head_dim)
+    return PackedFormat(num_tokens=s.block_size, num_heads=heads, head_dim=dim, dtype=dtype, scaled=fp8, chunk_tokens=s.block_size)
 
 
 def staging_descs(info: StagingInfo, chunk_bytes: int | None = None) -> np.ndarray:
@@ -158,8 +151,12 @@ class PackedPath:
                 key="wire_dtype",
                 fix="use wire_dtype 'exact' (a float8 cache is already as small)",
             )
-        if spec.layout == "latent":
-            raise latent_refused(fp8)
+        if spec.layout == "latent" and spec.head_dim % 2:
+            raise ConfigError(
+                f"the packed data path packs a latent (MLA) cache as the two halves of each vector; this one has {spec.head_dim} values",
+                key="wire_dtype" if fp8 else "data_path",
+                fix="use wire_dtype 'exact' and data_path 'direct' for this model",
+            )
         if planes and planes[0][0].device.type != "cpu":
             # the engine computes a layer on its own stream: packing it needs that layer's
             # compute event, which no engine adapter passes yet (the kernels are ready)
@@ -291,4 +288,4 @@ class PackedPath:
         ops.unpack(self._chunks(chunk, first, len(block_ids)), fmt, self.planes[layer], block_ids, head_start=h0)
 
 
-__all__ = ["PackedPath", "Run", "SlotAllocator", "latent_refused", "slot_format", "staging_descs"]
+__all__ = ["PackedPath", "Run", "SlotAllocator", "slot_format", "staging_descs"]

@@ -63,7 +63,7 @@ from kvbridge.adapters.sglang.prefill import (
 )
 from kvbridge.adapters.sglang.settings import config_from_env
 from kvbridge.errors import KVBridgeError
-from kvbridge.runtime.packed import PackedPath, latent_refused
+from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 
@@ -120,8 +120,6 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
             if self.config.packed:
-                if is_mla_backend:
-                    raise latent_refused(self.config.wire_dtype == "fp8")
                 dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
                 self.packed = PackedPath(typed, pool_planes(typed), self.config.staging_mb, self.transport, fp8=self.config.wire_dtype == "fp8")
@@ -179,8 +177,11 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 log.warning("kvbridge: dropped a control message: %s", exc)
 
     def _total_kv_heads(self) -> int:
-        """The model's KV heads over all ranks: SGLang's ``KVArgs``, else, on the packed
-        path, this rank's heads times the attention TP size; 0 when unknown."""
+        """The model's KV heads over all ranks: 1 for an MLA pool (one latent vector per
+        token, on every rank), SGLang's ``KVArgs``, else, on the packed path, this rank's
+        heads times the attention TP size; 0 when unknown."""
+        if self.geometry.spec.layout == "latent":
+            return 1
         total = int(getattr(self.kv_args, "total_kv_head_num", 0) or 0)
         if not total and self.packed is not None:
             total = self.packed.geometry.spec.num_kv_heads * self.attn_tp_size

@@ -57,6 +57,9 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
     bytes do not split into whole heads of ``head_dim`` values of ``dtype``."""
     size = DTYPE_SIZES.get(dtype)
     row = opaque.spec.head_dim  # opaque spec: one "head" of page_bytes / page_size bytes
+    latent = opaque.spec.layout == "latent"
+    if latent and size:  # an MLA pool: one latent vector per token, whatever the model's head_dim
+        head_dim = row // size
     if size is None or head_dim <= 0 or row % (head_dim * size):
         raise ConfigError(
             f"the packed data path: SGLang's KV pages hold {row} bytes per token, not whole heads of "
@@ -70,15 +73,17 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
         num_kv_heads=row // (head_dim * size),
         head_dim=head_dim,
         dtype=dtype,
-        layout="nhd",
+        layout="latent" if latent else "nhd",
     )
     return CacheGeometry(spec=spec, num_blocks=opaque.num_blocks, plane_bases=opaque.plane_bases, memory=opaque.memory, device=opaque.device)
 
 
 def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, SGLang's K and V buffers as ``(pages, page_size, heads, head_dim)``
-    tensors over the pool's own memory (no copy; host memory only). The pool outlives
-    them: SGLang keeps it for the life of the scheduler, as it does the manager."""
+    tensors over the pool's own memory (no copy; host memory only), or an MLA pool's
+    latent buffer as its vectors' two halves (:func:`kvbridge.ops.kv_planes`). The pool
+    outlives them: SGLang keeps it for the life of the scheduler, as it does the
+    manager."""
     import torch
 
     from kvbridge import ops
@@ -98,6 +103,8 @@ def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tenso
         return raw.view(dtype).view(-1, s.num_kv_heads, s.head_dim)
 
     bases = geometry.plane_bases
+    if s.layout == "latent":  # one buffer per layer
+        return [ops.kv_planes(view(bases[l]), "latent", block_size=s.block_size) for l in range(s.num_layers)]
     return [ops.kv_planes((view(bases[2 * l]), view(bases[2 * l + 1])), "nhd", block_size=s.block_size) for l in range(s.num_layers)]
 
 
@@ -115,6 +122,20 @@ class Part(NamedTuple):
     """The prefill rank's heads ``[first, end)``, its own numbering."""
     d_heads: tuple[int, int]
     """The decode rank's heads ``[first, end)`` they become."""
+
+
+def check_latent_pairing(p_tp: int, d_tp: int) -> None:
+    """Raise unless an MLA pool's packed rooms can pair these TP sizes: a decode of
+    fewer ranks than the prefill reads each room from one prefill rank of SGLang's
+    choosing (the others get a dummy destination), which the packed path's parts do
+    not follow; the direct path does."""
+    if p_tp > d_tp:
+        raise IncompatiblePeerError(
+            f"prefill attention TP {p_tp}, decode TP {d_tp}: the packed data path moves an MLA model's latent cache "
+            "to a decode of at least the prefill's TP size",
+            fix="use the direct path for this pairing (wire_dtype 'exact', data_path 'auto' in KVBRIDGE_CONFIG on both), "
+            f"or a decode of attention TP {p_tp} or more",
+        )
 
 
 def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> Part | None:

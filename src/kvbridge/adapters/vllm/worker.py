@@ -90,8 +90,7 @@ class WorkerSide:
         if self.config.packed:  # the packed path reads and writes the tensors
             from kvbridge.ops import kv_planes
 
-            # a latent (MLA) cache has no K and V planes: the packed path refuses it by name
-            planes = [] if geometry.spec.layout == "latent" else [kv_planes(kv_caches[name], geometry.spec.layout) for name in ordered]
+            planes = [kv_planes(kv_caches[name], geometry.spec.layout, self.block_size) for name in ordered]
         self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
         log.info(
             "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",
