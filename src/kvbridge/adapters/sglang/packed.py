@@ -53,8 +53,9 @@ if TYPE_CHECKING:
 
 def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> CacheGeometry:
     """``opaque`` (pages as bytes) with the pool's element type: same addresses and
-    pages, ``num_kv_heads`` from the row size. Raises :class:`ConfigError` when the page
-    bytes do not split into whole heads of ``head_dim`` values of ``dtype``."""
+    pages, ``num_kv_heads`` from the row size; for an MLA pool (layout ``latent``) one
+    head of the whole row, ``head_dim`` ignored. Raises :class:`ConfigError` when the
+    page bytes do not split into whole heads of ``head_dim`` values of ``dtype``."""
     size = DTYPE_SIZES.get(dtype)
     row = opaque.spec.head_dim  # opaque spec: one "head" of page_bytes / page_size bytes
     latent = opaque.spec.layout == "latent"
