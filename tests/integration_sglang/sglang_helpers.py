@@ -199,14 +199,19 @@ def kv_bytes(model: Path, server: Proc, num_tokens: int) -> int:
     return rows * head_dim * kv_itemsize(server)
 
 
-def latent_bytes(model: Path, server: Proc, num_tokens: int) -> int:
-    """MLA: bytes of a prompt's latent pages (one ``kv_lora_rank + qk_rope_head_dim`` row
-    per token and layer; the last page whole), from the model's config and the KV dtype
-    ``server`` logged."""
+def latent_rows(model: Path, num_tokens: int) -> tuple[int, int]:
+    """MLA: ``(rows, latent)`` of a prompt's latent pages, from the model's config: one
+    row of ``kv_lora_rank + qk_rope_head_dim`` values per token and layer; the last page
+    counts whole."""
     cfg = json.loads((model / "config.json").read_text())
     page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
-    row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * kv_itemsize(server)
-    return math.ceil(num_tokens / page) * page * cfg["num_hidden_layers"] * row
+    return math.ceil(num_tokens / page) * page * cfg["num_hidden_layers"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+
+
+def latent_bytes(model: Path, server: Proc, num_tokens: int) -> int:
+    """MLA: bytes of a prompt's latent pages, in the KV dtype ``server`` logged."""
+    rows, latent = latent_rows(model, num_tokens)
+    return rows * latent * kv_itemsize(server)
 
 
 def wait_counted(url: str, before: dict[str, float], name: str) -> dict[str, float]:

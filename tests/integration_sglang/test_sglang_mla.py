@@ -13,7 +13,6 @@ token the logprobs of the model run in transformers on the FP8-rounded latent ca
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,9 +25,9 @@ from sglang_helpers import (
     generate_ids,
     generate_logprobs,
     generate_through,
-    kv_itemsize,
     kvbridge_metrics,
     latent_bytes,
+    latent_rows,
     pd_config,
     prompt_ids,
     server_env,
@@ -91,14 +90,11 @@ def mla_packed_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_fact
 
 def test_mla_on_the_packed_path(mla_packed_pd: tuple[PD, str], colocated_mla: Proc, mla_model: Path, record_property) -> None:
     pd, wire = mla_packed_pd
-    cfg = json.loads((mla_model / "config.json").read_text())
-    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     worst = 0.0
     for n in (32, 200):
         input_ids = prompt_ids(n, seed=750 + n)
         before = kvbridge_metrics(pd.decode.url)
         got, got_tops = generate_logprobs(pd.router.url, input_ids)
-        exact = latent_bytes(mla_model, pd.decode, n)
         if wire == "fp8":
             # SGLang's first output token comes from the prefill; the decode computes the second on the FP8 latent pages
             ref = fp8_latent_logprobs(mla_model, input_ids, got[0])
@@ -106,12 +102,12 @@ def test_mla_on_the_packed_path(mla_packed_pd: tuple[PD, str], colocated_mla: Pr
             off = max(abs(got_tops[1][t] - ref[t]) for t in ref)
             assert off < 0.01, f"{n} tokens: logprobs {off:.3f} from the FP8 reference: {got_tops[1]} vs {ref}"
             worst = max(worst, off)
-            rows = exact // (kv_itemsize(pd.decode) * latent)  # tokens x layers, the last page whole
+            rows, latent = latent_rows(mla_model, n)
             expected = rows * (latent + 2 * 4)  # a byte a value, a float32 scale per half vector
         else:
             want, _ = generate_logprobs(colocated_mla.url, input_ids)
             assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
-            expected = exact
+            expected = latent_bytes(mla_model, pd.decode, n)
         received = wait_received_bytes(pd.decode.url, before, expected)
         assert received == expected, f"{n} tokens: the decode received {received} bytes, expected {expected}"
     for server in (pd.prefill, pd.decode):

@@ -346,17 +346,19 @@ def test_latent_caches_move_on_the_packed_path_between_tp_sizes(ranks: list[Rank
     ds = [Rank("D", d_tp, r, "latent", wire=wire, total=1, timeout_s=60) for r in range(d_tp)]
     ranks += [*ps, *ds]
     pblocks, dblocks, n = [3, 9, 4], [7, 1, 8], 40
+    source_of = {}  # decode rank -> the one prefill rank it reads the whole cache from
     for d in ds:
-        sources = [ps[i] for i in prefill_ranks(1, p_tp, d_tp, d.rank)]
+        [source] = [ps[i] for i in prefill_ranks(1, p_tp, d_tp, d.rank)]
+        source_of[d.rank] = source
         idle = [ps[i] for i in idle_prefill_ranks(1, p_tp, d_tp, d.rank)]
         if flow == "push":
-            d.ep.receiver.expect_push("m", [p.ep.address for p in sources], dblocks, n)
+            d.ep.receiver.expect_push("m", [source.ep.address], dblocks, n)
         if idle:
             assert all(f.result(5) is None for f in d.ep.receiver.release_idle("m", [p.ep.address for p in idle], [p.ep.epoch for p in idle]))
     for p in ps:
         _prefill_all(p, "m", pblocks, n, pull=flow == "pull")
     for d in ds:
-        [source] = [ps[i] for i in prefill_ranks(1, p_tp, d_tp, d.rank)]
+        source = source_of[d.rank]
         if flow == "pull":
             d.ep.receiver.expect_pull("m", [source.ep.address], [source.ep.epoch], pblocks, dblocks, n)
         assert d.ep.receiver.wait_finished(5) == (["m"], [])
