@@ -1,51 +1,16 @@
 """The engine-agnostic runtime (side channel, handshake, sender, receiver) on the
-in-process loopback transport, with real numpy KV caches on both sides."""
+in-process loopback transport, with real numpy KV caches on both sides
+(``tests/support/runtime_pair.py``)."""
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgspec
 import numpy as np
 import pytest
-
-from kvbridge.config import load_config
-from kvbridge.core.layout import CacheGeometry, CacheSpec
-from kvbridge.runtime.endpoint import Endpoint
-from kvbridge.transports.loopback import LoopbackTransport
-from kvbridge.wire.compat import CompatInfo
-
-L, N, BS, H, HD = 4, 48, 16, 2, 32
-SPEC = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused")
-_names = itertools.count()
-
-
-def make_cache(seed: int | None, spec: CacheSpec = SPEC) -> tuple[np.ndarray, CacheGeometry]:
-    shape = (spec.num_layers, N, spec.num_kv_heads, spec.block_size, 2 * spec.head_dim)
-    arr = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) if seed is not None else np.zeros(shape, np.float32)
-    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(arr[i].ctypes.data for i in range(spec.num_layers)))
-    return arr, geo
-
-
-def endpoint(role: str, arr_geo, timeouts: dict | None = None, spec: CacheSpec = SPEC, **cfg) -> Endpoint:
-    config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, **(timeouts or {})}, **cfg})
-    _, geo = arr_geo
-    name = f"{role}-{next(_names)}"
-    return Endpoint(
-        config, geo, CompatInfo.from_spec(spec, model="m"), role, send=role == "P", receive=role == "D", transport=LoopbackTransport(name)
-    )
-
-
-def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a condition that has no event of its own (bytes landing in memory)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.002)
-
+from runtime_pair import SPEC, DeviceEvent, L, endpoint, eventually, make_cache
 
 @pytest.fixture
 def pd() -> Iterator[tuple]:
@@ -116,6 +81,60 @@ def test_destination_before_the_prefill_starts(pd) -> None:
     P.sender.prefill_done("e")
     assert D.receiver.wait_finished(5) == (["e"], [])
     np.testing.assert_array_equal(da[:, [40, 41]], pa[:, [14, 15]])
+
+
+def test_a_layer_queued_on_a_device_is_sent_only_once_its_event_completed(pd) -> None:
+    """On a GPU the host reports a layer when it has queued its kernels: nothing of it
+    may be written before its compute event completes, layer by layer."""
+    P, D, pa, da = pd
+    n, pblocks, dblocks = 128, list(range(3, 11)), list(range(20, 28))  # streamed: >= layerwise_min_tokens
+    D.receiver.expect_push("g", P.address, dblocks, n)
+    P.sender.track("g", pblocks, n)
+    eventually(lambda: P.sender.phase("g").value == "sending")  # the destination came
+    events = [DeviceEvent() for _ in range(L)]
+    for layer in range(L):
+        P.sender.layer_done("g", layer, n, ready=events[layer])
+    for layer in range(L):
+        assert events[layer].polled.wait(5), "the sender stopped polling the layer's event"
+        assert not da[layer:].any(), f"layer {layer} or a later one was written before its compute finished"
+        events[layer].complete()
+        eventually(lambda: np.array_equal(da[layer, dblocks], pa[layer, pblocks]))
+    P.sender.prefill_done("g", ready=DeviceEvent())  # its event does not hold back what was sent
+    assert D.receiver.wait_finished(5) == (["g"], [])
+    np.testing.assert_array_equal(da[:, dblocks], pa[:, pblocks])
+
+
+def test_a_prompt_sent_after_its_prefill_waits_for_the_forward_s_device_event(pd) -> None:
+    P, D, pa, da = pd
+    P.sender.track("f", [5, 6], 20)  # below layerwise_min_tokens: one transfer after the prefill
+    D.receiver.expect_push("f", P.address, [1, 2], 20)
+    for layer in range(L):
+        P.sender.layer_done("f", layer, 20)
+    done = DeviceEvent()
+    P.sender.prefill_done("f", ready=done)
+    assert done.polled.wait(5)
+    assert not da.any() and P.sender.wait_released(0) == [], "sent before the forward's kernels finished"
+    done.complete()
+    assert D.receiver.wait_finished(5) == (["f"], [])
+    np.testing.assert_array_equal(da[:, [1, 2]], pa[:, [5, 6]])
+    assert P.sender.wait_released(5) == ["f"]
+
+
+def test_a_device_event_that_never_completes_fails_the_request_at_transfer_s() -> None:
+    P, D = endpoint("P", make_cache(1), {"transfer_s": 0.3}), endpoint("D", make_cache(None))
+    try:
+        P.sender.track("w", [1, 2], 30)
+        D.receiver.expect_push("w", P.address, [3, 4], 30)
+        stuck = DeviceEvent()
+        P.sender.prefill_done("w", ready=stuck)
+        start = time.monotonic()
+        assert P.sender.wait_released(5) == ["w"], "the prefill kept the blocks of a request it cannot send"
+        assert time.monotonic() - start < 3
+        assert D.receiver.wait_finished(5) == ([], ["w"])
+        assert P.stats.take().failures == 1
+    finally:
+        D.close()
+        P.close()
 
 
 def test_lease_expires_when_the_decode_side_never_comes() -> None:

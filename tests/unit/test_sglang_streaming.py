@@ -8,9 +8,6 @@ posts plus chunk sends post every (layer, decode page) pair exactly once."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -23,7 +20,6 @@ from kvbridge.adapters.sglang.streaming import (
     coalesce,
     completed_span,
     streams,
-    wait_device_event,
 )
 from kvbridge.errors import PlanError
 
@@ -167,33 +163,3 @@ def test_coalesce_merges_one_forward_only_and_keeps_order() -> None:
     assert out[1] == LayerReady(b, (0,)) and out[2] == "chunk"
     assert out[3] == LayerReady(b, (1, 2), "e2")
     assert coalesce([]) == []
-
-
-class _Event:
-    """A device event stand-in: completes when the test says so (or never)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return self.done.is_set()
-
-
-def test_waiting_for_a_device_event_returns_once_it_completes() -> None:
-    ev = _Event()
-    timer = threading.Timer(0.05, ev.done.set)
-    timer.start()
-    try:
-        assert wait_device_event(ev, deadline=time.monotonic() + 10)
-    finally:
-        timer.cancel()
-    assert ev.done.is_set() and ev.queries > 1  # it polled until then, not once
-
-
-def test_waiting_for_a_device_event_that_never_completes_stops_at_the_deadline() -> None:
-    now = iter(range(1000))
-    ev = _Event()
-    assert not wait_device_event(ev, deadline=5, clock=lambda: next(now), pause=0)
-    assert ev.queries == 6  # clock 0..4 below the deadline, then 5 reaches it

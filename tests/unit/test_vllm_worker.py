@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
-from test_runtime import L, endpoint, make_cache
+from runtime_pair import DeviceEvent, L, endpoint, make_cache
 
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, RecvTask, SendStep
 from kvbridge.adapters.vllm.params import PrefillAddress, RankAddress
@@ -194,3 +195,35 @@ def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
     finally:
         for ep in eps:
             ep.close()
+
+
+def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM calls ``save_kv_layer`` when the host has queued a layer's kernels: on a
+    GPU cache the worker records one event per call (and one in ``wait_for_save``) and
+    the sender writes nothing before they complete."""
+    from kvbridge.adapters.vllm import worker as worker_module
+
+    recorded: list[DeviceEvent] = []
+    monkeypatch.setattr(worker_module, "record_compute_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    p_ep, d_ep = endpoint("P", p_cache), endpoint("D", d_cache)
+    try:
+        p, d = worker(p_ep), worker(d_ep)
+        p._on_device = True  # what register() sets for a cache in GPU memory
+        p._layer_index = {f"model.layers.{i}.attn": i for i in range(L)}
+        d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t9", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]))
+        p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t9", "push", 20, [5, 6], 0, 20, True)]))
+        for layer in range(L):
+            p.save_layer(f"model.layers.{layer}.attn")
+        p.after_forward()
+        assert len(recorded) == L + 1, "one event per hooked layer and one for the forward's end"
+        for event in recorded[:-1]:
+            event.complete()
+        assert recorded[-1].polled.wait(5)
+        assert not d_cache[0].any(), "written before the forward's kernels finished"
+        recorded[-1].complete()
+        _until(d, set(), "rd", 1)
+        np.testing.assert_array_equal(d_cache[0][:, [1, 2]], p_cache[0][:, [5, 6]])
+    finally:
+        d_ep.close()
+        p_ep.close()

@@ -128,7 +128,9 @@ class Node:
                         key="data_path",
                         fix="use wire_dtype 'exact' and data_path 'direct'",
                     )
-                self.packed = PackedPath(geometry, planes, config.staging_mb, self.transport, fp8=config.wire_dtype == "fp8")
+                self.packed = PackedPath(
+                    geometry, planes, config.staging_mb, self.transport, fp8=config.wire_dtype == "fp8", timeout_s=config.timeouts.transfer_s
+                )
         except Exception:
             self.transport.close()
             raise

@@ -18,9 +18,12 @@ cache, before its transport metadata is taken); the sender packs a post's layers
 blocks into slots it allocates (:meth:`PackedPath.pack`) and frees them when the
 write settles; the receiver reserves a request's slots before sending its
 ``Destination``, unpacks each arrival (:meth:`PackedPath.unpack`) and frees the
-reservation when the request ends. Thread-safe allocator; pack / unpack run on the
-caller's thread, synchronously. CPU caches only for now: on a GPU the sender would need
-each layer's compute event before packing it, which no adapter passes yet.
+reservation when the request ends. Thread-safe allocator; pack / unpack return once
+their bytes are in place: on CPU caches they run in the caller's thread, on a GPU on
+a stream of their own (:class:`~kvbridge.runtime.device.OpsQueue`), waited for with
+``timeouts.transfer_s``. The caller packs a layer only once the engine's kernels that
+write it have completed (the vLLM worker's compute events gate the sender; the SGLang
+backend waits for its layer events before packing).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 from kvbridge.core.layout import CacheGeometry
 from kvbridge.errors import ConfigError
 from kvbridge.ops.format import FP8_DTYPE, PackedFormat
+from kvbridge.runtime.device import OpsQueue
 from kvbridge.transports.base import DescTable
 from kvbridge.wire.messages import StagingInfo
 
@@ -137,10 +141,18 @@ class PackedPath:
         transport: registers the buffer; ``prepare`` gives :attr:`table`.
         fp8: quantize to float8 e4m3 with scales (``wire_dtype: fp8``); False: move
             the cache's values unchanged.
+        timeout_s: the longest a pack or unpack waits for the GPU
+            (``timeouts.transfer_s``).
     """
 
     def __init__(
-        self, geometry: CacheGeometry, planes: Sequence[tuple[torch.Tensor, torch.Tensor]], staging_mb: int, transport: TransportBase, fp8: bool = True
+        self,
+        geometry: CacheGeometry,
+        planes: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        staging_mb: int,
+        transport: TransportBase,
+        fp8: bool = True,
+        timeout_s: float = 30.0,
     ) -> None:
         import torch
 
@@ -157,14 +169,6 @@ class PackedPath:
                 key="wire_dtype" if fp8 else "data_path",
                 fix="use wire_dtype 'exact' and data_path 'direct' for this model",
             )
-        if planes and planes[0][0].device.type != "cpu":
-            # the engine computes a layer on its own stream: packing it needs that layer's
-            # compute event, which no engine adapter passes yet (the kernels are ready)
-            raise ConfigError(
-                "the packed data path (wire_dtype 'fp8', data_path 'packed') on GPU caches is not wired into the engine adapters yet",
-                key="wire_dtype" if fp8 else "data_path",
-                fix="use wire_dtype 'exact' and data_path 'direct' on GPU instances (kvbridge.ops packs GPU caches when called directly)",
-            )
         if len(planes) != spec.num_layers:
             raise ValueError(f"{len(planes)} layers of cache planes for a {spec.num_layers}-layer cache")
         self.geometry = geometry
@@ -176,6 +180,7 @@ class PackedPath:
         if num_slots < spec.num_layers:
             raise ConfigError(f"staging_mb {staging_mb} holds {num_slots} packed blocks, fewer than one block per layer", key="staging_mb", fix="raise staging_mb")
         device = self.planes[0][0].device
+        self.queue = OpsQueue(device, timeout_s)
         raw = torch.empty(num_slots * self.slot.nbytes + 64, dtype=torch.uint8, device=device)
         skip = (-raw.data_ptr()) % 64
         self._raw = raw
@@ -263,7 +268,7 @@ class PackedPath:
         """Pack the whole ``block_ids`` of each of ``layers`` into chunks from ``first``:
         layer ``layers[i]``'s block ``j`` in chunk ``first + i * len(block_ids) + j``.
         ``heads``: our KV heads ``(start, end)`` to pack (default all; chunks are then
-        slots). Returns once the bytes are in place (CPU: the ops run synchronously).
+        slots). Returns once the bytes are in place.
 
         Whole blocks, like the exact path: the order of tokens inside a block is the
         attention kernel's business (vLLM's CPU kernel keeps a block's keys dim-major),
@@ -274,7 +279,11 @@ class PackedPath:
         n = len(block_ids)
         fmt = self.chunk(self.slot.num_heads if heads is None else heads[1] - heads[0])
         out = self._chunks(fmt, first, len(layers) * n)
-        ops.pack([self.planes[l] for l in layers], block_ids, n * self.block_size, heads=heads, fp8=self.fp8, chunk_tokens=self.block_size, out=out)
+        planes = [self.planes[l] for l in layers]
+        self.queue.run(
+            lambda: ops.pack(planes, block_ids, n * self.block_size, heads=heads, fp8=self.fp8, chunk_tokens=self.block_size, out=out),
+            f"packing {n} blocks of layers {list(layers)}",
+        )
 
     def unpack(self, layer: int, block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None) -> None:
         """Unpack chunks ``[first, first + len(block_ids))`` of one layer into the whole
@@ -285,7 +294,11 @@ class PackedPath:
         h0, h1 = (0, self.slot.num_heads) if heads is None else heads
         chunk = self.chunk(h1 - h0)
         fmt = chunk._replace(num_tokens=len(block_ids) * self.block_size)
-        ops.unpack(self._chunks(chunk, first, len(block_ids)), fmt, self.planes[layer], block_ids, head_start=h0)
+        region = self._chunks(chunk, first, len(block_ids))
+        self.queue.run(
+            lambda: ops.unpack(region, fmt, self.planes[layer], block_ids, head_start=h0),
+            f"unpacking {len(block_ids)} blocks of layer {layer}",
+        )
 
 
 __all__ = ["PackedPath", "Run", "SlotAllocator", "slot_format", "staging_descs"]

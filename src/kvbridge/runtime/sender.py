@@ -10,6 +10,11 @@ Who calls what (the engine adapter, on the prefill worker):
   how many prompt tokens that layer has computed so far (every chunk of a chunked
   prefill). O(1), never blocks: the sender thread does the I/O;
 - :meth:`Sender.prefill_done` when the last chunk is computed;
+- on GPU caches both pass ``ready``, a device event recorded on the stream that
+  computes the layer (anything with ``query()``): the host calls them when it has
+  *queued* the layer's kernels, so nothing of that layer is posted before the event
+  has completed (the sender thread polls it; past ``timeouts.transfer_s`` the
+  request fails);
 - :meth:`Sender.take_released` once per engine step: requests whose blocks the engine
   may free now (sent, expired, aborted or failed; in every case no transfer still
   reads them). Each transfer id is returned exactly once.
@@ -40,8 +45,10 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -54,6 +61,24 @@ from kvbridge.transports.base import Xfer
 from kvbridge.wire.messages import Abort, Destination, Done, LayerDone, Release, Reply
 
 log = logging.getLogger(__name__)
+
+
+class Ready(Protocol):
+    """A device event: ``query()`` is True once the work queued before it has completed
+    (``torch.cuda.Event``)."""
+
+    def query(self) -> bool: ...
+
+
+class _Gate(NamedTuple):
+    """Readiness waiting for ``ready``: ``layer`` holds ``tokens`` prompt tokens (layer
+    None: the prefill is done)."""
+
+    ready: Ready
+    transfer_id: str
+    layer: int | None
+    tokens: int
+    since: float
 
 
 @dataclass
@@ -114,6 +139,8 @@ class Sender:
         """Destinations (and idle ranks' releases) that came before :meth:`track`, with
         the time they are dropped."""
         self._released: list[str] = []
+        self._gates: deque[_Gate] = deque()
+        """Readiness behind device events, in the order the engine queued it."""
         self._keys = itertools.count()
         self._stop = False
         self._starved = False  # a packed post waits for staging slots
@@ -172,28 +199,68 @@ class Sender:
         if 0 <= last < len(blocks):
             packed.clear(blocks[last])
 
-    def layer_done(self, transfer_id: str, layer: int, computed_tokens: int) -> None:
-        """``layer`` holds KV for the first ``computed_tokens`` prompt tokens. Hot path."""
+    def layer_done(self, transfer_id: str, layer: int, computed_tokens: int, ready: Ready | None = None) -> None:
+        """``layer`` holds KV for the first ``computed_tokens`` prompt tokens (once
+        ``ready`` has completed, when given). Hot path."""
         with self._lock:
             out = self._out.get(transfer_id)
             if out is None:
                 return
-            if computed_tokens > out.ready[layer]:
-                out.ready[layer] = computed_tokens
-                if out.stream and out.dests:
-                    self._lock.notify()
+            if ready is not None:
+                self._gates.append(_Gate(ready, transfer_id, layer, computed_tokens, self.clock()))
+                self._lock.notify()
+            else:
+                self._set_ready(out, layer, computed_tokens)
 
-    def prefill_done(self, transfer_id: str) -> None:
-        """Every layer holds the whole prompt."""
+    def _set_ready(self, out: _Out, layer: int, computed_tokens: int) -> None:
+        if computed_tokens > out.ready[layer]:
+            out.ready[layer] = computed_tokens
+            if out.stream and out.dests:
+                self._lock.notify()
+
+    def prefill_done(self, transfer_id: str, ready: Ready | None = None) -> None:
+        """Every layer holds the whole prompt (once ``ready`` has completed, when given)."""
         now = self.clock()
         with self._lock:
             out = self._out.get(transfer_id)
             if out is None:
                 return
-            out.ready = [out.num_tokens] * self._layers
-            out.prefill_done = True
-            out.t_prefill_done = now
-            self._lock.notify()
+            if ready is not None:
+                self._gates.append(_Gate(ready, transfer_id, None, out.num_tokens, now))
+                self._lock.notify()
+            else:
+                self._set_done(out, now)
+
+    def _set_done(self, out: _Out, now: float) -> None:
+        out.ready = [out.num_tokens] * self._layers
+        out.prefill_done = True
+        out.t_prefill_done = now
+        self._lock.notify()
+
+    def _open_gates(self) -> bool:
+        """Apply the readiness whose events have completed, oldest first; a gate past
+        ``timeouts.transfer_s`` fails its request (lock held). True while some wait."""
+        now = self.clock()
+        while self._gates:
+            gate = self._gates[0]
+            out = self._out.get(gate.transfer_id)
+            if out is not None and not out.req.terminal and not gate.ready.query():
+                if now - gate.since <= self.cfg.timeouts.transfer_s:
+                    return True  # the stream reaches the later ones after this one
+                what = "the prefill" if gate.layer is None else f"layer {gate.layer}"
+                self._fail(
+                    out,
+                    f"the engine's device did not finish computing {what} within timeouts.transfer_s "
+                    f"({self.cfg.timeouts.transfer_s:g} s): is the GPU stalled?",
+                    now,
+                )
+            elif out is not None and not out.req.terminal:
+                if gate.layer is None:
+                    self._set_done(out, now)
+                else:
+                    self._set_ready(out, gate.layer, gate.tokens)
+            self._gates.popleft()
+        return False
 
     def abort(self, transfer_id: str, reason: str) -> None:
         """The engine gave up on the request (client gone, ...)."""
@@ -322,17 +389,18 @@ class Sender:
             with self._lock:
                 if self._stop:
                     return
+                gated = self._open_gates()
                 work = self._plan_posts()
             for out, posts in work:
                 self._post(out, posts)
-            busy = self._poll_inflight()
+            busy = self._poll_inflight() or gated
             self._apply_deadlines()
             with self._lock:
                 if self._stop:
                     return
                 if not busy and (self._starved or not self._has_postable()):
                     self._lock.wait(0.05)  # woken by any event; 50 ms bounds deadline checks
-                elif busy:
+                elif busy:  # writes in flight or device events pending: poll them
                     self._lock.wait(0.0002)
 
     def _has_postable(self) -> bool:
@@ -543,4 +611,4 @@ class Sender:
         self._thread.join(5)
 
 
-__all__ = ["Sender"]
+__all__ = ["Ready", "Sender"]

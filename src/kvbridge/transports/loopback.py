@@ -1,4 +1,5 @@
-"""In-process test double: transports of one process moving bytes with ``memmove``.
+"""In-process test double: transports of one process moving bytes with ``memmove``
+(GPU memory: with torch copies, where CUDA is available; for the GPU tests).
 
 For unit tests of the core and the adapters, never as evidence that NIXL or Mooncake
 work. It honours the whole contract (validation, notifications exactly once, close)
@@ -57,8 +58,8 @@ class LoopbackTransport(TransportBase):
         return other
 
     def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object:
-        if memory != "host":
-            raise InvalidDescriptorError("the loopback transport moves host memory only")
+        if memory != "host" and not _cuda_available():
+            raise InvalidDescriptorError("the loopback transport moves device memory only where CUDA is available")
         return None
 
     def _deregister(self, registration: Registration) -> None:
@@ -80,11 +81,16 @@ class LoopbackTransport(TransportBase):
         assert peer is not None
         target = self._target(peer)
         regions = self._regions(local, lidx, remote, ridx)
-        for src, dst, n in zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist()):
-            if op == "write":
+        if local.memory != remote.memory:
+            raise InvalidDescriptorError(f"the loopback transport moves {local.memory} to {local.memory} memory only, not to {remote.memory}")
+        pairs = zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist())
+        if op == "read":
+            pairs = ((dst, src, n) for src, dst, n in pairs)
+        if local.memory == "host":
+            for src, dst, n in pairs:
                 ctypes.memmove(dst, src, n)
-            else:
-                ctypes.memmove(src, dst, n)
+        else:
+            _device_copy(pairs)
         if notify:
             target._inbox.put([Notification(self.agent_name, bytes(notify))])
         xfer = Xfer(peer, nbytes, len(regions))
@@ -108,6 +114,30 @@ class LoopbackTransport(TransportBase):
         with _fabric_lock:
             if _fabric.get(self.agent_name) is self:
                 del _fabric[self.agent_name]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class _DeviceBytes:
+    """``n`` bytes of GPU memory at ``address``, for ``torch.as_tensor``."""
+
+    def __init__(self, address: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "strides": None, "version": 3}
+
+
+def _device_copy(pairs) -> None:  # noqa: ANN001
+    """Copy ``(src, dst, n)`` regions of GPU memory; returns once they have landed."""
+    import torch
+
+    for src, dst, n in pairs:
+        torch.as_tensor(_DeviceBytes(dst, n), device="cuda").copy_(torch.as_tensor(_DeviceBytes(src, n), device="cuda"))
+    torch.cuda.synchronize()
 
 
 __all__ = ["LoopbackTransport"]

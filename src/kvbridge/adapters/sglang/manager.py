@@ -122,7 +122,10 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             if self.config.packed:
                 dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
-                self.packed = PackedPath(typed, pool_planes(typed), self.config.staging_mb, self.transport, fp8=self.config.wire_dtype == "fp8")
+                self.packed = PackedPath(
+                    typed, pool_planes(typed), self.config.staging_mb, self.transport,
+                    fp8=self.config.wire_dtype == "fp8", timeout_s=self.config.timeouts.transfer_s,
+                )
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
         except Exception:
             self.transport.close()

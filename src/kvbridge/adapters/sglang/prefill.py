@@ -46,10 +46,10 @@ from kvbridge.adapters.sglang.streaming import (
     coalesce,
     completed_span,
     streams,
-    wait_device_event,
 )
 from kvbridge.core.tp import heads_per_rank
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
+from kvbridge.runtime.device import wait_device_event
 from kvbridge.runtime.packed import Run, staging_descs
 
 log = logging.getLogger(__name__)

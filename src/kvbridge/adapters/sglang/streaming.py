@@ -1,5 +1,4 @@
-"""Per-layer streaming bookkeeping of the SGLang backend. Pure: no SGLang, no torch, no I/O
-(:func:`wait_device_event` polls an event object it is given).
+"""Per-layer streaming bookkeeping of the SGLang backend. Pure: no SGLang, no torch, no I/O.
 
 Who uses what (see :mod:`.prefill` and docs/sglang-backend-notes.md §8):
 
@@ -33,7 +32,6 @@ where ``d = decode_prefix_len // page`` (the decode already has its cached prefi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -112,24 +110,6 @@ class LayerReady(NamedTuple):
     event: object = None
 
 
-def wait_device_event(event: object, deadline: float, clock: Callable[[], float] = time.monotonic, pause: float = 50e-6) -> bool:
-    """Poll ``event`` (anything with ``query()``, e.g. a ``torch.cuda.Event`` recorded
-    after the kernels that write some KV pages) until it has completed: True, or until
-    ``clock()`` reaches ``deadline``: False. Polled, not ``synchronize()``d, so that a
-    wedged stream cannot hold the transfer thread past the deadline.
-
-    >>> class Done:
-    ...     def query(self): return True
-    >>> wait_device_event(Done(), deadline=0.0)
-    True
-    """
-    while not event.query():  # type: ignore[attr-defined]
-        if clock() >= deadline:
-            return False
-        time.sleep(pause)
-    return True
-
-
 def coalesce(items: Iterable[object]) -> list[object]:
     """Merge runs of :class:`LayerReady` of the same forward into one (their layers in
     order; the last event, which the stream reaches after the earlier ones). Other
@@ -199,4 +179,4 @@ class RoomProgress:
         return bool(self.posted.all())
 
 
-__all__ = ["ForwardPlan", "LayerReady", "ReqSpan", "RoomProgress", "coalesce", "completed_span", "streams", "wait_device_event"]
+__all__ = ["ForwardPlan", "LayerReady", "ReqSpan", "RoomProgress", "coalesce", "completed_span", "streams"]

@@ -8,7 +8,11 @@ vLLM calls: ``register_kv_caches`` once after allocating the cache (we build the
 side binds its steps in ``bind_connector_metadata``, never in ``start_load_kv``.
 
 The forward pass is never blocked: ``save_kv_layer`` only records that a layer is
-done (O(requests in the batch)); the sender thread does the transfers. Completions are
+done (O(requests in the batch)); the sender thread does the transfers. On a GPU the
+host reaches ``save_kv_layer`` when it has queued the layer's kernels, not when they
+have run: there each call records one CUDA event on the current stream (the one
+computing the layer), and the sender posts nothing of the layer before the event has
+completed; ``wait_for_save`` does the same for the end of the forward. Completions are
 reported to vLLM exactly once: a prefill request in ``finished_sending`` only after the
 scheduler finished it (vLLM's contract) and the sender released its blocks; a decode
 request in ``finished_recving`` (and ``failed_recving`` when its load failed).
@@ -20,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
-from kvbridge.adapters.vllm.compat import extract_layer_index
+from kvbridge.adapters.vllm.compat import extract_layer_index, record_compute_event
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
 from kvbridge.config import KVBridgeConfig
 from kvbridge.errors import KVBridgeError
@@ -73,6 +77,7 @@ class WorkerSide:
         self._released: set[str] = set()  # prefill req ids released, not yet finished by the scheduler
         self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
         self._reported_used: int | None = None  # staging slots held at the last report
+        self._on_device = False  # the cache is GPU memory: readiness behind compute events
 
     # --- start-up --------------------------------------------------------------------------
 
@@ -92,6 +97,7 @@ class WorkerSide:
 
             planes = [kv_planes(kv_caches[name], geometry.spec.layout, self.block_size) for name in ordered]
         self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
+        self._on_device = geometry.memory == "device"
         log.info(
             "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",
             self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.config.wire_dtype,
@@ -158,16 +164,18 @@ class WorkerSide:
         if layer is None:
             return
         sender = self.endpoint.sender
+        ready = record_compute_event() if self._on_device else None
         for step in self._steps:
-            sender.layer_done(step.transfer_id, layer, step.computed_after)
+            sender.layer_done(step.transfer_id, layer, step.computed_after, ready)
 
     def after_forward(self) -> None:
-        """The step's forward pass is over: every layer holds its tokens."""
+        """The step's forward pass is over (queued, on a GPU): every layer holds its tokens."""
         if self.endpoint is None or self.endpoint.sender is None:
             return
-        for step in self._steps:
-            if step.last:
-                self.endpoint.sender.prefill_done(step.transfer_id)
+        last = [step for step in self._steps if step.last]
+        ready = record_compute_event() if self._on_device and last else None
+        for step in last:
+            self.endpoint.sender.prefill_done(step.transfer_id, ready)
         self._steps = []
 
     def results(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:

@@ -1,0 +1,89 @@
+"""The packed data path on GPU caches, through the runtime: vLLM-GPU-shaped caches (the
+FlashAttention NHD layout, float16 / bfloat16), FP8 and exact, pushed layer by layer
+over the loopback transport (device memory), each layer "computed" on the engine's
+stream behind a GPU sleep and announced with its CUDA event, as the vLLM worker does.
+The decode cache must equal the torch reference's pack -> unpack bit for bit (a layer
+packed before its kernels finished would hold zeros), and every staging slot must be
+given back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvbridge import ops
+from kvbridge.config import load_config
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.ops import jit
+from kvbridge.runtime.endpoint import Endpoint
+from kvbridge.transports.loopback import LoopbackTransport
+from kvbridge.wire.compat import CompatInfo
+
+pytestmark = pytest.mark.gpu
+
+L, NB, BS, H, HD = 4, 64, 16, 4, 128
+SLEEP_CYCLES = 20_000_000  # ~10 ms per layer: the sender's side stream would overtake it
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    jit.load()  # a GPU run must use the kernels, not fall back to the reference
+
+
+def cache(dtype: torch.dtype) -> tuple[torch.Tensor, CacheGeometry, CacheSpec]:
+    """``(L, 2, blocks, block_size, heads, head_dim)`` zeros on the GPU and its geometry."""
+    t = torch.zeros((L, 2, NB, BS, H, HD), dtype=dtype, device="cuda")
+    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype=str(dtype).removeprefix("torch."), layout="nhd")
+    bases = tuple(t[l, p].data_ptr() for l in range(L) for p in (0, 1))
+    return t, CacheGeometry(spec=spec, num_blocks=NB, plane_bases=bases, memory="device", device=t.device.index or 0), spec
+
+
+def endpoint(role: str, made, wire_dtype: str) -> Endpoint:
+    t, geo, spec = made
+    config = load_config({"timeouts": {"receive_s": 20, "transfer_s": 20}, "wire_dtype": wire_dtype, "data_path": "packed"})
+    planes = [ops.kv_planes(t[l], "nhd") for l in range(L)]
+    compat = CompatInfo.from_spec(spec, model="m", wire_dtype=wire_dtype, data_path=config.resolved_data_path)
+    transport = LoopbackTransport(f"gpu-{role}-{next(_names)}")
+    return Endpoint(config, geo, compat, role, send=role == "P", receive=role == "D", transport=transport, planes=planes)
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp8", "exact"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layers_computed_on_the_gpu_arrive_packed_bit_for_bit(dtype: torch.dtype, wire_dtype: str) -> None:
+    p, d = cache(dtype), cache(dtype)
+    P, D = endpoint("P", p, wire_dtype), endpoint("D", d, wire_dtype)
+    pa, da = p[0], d[0]
+    n, pblocks, dblocks = 200, list(range(3, 16)), list(range(40, 53))  # 13 blocks, the last partial
+    kv = torch.randn((L, 2, len(pblocks), BS, H, HD), generator=torch.Generator().manual_seed(7)).to(dtype)
+    try:
+        D.receiver.expect_push("g", P.address, dblocks, n)
+        P.sender.track("g", pblocks, n)
+        for layer in range(L):  # the engine's forward: each layer written after a GPU sleep
+            torch.cuda._sleep(SLEEP_CYCLES)
+            pa[layer][:, pblocks] = kv[layer].to("cuda", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            P.sender.layer_done("g", layer, n, ready=event)
+        event = torch.cuda.Event()
+        event.record()
+        P.sender.prefill_done("g", ready=event)
+        assert D.receiver.wait_finished(20) == (["g"], [])
+        assert P.sender.wait_released(20) == ["g"]
+        expected = torch.zeros((L, 2, NB, BS, H, HD), dtype=dtype)
+        source = torch.zeros_like(expected)
+        source[:, :, pblocks] = kv
+        for layer in range(L):  # the specification, on the CPU
+            region, fmt = ops.pack(ops.kv_planes(source[layer], "nhd"), pblocks, len(pblocks) * BS, fp8=wire_dtype == "fp8", chunk_tokens=BS)
+            ops.unpack(region, fmt, ops.kv_planes(expected[layer], "nhd"), dblocks)
+        got = da.cpu()
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), "the decode cache differs from the reference round trip"
+        if wire_dtype == "exact":
+            assert torch.equal(got[:, :, dblocks], kv)
+        for ep in (P, D):
+            assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
+    finally:
+        D.close()
+        P.close()
