@@ -68,3 +68,9 @@ class DeviceEvent:
 
     def complete(self) -> None:
         self.done = True
+
+    def polled_again(self, timeout: float = 5.0) -> bool:
+        """Wait until the sender has queried it ``polls`` more times (from now)."""
+        self.polled.clear()
+        self.queries = 0
+        return self.polled.wait(timeout)

@@ -104,6 +104,27 @@ def test_a_layer_queued_on_a_device_is_sent_only_once_its_event_completed(pd) ->
     np.testing.assert_array_equal(da[:, dblocks], pa[:, pblocks])
 
 
+def test_a_cached_prefix_waits_for_the_device_event_given_with_it(pd) -> None:
+    """A prefix-cache hit may be blocks an earlier forward, still running on the GPU,
+    writes: with ``ready`` they are not sent before it completes."""
+    P, D, pa, da = pd
+    n, pblocks, dblocks = 128, list(range(3, 11)), list(range(20, 28))
+    D.receiver.expect_push("x", P.address, dblocks, n)
+    earlier = DeviceEvent()
+    P.sender.track("x", pblocks, n, computed_tokens=64, ready=earlier)
+    eventually(lambda: P.sender.phase("x").value == "sending")  # the destination came
+    assert earlier.polled_again()
+    assert not da.any(), "cached blocks were sent before the forward writing them finished"
+    earlier.complete()
+    eventually(lambda: np.array_equal(da[:, dblocks[:4]], pa[:, pblocks[:4]]))
+    assert not da[:, dblocks[4:]].any()
+    for layer in range(L):
+        P.sender.layer_done("x", layer, n)
+    P.sender.prefill_done("x")
+    assert D.receiver.wait_finished(5) == (["x"], [])
+    np.testing.assert_array_equal(da[:, dblocks], pa[:, pblocks])
+
+
 def test_a_prompt_sent_after_its_prefill_waits_for_the_forward_s_device_event(pd) -> None:
     P, D, pa, da = pd
     P.sender.track("f", [5, 6], 20)  # below layerwise_min_tokens: one transfer after the prefill
@@ -112,7 +133,8 @@ def test_a_prompt_sent_after_its_prefill_waits_for_the_forward_s_device_event(pd
         P.sender.layer_done("f", layer, 20)
     done = DeviceEvent()
     P.sender.prefill_done("f", ready=done)
-    assert done.polled.wait(5)
+    eventually(lambda: P.sender.phase("f").value == "sending")  # the destination came
+    assert done.polled_again()
     assert not da.any() and P.sender.wait_released(0) == [], "sent before the forward's kernels finished"
     done.complete()
     assert D.receiver.wait_finished(5) == (["f"], [])

@@ -18,7 +18,7 @@ import torch
 from kvbridge.adapters.sglang.layout import kv_geometry
 from kvbridge.adapters.sglang.packed import (
     RoomReservations,
-    check_latent_pairing,
+    check_packed_pairing,
     decode_parts,
     pool_planes,
     room_part,
@@ -113,10 +113,11 @@ def test_an_mla_pool_packs_as_its_vectors_halves_into_the_decode_pages(fp8: bool
 
 
 def test_mla_pools_pair_on_the_packed_path_only_towards_at_least_the_prefills_tp() -> None:
-    check_latent_pairing(1, 1)
-    check_latent_pairing(1, 2)
+    check_packed_pairing("latent", 1, 1)
+    check_packed_pairing("latent", 1, 2)
+    check_packed_pairing("nhd", 2, 1)  # MHA pools: parts of heads, any pairing room_part takes
     with pytest.raises(IncompatiblePeerError, match="at least the prefill's TP size") as err:
-        check_latent_pairing(2, 1)
+        check_packed_pairing("latent", 2, 1)
     assert "data_path 'auto'" in (err.value.fix or "")
     assert [p.heads for p in decode_parts(1, 1, 2, 1)] == [1]  # every decode rank: the whole latent cache
 

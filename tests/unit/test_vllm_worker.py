@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from runtime_pair import DeviceEvent, L, endpoint, make_cache
+from runtime_pair import DeviceEvent, L, endpoint, eventually, make_cache
 
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, RecvTask, SendStep
 from kvbridge.adapters.vllm.params import PrefillAddress, RankAddress
@@ -212,14 +212,16 @@ def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_eve
         p._on_device = True  # what register() sets for a cache in GPU memory
         p._layer_index = {f"model.layers.{i}.attn": i for i in range(L)}
         d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t9", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]))
-        p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t9", "push", 20, [5, 6], 0, 20, True)]))
+        # the first block is a prefix-cache hit: an earlier forward may still be writing it
+        p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t9", "push", 20, [5, 6], 16, 20, True)]))
         for layer in range(L):
             p.save_layer(f"model.layers.{layer}.attn")
         p.after_forward()
-        assert len(recorded) == L + 1, "one event per hooked layer and one for the forward's end"
+        assert len(recorded) == 1 + L + 1, "one event for the cached prefix, one per hooked layer, one for the forward's end"
         for event in recorded[:-1]:
             event.complete()
-        assert recorded[-1].polled.wait(5)
+        eventually(lambda: p_ep.sender.phase("t9").value == "sending")  # the destination came
+        assert recorded[-1].polled_again()
         assert not d_cache[0].any(), "written before the forward's kernels finished"
         recorded[-1].complete()
         _until(d, set(), "rd", 1)

@@ -55,6 +55,20 @@ class OpsInputError(KVBridgeError, ValueError):
     """Bad input to :func:`pack` / :func:`unpack` (shape, dtype, device, range)."""
 
 
+class _CudaArray:
+    """``nbytes`` bytes at ``address``, described for ``torch.as_tensor``."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "strides": None, "version": 3}
+
+
+def device_bytes(address: int, nbytes: int, device: int) -> torch.Tensor:
+    """The ``nbytes`` bytes of GPU memory at ``address`` on CUDA device ``device`` as a
+    uint8 tensor, no copy: for caches an engine hands over as addresses (SGLang's KV
+    pool). The memory's owner keeps it alive while the tensor is used."""
+    return torch.as_tensor(_CudaArray(address, nbytes), device=f"cuda:{device}")
+
+
 def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's cache as K and V views of shape ``(num_blocks, block_size,
     num_heads, head_dim)`` (no copy), the form :func:`pack` and :func:`unpack` take.
@@ -321,4 +335,4 @@ def unpack(
         reference.unpack(packed, fmt, layers, ids.to(k.device), head_start)
 
 
-__all__ = ["KERNELS", "OpsInputError", "PackedFormat", "kv_planes", "pack", "packed_format", "unpack"]
+__all__ = ["KERNELS", "OpsInputError", "PackedFormat", "device_bytes", "kv_planes", "pack", "packed_format", "unpack"]

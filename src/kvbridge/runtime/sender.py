@@ -72,13 +72,17 @@ class Ready(Protocol):
 
 class _Gate(NamedTuple):
     """Readiness waiting for ``ready``: ``layer`` holds ``tokens`` prompt tokens (layer
-    None: the prefill is done)."""
+    :data:`_EVERY`: every layer does; None: the prefill is done)."""
 
     ready: Ready
     transfer_id: str
     layer: int | None
     tokens: int
     since: float
+
+
+_EVERY = -1
+"""A gate's layer: the request's cached prefix, in every layer."""
 
 
 @dataclass
@@ -149,12 +153,15 @@ class Sender:
 
     # --- engine-facing -------------------------------------------------------------------
 
-    def track(self, transfer_id: str, blocks: list[int], num_tokens: int, computed_tokens: int = 0, pull: bool = False) -> None:
+    def track(
+        self, transfer_id: str, blocks: list[int], num_tokens: int, computed_tokens: int = 0, pull: bool = False, ready: Ready | None = None
+    ) -> None:
         """Start holding ``blocks`` (the prompt's, in order) for ``transfer_id``.
 
         ``computed_tokens``: tokens already in the cache before this prefill (prefix
-        cache hits), ready in every layer. ``pull``: P-first flow, the decode side reads
-        the blocks itself and sends ``Release``.
+        cache hits), ready in every layer (once ``ready`` has completed, when given: an
+        earlier forward still running on the device may be writing them). ``pull``:
+        P-first flow, the decode side reads the blocks itself and sends ``Release``.
         """
         now = self.clock()
         with self._lock:
@@ -167,9 +174,11 @@ class Sender:
                 num_tokens=num_tokens,
                 stream=stream,
                 pull=pull,
-                ready=[computed_tokens] * self._layers,
+                ready=[0 if ready is not None else computed_tokens] * self._layers,
             )
             self._out[transfer_id] = out
+            if ready is not None and computed_tokens:
+                self._gates.append(_Gate(ready, transfer_id, _EVERY, computed_tokens, now))
             self._clear_tail(out, 0, blocks)
             for msg, _ in self._early.pop(transfer_id, []):
                 if isinstance(msg, Release):
@@ -247,7 +256,7 @@ class Sender:
             if out is not None and not out.req.terminal and not gate.ready.query():
                 if now - gate.since <= self.cfg.timeouts.transfer_s:
                     return True  # the stream reaches the later ones after this one
-                what = "the prefill" if gate.layer is None else f"layer {gate.layer}"
+                what = {None: "the prefill", _EVERY: "its cached prefix"}.get(gate.layer, f"layer {gate.layer}")
                 self._fail(
                     out,
                     f"the engine's device did not finish computing {what} within timeouts.transfer_s "
@@ -257,6 +266,9 @@ class Sender:
             elif out is not None and not out.req.terminal:
                 if gate.layer is None:
                     self._set_done(out, now)
+                elif gate.layer == _EVERY:
+                    for layer in range(self._layers):
+                        self._set_ready(out, layer, gate.tokens)
                 else:
                     self._set_ready(out, gate.layer, gate.tokens)
             self._gates.popleft()

@@ -124,19 +124,14 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class _DeviceBytes:
-    """``n`` bytes of GPU memory at ``address``, for ``torch.as_tensor``."""
-
-    def __init__(self, address: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "strides": None, "version": 3}
-
-
 def _device_copy(pairs) -> None:  # noqa: ANN001
     """Copy ``(src, dst, n)`` regions of GPU memory; returns once they have landed."""
     import torch
 
+    from kvbridge.ops import device_bytes
+
     for src, dst, n in pairs:
-        torch.as_tensor(_DeviceBytes(dst, n), device="cuda").copy_(torch.as_tensor(_DeviceBytes(src, n), device="cuda"))
+        device_bytes(dst, n, torch.cuda.current_device()).copy_(device_bytes(src, n, torch.cuda.current_device()))
     torch.cuda.synchronize()
 
 

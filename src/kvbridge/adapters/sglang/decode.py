@@ -36,7 +36,7 @@ from kvbridge.adapters.sglang.lifecycle import (
     Verdict,
     decode_epoch,
 )
-from kvbridge.adapters.sglang.packed import Part, RoomReservations, check_latent_pairing, decode_parts
+from kvbridge.adapters.sglang.packed import Part, RoomReservations, check_packed_pairing, decode_parts
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,7 @@ class DecodeSide:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
         of attention TP ``prefill_tp``. Raises
         :class:`~kvbridge.errors.IncompatiblePeerError` for sizes that do not pair."""
-        if self.geometry.spec.layout == "latent":
-            check_latent_pairing(prefill_tp, self.attn_tp_size)
+        check_packed_pairing(self.geometry.spec.layout, prefill_tp, self.attn_tp_size)
         return decode_parts(self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank)
 
     def build_receiver_metadata_message(

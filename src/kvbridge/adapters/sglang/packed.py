@@ -81,7 +81,7 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
 
 def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, SGLang's K and V buffers as ``(pages, page_size, heads, head_dim)``
-    tensors over the pool's own memory (no copy; host memory only), or an MLA pool's
+    tensors over the pool's own memory (no copy; host or GPU memory), or an MLA pool's
     latent buffer as its vectors' two halves (:func:`kvbridge.ops.kv_planes`). The pool
     outlives them: SGLang keeps it for the life of the scheduler, as it does the
     manager."""
@@ -89,18 +89,15 @@ def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tenso
 
     from kvbridge import ops
 
-    if geometry.memory != "host":
-        raise ConfigError(
-            "the packed data path (wire_dtype 'fp8', data_path 'packed') with SGLang packs CPU KV pools only for now",
-            key="wire_dtype",
-            fix="use wire_dtype 'exact' and data_path 'direct' on GPU servers",
-        )
     s = geometry.spec
     nbytes = geometry.num_blocks * s.block_bytes
     dtype = getattr(torch, s.dtype)
 
     def view(base: int) -> torch.Tensor:
-        raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
+        if geometry.memory == "host":
+            raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
+        else:
+            raw = ops.device_bytes(base, nbytes, geometry.device)
         return raw.view(dtype).view(-1, s.num_kv_heads, s.head_dim)
 
     bases = geometry.plane_bases
@@ -125,12 +122,13 @@ class Part(NamedTuple):
     """The decode rank's heads ``[first, end)`` they become."""
 
 
-def check_latent_pairing(p_tp: int, d_tp: int) -> None:
-    """Raise unless an MLA pool's packed rooms can pair these TP sizes: a decode of
-    fewer ranks than the prefill reads each room from one prefill rank of SGLang's
-    choosing (the others get a dummy destination), which the packed path's parts do
-    not follow; the direct path does."""
-    if p_tp > d_tp:
+def check_packed_pairing(layout: str, p_tp: int, d_tp: int) -> None:
+    """Raise unless packed rooms of a pool of ``layout`` can pair these TP sizes. Any
+    pairing :func:`room_part` accepts, except for an MLA pool (``latent``) towards a
+    decode of fewer ranks than the prefill: SGLang reads each room from one prefill
+    rank of its choosing there (the others get a dummy destination), which the packed
+    path's parts do not follow; the direct path does. Both sides call it."""
+    if layout == "latent" and p_tp > d_tp:
         raise IncompatiblePeerError(
             f"prefill attention TP {p_tp}, decode TP {d_tp}: the packed data path moves an MLA model's latent cache "
             "to a decode of at least the prefill's TP size",

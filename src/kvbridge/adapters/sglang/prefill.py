@@ -37,7 +37,7 @@ from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, paired_count
 from kvbridge.adapters.sglang.lifecycle import Tombstones
-from kvbridge.adapters.sglang.packed import Part, check_latent_pairing, part_start, room_part, room_slots
+from kvbridge.adapters.sglang.packed import Part, check_packed_pairing, part_start, room_part, room_slots
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
     LayerReady,
@@ -254,8 +254,7 @@ class PrefillSide:
         theirs = reg.packed_spec
         if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
             raise IncompatiblePeerError(f"its packed KV ({theirs}) differs from this prefill's ({mine})")
-        if mine.layout == "latent":
-            check_latent_pairing(p_tp, d_tp)
+        check_packed_pairing(mine.layout, p_tp, d_tp)
         total = self._total_kv_heads()
         if reg.kv_heads and reg.kv_heads != total:
             raise IncompatiblePeerError(f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both")

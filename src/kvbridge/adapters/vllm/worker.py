@@ -12,7 +12,9 @@ done (O(requests in the batch)); the sender thread does the transfers. On a GPU 
 host reaches ``save_kv_layer`` when it has queued the layer's kernels, not when they
 have run: there each call records one CUDA event on the current stream (the one
 computing the layer), and the sender posts nothing of the layer before the event has
-completed; ``wait_for_save`` does the same for the end of the forward. Completions are
+completed; ``wait_for_save`` does the same for the end of the forward, and binding a
+request whose prompt starts with prefix-cache hits for those blocks (vLLM schedules a
+step while the previous one may still run on the GPU). Completions are
 reported to vLLM exactly once: a prefill request in ``finished_sending`` only after the
 scheduler finished it (vLLM's contract) and the sender released its blocks; a decode
 request in ``finished_recving`` (and ``failed_recving`` when its load failed).
@@ -125,7 +127,9 @@ class WorkerSide:
         for step in self._steps:
             if step.first:
                 self._send_req[step.transfer_id] = step.req_id
-                ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull")
+                # a prefix hit may be blocks an earlier forward, still queued on the GPU, writes
+                ready = record_compute_event() if self._on_device and step.computed_before else None
+                ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull", ready=ready)
             elif step.new_blocks:
                 ep.sender.add_blocks(step.transfer_id, step.new_blocks)
 
