@@ -13,8 +13,8 @@ setup-sglang:
 
 ## the whole test suite (what CI runs): vLLM, transports, core in .venv; SGLang in .venv-sglang
 test: setup setup-sglang
-	$(BIN)/python -m pytest tests -ra --ignore=tests/integration_sglang
-	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra
+	$(BIN)/python -m pytest tests -ra --durations=20 --ignore=tests/integration_sglang
+	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra --durations=20
 
 test-sglang: setup-sglang
 	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra
