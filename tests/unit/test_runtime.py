@@ -129,8 +129,9 @@ def test_a_prompt_sent_after_its_prefill_waits_for_the_forward_s_device_event(pd
     P, D, pa, da = pd
     P.sender.track("f", [5, 6], 20)  # below layerwise_min_tokens: one transfer after the prefill
     D.receiver.expect_push("f", P.address, [1, 2], 20)
+    layer_events = [DeviceEvent() for _ in range(L)]
     for layer in range(L):
-        P.sender.layer_done("f", layer, 20)
+        P.sender.layer_done("f", layer, 20, ready=layer_events[layer])
     done = DeviceEvent()
     P.sender.prefill_done("f", ready=done)
     eventually(lambda: P.sender.phase("f").value == "sending")  # the destination came
@@ -140,6 +141,7 @@ def test_a_prompt_sent_after_its_prefill_waits_for_the_forward_s_device_event(pd
     assert D.receiver.wait_finished(5) == (["f"], [])
     np.testing.assert_array_equal(da[:, [1, 2]], pa[:, [5, 6]])
     assert P.sender.wait_released(5) == ["f"]
+    assert all(e.queries == 0 for e in layer_events), "a prompt sent after its prefill needs no per-layer events"
 
 
 def test_a_device_event_that_never_completes_fails_the_request_at_transfer_s() -> None:

@@ -215,11 +215,11 @@ class Sender:
             out = self._out.get(transfer_id)
             if out is None:
                 return
-            if ready is not None:
+            if ready is None:
+                self._set_ready(out, layer, computed_tokens)
+            elif out.stream:  # else only prefill_done (and its own event) makes it sendable
                 self._gates.append(_Gate(ready, transfer_id, layer, computed_tokens, self.clock()))
                 self._lock.notify()
-            else:
-                self._set_ready(out, layer, computed_tokens)
 
     def _set_ready(self, out: _Out, layer: int, computed_tokens: int) -> None:
         if computed_tokens > out.ready[layer]:
