@@ -8,24 +8,19 @@ given back."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
+import runtime_pair
 import torch
 
 from kvbridge import ops
-from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.ops import jit
 from kvbridge.runtime.endpoint import Endpoint
-from kvbridge.transports.loopback import LoopbackTransport
-from kvbridge.wire.compat import CompatInfo
 
 pytestmark = pytest.mark.gpu
 
 L, NB, BS, H, HD = 4, 64, 16, 4, 128
 SLEEP_CYCLES = 20_000_000  # ~10 ms per layer: the sender's side stream would overtake it
-_names = itertools.count()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,11 +38,9 @@ def cache(dtype: torch.dtype) -> tuple[torch.Tensor, CacheGeometry, CacheSpec]:
 
 def endpoint(role: str, made, wire_dtype: str) -> Endpoint:
     t, geo, spec = made
-    config = load_config({"timeouts": {"receive_s": 20, "transfer_s": 20}, "wire_dtype": wire_dtype, "data_path": "packed"})
     planes = [ops.kv_planes(t[l], "nhd") for l in range(L)]
-    compat = CompatInfo.from_spec(spec, model="m", wire_dtype=wire_dtype, data_path=config.resolved_data_path)
-    transport = LoopbackTransport(f"gpu-{role}-{next(_names)}")
-    return Endpoint(config, geo, compat, role, send=role == "P", receive=role == "D", transport=transport, planes=planes)
+    timeouts = {"receive_s": 20, "transfer_s": 20}
+    return runtime_pair.endpoint(role, (t, geo), timeouts, spec, planes=planes, wire_dtype=wire_dtype, data_path="packed")
 
 
 @pytest.mark.parametrize("wire_dtype", ["fp8", "exact"])

@@ -9,36 +9,25 @@ import time
 
 import pytest
 import torch
+from runtime_pair import DeviceEvent
 
 from kvbridge.runtime.device import OpsQueue, wait_device_event
 
 
-class _Event:
-    """A device event stand-in: completes when the test says so (or never)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.queries = 0
-
-    def query(self) -> bool:
-        self.queries += 1
-        return self.done.is_set()
-
-
 def test_waiting_for_a_device_event_returns_once_it_completes() -> None:
-    ev = _Event()
-    timer = threading.Timer(0.05, ev.done.set)
+    ev = DeviceEvent()
+    timer = threading.Timer(0.05, ev.complete)
     timer.start()
     try:
         assert wait_device_event(ev, deadline=time.monotonic() + 10)
     finally:
         timer.cancel()
-    assert ev.done.is_set() and ev.queries > 1  # it polled until then, not once
+    assert ev.done and ev.queries > 1  # it polled until then, not once
 
 
 def test_waiting_for_a_device_event_that_never_completes_stops_at_the_deadline() -> None:
     now = iter(range(1000))
-    ev = _Event()
+    ev = DeviceEvent()
     assert not wait_device_event(ev, deadline=5, clock=lambda: next(now), pause=0)
     assert ev.queries == 6  # clock 0..4 below the deadline, then 5 reaches it
 

@@ -4,23 +4,20 @@ unpacked into the decode cache; staging slots released exactly once; clear error
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import pytest
+import runtime_pair
 import torch
 
 from kvbridge import ops
-from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.lifecycle import SendPhase
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.transports.loopback import LoopbackTransport
-from kvbridge.wire.compat import CompatInfo
 
 L, N, BS, H, HD = 4, 48, 16, 2, 32
 SPEC = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused")
-_names = itertools.count()
 
 
 def make_cache(seed: int | None, num_blocks: int = N) -> tuple[torch.Tensor, CacheGeometry]:
@@ -32,13 +29,8 @@ def make_cache(seed: int | None, num_blocks: int = N) -> tuple[torch.Tensor, Cac
 
 
 def endpoint(role: str, cache, wire_dtype: str = "fp8", **cfg) -> Endpoint:
-    t, geo = cache
-    config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5}, "wire_dtype": wire_dtype, **cfg})
-    planes = [ops.kv_planes(t[i], "fused") for i in range(L)]
-    return Endpoint(
-        config, geo, CompatInfo.from_spec(SPEC, model="m", wire_dtype=wire_dtype, data_path=config.resolved_data_path), role,
-        send=role == "P", receive=role == "D", transport=LoopbackTransport(f"{role}-{next(_names)}"), planes=planes,
-    )
+    planes = [ops.kv_planes(cache[0][i], "fused") for i in range(L)]
+    return runtime_pair.endpoint(role, cache, spec=SPEC, planes=planes, wire_dtype=wire_dtype, **cfg)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -204,7 +204,7 @@ def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_eve
     from kvbridge.adapters.vllm import worker as worker_module
 
     recorded: list[DeviceEvent] = []
-    monkeypatch.setattr(worker_module, "record_compute_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
+    monkeypatch.setattr(worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
     p_cache, d_cache = make_cache(1), make_cache(None)
     p_ep, d_ep = endpoint("P", p_cache), endpoint("D", d_cache)
     try:

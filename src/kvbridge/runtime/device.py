@@ -1,6 +1,8 @@
 """Waiting for device work without trusting it to finish: the one place where the
 runtime and the engine adapters meet CUDA streams and events.
 
+- :func:`record_device_event` records an event on the current stream (the engine's,
+  in its per-layer hooks): it completes once the kernels queued before it have run.
 - :func:`wait_device_event` polls an event (anything with ``query()``, e.g. a
   ``torch.cuda.Event``) until it completes or a deadline passes; polled, never
   ``synchronize()``d, so a wedged stream cannot hold a transfer thread past its deadline.
@@ -23,6 +25,16 @@ from kvbridge.errors import DeadlineExceeded
 
 if TYPE_CHECKING:
     import torch
+
+
+def record_device_event() -> torch.cuda.Event:
+    """A CUDA event recorded on the current stream. Engine thread, in the adapters'
+    hooks (one per hooked layer and step, or per forward)."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def wait_device_event(event: object, deadline: float, clock: Callable[[], float] = time.monotonic, pause: float = 50e-6) -> bool:
@@ -79,4 +91,4 @@ class OpsQueue:
             raise DeadlineExceeded(f"{what} did not complete on {self.device} within timeouts.transfer_s ({self.timeout_s:g} s): is the GPU stalled?")
 
 
-__all__ = ["OpsQueue", "wait_device_event"]
+__all__ = ["OpsQueue", "record_device_event", "wait_device_event"]

@@ -130,8 +130,9 @@ def _device_copy(pairs) -> None:  # noqa: ANN001
 
     from kvbridge.ops import device_bytes
 
+    device = torch.cuda.current_device()
     for src, dst, n in pairs:
-        device_bytes(dst, n, torch.cuda.current_device()).copy_(device_bytes(src, n, torch.cuda.current_device()))
+        device_bytes(dst, n, device).copy_(device_bytes(src, n, device))
     torch.cuda.synchronize()
 
 

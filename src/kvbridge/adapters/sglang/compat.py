@@ -224,15 +224,6 @@ def start_layer(kv_args) -> int:
         return 0
 
 
-def record_layer_event():
-    """A CUDA event recorded on the current stream (the one computing the layer)."""
-    import torch
-
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 def hook_layerwise(plan_forward) -> None:
     """Wrap SGLang's forward so that per-layer streaming can see its layers.
 
@@ -301,7 +292,6 @@ __all__ = [
     "hook_layerwise",
     "kv_dtype_and_head_dim",
     "page_ids",
-    "record_layer_event",
     "sglang_version",
     "start_layer",
     "warn_if_untested",

@@ -49,7 +49,7 @@ from kvbridge.adapters.sglang.streaming import (
 )
 from kvbridge.core.tp import heads_per_rank
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
-from kvbridge.runtime.device import wait_device_event
+from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.packed import Run, staging_descs
 
 log = logging.getLogger(__name__)
@@ -418,7 +418,7 @@ class PrefillSide:
         layer = layer_id - self._start_layer
         if not 0 <= layer < self._num_layers:
             return
-        event = compat.record_layer_event() if self.memory == "device" else None
+        event = record_device_event() if self.memory == "device" else None
         self._work.put(LayerReady(plan, (layer,), event))
 
     # --- prefill: transfer thread -----------------------------------------------------------

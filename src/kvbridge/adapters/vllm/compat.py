@@ -57,17 +57,6 @@ from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 
-def record_compute_event():
-    """A CUDA event recorded on the current stream: vLLM computes a layer on the stream
-    current when the connector's per-layer hook runs, so the event completes once the
-    layer's KV is written. Engine thread; one event per hooked layer per step."""
-    import torch
-
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 def is_mla(model_config) -> bool:
     """The model's attention is multi-head latent attention (DeepSeek-style)."""
     return bool(model_config.use_mla)
@@ -102,7 +91,6 @@ __all__ = [
     "extract_layer_index",
     "is_mla",
     "model_kv_heads",
-    "record_compute_event",
     "vllm_version",
     "yield_req_data",
 ]

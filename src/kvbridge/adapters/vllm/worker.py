@@ -26,10 +26,11 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
-from kvbridge.adapters.vllm.compat import extract_layer_index, record_compute_event
+from kvbridge.adapters.vllm.compat import extract_layer_index
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
 from kvbridge.config import KVBridgeConfig
 from kvbridge.errors import KVBridgeError
+from kvbridge.runtime.device import record_device_event
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.wire.compat import CompatInfo
@@ -128,7 +129,7 @@ class WorkerSide:
             if step.first:
                 self._send_req[step.transfer_id] = step.req_id
                 # a prefix hit may be blocks an earlier forward, still queued on the GPU, writes
-                ready = record_compute_event() if self._on_device and step.computed_before else None
+                ready = record_device_event() if self._on_device and step.computed_before else None
                 ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull", ready=ready)
             elif step.new_blocks:
                 ep.sender.add_blocks(step.transfer_id, step.new_blocks)
@@ -168,7 +169,7 @@ class WorkerSide:
         if layer is None:
             return
         sender = self.endpoint.sender
-        ready = record_compute_event() if self._on_device else None
+        ready = record_device_event() if self._on_device else None
         for step in self._steps:
             sender.layer_done(step.transfer_id, layer, step.computed_after, ready)
 
@@ -177,7 +178,7 @@ class WorkerSide:
         if self.endpoint is None or self.endpoint.sender is None:
             return
         last = [step for step in self._steps if step.last]
-        ready = record_compute_event() if self._on_device and last else None
+        ready = record_device_event() if self._on_device and last else None
         for step in last:
             self.endpoint.sender.prefill_done(step.transfer_id, ready)
         self._steps = []
