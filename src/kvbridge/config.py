@@ -157,6 +157,15 @@ class KVBridgeConfig(_Section):
     destination and the prefill writes (nothing reads its cache). Prefill and decode
     must agree."""
 
+    transfer_block_size: NonNegativeInt = 0
+    """Tokens per block as kvbridge moves and addresses KV (0: the engine's own block
+    size). Set it to a common divisor of both sides' block sizes, identically on
+    prefill and decode, to pair instances whose engines use different block sizes
+    (e.g. 16 and 64): each engine block is then addressed as several blocks of this
+    many tokens. Needs a cache that stores each block token by token (vLLM's
+    FlashAttention-style NHD and MLA caches; not vLLM's CPU cache or an HND one).
+    Smaller blocks mean more descriptors on the direct path, none more bytes."""
+
     staging_mb: PositiveInt = 256
     """Size of the registered staging buffer of the packed path, per worker. The
     decode side holds a request's packed KV in it until the request has arrived, so it

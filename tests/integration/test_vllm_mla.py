@@ -4,7 +4,9 @@ layout), the same on every TP rank.
 
 - TP 1 -> TP 1 over NIXL and Mooncake, both flows, prompt lengths around block
   boundaries: decode output equals a colocated instance token for token, and D
-  receives exactly the prompt's latent blocks;
+  receives exactly the prompt's latent blocks; over Mooncake both instances move KV in
+  blocks of 8 tokens (``transfer_block_size``: each vLLM block of 16 addressed as two),
+  so D receives the prompt rounded up to 8 tokens, not 16;
 - between TP sizes (NIXL): 1 -> 2, each decode worker receives the whole latent cache
   from the one prefill worker (every TP rank holds all of it); 2 -> 1, the decode worker
   reads from one prefill worker and tells the other, which holds the same cache, to
@@ -13,7 +15,7 @@ layout), the same on every TP rank.
   returns to idle without any lease expiring.
 
 - the packed path (staging buffers): exact values (``data_path: packed``, Mooncake), output
-  equal to colocated and exactly the latent bytes; FP8 (``wire_dtype: fp8``, NIXL), each
+  equal to colocated and exactly the latent bytes (in blocks of 8, as above); FP8 (``wire_dtype: fp8``, NIXL), each
   vector's halves quantized with a scale each: 3.9x fewer bytes, first-token logprobs
   equal to those of the model run in transformers on an FP8-rounded latent cache;
   both: staging slots all free again.
@@ -41,7 +43,9 @@ LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 6 * BLOCK + 5, 300]
 MAX_TOKENS = 12
 _MLA = SHAPES["mla"]
 LATENT = _MLA["kv_lora_rank"] + _MLA["qk_rope_head_dim"]
-BYTES_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * LATENT * 4  # layers x tokens x latent x fp32
+BYTES_PER_TOKEN = _MLA["num_hidden_layers"] * LATENT * 4  # layers x latent x fp32
+BYTES_PER_BLOCK = BLOCK * BYTES_PER_TOKEN
+UNIT = 8  # transfer_block_size of the Mooncake pairs
 FP8_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)  # a byte a value, a float32 scale per half vector
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 USAGE = "vllm:kv_cache_usage_perc"
@@ -65,26 +69,31 @@ def colocated(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 class PD:
-    def __init__(self, p: VllmServer, d: VllmServer) -> None:
+    def __init__(self, p: VllmServer, d: VllmServer, unit: int = BLOCK) -> None:
         self.p, self.d = p, d
+        self.unit = unit
+        """Tokens per block as kvbridge moves them (``transfer_block_size``)."""
         self.address = discover(p.url)
 
 
-@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+@pytest.fixture(scope="module", params=[("nixl", BLOCK), ("mooncake", UNIT)], ids=["nixl", f"mooncake-blocks-of-{UNIT}"])
 def pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    logs = tmp_path_factory.mktemp(f"mla-{request.param}")
-    p = server(mla_model, logs, "P", *kv_args("kv_producer", request.param))
-    d = server(mla_model, logs, "D", *kv_args("kv_consumer", request.param, policy="fail"))
+    transport, unit = request.param
+    logs = tmp_path_factory.mktemp(f"mla-{transport}")
+    extra = {"transfer_block_size": unit} if unit != BLOCK else None
+    p = server(mla_model, logs, "P", *kv_args("kv_producer", transport, extra))
+    d = server(mla_model, logs, "D", *kv_args("kv_consumer", transport, extra, policy="fail"))
     start_all([p, d])
-    yield PD(p, d)
+    yield PD(p, d, unit)
     for s in (p, d):
         s.stop()
 
 
-def expect_received(d: VllmServer, before: float, n: int, ranks: int = 1) -> None:
-    expected = ranks * math.ceil(n / BLOCK) * BYTES_PER_BLOCK
+def expect_received(d: VllmServer, before: float, n: int, ranks: int = 1, unit: int = BLOCK) -> None:
+    blocks = math.ceil(n / unit)
+    expected = ranks * blocks * unit * BYTES_PER_TOKEN
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
-    assert got == expected, f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {math.ceil(n / BLOCK)} latent blocks are {expected}"
+    assert got == expected, f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {blocks} latent blocks of {unit} tokens are {expected}"
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -95,7 +104,7 @@ def test_mla_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n
     before = metric(pd.d.url, RECEIVED)
     out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address)
     assert out.token_ids == ref.token_ids
-    expect_received(pd.d, before, n)
+    expect_received(pd.d, before, n, unit=pd.unit)
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +142,11 @@ def test_mla_between_tp_sizes(tp: TPCluster, pair: str, flow: str, n: int) -> No
 def packed_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PD, str]]:
     transport, wire = request.param
     logs = tmp_path_factory.mktemp(f"mla-{wire}")
-    extra = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"}
+    extra = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed", "transfer_block_size": UNIT}
     p = server(mla_model, logs, "P", *kv_args("kv_producer", transport, extra))
     d = server(mla_model, logs, "D", *kv_args("kv_consumer", transport, extra, policy="fail"))
     start_all([p, d])
-    yield PD(p, d), wire
+    yield PD(p, d, extra.get("transfer_block_size", BLOCK)), wire
     for s in (p, d):
         s.stop()
 
@@ -156,7 +165,7 @@ def test_mla_on_the_packed_path(packed_pd: tuple[PD, str], colocated: VllmServer
     is reported (this tiny model's random weights amplify KV noise: up to ~2 nats,
     measured in transformers alike); and 3.9x fewer bytes."""
     pd, wire = packed_pd
-    per_block = FP8_PER_BLOCK if wire == "fp8" else BYTES_PER_BLOCK
+    per_block = FP8_PER_BLOCK if wire == "fp8" else pd.unit * BYTES_PER_TOKEN
     worst_drift = worst_ref = 0.0
     lengths = [BLOCK - 1, BLOCK + 1, 6 * BLOCK + 5, 300]
     for i, n in enumerate(lengths):
@@ -166,7 +175,7 @@ def test_mla_on_the_packed_path(packed_pd: tuple[PD, str], colocated: VllmServer
         ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS, **ask)
         before = metric(pd.d.url, RECEIVED)
         out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, **ask)
-        blocks = math.ceil(n / BLOCK)
+        blocks = math.ceil(n / pd.unit)
         got = wait_metric(pd.d.url, RECEIVED, lambda v, want=blocks * per_block: v - before >= want) - before
         assert got == blocks * per_block, f"{n} tokens, {flow}: {got} bytes for {blocks} blocks of {per_block}"
         if wire != "fp8":

@@ -23,7 +23,7 @@ from kvbridge.adapters.sglang.lifecycle import (
     rank_key,
 )
 from kvbridge.adapters.sglang.metrics import PrometheusExport, exporter
-from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env
+from kvbridge.adapters.sglang.settings import CONFIG_ENV, check_page_size, config_from_env
 from kvbridge.errors import ConfigError, PlanError, WireError
 from kvbridge.runtime.stats import StatsSnapshot
 
@@ -190,6 +190,14 @@ def test_config_from_env(tmp_path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         config_from_env({CONFIG_ENV: f"@{tmp_path / 'missing.json'}"})
     assert config_from_env({CONFIG_ENV: '{"wire_dtype": "fp8", "staging_mb": 64}'}).wire_dtype == "fp8"
+
+
+def test_a_transfer_block_size_other_than_the_page_size_is_refused() -> None:
+    check_page_size(config_from_env({}), 16)
+    check_page_size(config_from_env({CONFIG_ENV: '{"transfer_block_size": 16}'}), 16)
+    with pytest.raises(ConfigError, match="SGLang's pages") as err:
+        check_page_size(config_from_env({CONFIG_ENV: '{"transfer_block_size": 8}'}), 16)
+    assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)
 
 
 def test_importing_the_adapter_imports_no_sglang() -> None:

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvbridge.adapters.vllm.compat import FINISHED_OK
 from kvbridge.adapters.vllm.connector import check_parallelism
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake
 from kvbridge.adapters.vllm.params import PrefillAddress, RankAddress
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.demo.servers import random_prompt
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 
 
 def _discover(s: SchedulerSide, rid: str) -> dict | None:
@@ -59,3 +60,62 @@ def test_parallelism_other_than_tensor_parallel_is_refused(name: str) -> None:
     with pytest.raises(KVBridgeError, match=f"runs {name} 2") as err:
         check_parallelism(SimpleNamespace(**{**sizes, name: 2}))
     assert "-".join(name.split("_")) in err.value.fix
+
+
+def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:
+    """A SchedulerOutput of new requests ``(req_id, computed, block_ids)`` and cached
+    ones ``(req_id, computed, new_block_ids)``; ``scheduled``: tokens per request."""
+    return SimpleNamespace(
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(b,)) for r, c, b in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached],
+            new_block_ids=[(b,) for _, _, b in cached], resumed_req_ids=set(),
+        ),
+        num_scheduled_tokens=scheduled or {},
+        preempted_req_ids=set(),
+    )
+
+
+def test_transfer_blocks_cut_each_vllm_block_on_the_decode_side() -> None:
+    # vLLM blocks of 64 tokens moved as blocks of 16: block b is 4b .. 4b + 3
+    s = SchedulerSide(64, "eng", "127.0.0.1", transfer_block_size=16)
+    prefill = {"address": "h:7000", "epoch": "e0", "ranks": [{"address": "h:7000", "epoch": "e0"}]}
+    req = SimpleNamespace(
+        request_id="d1", num_prompt_tokens=150, prompt_token_ids=random_prompt(150),
+        kv_transfer_params={"kvbridge": {"transfer_id": "t1", "role": "decode", "prefill": prefill}},
+    )
+    assert s.matched_tokens(req, 64) == (86, True)  # one block of prefix-cache hits
+    blocks = SimpleNamespace(get_block_ids=lambda: ([9, 3, 4],), get_unhashed_block_ids=lambda: [3, 4])
+    s.after_alloc(req, blocks, 86)
+    task = s.build_meta(_output()).recv[0]
+    # tokens 64..149 fill 6 blocks of 16: all of vLLM block 3, half of block 4
+    assert task.block_ids == [12, 13, 14, 15, 16, 17]
+    assert task.skip_tokens == 64 and task.num_tokens == 150
+
+
+def test_transfer_blocks_cut_each_vllm_block_on_the_prefill_side_in_both_flows() -> None:
+    s = SchedulerSide(32, "eng", "127.0.0.1", transfer_block_size=8)
+    s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
+    reqs = {}
+    for rid, flow in (("push", "push"), ("pull", "pull")):
+        reqs[rid] = SimpleNamespace(
+            request_id=rid, num_prompt_tokens=70, status=FINISHED_OK[0],
+            kv_transfer_params={"kvbridge": {"transfer_id": f"t-{rid}", "role": "prefill", "flow": flow}},
+        )
+        assert s.matched_tokens(reqs[rid], 0) == (0, False)
+        s.after_alloc(reqs[rid], None, 0)
+    # a chunked prefill: 40 tokens in 2 blocks, then 30 more in 1 new block
+    first = s.build_meta(_output(new=[(r, 0, [5, 2]) for r in reqs], scheduled={r: 40 for r in reqs})).send
+    assert [st.new_blocks for st in first] == [[20, 21, 22, 23, 8, 9, 10, 11]] * 2
+    second = s.build_meta(_output(cached=[(r, 40, [7]) for r in reqs], scheduled={r: 30 for r in reqs})).send
+    # 70 tokens fill 9 blocks of 8: the 9th is the first of vLLM block 7
+    assert [st.new_blocks for st in second] == [[28]] * 2
+    held, params = s.request_finished(reqs["pull"], [5, 2, 7])
+    assert held and params["kvbridge"]["remote_blocks"] == [20, 21, 22, 23, 8, 9, 10, 11, 28]
+
+
+def test_a_transfer_block_size_that_does_not_divide_the_block_size_is_refused() -> None:
+    with pytest.raises(ConfigError, match="does not divide vLLM's block size 16") as err:
+        SchedulerSide(16, "eng", "127.0.0.1", transfer_block_size=12)
+    assert err.value.key == "transfer_block_size"

@@ -229,3 +229,43 @@ def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_eve
     finally:
         d_ep.close()
         p_ep.close()
+
+
+def _register(cache_config: dict, kv_caches: dict, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Run ``register`` on a packed-path worker of vLLM block size 16, recording what it
+    hands the runtime instead of starting an endpoint."""
+    seen: dict = {}
+
+    class Recorder:
+        def __init__(self, config, geometry, compat, *args, planes=None, **kwargs) -> None:
+            seen.update(geometry=geometry, compat=compat, planes=planes)
+            self.address = "recorded"
+
+    monkeypatch.setattr("kvbridge.adapters.vllm.worker.Endpoint", Recorder)
+    ws = WorkerSide(load_config({"data_path": "packed", **cache_config}), "e", 0, "m", 1, 16, send=True, receive=False)
+    ws.register(kv_caches)
+    return seen
+
+
+def test_an_nhd_cache_is_addressed_in_transfer_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(2, 6, 16, 2, 8) for i in range(2)}
+    seen = _register({"transfer_block_size": 4}, caches, monkeypatch)
+    geo, planes = seen["geometry"], seen["planes"]
+    assert (geo.spec.block_size, geo.num_blocks, seen["compat"].block_size) == (4, 24, 4)
+    # transfer block 4b + k is tokens 4k .. 4k + 3 of vLLM block b, in the geometry and the planes
+    k0 = caches["model.layers.0.self_attn.attn"][0]
+    assert geo.slot_address(geo.slot(0, 0, 4 * 5 + 2)) == k0[5, 8].data_ptr()
+    assert torch.equal(planes[0][0][4 * 5 + 2], k0[5, 8:12])
+
+
+def test_a_transfer_block_size_on_vllm_s_cpu_cache_is_refused_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from kvbridge.errors import ConfigError
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(6, 2, 16, 32) for i in range(2)}  # fused: (blocks, heads, block_size, 2 * dim)
+    with pytest.raises(ConfigError, match="does not store a block token by token") as err:
+        _register({"transfer_block_size": 8}, caches, monkeypatch)
+    assert err.value.key == "transfer_block_size"

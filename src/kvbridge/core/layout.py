@@ -202,6 +202,34 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         table[:, 1] = piece
         return table
 
+    def in_blocks_of(self, tokens: int) -> CacheGeometry:
+        """The same memory addressed in blocks of ``tokens`` tokens (config
+        ``transfer_block_size``): block ``b`` of this geometry is blocks ``b * m`` to
+        ``b * m + m - 1`` of the result, ``m = block_size / tokens``
+        (:func:`sub_block_ids`). Only caches that keep a block's tokens one after the
+        other, blocks back to back, can be cut so.
+
+        >>> spec = CacheSpec(num_layers=1, block_size=64, num_kv_heads=2, head_dim=8, dtype="float16", layout="nhd")
+        >>> geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000)).in_blocks_of(16)
+        >>> geo.spec.block_size, geo.num_blocks, hex(geo.slot_address(geo.slot(0, 1, 5)))
+        (16, 16, '0x9a00')
+
+        Raises:
+            PlanError: ``tokens`` does not divide the block size, or the layout or the
+                block stride keeps a block's sub-blocks apart.
+        """
+        spec = self.spec
+        if tokens == spec.block_size:
+            return self
+        if tokens <= 0 or spec.block_size % tokens:
+            raise PlanError(f"{tokens} does not divide the cache's block size {spec.block_size}")
+        if spec.layout not in ("nhd", "latent"):
+            raise PlanError(f"a {spec.layout} cache does not store a block token by token: its blocks cannot be moved in blocks of {tokens} tokens")
+        if self.stride != spec.block_bytes:
+            raise PlanError(f"the cache's blocks are {self.stride} bytes apart, not back to back: they cannot be moved in blocks of {tokens} tokens")
+        m = spec.block_size // tokens
+        return msgspec.structs.replace(self, spec=msgspec.structs.replace(spec, block_size=tokens), num_blocks=self.num_blocks * m, block_stride=0)
+
     def slots(self, block_ids: Sequence[int] | np.ndarray, layers: Iterable[int] | None = None) -> np.ndarray:
         """Slot indices of ``block_ids`` in ``layers`` (default all), every plane.
 
@@ -231,6 +259,18 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         return merge_regions((base, span) for base in self.plane_bases)
 
 
+def sub_block_ids(block_ids: Iterable[int], ratio: int, limit: int | None = None) -> list[int]:
+    """Block ids of a cache of ``ratio``-times smaller blocks covering the same tokens
+    (:meth:`CacheGeometry.in_blocks_of`): each id ``b`` becomes ``b * ratio`` to ``b *
+    ratio + ratio - 1``; at most ``limit`` of them (the blocks the tokens fill).
+
+    >>> sub_block_ids([7, 2], 4, limit=6)
+    [28, 29, 30, 31, 8, 9]
+    """
+    out = [b * ratio + k for b in block_ids for k in range(ratio)]
+    return out if limit is None else out[: max(0, limit)]
+
+
 def merge_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """Sort ``(address, length)`` spans and merge those that touch or overlap.
 
@@ -247,4 +287,4 @@ def merge_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-__all__ = ["DTYPE_SIZES", "CacheGeometry", "CacheSpec", "Layout", "MemoryKind", "merge_regions"]
+__all__ = ["DTYPE_SIZES", "CacheGeometry", "CacheSpec", "Layout", "MemoryKind", "merge_regions", "sub_block_ids"]

@@ -98,11 +98,10 @@ class Codec:
             )
         diffs = compat_diff(self.compat, theirs)
         detail = "; ".join(f"{k}: ours={a!r}, peer={b!r}" for k, (a, b) in diffs.items())
-        return IncompatiblePeerError(
-            f"peer's KV cache is incompatible: {detail or 'compat hash differs'}",
-            differences=diffs,
-            fix="start prefill and decode with identical " + (", ".join(diffs) or "cache settings"),
-        )
+        fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
+        if "block_size" in diffs:
+            fix += " (engines with different block sizes: set transfer_block_size to a common divisor of them, the same on both)"
+        return IncompatiblePeerError(f"peer's KV cache is incompatible: {detail or 'compat hash differs'}", differences=diffs, fix=fix)
 
 
 __all__ = ["MAX_FRAME_BYTES", "Codec"]

@@ -61,7 +61,7 @@ from kvbridge.adapters.sglang.prefill import (
     plan_forward,
     stop_streaming,
 )
-from kvbridge.adapters.sglang.settings import config_from_env
+from kvbridge.adapters.sglang.settings import check_page_size, config_from_env
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
@@ -88,6 +88,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         compat.warn_if_untested()
         self.config = config_from_env()
+        check_page_size(self.config, args.page_size)
         self.secret = self.config.secret.encode() if self.config.secret else None
         """Authenticates kvbridge's messages between the two sides (:mod:`.messages`)."""
         self.epoch = uuid.uuid4().hex[:12]

@@ -38,4 +38,15 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> KVBridgeConfig:
     return cfg
 
 
-__all__ = ["CONFIG_ENV", "config_from_env"]
+def check_page_size(config: KVBridgeConfig, page_size: int) -> None:
+    """Refuse a ``transfer_block_size`` other than SGLang's page size: the backend moves
+    whole pages (the manager calls it once, at start-up)."""
+    if config.transfer_block_size not in (0, page_size):
+        raise ConfigError(
+            f"{CONFIG_ENV}: transfer_block_size {config.transfer_block_size}: the SGLang backend moves KV in SGLang's pages ({page_size} tokens)",
+            key="transfer_block_size",
+            fix="leave it 0 and give prefill and decode the same --page-size",
+        )
+
+
+__all__ = ["CONFIG_ENV", "check_page_size", "config_from_env"]

@@ -75,7 +75,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host)
+            self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host, self.config.transfer_block_size)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

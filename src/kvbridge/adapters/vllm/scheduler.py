@@ -23,6 +23,8 @@ from typing import Any
 from kvbridge.adapters.vllm import params as kvparams
 from kvbridge.adapters.vllm.compat import FINISHED_OK, yield_req_data
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
+from kvbridge.core.layout import sub_block_ids
+from kvbridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,30 @@ class _Prefill:
     flow: str
     num_tokens: int
     started: bool = False
+    blocks: int = 0
+    """Blocks (of ``transfer_block_size`` tokens) handed to the workers so far."""
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, engine_id: str, host: str) -> None:
+    """Args:
+        block_size: vLLM's block size.
+        transfer_block_size: tokens per block as kvbridge addresses them (config key of
+            that name; 0: ``block_size``). Every block id this class hands to the
+            workers or to the peer (``kv_transfer_params``) is in those units: vLLM's
+            block ``b`` is blocks ``b * m`` to ``b * m + m - 1``,
+            ``m = block_size / transfer_block_size``, cut to the blocks the prompt fills.
+    """
+
+    def __init__(self, block_size: int, engine_id: str, host: str, transfer_block_size: int = 0) -> None:
         self.block_size = block_size
+        self.unit = transfer_block_size or block_size
+        if block_size % self.unit:
+            raise ConfigError(
+                f"transfer_block_size {self.unit} does not divide vLLM's block size {block_size}",
+                key="transfer_block_size",
+                fix="use a divisor of both instances' --block-size, the same on prefill and decode (0: the engine's own)",
+            )
+        self._ratio = block_size // self.unit
         self.engine_id = engine_id
         self.host = host
         self._handoffs: dict[str, kvparams.Handoff] = {}
@@ -103,13 +124,14 @@ class SchedulerSide:
         new_ids = blocks.get_unhashed_block_ids()
         skip_blocks = len(all_ids) - len(new_ids)  # prefix-cache hits come first
         needed = math.ceil(request.num_prompt_tokens / self.block_size) - skip_blocks
+        filled = math.ceil(request.num_prompt_tokens / self.unit) - skip_blocks * self._ratio
         self._recv_new.append(
             RecvTask(
                 req_id=request.request_id,
                 transfer_id=h.transfer_id,
                 flow=h.flow,
                 prefill=h.prefill,
-                block_ids=list(new_ids[:needed]),
+                block_ids=self._ids(new_ids[:needed], filled),
                 num_tokens=request.num_prompt_tokens,
                 skip_tokens=skip_blocks * self.block_size,
                 remote_blocks=h.remote_blocks,
@@ -141,13 +163,15 @@ class SchedulerSide:
                 if before >= p.num_tokens:
                     continue  # decoding (max_tokens > 1): nothing more to send
                 after = min(before + scheduler_output.num_scheduled_tokens[req_id], p.num_tokens)
+                new = self._ids(new_blocks[0], math.ceil(p.num_tokens / self.unit) - p.blocks) if new_blocks else []
+                p.blocks += len(new)
                 meta.send.append(
                     SendStep(
                         req_id=req_id,
                         transfer_id=p.transfer_id,
                         flow=p.flow,
                         num_tokens=p.num_tokens,
-                        new_blocks=list(new_blocks[0]) if new_blocks else [],
+                        new_blocks=new,
                         computed_before=before,
                         computed_after=after,
                         first=not p.started,
@@ -192,10 +216,17 @@ class SchedulerSide:
                 self._abort_send[req_id] = p.transfer_id
                 return True, None
             port = int(address.address.rsplit(":", 1)[1])
-            return True, kvparams.pull_response(p.transfer_id, address, self.engine_id, list(block_ids), p.num_tokens, self.host, port)
+            blocks = self._ids(block_ids, math.ceil(p.num_tokens / self.unit))
+            return True, kvparams.pull_response(p.transfer_id, address, self.engine_id, blocks, p.num_tokens, self.host, port)
         # push: tell the caller where we are (a proxy notices a restarted prefill here)
         address = self._address()
         return True, (None if address is None else kvparams.discover_response(address))
+
+    def _ids(self, block_ids, limit: int) -> list[int]:
+        """vLLM's ``block_ids`` in transfer blocks, at most ``limit`` of them."""
+        if self._ratio == 1:
+            return list(block_ids)[: max(0, limit)]
+        return sub_block_ids(block_ids, self._ratio, limit)
 
     def update_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         for req_id in finished_sending or ():

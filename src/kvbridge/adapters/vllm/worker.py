@@ -18,6 +18,10 @@ step while the previous one may still run on the GPU). Completions are
 reported to vLLM exactly once: a prefill request in ``finished_sending`` only after the
 scheduler finished it (vLLM's contract) and the sender released its blocks; a decode
 request in ``finished_recving`` (and ``failed_recving`` when its load failed).
+
+Block ids: the scheduler side hands the worker *transfer blocks* (config
+``transfer_block_size``, default vLLM's block size); :meth:`WorkerSide.register`
+addresses the cache in the same units, so the runtime never sees vLLM's own.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
 from kvbridge.adapters.vllm.compat import extract_layer_index
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
 from kvbridge.config import KVBridgeConfig
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.runtime.stats import StatsSnapshot
@@ -88,6 +92,14 @@ class WorkerSide:
         ordered = layer_order(list(kv_caches), extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(ordered)}
         geometry = geometry_from_tensors(kv_caches, ordered, self.block_size, mla=self.mla)
+        unit = self.config.transfer_block_size or self.block_size
+        if unit != self.block_size:  # vLLM's blocks addressed as several smaller ones
+            try:
+                geometry = geometry.in_blocks_of(unit)
+            except PlanError as exc:
+                raise ConfigError(
+                    f"transfer_block_size {unit}: {exc}", key="transfer_block_size", fix="leave it 0 and give prefill and decode the same --block-size"
+                ) from exc
         if not self.total_kv_heads:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
         compat = CompatInfo.from_spec(
@@ -99,6 +111,8 @@ class WorkerSide:
             from kvbridge.ops import kv_planes
 
             planes = [kv_planes(kv_caches[name], geometry.spec.layout, self.block_size) for name in ordered]
+            if unit != self.block_size:  # token-major blocks (in_blocks_of checked): views
+                planes = [tuple(p.view(-1, unit, *p.shape[2:]) for p in pair) for pair in planes]
         self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
         self._on_device = geometry.memory == "device"
         log.info(

@@ -1,0 +1,116 @@
+"""Prefill and decode caches of different block sizes (config ``transfer_block_size``):
+both sides address their token-major caches (NHD, MLA latent) in blocks of a common
+divisor, and the decode cache ends up holding the prefill's tokens where its own
+blocks put them. Runtime endpoints on the loopback transport with real torch caches,
+on the direct path (push and P-first) and the packed path (exact and FP8)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import runtime_pair
+import torch
+
+from kvbridge import ops
+from kvbridge.core.layout import CacheGeometry, CacheSpec, sub_block_ids
+from kvbridge.errors import PlanError
+
+L, H, HD, T = 3, 2, 16, 150
+UNIT = 16
+TOKENS = 512  # cache capacity in tokens, both sides
+
+
+def nhd_cache(block_size: int, seed: int | None) -> tuple[torch.Tensor, CacheGeometry]:
+    """Per layer vLLM's FlashAttention tensor ``(2, blocks, block_size, heads, dim)``,
+    addressed in blocks of ``UNIT`` tokens."""
+    n = TOKENS // block_size
+    shape = (L, 2, n, block_size, H, HD)
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
+    spec = CacheSpec(num_layers=L, block_size=block_size, num_kv_heads=H, head_dim=HD, dtype="float32", layout="nhd")
+    geo = CacheGeometry(spec=spec, num_blocks=n, plane_bases=tuple(t[l, p].data_ptr() for l in range(L) for p in range(2)))
+    return t, geo.in_blocks_of(UNIT)
+
+
+def planes(t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What the vLLM worker hands the packed path: ``kv_planes`` viewed in blocks of ``UNIT``."""
+    return [tuple(p.view(-1, UNIT, H, HD) for p in ops.kv_planes(t[l], "nhd")) for l in range(L)]
+
+
+def tokens(t: torch.Tensor, engine_blocks: list[int]) -> torch.Tensor:
+    """``(layers, 2, tokens, heads, dim)``: the tokens of ``engine_blocks`` in order."""
+    return t[:, :, engine_blocks].flatten(2, 3)
+
+
+SPEC = CacheSpec(num_layers=L, block_size=UNIT, num_kv_heads=H, head_dim=HD, dtype="float32", layout="nhd")
+PATHS = {"direct": {}, "packed": {"data_path": "packed"}, "fp8": {"wire_dtype": "fp8"}}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 64), (64, 32)], ids=["P16-D64", "P64-D32"])
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_decode_holds_the_prefill_tokens_in_its_own_blocks(p_bs: int, d_bs: int, path: str, flow: str) -> None:
+    p, d = nhd_cache(p_bs, 1), nhd_cache(d_bs, None)
+    cfg = {**PATHS[path], "transfer_block_size": UNIT}
+    packed = path != "direct"
+    P = runtime_pair.endpoint("P", p, spec=SPEC, planes=planes(p[0]) if packed else None, **cfg)
+    D = runtime_pair.endpoint("D", d, spec=SPEC, planes=planes(d[0]) if packed else None, **cfg)
+    try:
+        # the prefill's engine blocks, scattered; the decode has its first block cached
+        p_engine = list(range(math.ceil(T / p_bs)))[::-1]
+        d_engine = [3, 1, 5, 2, 7, 6, 4][: math.ceil(T / d_bs)]
+        skip = d_bs
+        p_ids = sub_block_ids(p_engine, p_bs // UNIT, math.ceil(T / UNIT))
+        d_ids = sub_block_ids(d_engine[1:], d_bs // UNIT, math.ceil(T / UNIT) - skip // UNIT)
+        if flow == "push":
+            D.receiver.expect_push("r", P.address, d_ids, T, skip_tokens=skip)
+        P.sender.track("r", p_ids, T, pull=flow == "pull")
+        for layer in range(L):
+            P.sender.layer_done("r", layer, T)
+        P.sender.prefill_done("r")
+        if flow == "pull":
+            D.receiver.expect_pull("r", P.address, P.epoch, p_ids, d_ids, T, skip_tokens=skip)
+        assert D.receiver.wait_finished(5) == (["r"], [])
+        assert P.sender.wait_released(5) == ["r"]
+        want = tokens(p[0], p_engine)[:, :, skip:T]
+        got = tokens(d[0], d_engine)[:, :, skip:T]
+        if path == "fp8":
+            err = ((got - want).norm() / want.norm()).item()
+            assert 0 < err < 0.04, err
+        else:
+            assert torch.equal(got, want)
+        # nothing outside the destination: the cached block, the other blocks, the
+        # partial last block past the last transfer block
+        end = math.ceil(T / UNIT) * UNIT
+        assert not tokens(d[0], d_engine)[:, :, :skip].any()
+        assert not tokens(d[0], d_engine)[:, :, end:].any()
+        assert not d[0][:, :, sorted(set(range(d[0].shape[2])) - set(d_engine))].any()
+    finally:
+        D.close()
+        P.close()
+
+
+def test_latent_caches_split_into_smaller_blocks() -> None:
+    spec = CacheSpec(num_layers=1, block_size=64, num_kv_heads=1, head_dim=576, dtype="bfloat16", layout="latent")
+    t = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(t.data_ptr(),)).in_blocks_of(16)
+    # block 5 of 16 tokens is tokens 16..31 of engine block 1
+    assert geo.slot_address(geo.slot(0, 0, 5)) == t[1, 16].data_ptr()
+    assert geo.spec.block_bytes * 4 == spec.block_bytes
+
+
+@pytest.mark.parametrize("layout", ["fused", "hnd"])
+def test_layouts_that_keep_a_block_s_tokens_apart_cannot_be_split(layout: str) -> None:
+    spec = CacheSpec(num_layers=1, block_size=32, num_kv_heads=2, head_dim=8, dtype="float16", layout=layout)
+    geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000,) * spec.planes_per_layer)
+    with pytest.raises(PlanError, match="token by token"):
+        geo.in_blocks_of(16)
+
+
+def test_a_size_that_does_not_divide_the_block_or_interleaved_blocks_are_refused() -> None:
+    spec = CacheSpec(num_layers=1, block_size=32, num_kv_heads=2, head_dim=8, dtype="float16", layout="nhd")
+    geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000))
+    with pytest.raises(PlanError, match="does not divide"):
+        geo.in_blocks_of(12)
+    with pytest.raises(PlanError, match="back to back"):
+        CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000), block_stride=2 * spec.block_bytes).in_blocks_of(16)
