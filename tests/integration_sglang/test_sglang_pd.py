@@ -62,31 +62,39 @@ PROMPTS = {
 }
 
 
-# (transport, per-layer streaming, data path, secret): per-chunk keeps today's path
-# exactly; per-layer with threshold 0 streams every prompt (the 12-token one too: its
-# only page is partial but it is the last chunk); "packed" moves the exact values
-# through the staging buffers (data_path: packed), so output and bytes must not change
-# either; with a shared secret every kvbridge message carries a MAC (and nothing else
-# changes).
+# (transport, per-layer streaming, data path, secret, decode page size): per-chunk keeps
+# today's path exactly; per-layer with threshold 0 streams every prompt (the 12-token one
+# too: its only page is partial but it is the last chunk); "packed" moves the exact
+# values through the staging buffers (data_path: packed), so output and bytes must not
+# change either; with a shared secret every kvbridge message carries a MAC (and nothing
+# else changes). A decode page size other than the prefill's 16: both run with
+# transfer_block_size 16, the decode addresses each of its pages as 2 or 4 of the
+# prefill's (the bytes moved are the prefill's pages, as between equal sizes).
+PREFILL_PAGE = 16
 PD_CONFIGS = [
-    ("nixl", False, "direct", False),
-    ("nixl", True, "direct", False),
-    ("mooncake", False, "direct", False),
-    ("mooncake", True, "direct", True),
-    ("nixl", True, "packed", False),
+    ("nixl", False, "direct", False, PREFILL_PAGE),
+    ("nixl", True, "direct", False, PREFILL_PAGE),
+    ("mooncake", False, "direct", False, 32),
+    ("mooncake", True, "direct", True, PREFILL_PAGE),
+    ("nixl", True, "packed", False, 64),
 ]
 
 
-def _pd_id(transport: str, layerwise: bool, path: str, secret: bool) -> str:
-    return f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "") + ("-secret" if secret else "")
+def _pd_id(transport: str, layerwise: bool, path: str, secret: bool, d_page: int) -> str:
+    return (
+        f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "") + ("-secret" if secret else "")
+        + (f"-decode-pages-{d_page}" if d_page != PREFILL_PAGE else "")
+    )
 
 
 @pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
 def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport, layerwise, path, secret = request.param
+    transport, layerwise, path, secret, d_page = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{_pd_id(*request.param)}")
     config = {**pd_config(transport, layerwise), "data_path": path, **({"secret": "shared by prefill and decode"} if secret else {})}
-    yield from start_pd(model, log_dir, server_env(config), layerwise)
+    if d_page != PREFILL_PAGE:
+        config["transfer_block_size"] = PREFILL_PAGE
+    yield from start_pd(model, log_dir, server_env(config), layerwise, decode_args=["--page-size", str(d_page)])
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, paired_count
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pages_differ, paired_count, transfer_pages
 from kvbridge.adapters.sglang.lifecycle import (
     EpochWatcher,
     InstanceEpoch,
@@ -23,7 +23,8 @@ from kvbridge.adapters.sglang.lifecycle import (
     rank_key,
 )
 from kvbridge.adapters.sglang.metrics import PrometheusExport, exporter
-from kvbridge.adapters.sglang.settings import CONFIG_ENV, check_page_size, config_from_env
+from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env, transfer_page_size
+from kvbridge.core.layout import CacheSpec
 from kvbridge.errors import ConfigError, PlanError, WireError
 from kvbridge.runtime.stats import StatsSnapshot
 
@@ -133,11 +134,12 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3), ip="127.0.0.1", port=5555,
     )
     assert wire.decode(wire.encode(reg)) == reg
-    done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20)
+    done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20, pages=9)
     assert wire.decode_payload(wire.encode_payload(done)) == done
-    # a Done from a sender without the byte count still decodes (metrics count 0 bytes)
+    # a Done from a sender without the byte or page count still decodes (metrics count
+    # 0 bytes, the decode unpacks every page)
     old = msgspec.msgpack.encode({"type": "done", "room": 7, "prefill_rank": 1, "epoch": "e"})
-    assert wire.decode_payload(old) == wire.Done(room=7, prefill_rank=1, epoch="e", bytes=0)
+    assert wire.decode_payload(old) == wire.Done(room=7, prefill_rank=1, epoch="e", bytes=0, pages=-1)
     with pytest.raises(WireError, match="same kvbridge version"):
         wire.decode([b"KVBRIDGE/999", wire.encode_payload(done)])
     with pytest.raises(WireError):
@@ -192,12 +194,32 @@ def test_config_from_env(tmp_path) -> None:
     assert config_from_env({CONFIG_ENV: '{"wire_dtype": "fp8", "staging_mb": 64}'}).wire_dtype == "fp8"
 
 
-def test_a_transfer_block_size_other_than_the_page_size_is_refused() -> None:
-    check_page_size(config_from_env({}), 16)
-    check_page_size(config_from_env({CONFIG_ENV: '{"transfer_block_size": 16}'}), 16)
-    with pytest.raises(ConfigError, match="SGLang's pages") as err:
-        check_page_size(config_from_env({CONFIG_ENV: '{"transfer_block_size": 8}'}), 16)
-    assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)
+def test_transfer_pages_are_the_prefill_s_pages() -> None:
+    cfg = config_from_env({CONFIG_ENV: '{"transfer_block_size": 16}'})
+    assert transfer_page_size(config_from_env({}), 32, prefill=True) == 32
+    assert transfer_page_size(cfg, 16, prefill=True) == 16
+    assert transfer_page_size(cfg, 64, prefill=False) == 16  # a decode of larger pages
+    for page, prefill in ((32, True), (24, False)):
+        with pytest.raises(ConfigError, match="transfer_block_size 16 must") as err:
+            transfer_page_size(cfg, page, prefill=prefill)
+        assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)
+
+
+def test_a_decode_addresses_each_of_its_pages_as_several_transfer_pages() -> None:
+    assert transfer_pages([3, 1], 4).tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    assert transfer_pages(np.array([3, 1], dtype=np.int32), 1).tolist() == [3, 1]
+    # the same memory as the geometry in transfer pages: page 1's second half is transfer page 3
+    _, _, ptrs, lens, item = sglang_pool(2)
+    pages = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
+    halves = pages.in_blocks_of(PAGE // 2)
+    assert halves.slot_address(halves.slot(0, 1, int(transfer_pages([1], 2)[1]))) == pages.slot_address(pages.slot(0, 1, 1)) + pages.spec.block_bytes // 2
+
+
+def test_a_decode_with_other_pages_is_refused_naming_transfer_block_size() -> None:
+    mine = CacheSpec(num_layers=2, block_size=16, num_kv_heads=1, head_dim=256, dtype="uint8", layout="nhd")
+    err = pages_differ(msgspec.structs.replace(mine, block_size=32), mine)
+    assert "set transfer_block_size 16" in str(err)
+    assert "transfer_block_size" not in str(pages_differ(msgspec.structs.replace(mine, head_dim=128), mine))
 
 
 def test_importing_the_adapter_imports_no_sglang() -> None:

@@ -16,7 +16,7 @@ _c = compat.common()
 class KVBridgeKVBootstrapServer(_c.BootstrapServer):
     """SGLang's bootstrap server (prefill main process) plus the instance's epochs at
     :data:`~.lifecycle.EPOCH_PATH`: a fresh id per start, and each rank's epoch from its
-    registration."""
+    registration; with ``transfer_block_size``, no page size in its route answers."""
 
     def __init__(self, host, port):
         # Set before SGLang's constructor: it adds the routes and starts serving.
@@ -35,6 +35,13 @@ class KVBridgeKVBootstrapServer(_c.BootstrapServer):
             dp = data["attn_dp_rank"] if data.get("system_dp_size", 1) == 1 else data["system_dp_rank"]
             key = rank_key(dp=dp, cp=data["attn_cp_rank"], tp=data["attn_tp_rank"], pp=data["pp_rank"])
             self.kvbridge_ranks[key] = data["kvbridge_epoch"]
+        if response.status == 200 and data.get("kvbridge_transfer_pages"):
+            # Prefill ranks moving KV in transfer pages (transfer_block_size): SGLang's
+            # decode refuses a prefill whose page_size differs from its own before any
+            # backend sees a room, and skips that check for None. kvbridge checks pages
+            # itself (a decode registers its pages in transfer pages, .prefill
+            # refuses others). No await since SGLang's handler set it: no GET sees it.
+            self.page_size = None
         return response
 
     async def _handle_kvbridge_epoch(self, request):

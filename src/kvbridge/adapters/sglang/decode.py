@@ -29,6 +29,7 @@ import requests
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
+from kvbridge.adapters.sglang.layout import transfer_pages
 from kvbridge.adapters.sglang.lifecycle import (
     EPOCH_PATH,
     EpochWatcher,
@@ -148,6 +149,13 @@ class DecodeSide:
             self.secret,
         )
 
+    def transfer_pages(self, kv_indices) -> np.ndarray:
+        """SGLang's page ids of a room as transfer pages (the prefill's page size,
+        ``transfer_block_size``): page ``p`` is ``p * r`` to ``p * r + r - 1``, ``r =``
+        :attr:`page_ratio`. All of them: the last may hold no prompt token (the prefill
+        writes the positions it has, and names how many in its ``Done``)."""
+        return transfer_pages(kv_indices, self.page_ratio)
+
     def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
         of attention TP ``prefill_tp``. Raises
@@ -171,7 +179,7 @@ class DecodeSide:
         if self.packed is not None and not is_dummy:
             res = self.reservations.get(int(bootstrap_room))  # reserved by the receiver's send_metadata
             if res is None:
-                log.warning("kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices), self.config.staging_mb)
+                log.warning("kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices) * self.page_ratio, self.config.staging_mb)
             else:
                 staging_first = res.first
         return wire.encode(
@@ -180,7 +188,7 @@ class DecodeSide:
                 agent=self.transport.agent_name,
                 ip=self.local_ip,
                 port=self.rank_port,
-                pages=wire.encode_pages(kv_indices),
+                pages=wire.encode_pages(self.transfer_pages(kv_indices)),
                 aux_index=None if aux_index is None else int(aux_index),
                 required_dst_info_num=int(required_dst_info_num),
                 decode_prefix_len=None if decode_prefix_len is None else int(decode_prefix_len),
@@ -207,10 +215,11 @@ class DecodeSide:
             self._count(failures=1)
         self.apply_prefill_status(bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason)
 
-    def _unpack(self, room: int, index: int) -> bool:
+    def _unpack(self, room: int, index: int, written: int = -1) -> bool:
         """Unpack source ``index``'s part of a room whose ``Done`` from that source
-        arrived into its pages' heads (notification thread, before SGLang counts the
-        source). False: the room is gone or failed, or the part unknown."""
+        arrived into its pages' heads: the first ``written`` of the room's pages (-1:
+        all) (notification thread, before SGLang counts the source). False: the room is
+        gone or failed, or the part unknown."""
         with self._unpack_lock:
             res, last = self.reservations.arrive(room, index)
             if res is None:
@@ -222,8 +231,9 @@ class DecodeSide:
                 part, layers = res.parts[index], self.geometry.spec.num_layers
                 first = res.part_first(index, layers)
                 heads = None if part.heads == self.packed.slot.num_heads else part.d_heads
+                pages = res.pages if not 0 <= written < res.pages.size else res.pages[:written]
                 for layer in range(layers):
-                    self.packed.unpack(layer, res.pages, first + layer * res.pages.size, heads=heads)
+                    self.packed.unpack(layer, pages, first + layer * res.pages.size, heads=heads)
                 return True
             except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
                 log.warning("kvbridge: room %s: unpacking failed: %s", room, exc)
@@ -247,7 +257,7 @@ class DecodeSide:
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                     continue
                 if isinstance(msg, wire.Done):
-                    if self.packed is not None and not self._unpack(msg.room, msg.part):
+                    if self.packed is not None and not self._unpack(msg.room, msg.part, msg.pages):
                         continue
                     self.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank)
                     self._count(requests_received=1, bytes_received=msg.bytes)
@@ -288,7 +298,7 @@ class KVBridgeKVReceiver(_c.Receiver):
         if mgr.packed is None or getattr(self, "bootstrap_infos", None) is None:
             super().send_metadata(kv_indices, aux_index, *args, **kwargs)
             return
-        pages = np.asarray(kv_indices, dtype=np.int64)
+        pages = mgr.transfer_pages(kv_indices)
         try:
             parts = mgr.decode_parts(int(self.prefill_info.attn_tp_size))
         except IncompatiblePeerError as exc:  # the prefill refuses this rank too, naming it

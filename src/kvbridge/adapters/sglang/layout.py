@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.core.layout import CacheGeometry, CacheSpec, MemoryKind
-from kvbridge.errors import PlanError
+from kvbridge.errors import IncompatiblePeerError, PlanError
 
 
 def kv_geometry(
@@ -89,6 +89,33 @@ def kv_geometry(
     return CacheGeometry(
         spec=spec, num_blocks=int(lens[0]) // page_bytes, plane_bases=bases, memory=memory, device=device
     )
+
+
+def transfer_pages(pages, ratio: int) -> np.ndarray:
+    """A room's SGLang page ids as transfer pages of ``1 / ratio`` of a page (a decode
+    with larger pages than the prefill's, ``transfer_block_size``): page ``p`` is ``p *
+    ratio`` to ``p * ratio + ratio - 1``, the same memory as
+    :meth:`~kvbridge.core.layout.CacheGeometry.in_blocks_of` addresses.
+
+    >>> transfer_pages([3, 1], 2).tolist()
+    [6, 7, 2, 3]
+    """
+    pages = np.asarray(pages, dtype=np.int64)
+    if ratio == 1:
+        return pages
+    return (pages[:, None] * ratio + np.arange(ratio)).reshape(-1)
+
+
+def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerError:
+    """Why a decode's KV pages (``theirs``) cannot take this prefill's (``mine``),
+    naming ``transfer_block_size`` when only the page size differs."""
+    fix = None
+    if theirs is not None and msgspec.structs.replace(theirs, block_size=mine.block_size) == mine:
+        fix = (
+            f"its pages hold {theirs.block_size} tokens, this prefill's {mine.block_size}: set transfer_block_size "
+            f"{mine.block_size} in KVBRIDGE_CONFIG on both instances (a decode's --page-size must be a multiple of the prefill's)"
+        )
+    return IncompatiblePeerError(f"its KV pages ({theirs}) differ from this prefill's ({mine})", fix=fix)
 
 
 class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,4 +168,4 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
     return count
 
 
-__all__ = ["AuxLayout", "kv_geometry", "paired_count"]
+__all__ = ["AuxLayout", "kv_geometry", "pages_differ", "paired_count", "transfer_pages"]

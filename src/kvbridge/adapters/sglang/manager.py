@@ -61,7 +61,7 @@ from kvbridge.adapters.sglang.prefill import (
     plan_forward,
     stop_streaming,
 )
-from kvbridge.adapters.sglang.settings import check_page_size, config_from_env
+from kvbridge.adapters.sglang.settings import config_from_env, transfer_page_size
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
@@ -88,7 +88,10 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         compat.warn_if_untested()
         self.config = config_from_env()
-        check_page_size(self.config, args.page_size)
+        unit = transfer_page_size(self.config, args.page_size, prefill=disaggregation_mode == Mode.PREFILL)
+        self.page_ratio = args.page_size // unit
+        """SGLang pages per transfer page: 1, or on a decode with larger pages than the
+        prefill's, each of its pages is this many transfer pages (:meth:`transfer_pages`)."""
         self.secret = self.config.secret.encode() if self.config.secret else None
         """Authenticates kvbridge's messages between the two sides (:mod:`.messages`)."""
         self.epoch = uuid.uuid4().hex[:12]
@@ -103,7 +106,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             memory=self.memory,
             device=self.device_index,
             mla=is_mla_backend,
-        )
+        ).in_blocks_of(unit)
         self.aux_layout = AuxLayout.build(ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens)
         role = "prefill" if disaggregation_mode == Mode.PREFILL else "decode"
         self._metrics = metrics.exporter(role=role, tp_rank=args.engine_rank, transport=self.config.transport)

@@ -105,6 +105,10 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     part: int = 0
     """Packed path: which part of the room's staging run this prefill rank wrote (its
     place among the decode rank's sources, :class:`.packed.Part`)."""
+    pages: int = -1
+    """How many positions of the room's page list the prefill wrote (the last ones of
+    a decode with larger pages than the prefill's may hold no prompt token: the decode
+    unpacks only these); -1 from older senders: all."""
 
 
 Message = Union[Registration, Destination, Done]

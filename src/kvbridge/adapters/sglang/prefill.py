@@ -35,7 +35,7 @@ import numpy as np
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import AuxLayout, paired_count
+from kvbridge.adapters.sglang.layout import AuxLayout, pages_differ, paired_count
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import Part, check_packed_pairing, part_start, room_part, room_slots
 from kvbridge.adapters.sglang.streaming import (
@@ -168,6 +168,8 @@ class PrefillSide:
         # rows gathered from other ranks (SGLang's multi-DP registry path) carry their own.
         if payload.get("rank_port") == self.rank_port and payload.get("rank_ip") == self.local_ip:
             payload = dict(payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name)
+            if self.config.transfer_block_size:  # the bootstrap server then hides our page size
+                payload["kvbridge_transfer_pages"] = self.geometry.spec.block_size
         return super()._register_topology_row(url, payload)
 
 
@@ -248,12 +250,12 @@ class PrefillSide:
                     fix="set data_path 'packed' (exact values) or wire_dtype 'fp8' in KVBRIDGE_CONFIG on both instances",
                 )
             if reg.geometry.spec != self.geometry.spec:
-                raise IncompatiblePeerError(f"its KV pages {reg.geometry.spec} differ from this prefill's {self.geometry.spec}")
+                raise pages_differ(reg.geometry.spec, self.geometry.spec)
             return None
         mine = self.packed.geometry.spec
         theirs = reg.packed_spec
         if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
-            raise IncompatiblePeerError(f"its packed KV ({theirs}) differs from this prefill's ({mine})")
+            raise pages_differ(theirs, mine)
         check_packed_pairing(mine.layout, p_tp, d_tp)
         total = self._total_kv_heads()
         if reg.kv_heads and reg.kv_heads != total:
@@ -573,7 +575,7 @@ class PrefillSide:
             peer = self.peers[dest.agent]
             done = wire.Done(
                 room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch, bytes=sent.get(dest.agent, 0),
-                part=0 if peer.part is None else peer.part.index,
+                part=0 if peer.part is None else peer.part.index, pages=chunk.index_slice.stop,
             )
             if chunk.aux_index is None or dest.aux_index is None:
                 raise PlanError("the last chunk carries no metadata row")

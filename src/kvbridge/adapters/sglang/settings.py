@@ -38,15 +38,26 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> KVBridgeConfig:
     return cfg
 
 
-def check_page_size(config: KVBridgeConfig, page_size: int) -> None:
-    """Refuse a ``transfer_block_size`` other than SGLang's page size: the backend moves
-    whole pages (the manager calls it once, at start-up)."""
-    if config.transfer_block_size not in (0, page_size):
+def transfer_page_size(config: KVBridgeConfig, page_size: int, *, prefill: bool) -> int:
+    """Tokens per page as the backend moves KV (config ``transfer_block_size``; 0: the
+    server's ``--page-size``). The prefill moves its own pages; a decode with larger
+    pages addresses each of its pages as several of the prefill's size, so a decode's
+    page size may be any multiple of the prefill's (the manager calls this once, at
+    start-up).
+
+    Raises:
+        ConfigError: naming the key, when the value is not this prefill's page size or
+            does not divide this decode's.
+    """
+    unit = config.transfer_block_size or page_size
+    if (prefill and unit != page_size) or page_size % unit:
+        side = "be this prefill's" if prefill else "divide this decode's"
         raise ConfigError(
-            f"{CONFIG_ENV}: transfer_block_size {config.transfer_block_size}: the SGLang backend moves KV in SGLang's pages ({page_size} tokens)",
+            f"{CONFIG_ENV}: transfer_block_size {unit} must {side} --page-size ({page_size} tokens)",
             key="transfer_block_size",
-            fix="leave it 0 and give prefill and decode the same --page-size",
+            fix="set it to the prefill's --page-size on both instances, and give the decode a --page-size that is a multiple of it",
         )
+    return unit
 
 
-__all__ = ["CONFIG_ENV", "check_page_size", "config_from_env"]
+__all__ = ["CONFIG_ENV", "config_from_env", "transfer_page_size"]
