@@ -152,7 +152,7 @@ class KVBridgeConfig(_Section):
     blocks are packed into a registered staging buffer, written into the peer's, and
     unpacked there: needed by ``wire_dtype: fp8``, and with ``exact`` it moves any head
     range of any cache layout (different TP sizes on an NHD cache, which the direct
-    path cannot cut). ``auto``: packed for ``fp8``, direct for ``exact``. The packed
+    path cannot cut; an NHD cache on one side and an HND one on the other). ``auto``: packed for ``fp8``, direct for ``exact``. The packed
     path needs CPU caches for now; in the P-first flow the decode side sends its
     destination and the prefill writes (nothing reads its cache). Prefill and decode
     must agree."""

@@ -7,7 +7,7 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.errors import IncompatiblePeerError, ProtocolVersionError, WireError
 from kvbridge.wire import messages as m
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
-from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo, compat_hash
+from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo, compat_diff, compat_hash
 
 SPEC = CacheSpec(num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype="float32", layout="fused")
 GEO = CacheGeometry(spec=SPEC, num_blocks=10, plane_bases=(1 << 20, 1 << 21))
@@ -98,6 +98,16 @@ def test_compat_hash_changes_with_every_property() -> None:
     changes = {"model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128, "tp_size": 3, "total_kv_heads": 16}
     hashes = {compat_hash(msgspec.structs.replace(INFO, **{k: v})) for k, v in changes.items()}
     assert base not in hashes and len(hashes) == len(changes)
+
+
+def test_nhd_and_hnd_caches_are_compatible_on_the_packed_path_only() -> None:
+    nhd, hnd = (msgspec.structs.replace(INFO, layout=layout) for layout in ("nhd", "hnd"))
+    assert compat_hash(nhd) != compat_hash(hnd) and compat_diff(nhd, hnd) == {"layout": ("nhd", "hnd")}
+    packed = [msgspec.structs.replace(info, data_path="packed") for info in (nhd, hnd)]
+    assert compat_hash(packed[0]) == compat_hash(packed[1]) and compat_diff(*packed) == {}
+    # the rows of a latent or a fused cache are another matter, packed or not
+    for other in ("latent", "fused"):
+        assert compat_hash(msgspec.structs.replace(packed[0], layout=other)) != compat_hash(packed[0])
 
 
 def test_compat_hash_ignores_the_tp_split_but_not_the_model_heads() -> None:

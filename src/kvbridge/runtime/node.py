@@ -174,7 +174,9 @@ class Node:
                 fix="set the same 'transport' in the kvbridge config of prefill and decode",
             )
         spec, theirs = self.geometry.spec, msg.geometry.spec
-        if msgspec.structs.replace(theirs, num_kv_heads=spec.num_kv_heads) != spec or theirs.num_kv_heads != msg.compat.num_kv_heads:
+        # their head count may differ (another TP split), their layout where it packs alike
+        layout = spec.layout if msg.compat.layout_key == self.codec.compat.layout_key else theirs.layout
+        if msgspec.structs.replace(theirs, num_kv_heads=spec.num_kv_heads, layout=layout) != spec or theirs.num_kv_heads != msg.compat.num_kv_heads:
             # the compat hash covers the rest of the spec; a mismatch means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
         split = self._split(msg, prefill)

@@ -55,6 +55,14 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     def model_kv_heads(self) -> int:
         return self.total_kv_heads or self.num_kv_heads * self.tp_size
 
+    @property
+    def layout_key(self) -> str:
+        """What of the cache layout peers must share: the layout itself, except that on
+        the packed path an NHD and an HND cache pack a block into the same rows (one
+        per plane, token and head: ``csrc/PACKED_FORMAT.md``), so either pairs with
+        either (e.g. a FlashAttention prefill with a FlashInfer HND decode)."""
+        return "rows" if self.data_path == "packed" and self.layout in ("nhd", "hnd") else self.layout
+
     @classmethod
     def from_spec(
         cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0, data_path: str = "direct"
@@ -84,7 +92,7 @@ the hash, which carries the model's head count instead."""
 def compat_hash(info: CompatInfo) -> str:
     """16 hex characters identifying what every pair of peers must share (stable
     across processes and versions of msgspec: values are encoded in field order)."""
-    shared = [getattr(info, f) for f in info.__struct_fields__ if f not in _TP_SPLIT] + [info.model_kv_heads]
+    shared = [info.layout_key if f == "layout" else getattr(info, f) for f in info.__struct_fields__ if f not in _TP_SPLIT] + [info.model_kv_heads]
     payload = msgspec.msgpack.encode(shared)
     return hashlib.sha256(b"kvbridge-compat-v3\0" + payload).hexdigest()[:16]
 
@@ -94,7 +102,7 @@ def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object,
     return {
         f: (getattr(ours, f), getattr(theirs, f))
         for f in ours.__struct_fields__
-        if getattr(ours, f) != getattr(theirs, f)
+        if getattr(ours, f) != getattr(theirs, f) and not (f == "layout" and ours.layout_key == theirs.layout_key)
     }
 
 

@@ -1,8 +1,13 @@
-"""Prefill and decode caches of different block sizes (config ``transfer_block_size``):
-both sides address their token-major caches (NHD, MLA latent) in blocks of a common
-divisor, and the decode cache ends up holding the prefill's tokens where its own
-blocks put them. Runtime endpoints on the loopback transport with real torch caches,
-on the direct path (push and P-first) and the packed path (exact and FP8)."""
+"""Prefill and decode caches of different shapes, on runtime endpoints over the
+loopback transport with real torch caches:
+
+- different block sizes (config ``transfer_block_size``): both sides address their
+  token-major caches (NHD, MLA latent) in blocks of a common divisor, and the decode
+  cache ends up holding the prefill's tokens where its own blocks put them, on the
+  direct path (push and P-first) and the packed path (exact and FP8);
+- different layouts on the packed path: an NHD prefill and an HND decode (and the
+  reverse) pack a block into the same rows, so they pair there, exact and FP8; the
+  direct path, which copies blocks as they are, refuses them."""
 
 from __future__ import annotations
 
@@ -114,3 +119,68 @@ def test_a_size_that_does_not_divide_the_block_or_interleaved_blocks_are_refused
         geo.in_blocks_of(12)
     with pytest.raises(PlanError, match="back to back"):
         CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000), block_stride=2 * spec.block_bytes).in_blocks_of(16)
+
+
+def cache(layout: str, seed: int | None, block_size: int = UNIT) -> tuple[torch.Tensor, CacheGeometry, list]:
+    """Per layer a ``(2, blocks, ...)`` tensor of ``layout`` (NHD or HND), its geometry
+    and its K and V planes (what the vLLM worker makes of a FlashAttention or a
+    FlashInfer HND cache)."""
+    n = TOKENS // block_size
+    inner = (block_size, H, HD) if layout == "nhd" else (H, block_size, HD)
+    shape = (L, 2, n, *inner)
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
+    spec = CacheSpec(num_layers=L, block_size=block_size, num_kv_heads=H, head_dim=HD, dtype="float32", layout=layout)
+    geo = CacheGeometry(spec=spec, num_blocks=n, plane_bases=tuple(t[l, p].data_ptr() for l in range(L) for p in range(2)))
+    return t, geo, [ops.kv_planes(t[l], layout) for l in range(L)]
+
+
+def token_rows(t: torch.Tensor, layout: str, blocks: list[int]) -> torch.Tensor:
+    """``(layers, 2, tokens, heads, dim)`` of ``blocks`` whatever the layout."""
+    x = t[:, :, blocks]
+    return (x if layout == "nhd" else x.transpose(3, 4)).flatten(2, 3)
+
+
+@pytest.mark.parametrize("wire", ["exact", "fp8"])
+@pytest.mark.parametrize(("p_layout", "d_layout"), [("nhd", "hnd"), ("hnd", "nhd")])
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_nhd_and_hnd_caches_pair_on_the_packed_path(p_layout: str, d_layout: str, wire: str, flow: str) -> None:
+    (pt, pg, pp), (dt, dg, dp) = cache(p_layout, 1), cache(d_layout, None)
+    cfg = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"}
+    spec = lambda g: g.spec  # noqa: E731 - each side's own spec
+    P = runtime_pair.endpoint("P", (pt, pg), spec=spec(pg), planes=pp, **cfg)
+    D = runtime_pair.endpoint("D", (dt, dg), spec=spec(dg), planes=dp, **cfg)
+    try:
+        n, p_blocks, d_blocks = 70, [4, 9, 2, 7, 11], [3, 0, 8, 1, 5]
+        if flow == "push":
+            D.receiver.expect_push("r", P.address, d_blocks, n)
+        P.sender.track("r", p_blocks, n, pull=flow == "pull")
+        for layer in range(L):
+            P.sender.layer_done("r", layer, n)
+        P.sender.prefill_done("r")
+        if flow == "pull":
+            D.receiver.expect_pull("r", P.address, P.epoch, p_blocks, d_blocks, n)
+        assert D.receiver.wait_finished(5) == (["r"], [])
+        # whole blocks move (the last one's tail too), each token's rows where its layout keeps them
+        want, got = token_rows(pt, p_layout, p_blocks), token_rows(dt, d_layout, d_blocks)
+        if wire == "fp8":
+            assert 0 < ((got - want).norm() / want.norm()).item() < 0.04
+        else:
+            assert torch.equal(got, want)
+        assert not dt[:, :, sorted(set(range(dt.shape[2])) - set(d_blocks))].any()
+    finally:
+        D.close()
+        P.close()
+
+
+def test_nhd_and_hnd_caches_are_refused_on_the_direct_path() -> None:
+    from kvbridge.errors import IncompatiblePeerError
+
+    (pt, pg, _), (dt, dg, _) = cache("nhd", 1), cache("hnd", None)
+    P = runtime_pair.endpoint("P", (pt, pg), spec=pg.spec)
+    D = runtime_pair.endpoint("D", (dt, dg), spec=dg.spec)
+    try:
+        with pytest.raises(IncompatiblePeerError, match="layout: ours='hnd', peer='nhd'"):
+            D.node.connect(P.address)
+    finally:
+        D.close()
+        P.close()
