@@ -162,8 +162,9 @@ class KVBridgeConfig(_Section):
     size). Set it to a common divisor of both sides' block sizes, identically on
     prefill and decode, to pair instances whose engines use different block sizes
     (e.g. 16 and 64): each engine block is then addressed as several blocks of this
-    many tokens. Needs a cache that stores each block token by token (vLLM's
-    FlashAttention-style NHD and MLA caches; not vLLM's CPU cache or an HND one).
+    many tokens. Needs a cache that stores each block token by token, blocks back to
+    back (vLLM's GPU caches in LBNHC / NHD order, MLA caches; not vLLM's CPU cache,
+    a heads-first or a block-outermost one).
     Smaller blocks mean more descriptors on the direct path, none more bytes."""
 
     staging_mb: PositiveInt = 256

@@ -47,6 +47,20 @@ def tokens(t: torch.Tensor, engine_blocks: list[int]) -> torch.Tensor:
     return t[:, :, engine_blocks].flatten(2, 3)
 
 
+def transfer(P, D, flow: str, p_blocks: list[int], d_blocks: list[int], n: int, skip: int = 0) -> None:
+    """One prompt of ``n`` tokens from ``p_blocks`` into ``d_blocks`` (tokens from
+    ``skip``), push (the destination first) or P-first; returns once D received it."""
+    if flow == "push":
+        D.receiver.expect_push("r", P.address, d_blocks, n, skip_tokens=skip)
+    P.sender.track("r", p_blocks, n, pull=flow == "pull")
+    for layer in range(L):
+        P.sender.layer_done("r", layer, n)
+    P.sender.prefill_done("r")
+    if flow == "pull":
+        D.receiver.expect_pull("r", P.address, P.epoch, p_blocks, d_blocks, n, skip_tokens=skip)
+    assert D.receiver.wait_finished(5) == (["r"], [])
+
+
 SPEC = CacheSpec(num_layers=L, block_size=UNIT, num_kv_heads=H, head_dim=HD, dtype="float32", layout="nhd")
 PATHS = {"direct": {}, "packed": {"data_path": "packed"}, "fp8": {"wire_dtype": "fp8"}}
 
@@ -67,15 +81,7 @@ def test_decode_holds_the_prefill_tokens_in_its_own_blocks(p_bs: int, d_bs: int,
         skip = d_bs
         p_ids = sub_block_ids(p_engine, p_bs // UNIT, math.ceil(T / UNIT))
         d_ids = sub_block_ids(d_engine[1:], d_bs // UNIT, math.ceil(T / UNIT) - skip // UNIT)
-        if flow == "push":
-            D.receiver.expect_push("r", P.address, d_ids, T, skip_tokens=skip)
-        P.sender.track("r", p_ids, T, pull=flow == "pull")
-        for layer in range(L):
-            P.sender.layer_done("r", layer, T)
-        P.sender.prefill_done("r")
-        if flow == "pull":
-            D.receiver.expect_pull("r", P.address, P.epoch, p_ids, d_ids, T, skip_tokens=skip)
-        assert D.receiver.wait_finished(5) == (["r"], [])
+        transfer(P, D, flow, p_ids, d_ids, T, skip)
         assert P.sender.wait_released(5) == ["r"]
         want = tokens(p[0], p_engine)[:, :, skip:T]
         got = tokens(d[0], d_engine)[:, :, skip:T]
@@ -146,20 +152,11 @@ def token_rows(t: torch.Tensor, layout: str, blocks: list[int]) -> torch.Tensor:
 def test_nhd_and_hnd_caches_pair_on_the_packed_path(p_layout: str, d_layout: str, wire: str, flow: str) -> None:
     (pt, pg, pp), (dt, dg, dp) = cache(p_layout, 1), cache(d_layout, None)
     cfg = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"}
-    spec = lambda g: g.spec  # noqa: E731 - each side's own spec
-    P = runtime_pair.endpoint("P", (pt, pg), spec=spec(pg), planes=pp, **cfg)
-    D = runtime_pair.endpoint("D", (dt, dg), spec=spec(dg), planes=dp, **cfg)
+    P = runtime_pair.endpoint("P", (pt, pg), spec=pg.spec, planes=pp, **cfg)
+    D = runtime_pair.endpoint("D", (dt, dg), spec=dg.spec, planes=dp, **cfg)
     try:
         n, p_blocks, d_blocks = 70, [4, 9, 2, 7, 11], [3, 0, 8, 1, 5]
-        if flow == "push":
-            D.receiver.expect_push("r", P.address, d_blocks, n)
-        P.sender.track("r", p_blocks, n, pull=flow == "pull")
-        for layer in range(L):
-            P.sender.layer_done("r", layer, n)
-        P.sender.prefill_done("r")
-        if flow == "pull":
-            D.receiver.expect_pull("r", P.address, P.epoch, p_blocks, d_blocks, n)
-        assert D.receiver.wait_finished(5) == (["r"], [])
+        transfer(P, D, flow, p_blocks, d_blocks, n)
         # whole blocks move (the last one's tail too), each token's rows where its layout keeps them
         want, got = token_rows(pt, p_layout, p_blocks), token_rows(dt, d_layout, d_blocks)
         if wire == "fp8":
@@ -181,6 +178,62 @@ def test_nhd_and_hnd_caches_are_refused_on_the_direct_path() -> None:
     try:
         with pytest.raises(IncompatiblePeerError, match="layout: ours='hnd', peer='nhd'"):
             D.node.connect(P.address)
+    finally:
+        D.close()
+        P.close()
+
+
+# --- vLLM 0.32's GPU attention views (built by vLLM's own create_kv_cache_views) -------------
+
+
+def vllm_cache(name: str, block_size: int, seed: int | None) -> tuple[dict[str, torch.Tensor], CacheGeometry, list]:
+    """vLLM's views of a ``name`` (``VLLM_KV_CACHE_LAYOUT``) cache, described by the vLLM
+    adapter in blocks of ``UNIT`` tokens, with the planes its worker hands the packed path."""
+    from vllm_views import vllm_views
+
+    from kvbridge.adapters.vllm.cache import geometry_from_tensors
+
+    views = vllm_views(name, layers=L, blocks=TOKENS // block_size, block_size=block_size, heads=H, head_size=HD, seed=seed)
+    geo = geometry_from_tensors(views, list(views), block_size, cpu_backend=False)
+    planes = [tuple(p.view(-1, UNIT, H, HD) for p in ops.kv_planes(v, geo.spec.layout)) for v in views.values()]
+    return views, geo.in_blocks_of(UNIT), planes
+
+
+def view_tokens(views: dict[str, torch.Tensor], blocks: list[int]) -> torch.Tensor:
+    """``(layers, tokens, heads, K|V)`` of ``blocks``, as the attention backends read them."""
+    return torch.stack([v.transpose(1, 2)[blocks].flatten(0, 1) for v in views.values()])
+
+
+@pytest.mark.parametrize(
+    ("p_name", "d_name", "d_bs", "cfg"),
+    [
+        ("BLNHC", "BLNHC", UNIT, {}),  # direct: every layer's block interleaved in one allocation
+        ("LBHNC", "LBHNC", UNIT, {}),
+        ("LBNHC", "LBNHC", 2 * UNIT, {"transfer_block_size": UNIT}),  # direct, different block sizes
+        ("LBNHC", "LBHNC", UNIT, {"data_path": "packed"}),  # tokens-first into heads-first
+        ("LBHNC", "LBNHC", 2 * UNIT, {"wire_dtype": "fp8", "transfer_block_size": UNIT}),
+        ("BLHNC", "BLNHC", UNIT, {"wire_dtype": "fp8"}),
+    ],
+)
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_vllm_gpu_views_move_each_token_into_the_decode_s_view(p_name: str, d_name: str, d_bs: int, cfg: dict, flow: str) -> None:
+    (pv, pg, pp), (dv, dg, dp) = vllm_cache(p_name, UNIT, 1), vllm_cache(d_name, d_bs, None)
+    packed = bool(cfg.get("data_path") or cfg.get("wire_dtype"))
+    P = runtime_pair.endpoint("P", (pv, pg), spec=pg.spec, planes=pp if packed else None, **cfg)
+    D = runtime_pair.endpoint("D", (dv, dg), spec=dg.spec, planes=dp if packed else None, **cfg)
+    try:
+        n = 150
+        p_blocks = [9, 2, 14, 5, 0, 11, 7, 3, 12, 1]  # 10 blocks of 16
+        d_engine = [6, 2, 9, 4, 0] if d_bs == UNIT * 2 else [12, 3, 8, 1, 15, 6, 10, 0, 4, 13]
+        d_blocks = sub_block_ids(d_engine, d_bs // UNIT, math.ceil(n / UNIT))
+        transfer(P, D, flow, p_blocks, d_blocks, n)
+        want, got = view_tokens(pv, p_blocks)[:, :n].float(), view_tokens(dv, d_engine)[:, :n].float()
+        if cfg.get("wire_dtype") == "fp8":
+            assert 0 < ((got - want).norm() / want.norm()).item() < 0.04
+        else:
+            assert torch.equal(got, want)
+        others = sorted(set(range(next(iter(dv.values())).shape[0])) - set(d_engine))
+        assert not any(v[others].any() for v in dv.values()), "written outside the destination"
     finally:
         D.close()
         P.close()

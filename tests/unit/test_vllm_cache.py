@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm_views import vllm_views
 
 from kvbridge.adapters.vllm.cache import geometry_from_tensors
 from kvbridge.errors import ConfigError, KVBridgeError
@@ -100,3 +101,60 @@ def test_the_packed_path_packs_a_latent_cache_as_two_half_vectors_and_refuses_an
         with pytest.raises(ConfigError, match="two halves of each vector; this one has 575 values") as err:
             PackedPath(odd, [], 8, transport=None, fp8=fp8)  # type: ignore[arg-type]  # refused before it is used
         assert err.value.key == key and "data_path 'direct'" in (err.value.fix or "")
+
+
+# --- vLLM 0.32's GPU attention views --------------------------------------------------------
+# The views are vLLM's own (its create_kv_cache_views over one int8 allocation, on the
+# CPU here); what they address is checked against torch indexing of those views, and
+# the K / V planes against the split vLLM's FlashAttention backend makes.
+
+L_GPU, HEADS, DIM = 3, 2, 8
+
+
+def views(layout_name: str, block_size: int = BS) -> dict[str, torch.Tensor]:
+    return vllm_views(layout_name, layers=L_GPU, blocks=BLOCKS, block_size=block_size, heads=HEADS, head_size=DIM)
+
+
+@pytest.mark.parametrize(("name", "layout"), [("LBNHC", "nhd_kv"), ("LBHNC", "hnd_kv"), ("BLNHC", "nhd_kv"), ("BLHNC", "hnd_kv")])
+def test_vllm_gpu_views_map_to_their_layout_and_every_block_s_bytes(name: str, layout: str) -> None:
+    from kvbridge.ops import kv_planes
+
+    kv = views(name)
+    ordered = list(kv)
+    geo = geometry_from_tensors(kv, ordered, BS, cpu_backend=False)
+    assert (geo.spec.layout, geo.spec.num_kv_heads, geo.spec.head_dim, geo.num_blocks) == (layout, HEADS, DIM, BLOCKS)
+    assert geo.spec.planes_per_layer == 1 and geo.spec.block_bytes == BS * HEADS * 2 * DIM * 2
+    for l, n in enumerate(ordered):
+        for b in range(BLOCKS):
+            address = geo.slot_address(geo.slot(l, 0, b))
+            assert address == kv[n][b].data_ptr()
+            # the slot's bytes are exactly the block's: every element of it, nothing else
+            got = ctypes.string_at(address, geo.spec.block_bytes)
+            assert sorted(got) == sorted(kv[n][b].contiguous().view(torch.int8).numpy().tobytes())
+        k, v = kv_planes(kv[n], layout)
+        fk, fv = kv[n].transpose(1, 2).split(DIM, dim=-1)  # vLLM FlashAttention's key and value caches
+        for mine, theirs in ((k, fk), (v, fv)):  # the same memory, element for element
+            assert (mine.data_ptr(), mine.shape, mine.stride()) == (theirs.data_ptr(), theirs.shape, theirs.stride())
+    assert len(geo.regions()) == 1  # one allocation for every layer
+
+
+C = 2 * DIM  # values per token and head
+
+
+@pytest.mark.parametrize(
+    "strides",
+    [(BS * C, BLOCKS * BS * C, C, 1), (HEADS * L_GPU * BS * C, L_GPU * BS * C, C, 1)],
+    ids=["LHBNC-heads-outside-blocks", "BHLNC-layers-between-heads"],
+)
+def test_gpu_views_whose_blocks_are_not_dense_are_refused(strides: tuple[int, ...]) -> None:
+    raw = torch.zeros(1 << 16, dtype=torch.float16)
+    view = raw.as_strided((BLOCKS, HEADS, BS, 2 * DIM), strides)
+    with pytest.raises(KVBridgeError, match="dense run of bytes") as err:
+        geometry_from_tensors({"model.layers.0.attn": view}, ["model.layers.0.attn"], BS, cpu_backend=False)
+    assert "VLLM_KV_CACHE_LAYOUT" in str(err.value)
+
+
+def test_an_attention_kernel_with_smaller_blocks_is_refused_naming_the_block_size() -> None:
+    kv = views("LBNHC")
+    with pytest.raises(KVBridgeError, match=f"--block-size {BS}"):
+        geometry_from_tensors(kv, list(kv), 2 * BS, cpu_backend=False)

@@ -4,7 +4,8 @@ Vocabulary
 ----------
 - *block*: ``block_size`` consecutive tokens of one request (vLLM "block", SGLang "page").
 - *plane*: one array of blocks for one layer. A layer has one plane when K and V share
-  each block (``fused``), two (K then V) when they are stored apart (``nhd``, ``hnd``).
+  each block (``fused``, ``nhd_kv``, ``hnd_kv``, ``latent``), two (K then V) when they
+  are stored apart (``nhd``, ``hnd``).
 - *slot*: one (layer, plane, block) triple; its bytes are contiguous in memory. Slots are
   numbered ``(layer * planes_per_layer + plane) * num_blocks + block``; transports
   prepare one descriptor table over all slots once, and transfers select slots by index.
@@ -17,10 +18,16 @@ Layouts (shape of one block inside one plane, row-major)
   order inside a half is its kernel's (the ``vec`` kernel keeps keys dim-major, values
   token-major), so kvbridge moves fused blocks whole and never reads a token out of one.
 - ``nhd``: K and V planes, each block ``(block_size, num_kv_heads, head_dim)``. vLLM's
-  FlashAttention layer tensor ``(2, num_blocks, block_size, num_kv_heads, head_dim)``;
+  FlashAttention layer tensor before 0.32 ``(2, num_blocks, block_size, num_kv_heads, head_dim)``;
   SGLang's per-layer ``k_buffer`` / ``v_buffer`` of ``(num_pages * page_size, heads, dim)``.
 - ``hnd``: K and V planes, each block ``(num_kv_heads, block_size, head_dim)``
   (FlashInfer's HND).
+- ``nhd_kv``: one plane, each block ``(block_size, num_kv_heads, 2 * head_dim)``: per
+  token and head its key, then its value. vLLM 0.32's GPU attention cache, a layer
+  viewed as ``[blocks, heads, tokens, K|V]`` stored tokens before heads (its
+  ``VLLM_KV_CACHE_LAYOUT=LBNHC``).
+- ``hnd_kv``: one plane, each block ``(num_kv_heads, block_size, 2 * head_dim)``: the
+  same view stored heads before tokens (``LBHNC``).
 - ``latent``: one plane, each block ``(block_size, head_dim)``: multi-head latent
   attention (DeepSeek's MLA) caches one compressed vector per token (``kv_lora_rank``
   + ``qk_rope_head_dim`` values) from which the heads' keys and values are computed;
@@ -49,7 +56,11 @@ import numpy as np
 
 from kvbridge.errors import PlanError
 
-Layout = Literal["fused", "nhd", "hnd", "latent"]
+Layout = Literal["fused", "nhd", "hnd", "nhd_kv", "hnd_kv", "latent"]
+LAYOUTS: tuple[str, ...] = ("fused", "nhd", "hnd", "nhd_kv", "hnd_kv", "latent")
+TOKEN_ROW_LAYOUTS = frozenset({"nhd", "hnd", "nhd_kv", "hnd_kv"})
+"""Layouts whose (plane, token, head) rows the packed path reads: see
+:attr:`CacheSpec.token_rows`."""
 MemoryKind = Literal["host", "device"]
 
 #: Bytes per element of the cache dtypes kvbridge moves (torch dtype names, no prefix).
@@ -90,8 +101,8 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
                 f"CacheSpec.dtype {self.dtype!r} is not supported; "
                 f"supported: {', '.join(sorted(DTYPE_SIZES))}"
             )
-        if self.layout not in ("fused", "nhd", "hnd", "latent"):
-            raise ValueError(f"CacheSpec.layout {self.layout!r} is not one of fused, nhd, hnd, latent")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"CacheSpec.layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         if self.layout == "latent" and self.num_kv_heads != 1:
             raise ValueError(f"a latent (MLA) cache has one KV head, got {self.num_kv_heads}")
 
@@ -101,12 +112,30 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def planes_per_layer(self) -> int:
-        return 1 if self.layout in ("fused", "latent") else 2
+        return 2 if self.layout in ("nhd", "hnd") else 1
+
+    @property
+    def token_major(self) -> bool:
+        """A block stores its tokens one after the other (each token's bytes together):
+        its first ``n`` tokens are its first bytes (:meth:`CacheGeometry.in_blocks_of`)."""
+        return self.layout in ("nhd", "nhd_kv", "latent")
+
+    @property
+    def heads_apart(self) -> bool:
+        """A block stores each KV head's bytes together: a range of heads is a range of
+        its bytes (:meth:`CacheGeometry.part_table`)."""
+        return self.layout in ("fused", "hnd", "hnd_kv")
+
+    @property
+    def token_rows(self) -> bool:
+        """Each (plane, token, head) is a row of ``head_dim`` values, whatever their order
+        in the block: any two such caches pack into the same rows (the packed path)."""
+        return self.layout in TOKEN_ROW_LAYOUTS
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one plane."""
-        per_token_head = self.head_dim * (2 if self.layout == "fused" else 1)
+        per_token_head = self.head_dim * (2 if self.layout in ("fused", "nhd_kv", "hnd_kv") else 1)
         return self.block_size * self.num_kv_heads * per_token_head * self.element_size
 
     @property
@@ -185,7 +214,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         """Like :meth:`slot_table` with every slot cut into ``parts`` equal pieces, each
         ``num_kv_heads / parts`` heads of the block (row ``slot * parts + k`` is piece
         ``k``): what a peer with another tensor-parallel split addresses. Only layouts
-        that keep a block's heads apart (``fused``, ``hnd``) can be cut so.
+        that keep a block's heads apart (:attr:`CacheSpec.heads_apart`) can be cut so.
 
         Raises:
             PlanError: the layout interleaves heads per token, or ``parts`` does not
@@ -194,7 +223,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if parts == 1:
             return self.slot_table()
         spec = self.spec
-        if spec.layout == "nhd" or spec.num_kv_heads % parts:
+        if not spec.heads_apart or spec.num_kv_heads % parts:
             raise PlanError(f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} head ranges")
         piece = spec.block_bytes // parts
         table = np.repeat(self.slot_table(), parts, axis=0)
@@ -223,7 +252,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             return self
         if tokens <= 0 or spec.block_size % tokens:
             raise PlanError(f"{tokens} does not divide the cache's block size {spec.block_size}")
-        if spec.layout not in ("nhd", "latent"):
+        if not spec.token_major:
             raise PlanError(f"a {spec.layout} cache does not store a block token by token: its blocks cannot be moved in blocks of {tokens} tokens")
         if self.stride != spec.block_bytes:
             raise PlanError(f"the cache's blocks are {self.stride} bytes apart, not back to back: they cannot be moved in blocks of {tokens} tokens")
@@ -287,4 +316,4 @@ def merge_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-__all__ = ["DTYPE_SIZES", "CacheGeometry", "CacheSpec", "Layout", "MemoryKind", "merge_regions", "sub_block_ids"]
+__all__ = ["DTYPE_SIZES", "LAYOUTS", "TOKEN_ROW_LAYOUTS", "CacheGeometry", "CacheSpec", "Layout", "MemoryKind", "merge_regions", "sub_block_ids"]

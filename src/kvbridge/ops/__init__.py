@@ -82,6 +82,10 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
       tensors of ``(num_blocks, block_size, heads, dim)`` or, with ``block_size``, SGLang's
       ``(num_pages * page_size, heads, dim)``;
     - ``"hnd"``: ``(2, num_blocks, num_heads, block_size, head_dim)``;
+    - ``"nhd_kv"``, ``"hnd_kv"``: vLLM 0.32's GPU attention view ``(num_blocks,
+      num_heads, block_size, 2 * head_dim)``, per token and head its key then its
+      value, stored tokens or heads first (the strides say which; the views follow
+      them);
     - ``"latent"`` (MLA, needs ``block_size``): one latent vector of ``dim`` values per
       token, e.g. vLLM's ``(num_blocks, block_size, dim)``, its CPU
       ``(num_blocks, 1, block_size, dim)`` or SGLang's ``(num_pages * page_size, 1,
@@ -120,6 +124,12 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
         elif layout != "nhd":
             raise OpsInputError(f"a pair of K and V tensors has layout nhd or hnd, not {layout!r}")
         return k, v
+    if layout in ("nhd_kv", "hnd_kv"):
+        if cache.dim() != 4 or cache.shape[-1] % 2 or cache.stride(-1) != 1:
+            raise OpsInputError(f"a {layout} cache is (num_blocks, num_heads, block_size, 2 * head_dim) with each value row contiguous, got shape {tuple(cache.shape)}, strides {cache.stride()}")
+        d = cache.shape[-1] // 2
+        rows = cache.transpose(1, 2)  # (blocks, tokens, heads, K|V)
+        return rows[..., :d], rows[..., d:]
     if layout == "fused":
         if cache.dim() != 4 or cache.shape[-1] % 2:
             raise OpsInputError(f"a fused cache is (num_blocks, num_heads, block_size, 2 * head_dim), got shape {tuple(cache.shape)}")
@@ -132,7 +142,7 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
         return cache[0], cache[1]
     if layout == "hnd":
         return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
-    raise OpsInputError(f"unknown layout {layout!r}; expected fused, nhd, hnd or latent")
+    raise OpsInputError(f"unknown layout {layout!r}; expected fused, nhd, hnd, nhd_kv, hnd_kv or latent")
 
 
 def packed_format(

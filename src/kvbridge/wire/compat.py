@@ -23,7 +23,7 @@ import hashlib
 
 import msgspec
 
-from kvbridge.core.layout import CacheSpec
+from kvbridge.core.layout import TOKEN_ROW_LAYOUTS, CacheSpec
 
 #: Version of the kvbridge wire protocol. Bumped only for incompatible changes; new
 #: optional fields (with defaults, at the end of a Struct) do not bump it.
@@ -58,10 +58,11 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def layout_key(self) -> str:
         """What of the cache layout peers must share: the layout itself, except that on
-        the packed path an NHD and an HND cache pack a block into the same rows (one
-        per plane, token and head: ``csrc/PACKED_FORMAT.md``), so either pairs with
-        either (e.g. a FlashAttention prefill with a FlashInfer HND decode)."""
-        return "rows" if self.data_path == "packed" and self.layout in ("nhd", "hnd") else self.layout
+        the packed path every layout of per-token rows (NHD, HND, K|V per token and
+        head: :data:`~kvbridge.core.layout.TOKEN_ROW_LAYOUTS`) packs a block into the
+        same rows (one per plane, token and head: ``csrc/PACKED_FORMAT.md``), so any
+        pairs with any (e.g. an SGLang-style NHD prefill with a vLLM HND decode)."""
+        return "rows" if self.data_path == "packed" and self.layout in TOKEN_ROW_LAYOUTS else self.layout
 
     @classmethod
     def from_spec(

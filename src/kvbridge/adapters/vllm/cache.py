@@ -5,7 +5,15 @@ plain CPU tensors. Supported layouts of vLLM 0.32:
 
 - CPU backend: per layer ``(num_blocks, num_kv_heads, block_size, 2 * head_dim)``
   -> ``fused``;
-- FlashAttention-style GPU backends: ``(2, num_blocks, block_size, num_kv_heads,
+- GPU attention backends (FlashAttention, FlashInfer, Triton): vLLM 0.32 views each
+  layer as ``[num_blocks, num_kv_heads, block_size, K|V]`` (its ``create_kv_cache_views``;
+  each token and head holds its key then its value, as the backends split them) over
+  one allocation, in the physical order ``VLLM_KV_CACHE_LAYOUT`` chose: tokens before
+  heads (``LBNHC``, ``BLNHC``) -> ``nhd_kv``, heads before tokens (``LBHNC``,
+  ``BLHNC``) -> ``hnd_kv``; a block-outermost order interleaves the layers' blocks
+  (the geometry's block stride). Orders that split a block's bytes (``LHBNC``,
+  ``BHLNC``), and attention kernels with smaller blocks than vLLM's, are refused;
+- older FlashAttention-style tensors ``(2, num_blocks, block_size, num_kv_heads,
   head_dim)`` -> ``nhd`` (K and V planes), or with heads before tokens -> ``hnd``;
 - MLA backends (``mla``): ``(num_blocks, block_size, kv_lora_rank + rope_dim)`` on GPU,
   the same with a heads axis of 1 on CPU ``(num_blocks, 1, block_size, ...)``
@@ -37,11 +45,40 @@ def layer_order(names: list[str], index_of) -> list[str]:
     return [n for _, n in indexed]
 
 
-def geometry_from_tensors(kv_caches: Mapping[str, torch.Tensor], ordered: list[str], block_size: int, mla: bool = False) -> CacheGeometry:
+def _gpu_view(first: torch.Tensor, num_layers: int, block_size: int, dtype: str) -> tuple[CacheSpec, int]:
+    """The spec and block stride (bytes) of a GPU backend's ``[blocks, heads, tokens,
+    K|V]`` layer view, from its strides: a block must be one dense run of bytes."""
+    num_blocks, heads, tokens, two_d = first.shape
+    s = first.stride()
+    if tokens != block_size:
+        raise KVBridgeError(
+            f"the attention kernel's blocks hold {tokens} tokens, vLLM's {block_size}: kvbridge moves vLLM's blocks whole",
+            fix=f"start vLLM with --block-size {tokens}",
+        )
+    if two_d % 2 == 0 and s[3] == 1 and s[1] == two_d and s[2] == heads * two_d:
+        layout = "nhd_kv"
+    elif two_d % 2 == 0 and s[3] == 1 and s[2] == two_d and s[1] == tokens * two_d:
+        layout = "hnd_kv"
+    else:
+        raise KVBridgeError(
+            f"unsupported KV cache view: shape {tuple(first.shape)}, strides {s}: a block's heads and tokens do not form one dense run of bytes",
+            fix="set VLLM_KV_CACHE_LAYOUT to LBNHC, LBHNC, BLNHC or BLHNC",
+        )
+    spec = CacheSpec(num_layers=num_layers, block_size=block_size, num_kv_heads=heads, head_dim=two_d // 2, dtype=dtype, layout=layout)
+    return spec, s[0] * first.element_size()
+
+
+def geometry_from_tensors(
+    kv_caches: Mapping[str, torch.Tensor], ordered: list[str], block_size: int, mla: bool = False, cpu_backend: bool | None = None
+) -> CacheGeometry:
     """Describe the cache whose per-layer tensors are ``kv_caches[name]`` for the layer
     names in ``ordered`` (model order); ``mla``: the model's attention is MLA (vLLM's
-    ``model_config.use_mla``)."""
+    ``model_config.use_mla``); ``cpu_backend``: the tensors are vLLM's CPU attention
+    cache, whose ``[blocks, heads, tokens, 2 * head_dim]`` holds a head's keys then its
+    values (default: the tensors are in host memory), not a GPU backend's view."""
     first = kv_caches[ordered[0]]
+    if cpu_backend is None:
+        cpu_backend = first.device.type == "cpu"
     dtype = str(first.dtype).removeprefix("torch.")
     shape = tuple(first.shape)
     es = first.element_size()
@@ -56,7 +93,11 @@ def geometry_from_tensors(kv_caches: Mapping[str, torch.Tensor], ordered: list[s
             f"unsupported MLA KV cache layout: tensor of shape {shape}, strides {first.stride()} on {first.device} (block size {block_size})",
             fix="kvbridge supports MLA caches of (blocks, block_size, latent) with each token's latent values contiguous",
         )
-    elif first.device.type == "cpu" and len(shape) == 4 and shape[2] == block_size:
+    elif len(shape) == 4 and not cpu_backend:
+        spec, stride = _gpu_view(first, len(ordered), block_size, dtype)
+        num_blocks = shape[0]
+        bases = [kv_caches[n].data_ptr() for n in ordered]
+    elif cpu_backend and len(shape) == 4 and shape[2] == block_size:
         num_blocks, heads, _, two_d = shape
         spec = CacheSpec(num_layers=len(ordered), block_size=block_size, num_kv_heads=heads, head_dim=two_d // 2, dtype=dtype, layout="fused")
         bases = [kv_caches[n].data_ptr() for n in ordered]
@@ -71,11 +112,11 @@ def geometry_from_tensors(kv_caches: Mapping[str, torch.Tensor], ordered: list[s
     else:
         raise KVBridgeError(
             f"unsupported KV cache layout: tensor of shape {shape} on {first.device} (block size {block_size})",
-            fix="kvbridge supports vLLM's CPU layout and FlashAttention-style (2, blocks, ...) layouts",
+            fix="kvbridge supports vLLM's CPU layout, its GPU [blocks, heads, tokens, K|V] views and (2, blocks, ...) layouts",
         )
     for name in ordered:
         t = kv_caches[name]
-        if tuple(t.shape) != shape or t.dtype != first.dtype:
+        if tuple(t.shape) != shape or t.dtype != first.dtype or t.stride() != first.stride():
             raise KVBridgeError(f"KV cache of layer {name} differs in shape or dtype from the first layer", fix="hybrid models are not supported yet")
     memory = "host" if first.device.type == "cpu" else "device"
     device = 0 if memory == "host" else (first.device.index or 0)
