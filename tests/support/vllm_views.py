@@ -9,14 +9,17 @@ import torch
 
 
 def vllm_views(
-    layout_name: str, *, layers: int, blocks: int, block_size: int, heads: int, head_size: int, seed: int | None = 0, dtype: torch.dtype = torch.float16
+    layout_name: str, *, layers: int, blocks: int, block_size: int, heads: int, head_size: int, seed: int | None = 0, dtype: torch.dtype = torch.float16,
+    mla: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Layer name -> vLLM's view of it, in model order; random bytes (``seed``) or zeros."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    """Layer name -> vLLM's view of it, in model order; random bytes (``seed``) or zeros.
+    ``mla``: an MLA cache (one latent vector of ``head_size`` values per token)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, MLAAttentionSpec, create_kv_cache_views
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     layout = KVCacheLayout[layout_name]
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    kind = MLAAttentionSpec if mla else FullAttentionSpec
+    spec = kind(block_size=block_size, num_kv_heads=1 if mla else heads, head_size=head_size, dtype=dtype)
     page = spec.page_size_bytes
     compact = layout.is_layer_compact
     tensor = KVCacheTensor(

@@ -138,6 +138,19 @@ def test_vllm_gpu_views_map_to_their_layout_and_every_block_s_bytes(name: str, l
     assert len(geo.regions()) == 1  # one allocation for every layer
 
 
+@pytest.mark.parametrize("name", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+def test_vllm_gpu_mla_views_are_latent_caches_in_every_order(name: str) -> None:
+    from kvbridge.ops import kv_planes
+
+    kv = vllm_views(name, layers=L_GPU, blocks=BLOCKS, block_size=BS, heads=1, head_size=576, dtype=torch.bfloat16, mla=True)
+    geo = geometry_from_tensors(kv, list(kv), BS, mla=True, cpu_backend=False)
+    assert (geo.spec.layout, geo.spec.num_kv_heads, geo.spec.head_dim, geo.num_blocks) == ("latent", 1, 576, BLOCKS)
+    for l, v in enumerate(kv.values()):
+        assert [geo.slot_address(geo.slot(l, 0, b)) for b in range(BLOCKS)] == [v[b].data_ptr() for b in range(BLOCKS)]
+        first, second = kv_planes(v, "latent", BS)
+        assert first[3, 5, 0].data_ptr() == v[3, 0, 5].data_ptr() and second[3, 5, 0].data_ptr() == v[3, 0, 5, 288:].data_ptr()
+
+
 C = 2 * DIM  # values per token and head
 
 
