@@ -49,7 +49,7 @@ from their tensors and build a :class:`CacheGeometry` once per worker.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 import numpy as np
@@ -57,7 +57,7 @@ import numpy as np
 from kvbridge.errors import PlanError
 
 Layout = Literal["fused", "nhd", "hnd", "nhd_kv", "hnd_kv", "latent"]
-LAYOUTS: tuple[str, ...] = ("fused", "nhd", "hnd", "nhd_kv", "hnd_kv", "latent")
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 TOKEN_ROW_LAYOUTS = frozenset({"nhd", "hnd", "nhd_kv", "hnd_kv"})
 """Layouts whose (plane, token, head) rows the packed path reads: see
 :attr:`CacheSpec.token_rows`."""

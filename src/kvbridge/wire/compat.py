@@ -61,7 +61,8 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
         the packed path every layout of per-token rows (NHD, HND, K|V per token and
         head: :data:`~kvbridge.core.layout.TOKEN_ROW_LAYOUTS`) packs a block into the
         same rows (one per plane, token and head: ``csrc/PACKED_FORMAT.md``), so any
-        pairs with any (e.g. an SGLang-style NHD prefill with a vLLM HND decode)."""
+        pairs with any (e.g. a vLLM prefill that stores tokens first with a decode that
+        stores heads first)."""
         return "rows" if self.data_path == "packed" and self.layout in TOKEN_ROW_LAYOUTS else self.layout
 
     @classmethod
