@@ -4,7 +4,8 @@ over the loopback transport (device memory), each layer "computed" on the engine
 stream behind a GPU sleep and announced with its CUDA event, as the vLLM worker does.
 The decode cache must equal the torch reference's pack -> unpack bit for bit (a layer
 packed before its kernels finished would hold zeros), and every staging slot must be
-given back."""
+given back. Likewise between vLLM 0.32's GPU views stored tokens first and heads first,
+described by the vLLM adapter."""
 
 from __future__ import annotations
 
@@ -77,6 +78,57 @@ def test_layers_computed_on_the_gpu_arrive_packed_bit_for_bit(dtype: torch.dtype
             assert torch.equal(got[:, :, dblocks], kv)
         for ep in (P, D):
             assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
+    finally:
+        D.close()
+        P.close()
+
+
+def vllm_gpu_views(order: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's per-layer views ``[blocks, heads, tokens, K|V]`` of one zeroed GPU
+    allocation, stored tokens first (``LBNHC``) or heads first (``LBHNC``), layer after
+    layer (the strides vLLM's ``create_kv_cache_views`` gives: checked against it on the
+    CPU in ``tests/unit/test_vllm_cache.py``)."""
+    c = 2 * HD
+    page = BS * H * c
+    strides = (page, BS * c, c, 1) if order == "LBHNC" else (page, c, H * c, 1)
+    raw = torch.zeros(L * NB * page, dtype=dtype, device="cuda")
+    return {f"model.layers.{l}.self_attn.attn": raw.as_strided((NB, H, BS, c), strides, l * NB * page) for l in range(L)}
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp8", "exact"])
+@pytest.mark.parametrize(("p_order", "d_order"), [("LBNHC", "LBHNC"), ("LBHNC", "LBNHC")])
+def test_vllm_gpu_views_of_different_orders_arrive_packed_bit_for_bit(p_order: str, d_order: str, wire_dtype: str) -> None:
+    from kvbridge.adapters.vllm.cache import geometry_from_tensors
+
+    dtype = torch.bfloat16
+    pv, dv = vllm_gpu_views(p_order, dtype), vllm_gpu_views(d_order, dtype)
+    sides = {}
+    for role, views in (("P", pv), ("D", dv)):
+        geo = geometry_from_tensors(views, list(views), BS, cpu_backend=False)
+        planes = [ops.kv_planes(v, geo.spec.layout) for v in views.values()]
+        timeouts = {"receive_s": 20, "transfer_s": 20}
+        sides[role] = runtime_pair.endpoint(role, (views, geo), timeouts, geo.spec, planes=planes, wire_dtype=wire_dtype, data_path="packed")
+    P, D = sides["P"], sides["D"]
+    n, pblocks, dblocks = 200, list(range(3, 16)), list(range(40, 53))
+    kv = torch.randn((L, len(pblocks), H, BS, 2 * HD), generator=torch.Generator().manual_seed(9)).to(dtype)
+    try:
+        D.receiver.expect_push("v", P.address, dblocks, n)
+        P.sender.track("v", pblocks, n)
+        for layer, view in enumerate(pv.values()):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            view[pblocks] = kv[layer].to("cuda", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            P.sender.layer_done("v", layer, n, ready=event)
+        P.sender.prefill_done("v")
+        assert D.receiver.wait_finished(20) == (["v"], [])
+        for layer, view in enumerate(dv.values()):  # the specification, on the CPU
+            source = torch.zeros((NB, H, BS, 2 * HD), dtype=dtype)
+            source[pblocks] = kv[layer]
+            expected = torch.zeros_like(source)
+            region, fmt = ops.pack(ops.kv_planes(source, "hnd_kv"), pblocks, len(pblocks) * BS, fp8=wire_dtype == "fp8", chunk_tokens=BS)
+            ops.unpack(region, fmt, ops.kv_planes(expected, "hnd_kv"), dblocks)
+            assert torch.equal(view.cpu().view(torch.int16), expected.view(torch.int16)), f"layer {layer} differs from the reference round trip"
     finally:
         D.close()
         P.close()
