@@ -14,9 +14,9 @@ layout), the same on every TP rank.
   size, each decode worker received the prompt's blocks, and both instances' KV usage
   returns to idle without any lease expiring.
 
-- the packed path (staging buffers): exact values (``data_path: packed``, Mooncake), output
-  equal to colocated and exactly the latent bytes (in blocks of 8, as above); FP8 (``wire_dtype: fp8``, NIXL), each
-  vector's halves quantized with a scale each: 3.9x fewer bytes, first-token logprobs
+- the packed path (staging buffers): exact values (``data_path: packed``, Mooncake, in
+  blocks of 8 as above), output equal to colocated and exactly the latent bytes; FP8
+  (``wire_dtype: fp8``, NIXL), each vector's halves quantized with a scale each: 3.9x fewer bytes, first-token logprobs
   equal to those of the model run in transformers on an FP8-rounded latent cache;
   both: staging slots all free again.
 

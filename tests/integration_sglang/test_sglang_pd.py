@@ -5,7 +5,8 @@ behind ``sglang_router.launch_router --pd-disaggregation --mini-lb``: the greedy
 every prompt equals a colocated SGLang server started with the same flags, token for
 token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``), each with per-chunk sends
 (``layerwise: false``) and with per-layer streaming (``layerwise_min_tokens: 0``, so
-every prompt streams). The prefill's per-room log line ("room R sent: L layer writes,
+every prompt streams); two of the pairs run a decode whose pages are 2 or 4 times the
+prefill's (``transfer_block_size``). The prefill's per-room log line ("room R sent: L layer writes,
 C chunk writes") shows which path each request took. The disaggregated servers run with
 ``--enable-metrics``: kvbridge's ``sglang:kvbridge_*`` metrics on their ``/metrics``
 count each request once and exactly its KV bytes (computed from the model's config and
