@@ -119,3 +119,22 @@ def test_a_transfer_block_size_that_does_not_divide_the_block_size_is_refused() 
     with pytest.raises(ConfigError, match="does not divide vLLM's block size 16") as err:
         SchedulerSide(16, "eng", "127.0.0.1", transfer_block_size=12)
     assert err.value.key == "transfer_block_size"
+
+
+def _vllm_config(extra: dict, mla: bool = False, block_size: int = 16) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=mla), cache_config=SimpleNamespace(block_size=block_size),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+    )
+
+
+def test_the_connector_asks_vllm_for_the_cache_order_it_can_cut() -> None:
+    from kvbridge.adapters.vllm.connector import KVBridgeConnector
+
+    ask = KVBridgeConnector.get_required_kvcache_layout
+    assert ask(_vllm_config({})) == "LBHNC"  # heads apart: TP head ranges on the direct path
+    assert ask(_vllm_config({"transfer_block_size": 8})) == "LBNHC"  # tokens first: smaller blocks
+    assert ask(_vllm_config({"transfer_block_size": 16})) == "LBHNC"  # that is the block size
+    assert ask(_vllm_config({}, mla=True)) is None
+    with pytest.raises(ConfigError, match="transfer_blok_size"):
+        ask(_vllm_config({"transfer_blok_size": 8}))

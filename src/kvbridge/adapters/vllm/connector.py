@@ -57,8 +57,28 @@ def check_parallelism(parallel_config) -> None:
             )
 
 
+def cache_layout(vllm_config) -> str | None:
+    """The GPU cache order kvbridge asks vLLM for (``VLLM_KV_CACHE_LAYOUT`` still
+    wins, and vLLM falls back to its backend's choice where that cannot take it):
+    heads first (``LBHNC``), so a direct-path transfer between different TP sizes cuts
+    a block's heads as byte ranges; tokens first (``LBNHC``) where
+    ``transfer_block_size`` cuts blocks into fewer tokens; None for MLA (one latent
+    vector per token: the order does not matter)."""
+    if vllm_config.model_config is None or is_mla(vllm_config.model_config):
+        return None
+    ktc = vllm_config.kv_transfer_config
+    config = load_config((ktc.kv_connector_extra_config if ktc is not None else None) or {})
+    unit = config.transfer_block_size
+    return "LBNHC" if unit and unit != vllm_config.cache_config.block_size else "LBHNC"
+
+
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's vLLM V1 KV connector (layer-wise push and P-first flows)."""
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """vLLM asks once, in the engine core, before allocating the cache."""
+        return cache_layout(vllm_config)
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
