@@ -59,8 +59,9 @@ from kvbridge.errors import PlanError
 Layout = Literal["fused", "nhd", "hnd", "nhd_kv", "hnd_kv", "latent"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 TOKEN_ROW_LAYOUTS = frozenset({"nhd", "hnd", "nhd_kv", "hnd_kv"})
-"""Layouts whose (plane, token, head) rows the packed path reads: see
-:attr:`CacheSpec.token_rows`."""
+"""Layouts that hold each (plane, token, head) as a row of ``head_dim`` values, whatever
+their order in the block: any two pack into the same rows
+(:attr:`~kvbridge.wire.compat.CompatInfo.layout_key`)."""
 MemoryKind = Literal["host", "device"]
 
 #: Bytes per element of the cache dtypes kvbridge moves (torch dtype names, no prefix).
@@ -123,14 +124,8 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def heads_apart(self) -> bool:
         """A block stores each KV head's bytes together: a range of heads is a range of
-        its bytes (:meth:`CacheGeometry.part_table`)."""
-        return self.layout in ("fused", "hnd", "hnd_kv")
-
-    @property
-    def token_rows(self) -> bool:
-        """Each (plane, token, head) is a row of ``head_dim`` values, whatever their order
-        in the block: any two such caches pack into the same rows (the packed path)."""
-        return self.layout in TOKEN_ROW_LAYOUTS
+        its bytes (:meth:`CacheGeometry.part_table`). A latent cache's one "head" is."""
+        return self.layout in ("fused", "hnd", "hnd_kv", "latent")
 
     @property
     def block_bytes(self) -> int:

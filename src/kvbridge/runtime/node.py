@@ -227,7 +227,7 @@ class Node:
             check_pairing(p.model_kv_heads, p.tp_size, d.tp_size, idle=True)  # the receiver tells idle prefill ranks to let go
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
-        if self.geometry.spec.layout != "latent" and not self.geometry.spec.heads_apart and self.packed is None:
+        if not self.geometry.spec.heads_apart and self.packed is None:
             raise IncompatiblePeerError(
                 f"{what}: the KV cache layout {self.geometry.spec.layout} interleaves heads within a block, so a rank's heads cannot be cut out of it",
                 differences=differences,
