@@ -2,13 +2,14 @@
 
 No model hub is needed: :func:`build_tiny_model` writes a Hugging Face model directory
 that vLLM (and SGLang) load like any other: ``config.json`` + ``model.safetensors`` and
-a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. Three shapes
+a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. Four shapes
 (:data:`SHAPES`): ``tiny`` (Llama, 2 layers, hidden 128, 4 attention heads, 2 KV heads,
-about 3 MB; tests and demo), ``bench`` (Llama, 8 layers, hidden 512, 8 heads, 4 KV heads,
-about 110 MB; enough compute per layer for the serving benchmark to show streaming) and
-``mla`` (DeepSeek-V2, 2 layers, hidden 128, 4 heads, multi-head latent attention with a
-512 + 64 latent per token, the only size vLLM's CPU MLA kernel takes; dense MLPs;
-about 5 MB).
+about 3 MB; tests and demo), ``window`` (``tiny`` whose second layer attends to the last
+40 tokens only, a sliding window as in Gemma 2/3, gpt-oss and Mistral models), ``bench``
+(Llama, 8 layers, hidden 512, 8 heads, 4 KV heads, about 110 MB; enough compute per
+layer for the serving benchmark to show streaming) and ``mla`` (DeepSeek-V2, 2 layers,
+hidden 128, 4 heads, multi-head latent attention with a 512 + 64 latent per token, the
+only size vLLM's CPU MLA kernel takes; dense MLPs; about 5 MB).
 
 Contract:
 
@@ -47,13 +48,19 @@ VOCAB_SIZE = 2048
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
     "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "window": {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "sliding_window": 40,
+    },
     "mla": {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
     },
 }  # fmt: skip
 """Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
-(MLA), the others Llama."""
+(MLA), the others Llama. With ``sliding_window``, every second layer attends to that many
+past tokens only (``layer_types`` in ``config.json``, which vLLM reads; transformers'
+Llama ignores it)."""
 MAX_POSITIONS = 8192
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
@@ -205,6 +212,8 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         )  # fmt: skip
         model_cls = DeepseekV2ForCausalLM
     else:
+        if "sliding_window" in shape:
+            common["layer_types"] = ["full_attention", "sliding_attention"] * (shape["num_hidden_layers"] // 2)
         config, model_cls = LlamaConfig(**common), LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
         torch.manual_seed(seed)

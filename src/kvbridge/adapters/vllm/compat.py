@@ -46,7 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
@@ -85,7 +84,6 @@ __all__ = [
     "KVConnectorTransferResults",
     "RequestStatus",
     "SUPPORTED",
-    "SupportsHMA",
     "check_version",
     "create_metric_per_engine",
     "extract_layer_index",

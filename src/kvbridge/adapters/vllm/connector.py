@@ -20,7 +20,6 @@ from kvbridge.adapters.vllm.compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    SupportsHMA,
     check_version,
     is_mla,
     model_kv_heads,
@@ -72,7 +71,7 @@ def cache_layout(vllm_config) -> str | None:
     return "LBNHC" if unit and unit != vllm_config.cache_config.block_size else "LBHNC"
 
 
-class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+class KVBridgeConnector(KVConnectorBase_V1):
     """kvbridge's vLLM V1 KV connector (layer-wise push and P-first flows)."""
 
     @classmethod
@@ -129,12 +128,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
-
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        if len(block_ids) != 1:
-            raise NotImplementedError("kvbridge supports models with one KV cache group")
-        return self._scheduler.request_finished(request, list(block_ids[0]))
 
     def update_connector_output(self, connector_output) -> None:
         assert self._scheduler is not None
