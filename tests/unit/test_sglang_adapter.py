@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pages_differ, paired_count, transfer_pages
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pages_differ, paired_count, refuse_pool_state, transfer_pages
 from kvbridge.adapters.sglang.lifecycle import (
     EpochWatcher,
     InstanceEpoch,
@@ -105,6 +105,20 @@ def test_two_pools_pair_position_by_position() -> None:
 def test_unsupported_pools_are_refused(ptrs, lens, item) -> None:
     with pytest.raises(PlanError, match="MHA"):
         kv_geometry(page_size=4, ptrs=ptrs, lens=lens, item_lens=item)
+
+
+def test_a_pool_with_state_is_refused_at_start_naming_sglangs_own_backends() -> None:
+    import enum
+
+    class StateType(enum.Enum):  # SGLang's names (sglang.srt.disaggregation.utils)
+        SWA = "swa"
+        MAMBA = "mamba"
+
+    refuse_pool_state([])  # an MHA or MLA pool: SGLang registers no state component
+    refuse_pool_state(None)
+    with pytest.raises(PlanError, match=r"state that kvbridge does not move yet \(SWA, MAMBA\)") as info:
+        refuse_pool_state([StateType.SWA, StateType.MAMBA])
+    assert "--disaggregation-transfer-backend mooncake or nixl" in str(info.value)
 
 
 def test_aux_rows() -> None:

@@ -42,6 +42,21 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec, MemoryKind
 from kvbridge.errors import IncompatiblePeerError, PlanError
 
 
+def refuse_pool_state(state_types: Sequence[object] | None) -> None:
+    """Raise :class:`PlanError` when SGLang registered per-request state beside the KV
+    pool (``KVArgs.state_types``: sliding-window KV, Mamba states, sparse-attention
+    indexer tails, MXFP8 block scales, ...), which this backend does not move: without
+    this check the server would start and fail every request. Called once per rank,
+    when the manager starts."""
+    names = [str(getattr(s, "name", s)) for s in state_types or ()]
+    if names:
+        raise PlanError(
+            f"this model's SGLang KV pool carries state that kvbridge does not move yet ({', '.join(names)}); "
+            "kvbridge supports MHA and MLA pools without it",
+            fix="serve this model with one of SGLang's own backends (--disaggregation-transfer-backend mooncake or nixl)",
+        )
+
+
 def kv_geometry(
     *,
     page_size: int,
@@ -168,4 +183,4 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
     return count
 
 
-__all__ = ["AuxLayout", "kv_geometry", "pages_differ", "paired_count", "transfer_pages"]
+__all__ = ["AuxLayout", "kv_geometry", "pages_differ", "paired_count", "refuse_pool_state", "transfer_pages"]

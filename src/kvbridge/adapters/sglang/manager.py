@@ -53,7 +53,7 @@ import zmq
 from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, refuse_pool_state
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
 from kvbridge.adapters.sglang.prefill import (
     KVBridgeKVSender,
@@ -98,6 +98,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         on_cpu = getattr(server_args, "device", "cuda") == "cpu"
         self.memory = "host" if on_cpu else "device"
         self.device_index = 0 if on_cpu else int(args.gpu_id)
+        refuse_pool_state(getattr(args, "state_types", None))
         self.geometry = kv_geometry(
             page_size=args.page_size,
             ptrs=args.kv_data_ptrs,
