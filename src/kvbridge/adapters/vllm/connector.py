@@ -72,7 +72,11 @@ def cache_layout(vllm_config) -> str | None:
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
-    """kvbridge's vLLM V1 KV connector (layer-wise push and P-first flows)."""
+    """kvbridge's vLLM V1 KV connector (layer-wise push and P-first flows).
+
+    Deliberately not ``SupportsHMA``: kvbridge moves one block list for all layers, so
+    vLLM turns its hybrid KV cache manager off for this connector and a sliding-window
+    model runs as one KV cache group (docs/vllm-connector-notes.md, section 1)."""
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
