@@ -57,14 +57,6 @@ _c = compat.common()
 KVPoll = _c.KVPoll
 
 
-def _has_state(state_indices) -> bool:
-    """Whether SGLang asks to move per-request state (mamba/SWA pools): for an MHA
-    pool it passes None or a list of empty components."""
-    if state_indices is None:
-        return False
-    return any(s is not None and len(s) > 0 for s in state_indices)
-
-
 class _Chunk(NamedTuple):
     room: int
     pages: np.ndarray
@@ -371,12 +363,11 @@ class PrefillSide:
         indices_event=None,
         trace_ctx=None,
     ):
-        """Queue one chunk (never blocks the scheduler)."""
+        """Queue one chunk (never blocks the scheduler). ``state_indices`` is always
+        empty: a pool with state components is refused when the manager starts
+        (:func:`~kvbridge.adapters.sglang.layout.refuse_pool_state`)."""
         if bootstrap_room not in self.transfer_infos:
             return  # dummy rank, or already cleared
-        if _has_state(state_indices):
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvbridge: state (mamba/SWA) transfer is not supported yet")
-            return
         # indices_event is only given to senders that take host tensors (we do not:
         # KVBridgeKVSender.supports_host_tensor_indices), so kv_indices are final here
         self._work.put(
