@@ -5,6 +5,7 @@ two handoff flows driven directly (as a proxy would), and Prometheus metrics rea
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -96,6 +97,24 @@ def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens
         out = fd.result()
         fp.result()
     return out
+
+
+RECEIVED = "vllm:kvbridge_bytes_received_total"
+
+
+def check_handoff(flow: str, p_url: str, d_url: str, reference_url: str, prompt: Sequence[int], max_tokens: int, address: dict[str, str] | None, block_bytes: int) -> None:
+    """Hand ``prompt`` from P to D (:func:`handoff`) and assert D's output equals the
+    reference instance's token for token and D received exactly the prompt's blocks
+    (``block_bytes`` each, :data:`BLOCK` tokens per block). The prompt must be new to D's
+    prefix cache."""
+    ref = complete(reference_url, prompt, max_tokens=max_tokens)
+    before = metric(d_url, RECEIVED)
+    out = handoff(flow, p_url, d_url, prompt, max_tokens, address)
+    assert out.token_ids == ref.token_ids
+    blocks = math.ceil(len(prompt) / BLOCK)
+    expected = blocks * block_bytes
+    got = wait_metric(d_url, RECEIVED, lambda v: v - before >= expected) - before
+    assert got == expected, f"D received {got} bytes, the prompt's {blocks} blocks are {expected}"
 
 
 def metric(url: str, name: str) -> float:

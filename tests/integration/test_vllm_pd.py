@@ -12,7 +12,6 @@ ways (the NIXL pair and the colocated reference schedule synchronously)."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,15 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_handoff, discover, handoff, kv_args, metric, start_all, wait_metric
+from vllm_cpu_async import ENV as ASYNC_SCHEDULING
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 7, 2 * CHUNK + 88]
 MAX_TOKENS = 12
 BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
-RECEIVED = "vllm:kvbridge_bytes_received_total"
-ASYNC_SCHEDULING = "KVBRIDGE_TEST_ASYNC_SCHEDULING"
 
 
 class PD:
@@ -77,14 +75,7 @@ def fresh_prompt(n: int) -> list[int]:
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("flow", ["push", "pull"])
 def test_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n: int) -> None:
-    prompt = fresh_prompt(n)
-    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
-    before = metric(pd.d.url, RECEIVED)
-    out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address)
-    assert out.token_ids == ref.token_ids
-    expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
-    got = wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before
-    assert got == expected, f"D received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+    check_handoff(flow, pd.p.url, pd.d.url, colocated.url, fresh_prompt(n), MAX_TOKENS, pd.address, BYTES_PER_BLOCK)
 
 
 def test_decode_fetches_only_what_its_prefix_cache_lacks(pd: PD, colocated: VllmServer) -> None:
