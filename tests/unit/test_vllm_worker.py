@@ -94,6 +94,27 @@ def test_decode_abort_while_loading_frees_the_blocks_once_the_load_stops(pd) -> 
     assert all("rd" not in r for _, r, _ in seen), "an aborted load must not be reported as received"
 
 
+def test_a_preempted_prefill_s_transfer_is_aborted_and_never_reported(pd) -> None:
+    """vLLM freed a preempted request's blocks itself and asserts that every id in
+    ``finished_sending`` is a live request: the workers abort the transfer (the decode
+    side's load fails) and report nothing for it, even once the request finishes."""
+    p, d = pd
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t5", "push", PrefillAddress(p.endpoint.address), [1, 2], 20, 0)]))
+    p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t5", "push", 20, [5, 6], 0, 16, True)]))
+    p.endpoint.sender.layer_done("t5", 0, 16)
+    p.after_forward()
+    eventually(lambda: bool(p.endpoint.sender._out["t5"].dests))  # P knows where D is (so it can tell D)
+    p.bind_send(KVBridgeMetadata(drop_send={"rp": "t5"}))
+    seen = _until(d, set(), "rd", 2)  # D's load failed
+    assert all("rd" not in s for s, _, _ in seen)
+    finished = {"rp"}  # the resumed request, computed as a plain one, finishes
+    for _ in range(50):
+        assert p.results(finished, idle=True) == (set(), set(), set())
+        finished = set()
+    eventually(lambda: p.endpoint.sender.pending == 0)  # the sender let go of the aborted transfer
+    assert p.results(set()) == (set(), set(), set())
+
+
 def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> None:
     """TP 2 on both sides: decode rank 1 must ask prefill rank 1 (same KV heads), not
     the address every rank shares in ``kv_transfer_params`` (rank 0's)."""

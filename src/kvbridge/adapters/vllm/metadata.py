@@ -57,6 +57,9 @@ class KVBridgeMetadata(KVConnectorMetadata):
     """req_id -> transfer_id of prefill requests the engine gave up on."""
     abort_recv: dict[str, str] = field(default_factory=dict)
     """req_id -> transfer_id of decode requests the engine gave up on."""
+    drop_send: dict[str, str] = field(default_factory=dict)
+    """req_id -> transfer_id of prefill requests vLLM preempted: it freed their blocks
+    itself, so the workers abort the transfer and never report it as finished."""
     idle: bool = False
     """No tokens are computed this step: the engine steps only to poll transfers."""
 

@@ -11,12 +11,21 @@ Ownership: on the prefill side, a handed-off request's blocks stay with kvbridge
 it finishes (``request_finished`` returns True) until a worker reports them in
 ``finished_sending``; on the decode side, a request aborted while its KV is still
 arriving is held the same way, so no write lands in a block vLLM reallocated.
+
+One transfer per transfer id and instance: vLLM fans a request with ``n > 1`` out into
+sibling requests that carry the same ``kv_transfer_params``, submitted one by one. On
+the decode side the first sibling loads the prompt's KV; the others wait for that load
+to end (``matched_tokens`` answers None, vLLM asks again next step) or arrive after it
+ended, and take what arrived from the prefix cache and compute the rest. On the
+prefill side a request naming a transfer id in use or used is computed as a plain
+request. Used ids are remembered for the last :data:`RECENT_TRANSFERS` transfers.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +38,27 @@ from kvbridge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _NONE = kvparams.Handoff(role="prefill", flow="push", transfer_id="")  # cached "no handoff"
+
+RECENT_TRANSFERS = 4096
+"""Ended transfers whose ids each side remembers (a late request naming one is computed
+without a handoff)."""
+
+
+class _Recent:
+    """The last ``size`` transfer ids added, oldest forgotten first."""
+
+    def __init__(self, size: int = RECENT_TRANSFERS) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+
+    def add(self, transfer_id: str) -> None:
+        self._ids[transfer_id] = None
+        self._ids.move_to_end(transfer_id)
+        if len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._ids
 
 
 @dataclass
@@ -66,6 +96,12 @@ class SchedulerSide:
         self._handoffs: dict[str, kvparams.Handoff] = {}
         self._recv_new: list[RecvTask] = []
         self._recv_active: dict[str, str] = {}  # req_id -> transfer_id, KV still arriving
+        self._recv_owner: dict[str, str] = {}  # transfer_id -> req_id loading it (inverse of _recv_active)
+        self._sharing: dict[str, str] = {}  # req_id -> transfer_id another request is loading
+        self._send_owner: dict[str, str] = {}  # transfer_id -> prefill req_id sending it
+        self._send_tid: dict[str, str] = {}  # its inverse
+        self._recv_ended = _Recent()  # transfer ids loaded (or given up) here
+        self._send_ended = _Recent()  # transfer ids sent (or given up) here
         self._recv_done: set[str] = set()  # received once: a preempted request recomputes
         self._prefill: dict[str, _Prefill] = {}
         self._held: set[str] = set()
@@ -99,10 +135,27 @@ class SchedulerSide:
             self._handoffs[request.request_id] = h
         return None if h is _NONE else h
 
-    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Decode side: the prompt tokens this instance lacks, loaded asynchronously."""
+    def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Decode side: the prompt tokens this instance lacks, loaded asynchronously.
+        None (vLLM asks again next step): another request is loading the same transfer."""
         h = self.handoff(request)
-        if h is None or h.role != "decode" or request.request_id in self._recv_active or request.request_id in self._recv_done:
+        req_id = request.request_id
+        if h is None or h.role != "decode" or req_id in self._recv_active or req_id in self._recv_done:
+            return 0, False
+        if req_id in self._sharing:
+            if self._sharing[req_id] in self._recv_owner:
+                return None, False
+            del self._sharing[req_id]  # the load ended: its blocks are in the prefix cache
+            self._recv_done.add(req_id)
+            return 0, False
+        owner = self._recv_owner.get(h.transfer_id)
+        if owner is not None:
+            log.info("kvbridge: request %s shares transfer %s with %s (n > 1?): it waits for that load, then reads its prefix cache", req_id, h.transfer_id, owner)
+            self._sharing[req_id] = h.transfer_id
+            return None, False
+        if h.transfer_id in self._recv_ended:
+            log.info("kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its prefix cache", req_id, h.transfer_id)
+            self._recv_done.add(req_id)
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -115,6 +168,17 @@ class SchedulerSide:
             if h.flow == "discover":
                 return
             if request.request_id not in self._prefill:
+                owner = self._send_owner.setdefault(h.transfer_id, request.request_id)
+                self._send_tid[owner] = h.transfer_id
+                if owner != request.request_id or h.transfer_id in self._send_ended:
+                    log.warning(
+                        "kvbridge: request %s names transfer %s, which another request sends or sent (n > 1 on a prefill?); computing it without a handoff",
+                        request.request_id, h.transfer_id,
+                    )
+                    if owner == request.request_id:
+                        self._free_transfer_id(owner)
+                    self._handoffs[request.request_id] = _NONE
+                    return
                 self._prefill[request.request_id] = _Prefill(h.transfer_id, h.flow, request.num_prompt_tokens)
             return
         if num_external_tokens <= 0 or request.request_id in self._recv_active:
@@ -138,6 +202,7 @@ class SchedulerSide:
             )
         )
         self._recv_active[request.request_id] = h.transfer_id
+        self._recv_owner[h.transfer_id] = request.request_id
 
     def build_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(
@@ -154,10 +219,7 @@ class SchedulerSide:
                 if p is None:
                     continue
                 if resumed and p.started:
-                    # preemption freed the blocks the transfer was reading: give up on it
-                    # (the decode side's load fails and its failure policy applies)
-                    self._abort_send[req_id] = p.transfer_id
-                    del self._prefill[req_id]
+                    self._preempted(meta, req_id)
                     continue
                 before = computed[req_id]
                 if before >= p.num_tokens:
@@ -180,16 +242,28 @@ class SchedulerSide:
                 p.started = True
             for req_id in preempted & set(self._prefill):
                 if self._prefill[req_id].started:
-                    meta.abort_send[req_id] = self._prefill.pop(req_id).transfer_id
+                    self._preempted(meta, req_id)
         return meta
+
+    def _preempted(self, meta: KVBridgeMetadata, req_id: str) -> None:
+        """vLLM preempted a prefill whose transfer has started and freed its blocks (it
+        holds nothing for it any more): the transfer is given up (the decode side's load
+        fails and its failure policy applies), and the request, once resumed, is
+        computed as a plain one. The workers abort the transfer without reporting it in
+        ``finished_sending``; its transfer id stays taken until the request finishes."""
+        p = self._prefill.pop(req_id)
+        meta.drop_send[req_id] = p.transfer_id
+        self._handoffs[req_id] = _NONE
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once per request before vLLM frees its blocks. True: kvbridge holds
         them until a worker reports ``finished_sending``."""
         req_id = request.request_id
         self._recv_done.discard(req_id)
+        self._sharing.pop(req_id, None)
         h = self._handoffs.pop(req_id, None)
         if h is None or h is _NONE:
+            self._free_transfer_id(req_id)  # preempted after its transfer had started
             return False, None
         if h.role == "decode":
             transfer_id = self._recv_active.get(req_id)
@@ -204,6 +278,7 @@ class SchedulerSide:
             return False, (None if address is None else kvparams.discover_response(address))
         p = self._prefill.pop(req_id, None)
         if p is None or not p.started:
+            self._free_transfer_id(req_id)
             return False, None  # never computed, nothing was sent or held
         self._held.add(req_id)
         if request.status not in FINISHED_OK:
@@ -231,9 +306,26 @@ class SchedulerSide:
     def update_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         for req_id in finished_sending or ():
             self._held.discard(req_id)
+            self._free_transfer_id(req_id)
+            self._end_recv(req_id)  # a decode request aborted while loading
         for req_id in finished_recving or ():
-            if self._recv_active.pop(req_id, None) is not None:
+            if self._end_recv(req_id):
                 self._recv_done.add(req_id)
+
+    def _free_transfer_id(self, req_id: str) -> None:
+        transfer_id = self._send_tid.pop(req_id, None)
+        if transfer_id is not None:
+            del self._send_owner[transfer_id]
+            self._send_ended.add(transfer_id)
+
+    def _end_recv(self, req_id: str) -> bool:
+        transfer_id = self._recv_active.pop(req_id, None)
+        if transfer_id is None:
+            return False
+        if self._recv_owner.get(transfer_id) == req_id:
+            del self._recv_owner[transfer_id]
+            self._recv_ended.add(transfer_id)
+        return True
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while kvbridge holds blocks it must hand back."""

@@ -137,7 +137,11 @@ class WorkerSide:
             return
         for req_id, tid in meta.abort_send.items():
             self._send_req.setdefault(tid, req_id)
-            ep.sender.abort(tid, "the prefill request was aborted or preempted")
+            ep.sender.abort(tid, "the prefill request was aborted")
+        for req_id, tid in meta.drop_send.items():  # vLLM holds nothing for it: never reported
+            self._send_req.pop(tid, None)
+            self._released.discard(req_id)
+            ep.sender.abort(tid, "vLLM preempted the prefill request and freed its blocks")
         self._steps = meta.send
         for step in self._steps:
             if step.first:
