@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.config import Timeouts
-from kvbridge.core.lifecycle import RecvPhase, RecvRequest, RequestTable, SendPhase, SendRequest
+from kvbridge.core.lifecycle import EndedTransfers, RecvPhase, RecvRequest, RequestTable, SendPhase, SendRequest
 from kvbridge.errors import StateError
 
 T = Timeouts(handshake_s=1, transfer_s=2, lease_s=10, receive_s=20, abort_ack_s=3)
@@ -136,3 +136,13 @@ def test_table_polls_and_pops_releasable() -> None:
     assert table.pop_releasable() == []
     assert table.poll(15) == [b]
     assert table.pop_releasable() == [b] and len(table) == 0
+
+
+def test_ended_transfers_are_remembered_up_to_a_bound() -> None:
+    ended = EndedTransfers(size=2)
+    ended.add("a", "aborted: client gone")
+    ended.add("b")
+    ended.add("a", "aborted: again")  # "a" is the newest now, "b" the oldest
+    ended.add("c", "done")
+    assert "b" not in ended and ended.get("b") is None
+    assert ended.get("a") == "aborted: again" and ended.get("c") == "done"

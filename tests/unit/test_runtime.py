@@ -220,6 +220,19 @@ def test_prefill_abort_fails_the_decode_side_at_once(pd) -> None:
     assert P.sender.wait_released(5) == ["b"]
 
 
+def test_a_destination_after_the_prefill_gave_up_fails_the_load_at_once(pd) -> None:
+    """The engine aborted (or preempted) the request on P before D's destination came:
+    D hears that the transfer ended instead of waiting for data until receive_s."""
+    P, D, _, _ = pd
+    P.sender.track("late", [1, 2], 30)
+    P.sender.abort("late", "vLLM preempted the prefill request and freed its blocks")
+    assert P.sender.wait_released(5) == ["late"]
+    start = time.monotonic()
+    D.receiver.expect_push("late", P.address, [3, 4], 30)
+    assert D.receiver.wait_finished(5) == ([], ["late"])
+    assert time.monotonic() - start < 2
+
+
 def test_destination_that_does_not_fit_fails_both_sides(pd) -> None:
     P, D, _, _ = pd
     P.sender.track("m", [1, 2, 3], 40)

@@ -252,12 +252,3 @@ def test_a_preempted_prefill_drops_its_transfer_and_resumes_as_a_plain_request()
     assert again.send == [] and again.drop_send == {}
     assert s.request_finished(r, [5, 6, 7, 8, 9, 10, 11]) == (False, None)
     assert not s.has_pending_work() and not s._send_owner
-
-
-def test_ended_transfer_ids_are_remembered_up_to_a_bound() -> None:
-    from kvbridge.adapters.vllm.scheduler import _Recent
-
-    recent = _Recent(size=2)
-    for tid in ("a", "b", "a", "c"):  # "a" again: the newest, "b" is the oldest now
-        recent.add(tid)
-    assert "a" in recent and "c" in recent and "b" not in recent

@@ -21,6 +21,7 @@ Threading: a request is not thread-safe; the adapter that owns it serialises acc
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
@@ -331,4 +332,32 @@ class RequestTable(Generic[R]):
         return done
 
 
-__all__ = ["RecvPhase", "RecvRequest", "RequestTable", "SendPhase", "SendRequest"]
+ENDED_MEMORY = 4096
+"""How many ended transfers an :class:`EndedTransfers` remembers."""
+
+
+class EndedTransfers:
+    """Transfer ids that ended here, with how, the last ``size`` of them (oldest
+    forgotten first). A transfer id is single-use: whoever names one that ended (a late
+    destination, the late sibling of a request with ``n > 1``) is answered from here
+    instead of waiting for a transfer that will never come. Not thread-safe."""
+
+    def __init__(self, size: int = ENDED_MEMORY) -> None:
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._size = size
+
+    def add(self, transfer_id: str, how: str = "") -> None:
+        self._ended[transfer_id] = how
+        self._ended.move_to_end(transfer_id)
+        if len(self._ended) > self._size:
+            self._ended.popitem(last=False)
+
+    def get(self, transfer_id: str) -> str | None:
+        """How ``transfer_id`` ended, or None if it did not (or was forgotten)."""
+        return self._ended.get(transfer_id)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._ended
+
+
+__all__ = ["ENDED_MEMORY", "EndedTransfers", "RecvPhase", "RecvRequest", "RequestTable", "SendPhase", "SendRequest"]

@@ -52,7 +52,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from kvbridge.core.lifecycle import SendPhase, SendRequest
+from kvbridge.core.lifecycle import EndedTransfers, SendPhase, SendRequest
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.node import Node, Peer
 from kvbridge.runtime.packed import Run
@@ -143,6 +143,9 @@ class Sender:
         """Destinations (and idle ranks' releases) that came before :meth:`track`, with
         the time they are dropped."""
         self._released: list[str] = []
+        self._ended = EndedTransfers()
+        """Released transfers and how they ended: a destination that comes later is
+        refused at once (its decode side fails the load instead of waiting)."""
         self._gates: deque[_Gate] = deque()
         """Readiness behind device events, in the order the engine queued it."""
         self._keys = itertools.count()
@@ -311,6 +314,9 @@ class Sender:
         with self._lock:
             out = self._out.get(msg.transfer_id)
             if out is None:
+                how = self._ended.get(msg.transfer_id)
+                if how is not None:  # e.g. the engine aborted or preempted the request first
+                    return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already ended on this prefill worker ({how})", epoch=self.node.id.epoch)
                 # D may see the request before this prefill worker does: keep it
                 self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
                 return Reply(ok=True, epoch=self.node.id.epoch)
@@ -604,6 +610,7 @@ class Sender:
                     out.req.release()
                     del self._out[tid]
                     self._released.append(tid)
+                    self._ended.add(tid, out.req.phase.value + (f": {out.req.reason}" if out.req.reason else ""))
                     self._lock.notify_all()
                     self._on_outcome()
                     if out.req.phase is not SendPhase.DONE:

@@ -18,14 +18,14 @@ the decode side the first sibling loads the prompt's KV; the others wait for tha
 to end (``matched_tokens`` answers None, vLLM asks again next step) or arrive after it
 ended, and take what arrived from the prefix cache and compute the rest. On the
 prefill side a request naming a transfer id in use or used is computed as a plain
-request. Used ids are remembered for the last :data:`RECENT_TRANSFERS` transfers.
+request. Used ids are remembered for the last
+:data:`~kvbridge.core.lifecycle.ENDED_MEMORY` transfers.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,32 +33,12 @@ from kvbridge.adapters.vllm import params as kvparams
 from kvbridge.adapters.vllm.compat import FINISHED_OK, yield_req_data
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
 from kvbridge.core.layout import sub_block_ids
+from kvbridge.core.lifecycle import EndedTransfers
 from kvbridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 _NONE = kvparams.Handoff(role="prefill", flow="push", transfer_id="")  # cached "no handoff"
-
-RECENT_TRANSFERS = 4096
-"""Ended transfers whose ids each side remembers (a late request naming one is computed
-without a handoff)."""
-
-
-class _Recent:
-    """The last ``size`` transfer ids added, oldest forgotten first."""
-
-    def __init__(self, size: int = RECENT_TRANSFERS) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
-        self._size = size
-
-    def add(self, transfer_id: str) -> None:
-        self._ids[transfer_id] = None
-        self._ids.move_to_end(transfer_id)
-        if len(self._ids) > self._size:
-            self._ids.popitem(last=False)
-
-    def __contains__(self, transfer_id: object) -> bool:
-        return transfer_id in self._ids
 
 
 @dataclass
@@ -100,8 +80,8 @@ class SchedulerSide:
         self._sharing: dict[str, str] = {}  # req_id -> transfer_id another request is loading
         self._send_owner: dict[str, str] = {}  # transfer_id -> prefill req_id sending it
         self._send_tid: dict[str, str] = {}  # its inverse
-        self._recv_ended = _Recent()  # transfer ids loaded (or given up) here
-        self._send_ended = _Recent()  # transfer ids sent (or given up) here
+        self._recv_ended = EndedTransfers()  # transfer ids loaded (or given up) here
+        self._send_ended = EndedTransfers()  # transfer ids sent (or given up) here
         self._recv_done: set[str] = set()  # received once: a preempted request recomputes
         self._prefill: dict[str, _Prefill] = {}
         self._held: set[str] = set()
