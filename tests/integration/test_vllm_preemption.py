@@ -23,7 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, COMMON_ARGS, RECEIVED, check_handoff, discover, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    COMMON_ARGS,
+    RECEIVED,
+    check_handoff,
+    discover,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 

@@ -115,6 +115,31 @@ def test_a_preempted_prefill_s_transfer_is_aborted_and_never_reported(pd) -> Non
     assert p.results(set()) == (set(), set(), set())
 
 
+def test_a_second_request_for_a_transfer_id_in_use_fails_alone_and_the_first_goes_through(pd) -> None:
+    """The scheduler side never lets two requests share a transfer id; should it ever,
+    the workers fail the newcomer (reported to vLLM like any failed load, or as sent
+    with nothing held) instead of raising inside vLLM's step, and the first request's
+    transfer is untouched."""
+    p, d = pd
+    prefill = PrefillAddress(p.endpoint.address)
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t6", "push", prefill, [1, 2], 20, 0), RecvTask("rd2", "t6", "push", prefill, [3, 4], 20, 0)]))
+    assert d.results(set()) == (set(), {"rd2"}, {"rd2"})
+    p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t6", "push", 20, [5, 6], 0, 16, True), SendStep("rp2", "t6", "push", 20, [7, 8], 0, 16, True)]))
+    for layer in range(L):
+        p.endpoint.sender.layer_done("t6", layer, 16)
+    p.after_forward()
+    # the refused request's later step must not add its blocks to the other's transfer
+    p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t6", "push", 20, [], 16, 20, False), SendStep("rp2", "t6", "push", 20, [9], 16, 20, False)]))
+    assert p.endpoint.sender._out["t6"].blocks == [5, 6]
+    for layer in range(L):
+        p.endpoint.sender.layer_done("t6", layer, 20)
+    p.after_forward()
+    _until(d, set(), "rd", 1)  # the first load completes
+    seen = _until(p, {"rp", "rp2"}, "rp", 0)
+    reported = [r for s, _, _ in seen for r in s]
+    assert sorted(reported) == ["rp", "rp2"], f"each reported exactly once: {reported}"
+
+
 def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> None:
     """TP 2 on both sides: decode rank 1 must ask prefill rank 1 (same KV heads), not
     the address every rank shares in ``kv_transfer_params`` (rank 0's)."""

@@ -83,6 +83,8 @@ class WorkerSide:
         self._aborted_recv: set[str] = set()  # decode req ids the scheduler finished early
         self._released: set[str] = set()  # prefill req ids released, not yet finished by the scheduler
         self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
+        self._refused_send: set[str] = set()  # prefill req ids whose transfer id was taken: never tracked
+        self._refused_recv: set[str] = set()  # decode req ids whose transfer id was taken: failed
         self._reported_used: int | None = None  # staging slots held at the last report
         self._on_device = False  # the cache is GPU memory: readiness behind compute events
 
@@ -142,9 +144,16 @@ class WorkerSide:
             self._send_req.pop(tid, None)
             self._released.discard(req_id)
             ep.sender.abort(tid, "vLLM preempted the prefill request and freed its blocks")
-        self._steps = meta.send
-        for step in self._steps:
-            if step.first:
+        self._steps = [step for step in meta.send if step.req_id not in self._refused_send]
+        for step in list(self._steps):
+            if step.first and step.transfer_id in self._send_req:
+                # the scheduler side lets one request send a transfer id at a time; if it
+                # ever did not, fail the newcomer here rather than inside vLLM's step
+                log.error("kvbridge: request %s names transfer %s, which request %s sends from this worker; it is not sent", step.req_id, step.transfer_id, self._send_req[step.transfer_id])
+                self._refused_send.add(step.req_id)
+                self._released.add(step.req_id)  # nothing held for it: reported once the scheduler finishes it
+                self._steps.remove(step)
+            elif step.first:
                 self._send_req[step.transfer_id] = step.req_id
                 # a prefix hit may be blocks an earlier forward, still queued on the GPU, writes
                 ready = record_device_event() if self._on_device and step.computed_before else None
@@ -158,6 +167,10 @@ class WorkerSide:
         if ep is None or ep.receiver is None:
             return
         for task in meta.recv:
+            if task.transfer_id in self._recv_req:  # see bind_send: one request per transfer id
+                log.error("kvbridge: request %s names transfer %s, which request %s loads on this worker; its load fails", task.req_id, task.transfer_id, self._recv_req[task.transfer_id])
+                self._refused_recv.add(task.req_id)
+                continue
             self._recv_req[task.transfer_id] = task.req_id
             try:  # the prefill workers holding this worker's KV heads, and idle ones to release
                 sources = task.prefill.sources(self.rank, self.tp_size, self.total_kv_heads)
@@ -222,6 +235,7 @@ class WorkerSide:
             # the release may come before or after the scheduler finishes the request
             known = set(self._send_req.values()) | self._released
             self._finished |= finished_req_ids & known
+            self._refused_send -= finished_req_ids
             for tid in ep.sender.take_released():
                 req_id = self._send_req.pop(tid, None)
                 if req_id is not None:
@@ -231,6 +245,9 @@ class WorkerSide:
             self._finished -= ready
             sending |= ready
         if ep.receiver is not None:
+            recving |= self._refused_recv
+            failed |= self._refused_recv
+            self._refused_recv = set()
             done, bad = ep.receiver.take_finished()
             for tid in done + bad:
                 req_id = self._recv_req.pop(tid, None)
