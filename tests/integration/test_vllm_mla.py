@@ -50,6 +50,21 @@ FP8_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)  # a byte a
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 USAGE = "vllm:kv_cache_usage_perc"
 
+_group: list[VllmServer] = []
+"""The servers of the group fixture (``pd``, ``tp``, ``packed_pd``) set up last."""
+
+
+def next_group() -> None:
+    """Stop the servers of the group set up before, ahead of starting another. Each test
+    here uses one group and pytest runs a module-scoped fixture's tests together, so an
+    earlier group is idle for good; pytest itself would stop it only at the module's
+    end, and with the TP cluster still up, starting the packed pair ran the 24 GiB
+    machine out of memory (the kernel killed a TP worker). Their fixtures' own stop
+    calls later do nothing."""
+    for s in _group:
+        s.stop()
+    _group.clear()
+
 
 def server(model: Path, logs: Path, name: str, *args: str) -> VllmServer:
     return VllmServer(model, extra_args=ARGS + list(args), log_path=logs / f"{name}.log", max_model_len=MAX_MODEL_LEN)
@@ -83,6 +98,8 @@ def pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest
     extra = {"transfer_block_size": unit} if unit != BLOCK else None
     p = server(mla_model, logs, "P", *kv_args("kv_producer", transport, extra))
     d = server(mla_model, logs, "D", *kv_args("kv_consumer", transport, extra, policy="fail"))
+    next_group()
+    _group.extend([p, d])
     start_all([p, d])
     yield PD(p, d, unit)
     for s in (p, d):
@@ -111,7 +128,9 @@ def test_mla_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n
 def tp(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
     """vLLM's CPU MLA runs without prefix caching: X1's own KV never serves a later request."""
     logs = tmp_path_factory.mktemp("mla-tp")
+    next_group()
     cluster = TPCluster(lambda name, args: server(mla_model, logs, name, *args))
+    _group.extend(cluster.servers)
     yield cluster
     cluster.stop()
 
@@ -145,6 +164,8 @@ def packed_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory:
     extra = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed", "transfer_block_size": UNIT}
     p = server(mla_model, logs, "P", *kv_args("kv_producer", transport, extra))
     d = server(mla_model, logs, "D", *kv_args("kv_consumer", transport, extra, policy="fail"))
+    next_group()
+    _group.extend([p, d])
     start_all([p, d])
     yield PD(p, d, extra.get("transfer_block_size", BLOCK)), wire
     for s in (p, d):

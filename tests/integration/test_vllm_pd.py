@@ -164,6 +164,23 @@ def test_parallel_sampling_loads_the_prompt_once(pd: PD, colocated: VllmServer, 
     check_handoff(flow, pd.p.url, pd.d.url, colocated.url, fresh_prompt(BLOCK + 1), MAX_TOKENS, pd.address, BYTES_PER_BLOCK)
 
 
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_prompt_logprobs_compute_the_prompt_on_the_decode_and_free_the_prefill(pd: PD, colocated: VllmServer, flow: str) -> None:
+    """vLLM computes the prompt of a request that asks for prompt logprobs itself, even
+    with ``kv_transfer_params`` (it does not read cached KV for one): D loads nothing,
+    answers like the colocated instance, and tells P to let go of the prompt's blocks
+    (counted as aborted on P) instead of leaving them held until P's lease (60 s)."""
+    prompt = fresh_prompt(3 * BLOCK + 5)
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS, prompt_logprobs=1)
+    received, aborted = metric(pd.d.url, RECEIVED), metric(pd.p.url, "vllm:kvbridge_aborted_total")
+    out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, prompt_logprobs=1)
+    assert out.token_ids == ref.token_ids
+    got, want = out.raw["choices"][0]["prompt_logprobs"], ref.raw["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[1:] == want[1:], "D's prompt logprobs differ from the colocated instance's"
+    assert wait_metric(pd.p.url, "vllm:kvbridge_aborted_total", lambda v: v > aborted) == aborted + 1, "P still holds the prompt"
+    assert metric(pd.d.url, RECEIVED) == received
+
+
 def test_transfer_metrics_are_exported(pd: PD) -> None:
     handoff("push", pd.p.url, pd.d.url, fresh_prompt(2 * CHUNK), 2, pd.address)
     assert wait_metric(pd.p.url, "vllm:kvbridge_requests_sent_total", lambda v: v > 0) > 0

@@ -233,6 +233,24 @@ def test_a_destination_after_the_prefill_gave_up_fails_the_load_at_once(pd) -> N
     assert time.monotonic() - start < 2
 
 
+@pytest.mark.parametrize("order", ["decode first", "prefill first"])
+def test_a_decode_that_forgoes_a_transfer_frees_the_prefill_blocks_at_once(pd, order: str) -> None:
+    """D computes the prompt itself (vLLM does for prompt logprobs): P lets go of the
+    blocks when told, whether it tracks the request yet or not, long before its lease."""
+    P, D, _, _ = pd
+    if order == "prefill first":  # P-first: P holds the finished prompt
+        P.sender.track("fg", [1, 2], 30, pull=True)
+        P.sender.prefill_done("fg")
+    futures = D.receiver.forgo("fg", [P.address], [None], "the decode computes the prompt itself")
+    assert all(f.result(5) is None for f in futures)
+    if order == "decode first":  # push: the abort waits at P for the request
+        P.sender.track("fg", [1, 2], 30)
+    start = time.monotonic()
+    assert P.sender.wait_released(5) == ["fg"]
+    assert time.monotonic() - start < 2, "released by the lease, not by the decode's word"
+    assert P.stats.take().aborted == 1
+
+
 def test_destination_that_does_not_fit_fails_both_sides(pd) -> None:
     P, D, _, _ = pd
     P.sender.track("m", [1, 2, 3], 40)

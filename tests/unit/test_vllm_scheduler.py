@@ -252,3 +252,20 @@ def test_a_preempted_prefill_drops_its_transfer_and_resumes_as_a_plain_request()
     assert again.send == [] and again.drop_send == {}
     assert s.request_finished(r, [5, 6, 7, 8, 9, 10, 11]) == (False, None)
     assert not s.has_pending_work() and not s._send_owner
+
+
+def test_a_decode_request_vllm_computes_itself_lets_the_prefill_go() -> None:
+    """vLLM asks the connector, then loads nothing for a request that wants prompt
+    logprobs (``skip_reading_prefix_cache``): the prefill is told to let go of the
+    transfer at once instead of holding its blocks until the lease runs out."""
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    r = _decode_req("r")
+    assert s.matched_tokens(r, 0) == (40, True)
+    s.after_alloc(r, _blocks([3, 4, 5]), 0)  # vLLM overrode the answer with 0
+    meta = s.build_meta(_output())
+    assert meta.recv == [] and [(f.req_id, f.transfer_id) for f in meta.forgo] == [("r", "t1")]
+    assert meta.forgo[0].prefill.address == "h:7000"
+    s.after_alloc(r, _blocks([3, 4, 5]), 0)  # rescheduled after a preemption
+    assert s.build_meta(_output()).forgo == [], "let go of once"
+    assert s.matched_tokens(_decode_req("1_r"), 0) == (0, False), "a later sibling computes too"
+    assert s.request_finished(r, [3, 4, 5]) == (False, None)

@@ -182,17 +182,27 @@ class Receiver:
         whether or not they track it yet. Fire and forget (pool threads, each bounded by
         ``timeouts.handshake_s``; the returned futures end when the messages did): if a
         message is lost, that worker's lease frees the blocks."""
-        return [self._pool.submit(self._release_idle, transfer_id, a, e) for a, e in zip(addresses, epochs, strict=True)]
+        msg = Release(transfer_id=transfer_id, peer=self.node.id)
+        return [self._pool.submit(self._let_go, msg, a, e, "idle prefill worker") for a, e in zip(addresses, epochs, strict=True)]
 
-    def _release_idle(self, transfer_id: str, address: str, epoch: str | None) -> None:
+    def forgo(self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None], reason: str) -> list[cf.Future[None]]:
+        """Tell the prefill workers of ``transfer_id`` that this worker will not load
+        it (its engine computes the prompt itself, e.g. vLLM for a request that asks
+        for prompt logprobs), so they let go of its blocks now, whether or not they
+        track it yet, instead of when their lease runs out. Fire and forget, as
+        :meth:`release_idle`."""
+        msg = Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason)
+        return [self._pool.submit(self._let_go, msg, a, e, "prefill worker") for a, e in zip(addresses, epochs, strict=True)]
+
+    def _let_go(self, msg: Release | Abort, address: str, epoch: str | None, who: str) -> None:
         try:
             self.node.connect(address, epoch=epoch)
-            reply = self.node.client.request(address, Release(transfer_id=transfer_id, peer=self.node.id), self.cfg.timeouts.handshake_s)
+            reply = self.node.client.request(address, msg, self.cfg.timeouts.handshake_s)
         except KVBridgeError as exc:
-            log.warning("kvbridge: could not tell idle prefill worker %s to let go of %s (its lease will): %s", address, transfer_id, exc)
+            log.warning("kvbridge: could not tell %s %s to let go of %s (its lease will): %s", who, address, msg.transfer_id, exc)
             return
         if isinstance(reply, Reply) and not reply.ok:
-            log.warning("kvbridge: idle prefill worker %s refused to let go of %s: %s", address, transfer_id, reply.detail or reply.code)
+            log.warning("kvbridge: %s %s refused to let go of %s: %s", who, address, msg.transfer_id, reply.detail or reply.code)
 
     def refuse(self, transfer_id: str, block_ids: list[int], num_tokens: int, reason: str) -> None:
         """Fail a load before it starts (the adapter found it cannot be served, e.g. the

@@ -25,7 +25,8 @@ after the prefill), ``Release`` (P-first: D has read the blocks itself; on the p
 path a P-first decode sends a ``Destination`` instead and the request, computed,
 is written at once like a pushed one; either flow: from the decode rank this rank is
 *idle* for, :func:`~kvbridge.core.tp.idle_prefill_ranks`, which needs nothing from it:
-it may come before :meth:`track` too), ``Abort``.
+it may come before :meth:`track` too), ``Abort`` (D gave up, or will not load the
+request at all; it too may come before :meth:`track`).
 When the decode instance has more TP ranks than ours, each of the ``Peer.fanout``
 decode ranks this rank feeds sends its own ``Destination`` (or ``Release``), gets its
 head range of every block (packed separately for each on the packed path), and the
@@ -139,9 +140,9 @@ class Sender:
         self._layers = node.geometry.spec.num_layers
         self._lock = threading.Condition()
         self._out: dict[str, _Out] = {}
-        self._early: dict[str, list[tuple[Destination | Release, float]]] = {}
-        """Destinations (and idle ranks' releases) that came before :meth:`track`, with
-        the time they are dropped."""
+        self._early: dict[str, list[tuple[Destination | Release | Abort, float]]] = {}
+        """Destinations (and idle ranks' releases, and aborts) that came before
+        :meth:`track`, with the time they are dropped."""
         self._released: list[str] = []
         self._ended = EndedTransfers()
         """Released transfers and how they ended: a destination that comes later is
@@ -186,6 +187,9 @@ class Sender:
             for msg, _ in self._early.pop(transfer_id, []):
                 if isinstance(msg, Release):
                     self._release(out, msg, now)
+                elif isinstance(msg, Abort):
+                    if out.req.abort(f"decode side aborted: {msg.reason}", now):
+                        self.stats.add(aborted=1)
                 else:
                     self._accept(out, msg, now)
             self._lock.notify()
@@ -394,6 +398,8 @@ class Sender:
             out = self._out.get(msg.transfer_id)
             self._early.pop(msg.transfer_id, None)
             if out is None:
+                if msg.transfer_id not in self._ended:  # D may give up before this worker tracks it
+                    self._early[msg.transfer_id] = [(msg, self.clock() + self.cfg.timeouts.lease_s)]
                 return Reply(ok=True, code="stopped", epoch=self.node.id.epoch)
             if out.req.abort(f"decode side aborted: {msg.reason}", self.clock()):
                 self.stats.add(aborted=1)

@@ -31,6 +31,17 @@ class RecvTask:
 
 
 @dataclass
+class Forgo:
+    """Decode side: vLLM computes ``req_id``'s prompt itself although it names a
+    transfer (it asked for prompt logprobs, which vLLM computes from the prompt's
+    forward pass): tell ``prefill``'s workers to let go of ``transfer_id``."""
+
+    req_id: str
+    transfer_id: str
+    prefill: PrefillAddress
+
+
+@dataclass
 class SendStep:
     """Prefill side: ``req_id`` computes prompt tokens ``[computed_before, computed_after)``
     this step. ``new_blocks`` were allocated for it this step (all of them on its first)."""
@@ -52,6 +63,7 @@ class SendStep:
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
     recv: list[RecvTask] = field(default_factory=list)
+    forgo: list[Forgo] = field(default_factory=list)
     send: list[SendStep] = field(default_factory=list)
     abort_send: dict[str, str] = field(default_factory=dict)
     """req_id -> transfer_id of prefill requests the engine gave up on."""
@@ -73,4 +85,4 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     engine_id: str
 
 
-__all__ = ["KVBridgeHandshake", "KVBridgeMetadata", "RecvTask", "SendStep"]
+__all__ = ["Forgo", "KVBridgeHandshake", "KVBridgeMetadata", "RecvTask", "SendStep"]

@@ -20,6 +20,10 @@ ended, and take what arrived from the prefix cache and compute the rest. On the
 prefill side a request naming a transfer id in use or used is computed as a plain
 request. Used ids are remembered for the last
 :data:`~kvbridge.core.lifecycle.ENDED_MEMORY` transfers.
+
+A decode request that vLLM computes itself after all (it asked for prompt logprobs:
+``update_state_after_alloc`` then reports no external tokens) tells its prefill to let
+go of the transfer (:class:`~kvbridge.adapters.vllm.metadata.Forgo`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 
 from kvbridge.adapters.vllm import params as kvparams
 from kvbridge.adapters.vllm.compat import FINISHED_OK, yield_req_data
-from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
+from kvbridge.adapters.vllm.metadata import Forgo, KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
 from kvbridge.core.layout import sub_block_ids
 from kvbridge.core.lifecycle import EndedTransfers
 from kvbridge.errors import ConfigError
@@ -75,6 +79,7 @@ class SchedulerSide:
         self.host = host
         self._handoffs: dict[str, kvparams.Handoff] = {}
         self._recv_new: list[RecvTask] = []
+        self._forgo_new: list[Forgo] = []
         self._recv_active: dict[str, str] = {}  # req_id -> transfer_id, KV still arriving
         self._recv_owner: dict[str, str] = {}  # transfer_id -> req_id loading it (inverse of _recv_active)
         self._sharing: dict[str, str] = {}  # req_id -> transfer_id another request is loading
@@ -161,9 +166,19 @@ class SchedulerSide:
                     return
                 self._prefill[request.request_id] = _Prefill(h.transfer_id, h.flow, request.num_prompt_tokens)
             return
-        if num_external_tokens <= 0 or request.request_id in self._recv_active:
+        if request.request_id in self._recv_active:
             return
         assert h.prefill is not None
+        if num_external_tokens <= 0:
+            req_id, tid = request.request_id, h.transfer_id
+            if req_id in self._recv_done or tid in self._recv_owner or tid in self._recv_ended:
+                return  # recomputing after a load, or a sibling of the request that loads it
+            # vLLM computes the prompt itself (it does for prompt logprobs) after all
+            log.info("kvbridge: request %s computes its prompt here; transfer %s is let go of", req_id, tid)
+            self._forgo_new.append(Forgo(req_id, tid, h.prefill))
+            self._recv_ended.add(tid, "forgone")
+            self._recv_done.add(req_id)
+            return
         all_ids = blocks.get_block_ids()[0]
         new_ids = blocks.get_unhashed_block_ids()
         skip_blocks = len(all_ids) - len(new_ids)  # prefix-cache hits come first
@@ -186,9 +201,10 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(
-            recv=self._recv_new, abort_send=self._abort_send, abort_recv=self._abort_recv, idle=scheduler_output.total_num_scheduled_tokens == 0
+            recv=self._recv_new, forgo=self._forgo_new, abort_send=self._abort_send, abort_recv=self._abort_recv,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
-        self._recv_new, self._abort_send, self._abort_recv = [], {}, {}
+        self._recv_new, self._forgo_new, self._abort_send, self._abort_recv = [], [], {}, {}
         if self._prefill:
             computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
             cached = scheduler_output.scheduled_cached_reqs

@@ -186,6 +186,13 @@ class WorkerSide:
                 ep.receiver.expect_push(task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens)
             if idle:
                 ep.receiver.release_idle(task.transfer_id, [s.address for s in idle], [s.epoch or None for s in idle])
+        for forgo in meta.forgo:
+            try:
+                sources = forgo.prefill.sources(self.rank, self.tp_size, self.total_kv_heads)
+                sources += forgo.prefill.idle(self.rank, self.tp_size, self.total_kv_heads)
+            except KVBridgeError:
+                continue  # a prefill this worker cannot pair with: its lease frees the blocks
+            ep.receiver.forgo(forgo.transfer_id, [s.address for s in sources], [s.epoch or None for s in sources], "the decode computes the prompt itself")
         for req_id, tid in meta.abort_recv.items():
             if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):
                 self._aborted_recv.add(req_id)  # reported in finished_sending once the load stops
