@@ -83,7 +83,7 @@ def test_a_preempted_prefill_fails_the_load_at_once_and_the_prefill_lives_on(pai
         resumed = on_p.result(timeout=60)
     # vLLM counts a preemption once the request runs again
     assert wait_metric(pair.p.url, "vllm:num_preemptions_total", lambda v: v >= 1) >= 1
-    assert resumed.kv_transfer_params is None or "remote_blocks" not in str(resumed.kv_transfer_params), "the resumed B offered a handoff again"
+    assert resumed.kv_transfer_params is None, f"the resumed B offered a handoff again: {resumed.kv_transfer_params}"
     expected = 19 * BYTES_PER_BLOCK  # A's blocks, nothing of B
     assert wait_metric(pair.d.url, RECEIVED, lambda v: v - received >= expected) - received == expected
     assert out_b.token_ids == complete(pair.d.url, b, max_tokens=MAX_TOKENS).token_ids

@@ -153,17 +153,15 @@ class SchedulerSide:
             if h.flow == "discover":
                 return
             if request.request_id not in self._prefill:
-                owner = self._send_owner.setdefault(h.transfer_id, request.request_id)
-                self._send_tid[owner] = h.transfer_id
-                if owner != request.request_id or h.transfer_id in self._send_ended:
+                if h.transfer_id in self._send_owner or h.transfer_id in self._send_ended:
                     log.warning(
                         "kvbridge: request %s names transfer %s, which another request sends or sent (n > 1 on a prefill?); computing it without a handoff",
                         request.request_id, h.transfer_id,
                     )
-                    if owner == request.request_id:
-                        self._free_transfer_id(owner)
                     self._handoffs[request.request_id] = _NONE
                     return
+                self._send_owner[h.transfer_id] = request.request_id
+                self._send_tid[request.request_id] = h.transfer_id
                 self._prefill[request.request_id] = _Prefill(h.transfer_id, h.flow, request.num_prompt_tokens)
             return
         if request.request_id in self._recv_active:

@@ -144,16 +144,19 @@ class WorkerSide:
             self._send_req.pop(tid, None)
             self._released.discard(req_id)
             ep.sender.abort(tid, "vLLM preempted the prefill request and freed its blocks")
-        self._steps = [step for step in meta.send if step.req_id not in self._refused_send]
-        for step in list(self._steps):
+        self._steps = []
+        for step in meta.send:
+            if step.req_id in self._refused_send:
+                continue
             if step.first and step.transfer_id in self._send_req:
                 # the scheduler side lets one request send a transfer id at a time; if it
                 # ever did not, fail the newcomer here rather than inside vLLM's step
                 log.error("kvbridge: request %s names transfer %s, which request %s sends from this worker; it is not sent", step.req_id, step.transfer_id, self._send_req[step.transfer_id])
                 self._refused_send.add(step.req_id)
                 self._released.add(step.req_id)  # nothing held for it: reported once the scheduler finishes it
-                self._steps.remove(step)
-            elif step.first:
+                continue
+            self._steps.append(step)
+            if step.first:
                 self._send_req[step.transfer_id] = step.req_id
                 # a prefix hit may be blocks an earlier forward, still queued on the GPU, writes
                 ready = record_device_event() if self._on_device and step.computed_before else None
