@@ -9,6 +9,9 @@ decode waits for its KV and the prefill holds its pages), then breaks something:
 - the decode aborts the request; - the prefill aborts it;
 - the prefill is killed (SIGKILL), then restarted on the same HTTP and bootstrap ports.
 
+And a request with ``n > 1``, which SGLang sends as several requests on one bootstrap
+room: refused on both sides at once, naming the fix.
+
 Each time the client gets its answer well before SGLang's own 300 s waiting/bootstrap
 timeouts, both servers' KV pools return to their idle baseline (``/v1/loads``: used
 tokens, running and queued requests), no server logged a memory leak (SGLang's idle
@@ -217,6 +220,30 @@ def test_abort_mid_transfer(pair: Pair, side: str) -> None:
     req["thread"].join(FAIL_WITHIN_S)
     assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the {side} aborted\n{pair.tails()}"
     assert _failed(req), req
+    pair.assert_settles()
+    _next_request_works(pair)
+
+
+REFUSED_WITHIN_S = 30.0
+"""Measured: 0.1 s. Before kvbridge refused such rooms the request got no answer in 120 s."""
+
+
+def test_parallel_sampling_is_refused_at_once_naming_the_fix(pair: Pair) -> None:
+    """SGLang sends the prefix primer and then each sample of an ``n > 1`` request under
+    the request's one bootstrap room, on both servers; kvbridge fails the samples on
+    both sides at once, naming the fix, instead of hanging (``adapters/sglang/rooms.py``)."""
+    body = {"input_ids": prompt_ids(40, seed=14), "sampling_params": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "n": 2}}
+    started = time.monotonic()
+    status, data = http(f"{pair.router.url}/generate", body, timeout=REFUSED_WITHIN_S)
+    took = time.monotonic() - started
+    assert status != 0, f"no answer within {REFUSED_WITHIN_S:.0f} s: {data[:300]!r}\n{pair.tails()}"
+    assert status != 200, f"a request with n = 2 was served: {data[:300]!r}"
+    answer = data.decode(errors="replace")
+    assert "n > 1" in answer and "send n requests with n = 1" in answer, answer[:800]
+    for server, side in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+        text = server.log_path.read_text(errors="replace")
+        assert f"already carries another request on this {side}" in text, server.log_tail(40)
+    print(f"\nn = 2 refused with {status} after {took:.2f} s")
     pair.assert_settles()
     _next_request_works(pair)
 

@@ -33,6 +33,12 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   allocated, then ``poll`` each step; ``init_time`` unset until it runs, so SGLang's
   waiting timeout does not start) and reads ``bootstrap_infos`` and
   ``conclude_state``.
+- One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
+  ``record_failure``, ``conclude_failure``,
+  ``KVTransferError(room, reason)``, and the endpoints' ``_owns_bootstrap_room`` flag,
+  which SGLang's ``CommonKVReceiver.clear/abort`` honour under any allocation policy
+  and ``CommonKVSender.clear/abort`` only under ``prefill_complete`` (kvbridge's sender
+  checks it itself).
 
 Nothing here is imported before SGLang loads the plugin.
 """
@@ -120,6 +126,7 @@ def common():
         Receiver=conn.CommonKVReceiver,
         BootstrapServer=conn.CommonKVBootstrapServer,
         AbortNotification=conn.AbortNotification,
+        KVTransferError=conn.KVTransferError,
         ABORT_TAG=conn.ABORT_TAG,
         ABORT_ACK_TAG=conn.ABORT_ACK_TAG,
         NetworkAddress=conn.NetworkAddress,

@@ -38,6 +38,7 @@ from kvbridge.adapters.sglang.lifecycle import (
     decode_epoch,
 )
 from kvbridge.adapters.sglang.packed import Part, RoomReservations, check_packed_pairing, decode_parts
+from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError
 
 log = logging.getLogger(__name__)
@@ -273,9 +274,10 @@ class _StagingWait(NamedTuple):
     deadline: float
 
 
-class KVBridgeKVReceiver(_c.Receiver):
-    """SGLang's receiver. On the packed path (``wire_dtype: fp8``, ``data_path:
-    packed``):
+class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
+    """SGLang's receiver. A second request on a room another receiver holds fails at
+    once, and so does the holder (:mod:`.rooms`). On the packed path (``wire_dtype:
+    fp8``, ``data_path: packed``):
 
     - ``send_metadata`` first reserves the room's staging run (a part per prefill rank
       that feeds this rank, :func:`.packed.decode_parts`); when the buffer is full
@@ -292,6 +294,11 @@ class KVBridgeKVReceiver(_c.Receiver):
     """
 
     _staging_wait: _StagingWait | None = None
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room=None, *args, **kwargs):
+        holder = self._holder(mgr, bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        self._hold_or_refuse(holder, "decode")
 
     def send_metadata(self, kv_indices, aux_index=None, *args, **kwargs) -> None:
         mgr = self.kv_mgr
@@ -328,6 +335,7 @@ class KVBridgeKVReceiver(_c.Receiver):
 
     def clear(self) -> None:
         mgr = self.kv_mgr
+        self._let_go()
         if mgr.packed is None:
             super().clear()
             return
@@ -339,6 +347,8 @@ class KVBridgeKVReceiver(_c.Receiver):
                 mgr.reservations.retire(self.bootstrap_room)
 
     def abort(self) -> None:
+        # holds its room until cleared: SGLang may keep the pages until the prefill
+        # acknowledged the abort (deferred release), then clears
         mgr = self.kv_mgr
         if mgr.packed is None:
             super().abort()

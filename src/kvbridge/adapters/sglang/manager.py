@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+import weakref
 
 import zmq
 
@@ -118,6 +119,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             memory=self.memory,
         )
         self._stop = threading.Event()
+        self.room_holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        """Room -> the sender or receiver holding it (:mod:`.rooms`); scheduler thread."""
         try:
             self.transport.register(self.geometry.regions(), memory=self.memory, device=self.device_index)
             self.transport.register(self.aux_layout.regions(), memory="host")

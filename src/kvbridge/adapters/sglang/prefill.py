@@ -38,6 +38,7 @@ from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, pages_differ, paired_count
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import Part, check_packed_pairing, part_start, room_part, room_slots
+from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
     LayerReady,
@@ -653,18 +654,34 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-class KVBridgeKVSender(_c.Sender):
+class KVBridgeKVSender(SoleHolder, _c.Sender):
+    """SGLang's sender (scheduler thread). A second request on a room another sender
+    holds fails at once, and so does the holder (:mod:`.rooms`)."""
+
     # The scheduler must hand page ids as numpy arrays (its host-tensor path needs CUDA).
     supports_host_tensor_indices = False
 
-    def __init__(self, mgr, *args, **kwargs):
-        super().__init__(mgr, *args, **kwargs)
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room, *args, **kwargs):
+        holder = self._holder(mgr, bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+        refused = self._hold_or_refuse(holder, "prefill")
+        if refused is not None:
+            # a decode destination for the room that comes later is failed at once
+            mgr.tombstones.add(bootstrap_room, refused)
+            return
         # a destination refused (or a room aborted) before this sender existed
         reason = mgr.tombstones.reason(self.bootstrap_room)
         if reason is not None and self.conclude_state is None and mgr.fail_room(self.bootstrap_room, reason):
             log.warning("kvbridge: room %s failed before its request reached this prefill: %s", self.bootstrap_room, reason)
 
+    def _fail_holder(self, reason: str) -> None:
+        # also tells the decode ranks whose destinations arrived: they stop waiting
+        self.kv_mgr.conclude_failure(bootstrap_room=self.bootstrap_room, failure_reason=reason)
+
     def clear(self) -> None:
+        if self.duplicate is not None:
+            return  # the room is another sender's
+        self._let_go()
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
 
@@ -672,6 +689,9 @@ class KVBridgeKVSender(_c.Sender):
         """The prefill aborted this request (scheduler thread): fail the room here, tell
         the decode now if its destination is known, else when it arrives (tombstone);
         the transfer thread then releases what the room holds."""
+        if self.duplicate is not None:
+            return  # failed already; the room is another sender's
+        self._let_go()
         mgr, room = self.kv_mgr, self.bootstrap_room
         targets = mgr._room_notify_targets(room) if room in mgr.transfer_infos else []
         super().abort()

@@ -1,0 +1,102 @@
+"""One request per bootstrap room at a time: what kvbridge's SGLang sender and receiver
+do when a second request arrives on a room that another one holds.
+
+SGLang keys every piece of a transfer by its bootstrap room (the manager's status
+table, the decode's destinations, failure reasons, abort acknowledgements), so a room
+can carry one request at a time on each server. SGLang 0.5.23 breaks that with
+parallel sampling in disaggregated mode: the tokenizer manager sends a prefix primer
+and then each of the ``n`` samples under the request's one room, on both servers.
+With the default decode allocation policy SGLang does not check for this (its
+``prefill_complete`` policy does); the samples then share one status and one set of
+destinations, and the request hangs until the timeouts (measured: no answer in 120 s).
+
+kvbridge makes the second request on a held room fail at once, on either side, naming
+the fix. It never holds the room: its ``clear`` and ``abort`` touch none of the room's
+state and its ``failure_exception`` raises its own reason. The holder fails too, with
+the same reason, unless its transfer already succeeded: its partner on the other side
+cannot tell which sample it pairs with. On the decode, SGLang then releases the
+holder's pages only after the prefill acknowledged the abort (deferred release), so
+no write lands in reused pages. A room whose holder finished and was cleared may be
+used again (the primer's room is, by the samples).
+
+Who calls: :class:`~.prefill.KVBridgeKVSender` and :class:`~.decode.KVBridgeKVReceiver`
+(SGLang's scheduler thread), at construction and from SGLang's calls.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvbridge.adapters.sglang import compat
+
+log = logging.getLogger(__name__)
+_c = compat.common()
+KVPoll = _c.KVPoll
+
+
+def duplicate_reason(room: int, side: str) -> str:
+    return (
+        f"kvbridge: bootstrap room {room} already carries another request on this {side}. "
+        "A room pairs one prefill request with one decode request, and SGLang gives every "
+        "sample of a request with n > 1 (parallel sampling) the request's one room: send "
+        "n requests with n = 1 instead"
+    )
+
+
+class SoleHolder:
+    """Mixed into kvbridge's sender and receiver, before SGLang's class. The subclass
+    calls :meth:`_holder` before SGLang's ``__init__`` and :meth:`_hold_or_refuse`
+    after it, and :meth:`_let_go` from ``clear`` and ``abort``.
+
+    Holders are kept in the manager's ``room_holders`` (a weak mapping: an endpoint
+    SGLang drops without clearing lets go too). SGLang's status table does not tell:
+    a decode's destination can create a room's status before the prefill's request
+    arrives."""
+
+    duplicate: str | None = None
+    """Why this endpoint was refused as a second request on its room (None: it holds
+    the room, or failed otherwise)."""
+
+    @staticmethod
+    def _holder(mgr, room) -> SoleHolder | None:
+        """The endpoint of ``mgr`` holding ``room`` now, if any."""
+        return None if room is None else mgr.room_holders.get(room)
+
+    def _hold_or_refuse(self, holder: SoleHolder | None, side: str) -> str | None:
+        """Hold this endpoint's room, or, when ``holder`` (read before SGLang's
+        ``__init__``) holds it, fail this endpoint and the holder unless the holder's
+        transfer succeeded. The reason, or None when it holds. An endpoint SGLang
+        failed in its ``__init__`` neither holds nor is refused."""
+        room, mgr = self.bootstrap_room, self.kv_mgr
+        if self.conclude_state is not None or room is None:
+            return None
+        if holder is None:
+            mgr.room_holders[room] = self
+            return None
+        reason = duplicate_reason(room, side)
+        self.duplicate = reason
+        self._owns_bootstrap_room = False  # SGLang's own flag: its clear/abort skip the room
+        self.conclude_state = KVPoll.Failed
+        if mgr.request_status.get(room) not in (KVPoll.Success, KVPoll.Failed):
+            self._fail_holder(reason)
+        log.warning("%s", reason)
+        return reason
+
+    def _fail_holder(self, reason: str) -> None:
+        mgr = self.kv_mgr
+        mgr.record_failure(self.bootstrap_room, reason)
+        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+
+    def _let_go(self) -> None:
+        holders = self.kv_mgr.room_holders
+        if holders.get(self.bootstrap_room) is self:
+            del holders[self.bootstrap_room]
+
+    def failure_exception(self):
+        if self.duplicate is None:
+            return super().failure_exception()
+        # SGLang's pops the room's failure record, which is the holder's
+        raise _c.KVTransferError(self.bootstrap_room, self.duplicate)
+
+
+__all__ = ["SoleHolder", "duplicate_reason"]
