@@ -1,0 +1,124 @@
+"""One request per bootstrap room (``adapters/sglang/rooms.py``): the holder bookkeeping
+of kvbridge's sender and receiver, on an endpoint that does what SGLang's
+``CommonKVSender/Receiver.__init__`` and ``clear`` do to the manager's status table.
+The real servers' behaviour (an ``n > 1`` request refused on both sides) is in
+``test_sglang_failures.py``. Runs in .venv-sglang (``rooms`` imports SGLang's classes)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+
+try:
+    from kvbridge.adapters.sglang.rooms import KVPoll, SoleHolder, _c
+except ImportError as exc:  # pragma: no cover
+    raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh") from exc
+
+ROOM = 12345
+
+
+class Manager:
+    """The parts of SGLang's ``CommonKVManager`` that ``rooms`` uses."""
+
+    def __init__(self) -> None:
+        self.request_status: dict[int, KVPoll] = {}
+        self.failure_records: dict[int, str] = {}
+        self.room_holders = weakref.WeakValueDictionary()
+
+    def record_failure(self, room: int, reason: str) -> None:
+        self.failure_records[room] = reason
+
+    def update_status(self, room: int, status: KVPoll) -> None:
+        self.request_status[room] = status if status == KVPoll.Failed else max(self.request_status.get(room, status), status)
+
+
+class SGLangEndpoint:
+    """What SGLang's endpoint does to the room (early allocation policy)."""
+
+    def __init__(self, mgr: Manager, room: int) -> None:
+        self.kv_mgr, self.bootstrap_room = mgr, room
+        self.conclude_state = None
+        self._owns_bootstrap_room = True
+        mgr.update_status(room, KVPoll.Bootstrapping)
+
+    def clear(self) -> None:
+        if self._owns_bootstrap_room:
+            self.kv_mgr.request_status.pop(self.bootstrap_room, None)
+
+    def failure_exception(self):
+        raise _c.KVTransferError(self.bootstrap_room, self.kv_mgr.failure_records.pop(self.bootstrap_room, "unknown"))
+
+
+class Endpoint(SoleHolder, SGLangEndpoint):
+    """kvbridge's pattern (``decode.KVBridgeKVReceiver``)."""
+
+    def __init__(self, mgr: Manager, room: int) -> None:
+        holder = self._holder(mgr, room)
+        super().__init__(mgr, room)
+        self.refused = self._hold_or_refuse(holder, "decode")
+
+    def clear(self) -> None:
+        self._let_go()
+        super().clear()
+
+
+def test_a_second_request_on_a_held_room_fails_and_so_does_the_holder(caplog: pytest.LogCaptureFixture) -> None:
+    mgr = Manager()
+    first = Endpoint(mgr, ROOM)
+    assert first.refused is None and mgr.room_holders[ROOM] is first
+    with caplog.at_level(logging.WARNING):
+        second = Endpoint(mgr, ROOM)
+    assert second.refused is not None and "n > 1" in second.refused and "on this decode" in second.refused
+    assert second.refused in caplog.text
+    assert second.conclude_state == KVPoll.Failed and not second._owns_bootstrap_room
+    assert mgr.request_status[ROOM] == KVPoll.Failed  # the holder polls Failed ...
+    assert mgr.failure_records[ROOM] == second.refused  # ... with the same reason
+    with pytest.raises(_c.KVTransferError, match="n > 1"):
+        second.failure_exception()
+    assert ROOM in mgr.failure_records  # the holder's record stays for the holder
+    second.clear()
+    assert mgr.request_status[ROOM] == KVPoll.Failed and mgr.room_holders[ROOM] is first
+    with pytest.raises(_c.KVTransferError, match="n > 1"):
+        first.failure_exception()
+    first.clear()
+    assert ROOM not in mgr.request_status and ROOM not in mgr.room_holders
+
+
+def test_a_holder_whose_transfer_succeeded_is_left_alone() -> None:
+    mgr = Manager()
+    first = Endpoint(mgr, ROOM)
+    mgr.update_status(ROOM, KVPoll.Success)
+    second = Endpoint(mgr, ROOM)
+    assert second.refused is not None and second.conclude_state == KVPoll.Failed
+    assert mgr.request_status[ROOM] == KVPoll.Success and ROOM not in mgr.failure_records
+    assert mgr.room_holders[ROOM] is first
+
+
+def test_a_room_can_be_used_again_once_its_holder_is_cleared() -> None:
+    """SGLang's prefix primer and then a sample: one after the other on one room."""
+    mgr = Manager()
+    primer = Endpoint(mgr, ROOM)
+    mgr.update_status(ROOM, KVPoll.Success)
+    primer.clear()
+    sample = Endpoint(mgr, ROOM)
+    assert sample.refused is None and mgr.room_holders[ROOM] is sample
+
+
+def test_a_status_made_before_the_request_is_not_a_holder() -> None:
+    """A decode's destination can create a room's status on the prefill before the
+    prefill's own request arrives."""
+    mgr = Manager()
+    mgr.update_status(ROOM, KVPoll.WaitingForInput)
+    assert Endpoint(mgr, ROOM).refused is None
+
+
+def test_an_endpoint_dropped_without_clear_lets_go() -> None:
+    mgr = Manager()
+    Endpoint(mgr, ROOM)  # nobody keeps it
+    gc.collect()
+    mgr.request_status.clear()
+    assert ROOM not in mgr.room_holders
+    assert Endpoint(mgr, ROOM).refused is None
