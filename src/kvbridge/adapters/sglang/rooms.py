@@ -46,7 +46,9 @@ def duplicate_reason(room: int, side: str) -> str:
 class SoleHolder:
     """Mixed into kvbridge's sender and receiver, before SGLang's class. The subclass
     calls :meth:`_holder` before SGLang's ``__init__`` and :meth:`_hold_or_refuse`
-    after it, and :meth:`_let_go` from ``clear`` and ``abort``.
+    after it, and :meth:`_let_go` from ``clear`` (the sender from ``abort`` too; a
+    receiver holds its room through an abort until SGLang clears it after the deferred
+    release).
 
     Holders are kept in the manager's ``room_holders`` (a weak mapping: an endpoint
     SGLang drops without clearing lets go too). SGLang's status table does not tell:
