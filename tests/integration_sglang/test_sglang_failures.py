@@ -7,7 +7,9 @@ prefill computes and streams for a few seconds), waits until it is mid-transfer 
 decode waits for its KV and the prefill holds its pages), then breaks something:
 
 - the decode aborts the request; - the prefill aborts it;
-- the prefill is killed (SIGKILL), then restarted on the same HTTP and bootstrap ports.
+- the prefill is killed (SIGKILL), then restarted on the same HTTP and bootstrap ports;
+- the decode is killed, then restarted on the same port (requests sent straight to both
+  servers, so the prefill's request stays open and kvbridge's failing writes end it).
 
 And a request with ``n > 1``, which SGLang sends as several requests on one bootstrap
 room: refused on both sides at once, naming the fix.
@@ -26,6 +28,8 @@ Tests run in file order and share one set of servers per transport.
 from __future__ import annotations
 
 import json
+import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -113,21 +117,37 @@ class Pair:
     def servers(self) -> list:
         return [self.router, self.decode, self.prefill]
 
-    def generate(self, input_ids: list[int], timeout: float = 120) -> tuple[int, dict | bytes]:
+    def restart_decode(self) -> None:
+        port = int(self.decode.url.rsplit(":", 1)[1])
+        self.decode.kill()
+        self.decode = SglangServer(
+            self.model, port, FLAGS, log_path=self.log_dir / f"decode-{time.time():.0f}.log",
+            mode="decode", kvbridge_config=self.config, nice=19,
+        ).start()
+        self.decode.wait_ready(START_TIMEOUT_S)
+
+    def generate(self, input_ids: list[int], timeout: float = 120, server=None, room: int | None = None) -> tuple[int, dict | bytes]:
+        """Through the router; or straight to ``server`` with bootstrap ``room`` (the
+        fields the router adds to both halves of a request)."""
         body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
-        status, data = http(f"{self.router.url}/generate", body, timeout=timeout)
+        url = self.router.url
+        if server is not None:
+            body.update(bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap, bootstrap_room=room)
+            url = server.url
+        status, data = http(f"{url}/generate", body, timeout=timeout)
         try:
             return status, json.loads(data)
         except ValueError:
             return status, data
 
-    def in_background(self, input_ids: list[int]) -> dict:
-        """Start a request; the returned dict gets ``status``, ``body`` and ``seconds``."""
+    def in_background(self, input_ids: list[int], server=None, room: int | None = None) -> dict:
+        """Start a request (:meth:`generate`); the returned dict gets ``status``,
+        ``body`` and ``seconds``."""
         out: dict = {}
 
         def run():
             t0 = time.monotonic()
-            out["status"], out["body"] = self.generate(input_ids, timeout=FAIL_WITHIN_S + 60)
+            out["status"], out["body"] = self.generate(input_ids, timeout=FAIL_WITHIN_S + 60, server=server, room=room)
             out["seconds"] = time.monotonic() - t0
 
         out["thread"] = threading.Thread(target=run, daemon=True)
@@ -262,3 +282,35 @@ def test_prefill_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair)
     pair.restart_prefill()  # same HTTP and bootstrap ports, new instance
     _next_request_works(pair)
     pair.assert_settles()
+
+
+def test_decode_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) -> None:
+    """A router cancels the prefill's half of a request when the decode's half fails
+    (mini_lb does), which ends it on the prefill whatever kvbridge does; so the halves
+    go straight to each server here, and the prefill's request stays open: kvbridge's
+    writes to the dead decode must fail it (measured: NIXL at once, Mooncake after its
+    engine gives up reconnecting, about 10 s). The restarted decode, at the same address,
+    is a new peer to the prefill."""
+    ids = prompt_ids(LONG_PROMPT, seed=15)
+    room = random.getrandbits(63)
+    prefill_req = pair.in_background(ids, server=pair.prefill, room=room)
+    decode_req = pair.in_background(ids, server=pair.decode, room=room)
+    pair.wait_mid_transfer(decode_req)
+    killed = time.monotonic()
+    pair.decode.kill()
+    prefill_req["thread"].join(FAIL_WITHIN_S)
+    assert not prefill_req["thread"].is_alive(), f"the prefill's request had no answer {FAIL_WITHIN_S:.0f} s after the decode died\n{pair.tails()}"
+    took = time.monotonic() - killed
+    assert _failed(prefill_req), prefill_req
+    answer = str(prefill_req["body"])
+    assert "kvbridge: peer" in answer and "disconnected" in answer, answer[:800]  # kvbridge's own detection
+    print(f"\nthe prefill's request failed {took:.1f} s after the decode died")
+    pair.assert_settles(sides=("prefill",))
+
+    epochs = set(re.findall(r"registered decode peer \S+ \(epoch (\w+)\)", pair.prefill.log_path.read_text(errors="replace")))
+    pair.restart_decode()
+    _next_request_works(pair)
+    pair.assert_settles()
+    after = set(re.findall(r"registered decode peer \S+ \(epoch (\w+)\)", pair.prefill.log_path.read_text(errors="replace")))
+    assert after - epochs, f"the prefill never registered the restarted decode as a new peer: {sorted(after)}"
+
