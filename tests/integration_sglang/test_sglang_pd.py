@@ -51,6 +51,7 @@ from sglang_helpers import (
     server_env,
     start_pd,
     wait_counted,
+    wait_received_bytes,
     wait_sent_line,
     wait_staging_idle,
 )
@@ -63,39 +64,43 @@ PROMPTS = {
 }
 
 
-# (transport, per-layer streaming, data path, secret, decode page size): per-chunk keeps
+# (transport, per-layer streaming, data path, secret, decode page size, decode radix
+# cache): per-chunk keeps
 # today's path exactly; per-layer with threshold 0 streams every prompt (the 12-token one
 # too: its only page is partial but it is the last chunk); "packed" moves the exact
 # values through the staging buffers (data_path: packed), so output and bytes must not
 # change either; with a shared secret every kvbridge message carries a MAC (and nothing
 # else changes). A decode page size other than the prefill's 16: both run with
 # transfer_block_size 16, the decode addresses each of its pages as 2 or 4 of the
-# prefill's (the bytes moved are the prefill's pages, as between equal sizes).
+# prefill's (the bytes moved are the prefill's pages, as between equal sizes). Three
+# decodes keep a radix cache of their own (--disaggregation-decode-enable-radix-cache,
+# off by default in SGLang) and ask the prefill only for the pages past a hit.
 PREFILL_PAGE = 16
 PD_CONFIGS = [
-    ("nixl", False, "direct", False, PREFILL_PAGE),
-    ("nixl", True, "direct", False, PREFILL_PAGE),
-    ("mooncake", False, "direct", False, 32),
-    ("mooncake", True, "direct", True, PREFILL_PAGE),
-    ("nixl", True, "packed", False, 64),
+    ("nixl", False, "direct", False, PREFILL_PAGE, False),
+    ("nixl", True, "direct", False, PREFILL_PAGE, True),
+    ("mooncake", False, "direct", False, 32, True),
+    ("mooncake", True, "direct", True, PREFILL_PAGE, False),
+    ("nixl", True, "packed", False, 64, True),
 ]
 
 
-def _pd_id(transport: str, layerwise: bool, path: str, secret: bool, d_page: int) -> str:
+def _pd_id(transport: str, layerwise: bool, path: str, secret: bool, d_page: int, radix: bool) -> str:
     return (
         f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "") + ("-secret" if secret else "")
-        + (f"-decode-pages-{d_page}" if d_page != PREFILL_PAGE else "")
+        + (f"-decode-pages-{d_page}" if d_page != PREFILL_PAGE else "") + ("-decode-radix" if radix else "")
     )
 
 
 @pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
 def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport, layerwise, path, secret, d_page = request.param
+    transport, layerwise, path, secret, d_page, radix = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{_pd_id(*request.param)}")
     config = {**pd_config(transport, layerwise), "data_path": path, **({"secret": "shared by prefill and decode"} if secret else {})}
     if d_page != PREFILL_PAGE:
         config["transfer_block_size"] = PREFILL_PAGE
-    yield from start_pd(model, log_dir, server_env(config), layerwise, decode_args=["--page-size", str(d_page)])
+    decode_args = ["--page-size", str(d_page), *(["--disaggregation-decode-enable-radix-cache"] if radix else [])]
+    yield from start_pd(model, log_dir, server_env(config), layerwise, decode_args=decode_args)
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
@@ -147,6 +152,25 @@ def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path, re
     assert delta(p1, p0, "failures_total") == 0 and delta(d1, d0, "failures_total") == 0
     for now in (p1, d1):  # the packed path's staging gauges exist on its servers only
         assert (now.get("sglang:kvbridge_staging_slots", 0.0) > 0) == packed, now
+
+
+def test_decode_fetches_only_what_its_prefix_cache_lacks(pd_router: PD, colocated: Proc, model: Path, request: pytest.FixtureRequest) -> None:
+    """A decode with its own radix cache keeps a finished request's pages; a prompt that
+    shares their first tokens is served from the first page past the hit (SGLang aligns
+    a hit to the decode's page size), so the decode receives only the rest, and decodes
+    as colocated does. A decode without it receives the whole prompt again (the
+    prefill, whose own radix cache hits, still sends every page)."""
+    d_page, radix = request.node.callspec.params["pd_router"][4:6]
+    shared = prompt_ids(300, seed=31)
+    first, second = shared + prompt_ids(50, seed=32), shared + prompt_ids(70, seed=33)
+    generate_through(pd_router, first)
+    before = kvbridge_metrics(pd_router.decode.url)
+    got = generate_through(pd_router, second)
+    assert got == generate_ids(colocated.url, second)
+    hit = len(shared) // d_page * d_page if radix else 0
+    want = kv_bytes(model, pd_router.prefill, len(second)) - kv_bytes(model, pd_router.prefill, hit)
+    received = wait_received_bytes(pd_router.decode.url, before, want)
+    assert received == want, f"the decode received {received} bytes; the {len(second) - hit} tokens past a {hit}-token hit are {want}"
 
 
 # --- wire_dtype fp8 ---------------------------------------------------------------------
