@@ -84,17 +84,16 @@ def _wait(pred, timeout: float, what: str, poll: float = 0.05):
 
 
 class Pair:
-    """The prefill, decode and router of one transport; the prefill can be restarted."""
+    """The prefill, decode and router of one transport; either server can be restarted."""
 
     def __init__(self, model: Path, log_dir: Path, config: dict) -> None:
         self.model, self.log_dir, self.config = model, log_dir, config
         self.fp8 = config.get("wire_dtype") == "fp8"
-        self.bootstrap, self.prefill_port = free_port(), free_port()
-        self.starts = 0
-        self.prefill = self._start_prefill()
-        self.decode = SglangServer(
-            model, extra_args=FLAGS, log_path=log_dir / "decode.log", mode="decode", kvbridge_config=self.config, nice=19
-        ).start()
+        self.bootstrap = free_port()
+        self.ports = {"prefill": free_port(), "decode": free_port()}
+        self.starts = {"prefill": 0, "decode": 0}
+        self.prefill = self._start("prefill")
+        self.decode = self._start("decode")
         deadline = time.monotonic() + START_TIMEOUT_S
         self.prefill.wait_ready(deadline=deadline)
         self.decode.wait_ready(deadline=deadline)
@@ -102,29 +101,25 @@ class Pair:
         self.router.wait_ready(60)
         self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
 
-    def _start_prefill(self) -> SglangServer:
-        self.starts += 1  # the same ports at every start: a restart, not a new address
-        return SglangServer(
-            self.model, self.prefill_port, FLAGS, log_path=self.log_dir / f"prefill-{self.starts}.log",
-            mode="prefill", kvbridge_config=self.config, bootstrap_port=self.bootstrap, nice=19,
+    def _start(self, mode: str) -> SglangServer:
+        self.starts[mode] += 1  # the same ports at every start: a restart, not a new address
+        return SglangServer(  # a decode ignores the bootstrap port
+            self.model, self.ports[mode], FLAGS, log_path=self.log_dir / f"{mode}-{self.starts[mode]}.log",
+            mode=mode, kvbridge_config=self.config, bootstrap_port=self.bootstrap, nice=19,
         ).start()
 
     def restart_prefill(self) -> None:
         self.prefill.kill()
-        self.prefill = self._start_prefill()
+        self.prefill = self._start("prefill")
         self.prefill.wait_ready(START_TIMEOUT_S)
+
+    def restart_decode(self) -> None:
+        self.decode.kill()
+        self.decode = self._start("decode")
+        self.decode.wait_ready(START_TIMEOUT_S)
 
     def servers(self) -> list:
         return [self.router, self.decode, self.prefill]
-
-    def restart_decode(self) -> None:
-        port = int(self.decode.url.rsplit(":", 1)[1])
-        self.decode.kill()
-        self.decode = SglangServer(
-            self.model, port, FLAGS, log_path=self.log_dir / f"decode-{time.time():.0f}.log",
-            mode="decode", kvbridge_config=self.config, nice=19,
-        ).start()
-        self.decode.wait_ready(START_TIMEOUT_S)
 
     def generate(self, input_ids: list[int], timeout: float = 120, server=None, room: int | None = None) -> tuple[int, dict | bytes]:
         """Through the router; or straight to ``server`` with bootstrap ``room`` (the
@@ -316,4 +311,3 @@ def test_decode_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) 
     pair.assert_settles()
     after = decode_epochs()
     assert after - epochs, f"the prefill never registered the restarted decode as a new peer: {sorted(after)}"
-
