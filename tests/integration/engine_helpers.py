@@ -122,12 +122,13 @@ def metric(url: str, name: str) -> float:
     return prom(url, prefix=name).get(name, 0.0)
 
 
-def wait_metric(url: str, name: str, done: Callable[[float], bool], timeout: float = 30) -> float:
-    """Poll ``/metrics`` until ``done(value)`` (vLLM exports connector stats on its
-    logging interval, so there is no event to wait on)."""
+def wait_metric(url: str, name: str, done: Callable[[float], bool], timeout: float = 30, interval: float = 0.5) -> float:
+    """Poll ``/metrics`` every ``interval`` seconds until ``done(value)`` or ``timeout``
+    (metrics are the only view into another process's connector state, so there is no
+    event to wait on); returns the last value read."""
     deadline = time.monotonic() + timeout
     while True:
         value = metric(url, name)
         if done(value) or time.monotonic() > deadline:
             return value
-        time.sleep(0.5)
+        time.sleep(interval)

@@ -17,6 +17,10 @@ from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, 
 
 LEASE_S = 4
 USAGE = "vllm:kv_cache_usage_perc"
+FAILURES = "vllm:kvbridge_failures_total"
+SENDS_HELD = "vllm:kvbridge_sends_held"
+SENDS_SENDING = "vllm:kvbridge_sends_sending"
+RECEIVES_WAITING = "vllm:kvbridge_receives_waiting"
 P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
 D_CONFIG = {"timeouts": {"receive_s": 8, "heartbeat_s": 0.5, "handshake_s": 3}}
 
@@ -29,7 +33,7 @@ class Cluster:
         self.model_dir, self.logs = model_dir, logs
         self.side_port = free_port()
         self.p = self._prefill()
-        self.d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", D_CONFIG, policy="recompute"), log_path=logs / "D.log")
+        self.d = self._decode()
         self.c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
         x_args = ["--block-size", "64", "--max-num-batched-tokens", "256"]
         self.x = VllmServer(model_dir, extra_args=x_args + kv_args("kv_consumer", "nixl", D_CONFIG, policy="fail"), log_path=logs / "X.log")
@@ -39,6 +43,17 @@ class Cluster:
     def _prefill(self) -> VllmServer:
         cfg = dict(P_CONFIG, side_channel_port=self.side_port)
         return VllmServer(self.model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", cfg), log_path=self.logs / f"P-{time.time():.0f}.log")
+
+    def _decode(self) -> VllmServer:
+        return VllmServer(
+            self.model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", D_CONFIG, policy="recompute"), log_path=self.logs / f"D-{time.time():.0f}.log"
+        )
+
+    def restart_decode(self) -> None:
+        """A new decode instance (new ports, new epoch) in place of a killed one."""
+        self.d.kill()
+        self.d = self._decode()
+        start_all([self.d])
 
     def restart_prefill(self) -> None:
         self.p.kill()
@@ -61,11 +76,11 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture
 def baseline(cluster: Cluster) -> Iterator[dict[str, float]]:
     """KV usage before the test; afterwards it must come back and P/D must still work."""
-    p_at_start = cluster.p
+    at_start = {"P": cluster.p, "D": cluster.d}
     before = {"P": metric(cluster.p.url, USAGE), "D": metric(cluster.d.url, USAGE)}
     yield before
     for name, s in (("P", cluster.p), ("D", cluster.d)):
-        target = before[name] if s is not cluster.p or cluster.p is p_at_start else 0.0  # a restarted P starts empty
+        target = before[name] if s is at_start[name] else 0.0  # a restarted instance starts empty
         got = wait_metric(s.url, USAGE, lambda v, t=target: v <= t + 1e-9, timeout=LEASE_S + 20)
         assert got <= target + 1e-9, f"{name}'s KV cache usage stayed at {got} (was {target}): blocks leaked"
     prompt = random_prompt(70, seed=uuid.uuid4().int % 2**31)
@@ -100,15 +115,49 @@ def test_killed_prefill_fails_the_load_fast_and_decode_recomputes(cluster: Clust
             complete, cluster.d.url, prompt, max_tokens=8, timeout=60,
             kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
         )
-        time.sleep(1.0)  # let D send its destination and start waiting
+        # D has sent its destination and waits (the prefill request never comes)
+        assert wait_metric(cluster.d.url, RECEIVES_WAITING, lambda v: v >= 1, timeout=20, interval=0.05) >= 1
         killed = time.monotonic()
         cluster.p.kill()
         out = waiting.result()
         elapsed = time.monotonic() - killed
     assert out.token_ids == ref.token_ids, "recompute policy: D computes the prompt itself"
     assert elapsed < 6, f"D noticed the dead prefill only after {elapsed:.1f}s (heartbeats are 0.5 s)"
-    assert metric(cluster.d.url, "vllm:kvbridge_failures_total") >= 1
+    assert metric(cluster.d.url, FAILURES) >= 1
     cluster.restart_prefill()
+
+
+def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(cluster: Cluster, baseline) -> None:
+    """D is SIGKILLed while P writes a long prompt's KV into it, layer by layer (P's gauge
+    says it is sending): P's next write fails, the transfer fails and P frees the blocks
+    at once, neither at the transfer timeout (30 s) nor at the lease; a new decode
+    instance is then served (the fixture's handoff)."""
+    # D's first request (its first forward, its handshake with P) can take longer than
+    # P's 4 s lease: a short handoff first, so the transfer below is not the first
+    warm = random_prompt(40, seed=9)
+    assert handoff("push", cluster.p.url, cluster.d.url, warm, 2, cluster.address).token_ids == complete(cluster.c.url, warm, max_tokens=2).token_ids
+    prompt = random_prompt(4000, seed=8)  # about 2 s of writes on 2 cores
+    tid = uuid.uuid4().hex
+    failures = metric(cluster.p.url, FAILURES)
+    with ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(complete, cluster.p.url, prompt, max_tokens=1, timeout=60, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        decode = pool.submit(
+            complete, cluster.d.url, prompt, max_tokens=4, timeout=60,
+            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
+        )
+        assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, "P never wrote to D"
+        cluster.d.kill()
+        killed = time.monotonic()
+        assert wait_metric(cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05) == failures + 1
+        assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v == 0, timeout=30, interval=0.05) == 0
+        assert wait_metric(cluster.p.url, USAGE, lambda v: v <= baseline["P"] + 1e-9, timeout=30, interval=0.05) <= baseline["P"] + 1e-9
+        elapsed = time.monotonic() - killed
+        assert len(prefill.result().token_ids) == 1
+        with pytest.raises((ServerError, OSError)):  # D's connection reset, or refused
+            decode.result()
+    assert elapsed < LEASE_S, f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended the transfer"
+    assert metric(cluster.p.url, SENDS_HELD) == 0
+    cluster.restart_decode()
 
 
 def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:

@@ -243,6 +243,67 @@ def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
             ep.close()
 
 
+def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker reports its requests per lifecycle phase in every snapshot it returns
+    (and returns one while any is in flight or after a change): a prefill request held
+    without a destination, then sending; the decode's request waiting for its first KV;
+    all back to 0, reported once, after the transfer. vLLM merges ranks by maximum
+    (every rank tracks every request) and the Prometheus hook sets the gauges."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvbridge.adapters.vllm import worker as worker_module
+    from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+
+    def levels(ws: WorkerSide) -> tuple[int, int, int, int] | None:
+        snap = ws.stats()
+        return None if snap is None else (snap.sends_held, snap.sends_sending, snap.receives_waiting, snap.receives_receiving)
+
+    recorded: list[DeviceEvent] = []
+    monkeypatch.setattr(worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
+    p_ep, d_ep = endpoint("P", make_cache(1)), endpoint("D", make_cache(None))
+    try:
+        p, d = worker(p_ep), worker(d_ep)
+        assert (levels(p), levels(d)) == ((0, 0, 0, 0), (0, 0, 0, 0)), "the first step reports the levels once"
+        assert (p.stats(), d.stats()) == (None, None), "nothing in flight, nothing changed"
+        p._on_device = True  # layers gated by compute events: the request stays in flight
+        p._layer_index = {f"model.layers.{i}.attn": i for i in range(L)}
+        p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t7", "push", 20, [5, 6], 0, 20, True)]))
+        for layer in range(L):
+            p.save_layer(f"model.layers.{layer}.attn")
+        p.after_forward()
+        assert levels(p) == (1, 0, 0, 0), "computed, no destination yet: held"
+        assert levels(p) == (1, 0, 0, 0), "reported in every step while in flight"
+        d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t7", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]))
+        eventually(lambda: p_ep.sender.phase("t7").value == "sending")
+        assert levels(p) == (0, 1, 0, 0)
+        assert levels(d) == (0, 0, 1, 0), "destination sent, nothing arrived"
+        sender_rank = KVBridgeStats(p.stats().to_dict())
+        merged = sender_rank.aggregate(KVBridgeStats(p.stats().to_dict()))
+        assert merged.data["sends_sending"] == 1, "ranks tracking the same request count it once"
+        for event in recorded:
+            event.complete()
+        _until(d, set(), "rd", 1)
+        assert levels(d) == (0, 0, 0, 0), "the step that reports the load reports the level it leaves"
+        _until(p, {"rp"}, "rp", 0)
+        assert levels(p) == (0, 0, 0, 0)
+        assert (p.stats(), d.stats()) == (None, None), "0 is reported once"
+
+        registry = CollectorRegistry()
+        types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+        prom = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+        prom.observe(merged.data, 0)
+        assert registry.get_sample_value("vllm:kvbridge_sends_sending", {"engine": "0"}) == 1
+        assert registry.get_sample_value("vllm:kvbridge_sends_held", {"engine": "0"}) == 0
+        prom.observe(KVBridgeStats().data, 0)
+        assert registry.get_sample_value("vllm:kvbridge_sends_sending", {"engine": "0"}) == 0
+    finally:
+        d_ep.close()
+        p_ep.close()
+
+
 def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_event(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM calls ``save_kv_layer`` when the host has queued a layer's kernels: on a
     GPU cache the worker records one event per call (and one in ``wait_for_save``) and

@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -266,6 +267,13 @@ class Receiver:
         with self._lock:
             entry = self._in.get(transfer_id)
             return None if entry is None else entry.req.phase
+
+    def phases(self) -> Counter[RecvPhase]:
+        """How many expected requests are in each live phase (``ALLOCATED``,
+        ``WAITING``, ``RECEIVING``); ended ones still settling are not counted.
+        O(requests); any thread."""
+        with self._lock:
+            return Counter(entry.req.phase for entry in self._in.values() if not entry.req.terminal)
 
     # --- side-channel work (pool threads) --------------------------------------------------
 

@@ -46,7 +46,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -310,6 +310,12 @@ class Sender:
     def pending(self) -> int:
         with self._lock:
             return len(self._out)
+
+    def phases(self) -> Counter[SendPhase]:
+        """How many tracked requests are in each live phase (``HELD``, ``SENDING``);
+        ended ones still draining are not counted. O(requests); any thread."""
+        with self._lock:
+            return Counter(out.req.phase for out in self._out.values() if not out.req.terminal)
 
     # --- side-channel handlers (the side channel's thread) -------------------------------
 

@@ -6,7 +6,9 @@ recording is O(1).
 
 :data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`BUCKETS` and :data:`GAUGES` are the Prometheus catalogue
 both engines export (each under its own prefix: ``vllm:kvbridge_...``,
-``sglang:kvbridge_...``), so one dashboard reads either."""
+``sglang:kvbridge_...``), so one dashboard reads either. :data:`REQUEST_GAUGES` (requests
+in flight per phase) come from the runtime's sender and receiver, which the vLLM
+connector uses; SGLang's own queue gauges count its rooms."""
 
 from __future__ import annotations
 
@@ -41,6 +43,18 @@ class StatsSnapshot:
     largest); 0: not reported."""
     staging_slots_used: int = 0
     """Level: staging slots held, summed over the ranks reporting (:meth:`merge`)."""
+    sends_held: int = 0
+    """Level of :data:`REQUEST_GAUGES` (adapters on :mod:`kvbridge.runtime`): prefill
+    requests whose blocks are held while the decode side has not yet said where to
+    write (push) or read them (pull). Every rank tracks every request, so :meth:`merge`
+    keeps the largest."""
+    sends_sending: int = 0
+    """Level: prefill requests being written to the decode side (largest over ranks)."""
+    receives_waiting: int = 0
+    """Level: decode requests waiting for their first KV (staging room, handshake, the
+    prefill's queue and compute; largest over ranks)."""
+    receives_receiving: int = 0
+    """Level: decode requests whose KV is arriving (largest over ranks)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,13 +63,13 @@ class StatsSnapshot:
         out = StatsSnapshot()
         for name, value in asdict(self).items():
             other_value = getattr(other, name)
-            setattr(out, name, max(value, other_value) if name == "staging_slots" else value + other_value)
+            setattr(out, name, max(value, other_value) if name in _MAX_MERGED else value + other_value)
         return out
 
     def is_empty(self) -> bool:
         """Nothing recorded: every counter zero and every histogram empty (levels are
         not recordings)."""
-        return not any(v for k, v in asdict(self).items() if k not in GAUGES)
+        return not any(v for k, v in asdict(self).items() if k not in GAUGES and k not in REQUEST_GAUGES)
 
 
 class TransferStats:
@@ -105,8 +119,23 @@ GAUGES: dict[str, str] = {
 sets them directly; the vLLM connector reports them in every step's
 :class:`StatsSnapshot` (where a worker has a staging buffer), per instance."""
 
+REQUEST_GAUGES: dict[str, str] = {
+    "sends_held": "Prefill requests whose KV blocks are held until the decode side says where to write them (push) or reads them (pull)",
+    "sends_sending": "Prefill requests whose KV is being written to the decode side",
+    "receives_waiting": "Decode requests waiting for their first KV (staging room, handshake, prefill queueing and compute)",
+    "receives_receiving": "Decode requests whose KV is arriving",
+}
+"""Levels of the transfers in flight by lifecycle phase (:mod:`kvbridge.core.lifecycle`),
+for adapters whose transfers run through :class:`~kvbridge.runtime.sender.Sender` and
+:class:`~kvbridge.runtime.receiver.Receiver` (vLLM; SGLang's own queue gauges,
+``sglang:num_prefill_inflight_queue_reqs`` and the like, count its rooms). Each
+worker reports them in every snapshot it returns (:meth:`StatsSnapshot.merge` keeps
+the largest over ranks)."""
+
+_MAX_MERGED = frozenset({"staging_slots", *REQUEST_GAUGES})
+
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets, seconds."""
 
 
-__all__ = ["BUCKETS", "COUNTERS", "GAUGES", "HISTOGRAMS", "StatsSnapshot", "TransferStats"]
+__all__ = ["BUCKETS", "COUNTERS", "GAUGES", "HISTOGRAMS", "REQUEST_GAUGES", "StatsSnapshot", "TransferStats"]

@@ -12,9 +12,15 @@ feeds the data to :class:`KVBridgePromMetrics`, which exports:
 - histograms ``vllm:kvbridge_transfer_seconds`` (per posted transfer),
   ``vllm:kvbridge_exposed_transfer_seconds`` (per request: prefill done -> last byte
   landed, what streaming did not hide) and ``vllm:kvbridge_request_transfer_seconds``;
+- gauges of the requests in flight by phase: ``vllm:kvbridge_sends_held`` (prefill
+  blocks held until the decode side says where to write or reads them),
+  ``..._sends_sending``, ``..._receives_waiting`` (decode requests before their first
+  KV), ``..._receives_receiving``;
 - on the packed path (``wire_dtype: fp8`` or ``data_path: packed``), gauges ``vllm:kvbridge_staging_slots`` and
-  ``..._staging_slots_used`` (the instance's staging slots and those held, all ranks;
-  workers report them in the steps where they change or slots are held).
+  ``..._staging_slots_used`` (the instance's staging slots and those held, all ranks).
+
+Workers report levels in the steps where one changed or is not zero
+(:meth:`~kvbridge.adapters.vllm.worker.WorkerSide.stats`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,14 @@ from kvbridge.adapters.vllm.compat import (
     KVConnectorStats,
     create_metric_per_engine,
 )
-from kvbridge.runtime.stats import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, StatsSnapshot
+from kvbridge.runtime.stats import (
+    BUCKETS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    REQUEST_GAUGES,
+    StatsSnapshot,
+)
 
 
 class KVBridgeStats(KVConnectorStats):
@@ -83,13 +96,17 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             )
             for key, (name, doc) in HISTOGRAMS.items()
         }
-        self._gauges = {
-            name: create_metric_per_engine(
-                self._gauge_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", labelnames=labelnames, multiprocess_mode="mostrecent"),
-                per_engine_labelvalues,
-            )
-            for name, doc in GAUGES.items()
-        }
+        def gauges(catalogue: dict[str, str]) -> dict[str, dict[int, Any]]:
+            return {
+                name: create_metric_per_engine(
+                    self._gauge_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", labelnames=labelnames, multiprocess_mode="mostrecent"),
+                    per_engine_labelvalues,
+                )
+                for name, doc in catalogue.items()
+            }
+
+        self._gauges = gauges(GAUGES)
+        self._request_gauges = gauges(REQUEST_GAUGES)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, metric in self._counters.items():
@@ -99,9 +116,12 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         for key, metric in self._histograms.items():
             for value in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(value)
-        if transfer_stats_data.get("staging_slots"):  # this step's levels (fp8 instances)
+        if transfer_stats_data.get("staging_slots"):  # this step's levels (packed instances)
             for name, metric in self._gauges.items():
                 metric[engine_idx].set(transfer_stats_data[name])
+        # every snapshot carries the request levels; a step without one changed none
+        for name, metric in self._request_gauges.items():
+            metric[engine_idx].set(transfer_stats_data.get(name, 0))
 
 
 __all__ = ["KVBridgePromMetrics", "KVBridgeStats"]

@@ -33,10 +33,11 @@ from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
 from kvbridge.adapters.vllm.compat import extract_layer_index
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
 from kvbridge.config import KVBridgeConfig
+from kvbridge.core.lifecycle import RecvPhase, SendPhase
 from kvbridge.errors import ConfigError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event
 from kvbridge.runtime.endpoint import Endpoint
-from kvbridge.runtime.stats import StatsSnapshot
+from kvbridge.runtime.stats import REQUEST_GAUGES, StatsSnapshot
 from kvbridge.wire.compat import CompatInfo
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class WorkerSide:
         self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
         self._refused_send: set[str] = set()  # prefill req ids whose transfer id was taken: never tracked
         self._refused_recv: set[str] = set()  # decode req ids whose transfer id was taken: failed
-        self._reported_used: int | None = None  # staging slots held at the last report
+        self._reported_levels: dict[str, int] = {}  # levels of the last snapshot returned (:meth:`stats`)
         self._on_device = False  # the cache is GPU memory: readiness behind compute events
 
     # --- start-up --------------------------------------------------------------------------
@@ -274,20 +275,41 @@ class WorkerSide:
         return sending, recving, failed
 
     def stats(self) -> StatsSnapshot | None:
+        """This step's statistics (vLLM's ``get_kv_connector_stats``, once per step), or
+        None. A snapshot returned carries the current levels (:meth:`_levels`), and one
+        is returned whenever something was recorded, a level other than the staging
+        capacity is not zero, or a level changed since the last one: a rank that returns
+        None holds nothing, so vLLM's sum (staging slots) or maximum (requests) over the
+        ranks that report is the instance's level."""
         if self.endpoint is None:
             return None
         snap = self.endpoint.stats.take()
-        packed = self.endpoint.node.packed
+        levels = self._levels()
+        held = any(value for name, value in levels.items() if name != "staging_slots")
+        if snap.is_empty() and not held and levels == self._reported_levels:
+            return None
+        self._reported_levels = levels
+        for name, value in levels.items():
+            setattr(snap, name, value)
+        return snap
+
+    def _levels(self) -> dict[str, int]:
+        """Requests in flight per phase (:data:`~kvbridge.runtime.stats.REQUEST_GAUGES`)
+        and, on the packed path, the staging slots (of the instance: every rank has as
+        many) and those this rank's requests hold."""
+        ep = self.endpoint
+        assert ep is not None
+        levels = dict.fromkeys(REQUEST_GAUGES, 0)
+        if ep.sender is not None:
+            sends = ep.sender.phases()
+            levels.update(sends_held=sends[SendPhase.HELD], sends_sending=sends[SendPhase.SENDING])
+        if ep.receiver is not None:
+            recvs = ep.receiver.phases()
+            levels.update(receives_waiting=recvs[RecvPhase.ALLOCATED] + recvs[RecvPhase.WAITING], receives_receiving=recvs[RecvPhase.RECEIVING])
+        packed = ep.node.packed
         if packed is not None:
-            # staging levels, summed over ranks by vLLM: reported while slots are held and
-            # once after a change, so a rank that does not report holds none
-            used = packed.allocator.num_slots - packed.allocator.free_slots
-            if used or used != self._reported_used:
-                snap.staging_slots = packed.allocator.num_slots * self.tp_size  # every rank has as many
-                snap.staging_slots_used = used
-                self._reported_used = used
-                return snap
-        return None if snap.is_empty() else snap
+            levels.update(staging_slots=packed.allocator.num_slots * self.tp_size, staging_slots_used=packed.allocator.num_slots - packed.allocator.free_slots)
+        return levels
 
     def close(self) -> None:
         if self.endpoint is not None:
