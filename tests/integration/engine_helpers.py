@@ -100,6 +100,14 @@ def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens
 
 
 RECEIVED = "vllm:kvbridge_bytes_received_total"
+RECEIVES_WAITING = "vllm:kvbridge_receives_waiting"
+"""Decode requests whose destination the prefill has, waiting for their first KV."""
+
+
+def destination_at_prefill(d_url: str) -> None:
+    """Wait until a decode request of ``d_url`` has its destination at the prefill (the
+    test's only one in flight there)."""
+    assert wait_metric(d_url, RECEIVES_WAITING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, "D's destination never reached P"
 
 
 def check_handoff(flow: str, p_url: str, d_url: str, reference_url: str, prompt: Sequence[int], max_tokens: int, address: dict[str, str] | None, block_bytes: int) -> None:

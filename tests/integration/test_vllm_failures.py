@@ -1,6 +1,7 @@
 """Failures between real vLLM instances: every wait is bounded, nothing leaks, both
 instances keep serving. After each test the instances' KV cache usage returns to where
-it started (blocks released exactly once) and a normal handoff still works."""
+it started (blocks released exactly once), their kvbridge gauges count no request in
+flight, and a normal handoff still works."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import COMMON_ARGS, destination_at_prefill, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, random_prompt
 
@@ -20,7 +21,7 @@ USAGE = "vllm:kv_cache_usage_perc"
 FAILURES = "vllm:kvbridge_failures_total"
 SENDS_HELD = "vllm:kvbridge_sends_held"
 SENDS_SENDING = "vllm:kvbridge_sends_sending"
-RECEIVES_WAITING = "vllm:kvbridge_receives_waiting"
+IN_FLIGHT = [SENDS_HELD, SENDS_SENDING, *(f"vllm:kvbridge_receives_{phase}" for phase in ("allocated", "waiting", "receiving"))]
 P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
 D_CONFIG = {"timeouts": {"receive_s": 8, "heartbeat_s": 0.5, "handshake_s": 3}}
 
@@ -83,6 +84,8 @@ def baseline(cluster: Cluster) -> Iterator[dict[str, float]]:
         target = before[name] if s is at_start[name] else 0.0  # a restarted instance starts empty
         got = wait_metric(s.url, USAGE, lambda v, t=target: v <= t + 1e-9, timeout=LEASE_S + 20)
         assert got <= target + 1e-9, f"{name}'s KV cache usage stayed at {got} (was {target}): blocks leaked"
+        in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
+        assert not any(in_flight.values()), f"{name} still counts requests in flight: {in_flight}"
     prompt = random_prompt(70, seed=uuid.uuid4().int % 2**31)
     assert handoff("push", cluster.p.url, cluster.d.url, prompt, 4, cluster.address).token_ids == complete(cluster.c.url, prompt, max_tokens=4).token_ids
 
@@ -115,8 +118,7 @@ def test_killed_prefill_fails_the_load_fast_and_decode_recomputes(cluster: Clust
             complete, cluster.d.url, prompt, max_tokens=8, timeout=60,
             kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
         )
-        # D has sent its destination and waits (the prefill request never comes)
-        assert wait_metric(cluster.d.url, RECEIVES_WAITING, lambda v: v >= 1, timeout=20, interval=0.05) >= 1
+        destination_at_prefill(cluster.d.url)  # D waits; the prefill request never comes
         killed = time.monotonic()
         cluster.p.kill()
         out = waiting.result()
@@ -136,28 +138,35 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(cluster: 
     # P's 4 s lease: a short handoff first, so the transfer below is not the first
     warm = random_prompt(40, seed=9)
     assert handoff("push", cluster.p.url, cluster.d.url, warm, 2, cluster.address).token_ids == complete(cluster.c.url, warm, max_tokens=2).token_ids
-    prompt = random_prompt(4000, seed=8)  # about 2 s of writes on 2 cores
+    prompt = random_prompt(4000, seed=8)  # 16 chunks of 256 tokens
     tid = uuid.uuid4().hex
     failures = metric(cluster.p.url, FAILURES)
-    with ThreadPoolExecutor(2) as pool:
-        prefill = pool.submit(complete, cluster.p.url, prompt, max_tokens=1, timeout=60, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
-        decode = pool.submit(
-            complete, cluster.d.url, prompt, max_tokens=4, timeout=60,
-            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
-        )
-        assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, "P never wrote to D"
-        cluster.d.kill()
-        killed = time.monotonic()
-        assert wait_metric(cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05) == failures + 1
-        assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v == 0, timeout=30, interval=0.05) == 0
-        assert wait_metric(cluster.p.url, USAGE, lambda v: v <= baseline["P"] + 1e-9, timeout=30, interval=0.05) <= baseline["P"] + 1e-9
-        elapsed = time.monotonic() - killed
-        assert len(prefill.result().token_ids) == 1
-        with pytest.raises((ServerError, OSError)):  # D's connection reset, or refused
-            decode.result()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            decode = pool.submit(
+                complete, cluster.d.url, prompt, max_tokens=4, timeout=60,
+                kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
+            )
+            # D's destination first, so P writes each chunk's layers as it computes them for
+            # about 2 s (a destination reaching P after its prefill gets one write of
+            # everything, and the kill may then come after its last write: seen once, the
+            # transfer was counted sent and nothing failed)
+            destination_at_prefill(cluster.d.url)
+            prefill = pool.submit(complete, cluster.p.url, prompt, max_tokens=1, timeout=60, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+            assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, "P never wrote to D"
+            cluster.d.kill()
+            killed = time.monotonic()
+            assert wait_metric(cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05) == failures + 1
+            assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v == 0, timeout=30, interval=0.05) == 0
+            assert wait_metric(cluster.p.url, USAGE, lambda v: v <= baseline["P"] + 1e-9, timeout=30, interval=0.05) <= baseline["P"] + 1e-9
+            elapsed = time.monotonic() - killed
+            assert len(prefill.result().token_ids) == 1
+            with pytest.raises((ServerError, OSError)):  # D's connection reset, or refused
+                decode.result()
+    finally:
+        cluster.restart_decode()  # the next tests need a decode instance either way
     assert elapsed < LEASE_S, f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended the transfer"
     assert metric(cluster.p.url, SENDS_HELD) == 0
-    cluster.restart_decode()
 
 
 def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:

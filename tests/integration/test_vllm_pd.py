@@ -13,14 +13,13 @@ ways (the NIXL pair and the colocated reference schedule synchronously)."""
 from __future__ import annotations
 
 import math
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_handoff, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_handoff, destination_at_prefill, discover, handoff, kv_args, metric, start_all, wait_metric
 from vllm_cpu_async import ENV as ASYNC_SCHEDULING
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
@@ -106,7 +105,7 @@ def test_push_works_whichever_side_sees_the_request_first(pd: PD, colocated: Vll
             out = pool.submit(d_call).result()
         else:
             fd = pool.submit(d_call)
-            time.sleep(1.0)  # deliberately late prefill: D's destination waits at P
+            destination_at_prefill(pd.d.url)  # deliberately late prefill: D's destination waits at P
             p_call()
             out = fd.result()
     assert out.token_ids == ref.token_ids
@@ -125,7 +124,7 @@ def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer)
         fd = pool.submit(
             complete, pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
         )
-        time.sleep(1.0)  # precondition, not synchronisation: D's destination reaches P first
+        destination_at_prefill(pd.d.url)  # the destination is at P before its forward starts
         complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
         assert fd.result().token_ids == ref.token_ids
     assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, "P never reported the request as sent"

@@ -6,7 +6,7 @@ every prompt equals a colocated SGLang server started with the same flags, token
 token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``), each with per-chunk sends
 (``layerwise: false``) and with per-layer streaming (``layerwise_min_tokens: 0``, so
 every prompt streams); two of the pairs run a decode whose pages are 2 or 4 times the
-prefill's (``transfer_block_size``). The prefill's per-room log line ("room R sent: L layer writes,
+prefill's, one a prefill whose pages are twice the decode's (``transfer_block_size``). The prefill's per-room log line ("room R sent: L layer writes,
 C chunk writes") shows which path each request took. The disaggregated servers run with
 ``--enable-metrics``: kvbridge's ``sglang:kvbridge_*`` metrics on their ``/metrics``
 count each request once and exactly its KV bytes (computed from the model's config and
@@ -64,43 +64,47 @@ PROMPTS = {
 }
 
 
-# (transport, per-layer streaming, data path, secret, decode page size, decode radix
-# cache): per-chunk keeps
+# (transport, per-layer streaming, data path, secret, prefill page size, decode page
+# size, decode radix cache): per-chunk keeps
 # today's path exactly; per-layer with threshold 0 streams every prompt (the 12-token one
 # too: its only page is partial but it is the last chunk); "packed" moves the exact
 # values through the staging buffers (data_path: packed), so output and bytes must not
 # change either; with a shared secret every kvbridge message carries a MAC (and nothing
-# else changes). A decode page size other than the prefill's 16: both run with
-# transfer_block_size 16, the decode addresses each of its pages as 2 or 4 of the
-# prefill's (the bytes moved are the prefill's pages, as between equal sizes). Three
-# decodes keep a radix cache of their own (--disaggregation-decode-enable-radix-cache,
-# off by default in SGLang) and ask the prefill only for the pages past a hit.
-PREFILL_PAGE = 16
+# else changes). Page sizes other than 16: both servers run with transfer_block_size
+# 16 and the one with larger pages addresses each as 2 or 4 transfer pages (the bytes
+# moved are the prompt's 16-token pages, as between equal sizes): decodes of 32 and 64,
+# and prefills of 32 (per layer, and per chunk on the packed path; their decodes without
+# a radix cache: a hit would end inside one of the prefill's pages). Three decodes keep a radix cache of their own
+# (--disaggregation-decode-enable-radix-cache, off by default in SGLang) and ask the
+# prefill only for the pages past a hit.
+PAGE = 16
 PD_CONFIGS = [
-    ("nixl", False, "direct", False, PREFILL_PAGE, False),
-    ("nixl", True, "direct", False, PREFILL_PAGE, True),
-    ("mooncake", False, "direct", False, 32, True),
-    ("mooncake", True, "direct", True, PREFILL_PAGE, False),
-    ("nixl", True, "packed", False, 64, True),
+    ("nixl", False, "direct", False, PAGE, PAGE, False),
+    ("nixl", True, "direct", False, PAGE, PAGE, True),
+    ("mooncake", False, "direct", False, PAGE, 32, True),
+    ("mooncake", True, "direct", True, 32, PAGE, False),
+    ("nixl", True, "packed", False, PAGE, 64, True),
+    ("nixl", False, "packed", False, 32, PAGE, False),
 ]
 
 
-def _pd_id(transport: str, layerwise: bool, path: str, secret: bool, d_page: int, radix: bool) -> str:
+def _pd_id(transport: str, layerwise: bool, path: str, secret: bool, p_page: int, d_page: int, radix: bool) -> str:
     return (
         f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "") + ("-secret" if secret else "")
-        + (f"-decode-pages-{d_page}" if d_page != PREFILL_PAGE else "") + ("-decode-radix" if radix else "")
+        + (f"-prefill-pages-{p_page}" if p_page != PAGE else "") + (f"-decode-pages-{d_page}" if d_page != PAGE else "")
+        + ("-decode-radix" if radix else "")
     )
 
 
 @pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
 def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
-    transport, layerwise, path, secret, d_page, radix = request.param
+    transport, layerwise, path, secret, p_page, d_page, radix = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{_pd_id(*request.param)}")
     config = {**pd_config(transport, layerwise), "data_path": path, **({"secret": "shared by prefill and decode"} if secret else {})}
-    if d_page != PREFILL_PAGE:
-        config["transfer_block_size"] = PREFILL_PAGE
+    if p_page != d_page:
+        config["transfer_block_size"] = min(p_page, d_page)
     decode_args = ["--page-size", str(d_page), *(["--disaggregation-decode-enable-radix-cache"] if radix else [])]
-    yield from start_pd(model, log_dir, server_env(config), layerwise, decode_args=decode_args)
+    yield from start_pd(model, log_dir, server_env(config), layerwise, prefill_args=["--page-size", str(p_page)], decode_args=decode_args)
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
@@ -160,7 +164,7 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(pd_router: PD, colocate
     a hit to the decode's page size), so the decode receives only the rest, and decodes
     as colocated does. A decode without it receives the whole prompt again (the
     prefill, whose own radix cache hits, still sends every page)."""
-    d_page, radix = request.node.callspec.params["pd_router"][4:6]
+    d_page, radix = request.node.callspec.params["pd_router"][5:7]
     shared = prompt_ids(300, seed=31)
     first, second = shared + prompt_ids(50, seed=32), shared + prompt_ids(70, seed=33)
     generate_through(pd_router, first)

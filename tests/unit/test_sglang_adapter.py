@@ -208,15 +208,14 @@ def test_config_from_env(tmp_path) -> None:
     assert config_from_env({CONFIG_ENV: '{"wire_dtype": "fp8", "staging_mb": 64}'}).wire_dtype == "fp8"
 
 
-def test_transfer_pages_are_the_prefill_s_pages() -> None:
+def test_transfer_pages_divide_the_server_s_pages() -> None:
     cfg = config_from_env({CONFIG_ENV: '{"transfer_block_size": 16}'})
-    assert transfer_page_size(config_from_env({}), 32, prefill=True) == 32
-    assert transfer_page_size(cfg, 16, prefill=True) == 16
-    assert transfer_page_size(cfg, 64, prefill=False) == 16  # a decode of larger pages
-    for page, prefill in ((32, True), (24, False)):
-        with pytest.raises(ConfigError, match="transfer_block_size 16 must") as err:
-            transfer_page_size(cfg, page, prefill=prefill)
-        assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)
+    assert transfer_page_size(config_from_env({}), 32) == 32
+    assert transfer_page_size(cfg, 16) == 16
+    assert transfer_page_size(cfg, 64) == 16  # either side's larger pages, as several transfer pages
+    with pytest.raises(ConfigError, match="transfer_block_size 16 must divide") as err:
+        transfer_page_size(cfg, 24)
+    assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)
 
 
 def test_a_decode_addresses_each_of_its_pages_as_several_transfer_pages() -> None:
@@ -233,6 +232,7 @@ def test_a_decode_with_other_pages_is_refused_naming_transfer_block_size() -> No
     mine = CacheSpec(num_layers=2, block_size=16, num_kv_heads=1, head_dim=256, dtype="uint8", layout="nhd")
     err = pages_differ(msgspec.structs.replace(mine, block_size=32), mine)
     assert "set transfer_block_size 16" in str(err)
+    assert "set transfer_block_size 8" in str(pages_differ(msgspec.structs.replace(mine, block_size=8), mine)), "the smaller of the two"
     assert "transfer_block_size" not in str(pages_differ(msgspec.structs.replace(mine, head_dim=128), mine))
 
 

@@ -257,16 +257,16 @@ def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.M
     from kvbridge.adapters.vllm import worker as worker_module
     from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 
-    def levels(ws: WorkerSide) -> tuple[int, int, int, int] | None:
+    def levels(ws: WorkerSide) -> tuple[int, ...] | None:
         snap = ws.stats()
-        return None if snap is None else (snap.sends_held, snap.sends_sending, snap.receives_waiting, snap.receives_receiving)
+        return None if snap is None else (snap.sends_held, snap.sends_sending, snap.receives_allocated, snap.receives_waiting, snap.receives_receiving)
 
     recorded: list[DeviceEvent] = []
     monkeypatch.setattr(worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
     p_ep, d_ep = endpoint("P", make_cache(1)), endpoint("D", make_cache(None))
     try:
         p, d = worker(p_ep), worker(d_ep)
-        assert (levels(p), levels(d)) == ((0, 0, 0, 0), (0, 0, 0, 0)), "the first step reports the levels once"
+        assert (levels(p), levels(d)) == ((0, 0, 0, 0, 0), (0, 0, 0, 0, 0)), "the first step reports the levels once"
         assert (p.stats(), d.stats()) == (None, None), "nothing in flight, nothing changed"
         p._on_device = True  # layers gated by compute events: the request stays in flight
         p._layer_index = {f"model.layers.{i}.attn": i for i in range(L)}
@@ -274,21 +274,22 @@ def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.M
         for layer in range(L):
             p.save_layer(f"model.layers.{layer}.attn")
         p.after_forward()
-        assert levels(p) == (1, 0, 0, 0), "computed, no destination yet: held"
-        assert levels(p) == (1, 0, 0, 0), "reported in every step while in flight"
+        assert levels(p) == (1, 0, 0, 0, 0), "computed, no destination yet: held"
+        assert levels(p) == (1, 0, 0, 0, 0), "reported in every step while in flight"
         d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t7", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]))
         eventually(lambda: p_ep.sender.phase("t7").value == "sending")
-        assert levels(p) == (0, 1, 0, 0)
-        assert levels(d) == (0, 0, 1, 0), "destination sent, nothing arrived"
+        assert levels(p) == (0, 1, 0, 0, 0)
+        eventually(lambda: d_ep.receiver.phase("t7").value == "waiting")  # P's reply reached D
+        assert levels(d) == (0, 0, 0, 1, 0), "destination at P, nothing arrived"
         sender_rank = KVBridgeStats(p.stats().to_dict())
         merged = sender_rank.aggregate(KVBridgeStats(p.stats().to_dict()))
         assert merged.data["sends_sending"] == 1, "ranks tracking the same request count it once"
         for event in recorded:
             event.complete()
         _until(d, set(), "rd", 1)
-        assert levels(d) == (0, 0, 0, 0), "the step that reports the load reports the level it leaves"
+        assert levels(d) == (0, 0, 0, 0, 0), "the step that reports the load reports the level it leaves"
         _until(p, {"rp"}, "rp", 0)
-        assert levels(p) == (0, 0, 0, 0)
+        assert levels(p) == (0, 0, 0, 0, 0)
         assert (p.stats(), d.stats()) == (None, None), "0 is reported once"
 
         registry = CollectorRegistry()

@@ -50,9 +50,13 @@ class StatsSnapshot:
     keeps the largest."""
     sends_sending: int = 0
     """Level: prefill requests being written to the decode side (largest over ranks)."""
+    receives_allocated: int = 0
+    """Level: decode requests whose destination has not reached the prefill side yet
+    (staging room, handshake; largest over ranks)."""
     receives_waiting: int = 0
-    """Level: decode requests waiting for their first KV (staging room, handshake, the
-    prefill's queue and compute; largest over ranks)."""
+    """Level: decode requests whose destination the prefill side has (or that read
+    themselves), waiting for their first KV: the prefill's queue and compute (largest
+    over ranks)."""
     receives_receiving: int = 0
     """Level: decode requests whose KV is arriving (largest over ranks)."""
 
@@ -122,7 +126,8 @@ sets them directly; the vLLM connector reports them in every step's
 REQUEST_GAUGES: dict[str, str] = {
     "sends_held": "Prefill requests whose KV blocks are held until the decode side says where to write them (push) or reads them (pull)",
     "sends_sending": "Prefill requests whose KV is being written to the decode side",
-    "receives_waiting": "Decode requests waiting for their first KV (staging room, handshake, prefill queueing and compute)",
+    "receives_allocated": "Decode requests whose destination has not reached the prefill side yet (staging room, handshake)",
+    "receives_waiting": "Decode requests waiting for their first KV (the prefill's queue and compute)",
     "receives_receiving": "Decode requests whose KV is arriving",
 }
 """Levels of the transfers in flight by lifecycle phase (:mod:`kvbridge.core.lifecycle`),

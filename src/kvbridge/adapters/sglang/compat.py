@@ -33,6 +33,8 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   allocated, then ``poll`` each step; ``init_time`` unset until it runs, so SGLang's
   waiting timeout does not start) and reads ``bootstrap_infos`` and
   ``conclude_state``.
+- ``ServerArgs.disaggregation_decode_enable_radix_cache`` (:func:`decode_prefix_cache`):
+  a decode that keeps its own prefix cache (a prefill with larger pages refuses it).
 - One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
   ``record_failure``, ``conclude_failure``,
   ``KVTransferError(room, reason)``, and the endpoints' ``_owns_bootstrap_room`` flag,
@@ -193,6 +195,12 @@ def extend_requests(batch, model_runner) -> list[ExtendReq]:
 
 
 _KV_DTYPE_NAMES = {"auto": None, "": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def decode_prefix_cache(server_args) -> bool:
+    """``--disaggregation-decode-enable-radix-cache`` (a ``ServerArgs`` field in 0.5.23,
+    off by default; SGLang reads it through ``runtime_context.get_disagg()``)."""
+    return bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False))
 
 
 def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:

@@ -146,6 +146,8 @@ class DecodeSide:
                 tp_size=self.attn_tp_size,
                 tp_rank=self.attn_tp_rank,
                 kv_heads=self._total_kv_heads(),
+                prefix_cache=self.decode_prefix_cache,
+                page_size=self.geometry.spec.block_size * self.page_ratio,
             ),
             self.secret,
         )

@@ -107,8 +107,8 @@ def kv_geometry(
 
 
 def transfer_pages(pages, ratio: int) -> np.ndarray:
-    """A room's SGLang page ids as transfer pages of ``1 / ratio`` of a page (a decode
-    with larger pages than the prefill's, ``transfer_block_size``): page ``p`` is ``p *
+    """A room's SGLang page ids as transfer pages of ``1 / ratio`` of a page (the side
+    with the larger pages, ``transfer_block_size``): page ``p`` is ``p *
     ratio`` to ``p * ratio + ratio - 1``, the same memory as
     :meth:`~kvbridge.core.layout.CacheGeometry.in_blocks_of` addresses.
 
@@ -128,7 +128,8 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
     if theirs is not None and msgspec.structs.replace(theirs, block_size=mine.block_size) == mine:
         fix = (
             f"its pages hold {theirs.block_size} tokens, this prefill's {mine.block_size}: set transfer_block_size "
-            f"{mine.block_size} in KVBRIDGE_CONFIG on both instances (a decode's --page-size must be a multiple of the prefill's)"
+            f"{min(theirs.block_size, mine.block_size)} in KVBRIDGE_CONFIG on both instances (a prefill with larger pages "
+            "than its decode's also needs a decode without --disaggregation-decode-enable-radix-cache)"
         )
     return IncompatiblePeerError(f"its KV pages ({theirs}) differ from this prefill's ({mine})", fix=fix)
 

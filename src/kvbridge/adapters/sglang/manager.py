@@ -89,10 +89,14 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         compat.warn_if_untested()
         self.config = config_from_env()
-        unit = transfer_page_size(self.config, args.page_size, prefill=disaggregation_mode == Mode.PREFILL)
+        unit = transfer_page_size(self.config, args.page_size)
         self.page_ratio = args.page_size // unit
-        """SGLang pages per transfer page: 1, or on a decode with larger pages than the
-        prefill's, each of its pages is this many transfer pages (:meth:`transfer_pages`)."""
+        """Transfer pages per SGLang page: 1, or on the side with the larger pages
+        (``transfer_block_size``) each of its pages is this many transfer pages
+        (:func:`.layout.transfer_pages`)."""
+        self.decode_prefix_cache = compat.decode_prefix_cache(server_args)
+        """A decode that keeps finished requests' pages (its radix cache) and asks the
+        prefill only for the pages past a hit, which ends on one of its own pages."""
         self.secret = self.config.secret.encode() if self.config.secret else None
         """Authenticates kvbridge's messages between the two sides (:mod:`.messages`)."""
         self.epoch = uuid.uuid4().hex[:12]

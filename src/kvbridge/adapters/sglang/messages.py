@@ -76,6 +76,11 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """The decode rank's attention TP rank."""
     kv_heads: int = 0
     """The model's KV heads, all ranks (0: not given)."""
+    prefix_cache: bool = False
+    """The decode keeps a radix cache of its own (its rooms may start past a hit on
+    one of its page boundaries)."""
+    page_size: int = 0
+    """The decode's ``--page-size`` (its geometry counts transfer pages; 0: not given)."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):

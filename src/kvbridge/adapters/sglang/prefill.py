@@ -35,7 +35,7 @@ import numpy as np
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import AuxLayout, pages_differ, paired_count
+from kvbridge.adapters.sglang.layout import AuxLayout, pages_differ, paired_count, transfer_pages
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import Part, check_packed_pairing, part_start, room_part, room_slots
 from kvbridge.adapters.sglang.rooms import SoleHolder
@@ -234,6 +234,13 @@ class PrefillSide:
             raise IncompatiblePeerError(f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}")
         if reg.data_path != self.config.resolved_data_path:
             raise IncompatiblePeerError(f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}")
+        page, theirs = self.page_ratio * self.geometry.spec.block_size, reg.page_size or reg.geometry.spec.block_size
+        if reg.prefix_cache and theirs % page:
+            raise IncompatiblePeerError(
+                f"it keeps a radix cache of its own, whose hits end on its pages of {theirs} tokens, and this prefill's pages "
+                f"hold {page}: a room would start inside one of them",
+                fix="run the decode without --disaggregation-decode-enable-radix-cache, or give it a --page-size that is a multiple of the prefill's",
+            )
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
         if self.packed is None:
             if p_tp != d_tp and self.geometry.spec.layout != "latent":
@@ -538,6 +545,19 @@ class PrefillSide:
         for group, positions in progress.take(layers, span.lo, span.hi):
             progress.layer_writes += self._post(room, dests, span.src_pages[positions - span.lo], positions, group)
 
+    def _in_transfer_pages(self, chunk: _Chunk, dests: list[_Dest]) -> _Chunk:
+        """``chunk`` (SGLang's pages and positions, in this prefill's pages) in transfer
+        pages, when this prefill's pages are larger than the decode's
+        (``transfer_block_size``): page ``p`` is transfer pages ``p * r .. p * r + r - 1``,
+        cut where the decode's page list ends (the prompt's last page may reach past
+        it; the per-layer plans already count in transfer pages)."""
+        r = self.page_ratio
+        start, stop = chunk.index_slice.start * r, chunk.index_slice.stop * r
+        if dests:
+            stop = min(stop, min(d.pages.size for d in dests))
+        pages = transfer_pages(chunk.pages, r)[: max(0, stop - start)]
+        return chunk._replace(pages=pages, index_slice=slice(start, start + pages.size))
+
     def _send_chunk(self, chunk: _Chunk) -> None:
         room = chunk.room
         if self._release_if_inactive(room):
@@ -547,6 +567,8 @@ class PrefillSide:
         if chunk.wait_event is not None and not wait_device_event(chunk.wait_event, time.monotonic() + self.config.timeouts.transfer_s):
             raise DeadlineExceeded(f"the cached prefix pages of an early send were not written within {self.config.timeouts.transfer_s:g}s")
         dests = self._dests(room)
+        if self.page_ratio > 1:
+            chunk = self._in_transfer_pages(chunk, dests)
         progress = self._progress.get(room)
         if progress is None:  # the per-chunk path: every layer of the chunk's pages
             self._chunk_writes[room] = self._chunk_writes.get(room, 0) + self._post(room, dests, chunk.pages, chunk.index_slice)

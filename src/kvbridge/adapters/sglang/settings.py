@@ -38,24 +38,23 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> KVBridgeConfig:
     return cfg
 
 
-def transfer_page_size(config: KVBridgeConfig, page_size: int, *, prefill: bool) -> int:
+def transfer_page_size(config: KVBridgeConfig, page_size: int) -> int:
     """Tokens per page as the backend moves KV (config ``transfer_block_size``; 0: the
-    server's ``--page-size``). The prefill moves its own pages; a decode with larger
-    pages addresses each of its pages as several of the prefill's size, so a decode's
-    page size may be any multiple of the prefill's (the manager calls this once, at
-    start-up).
+    server's ``--page-size``). A server with larger pages addresses each of its pages as
+    several transfer pages, so prefill and decode pair when the value divides both page
+    sizes (the manager calls this once, at start-up; a prefill with larger pages than
+    its decode's also needs a decode without a prefix cache of its own, checked when the
+    decode registers).
 
     Raises:
-        ConfigError: naming the key, when the value is not this prefill's page size or
-            does not divide this decode's.
+        ConfigError: naming the key, when the value does not divide ``page_size``.
     """
     unit = config.transfer_block_size or page_size
-    if (prefill and unit != page_size) or page_size % unit:
-        side = "be this prefill's" if prefill else "divide this decode's"
+    if page_size % unit:
         raise ConfigError(
-            f"{CONFIG_ENV}: transfer_block_size {unit} must {side} --page-size ({page_size} tokens)",
+            f"{CONFIG_ENV}: transfer_block_size {unit} must divide this server's --page-size ({page_size} tokens)",
             key="transfer_block_size",
-            fix="set it to the prefill's --page-size on both instances, and give the decode a --page-size that is a multiple of it",
+            fix="set it to the smaller --page-size of prefill and decode, the same on both instances (each page size a multiple of it)",
         )
     return unit
 

@@ -14,7 +14,8 @@ feeds the data to :class:`KVBridgePromMetrics`, which exports:
   landed, what streaming did not hide) and ``vllm:kvbridge_request_transfer_seconds``;
 - gauges of the requests in flight by phase: ``vllm:kvbridge_sends_held`` (prefill
   blocks held until the decode side says where to write or reads them),
-  ``..._sends_sending``, ``..._receives_waiting`` (decode requests before their first
+  ``..._sends_sending``, ``..._receives_allocated`` (decode requests whose destination
+  has not reached the prefill yet), ``..._receives_waiting`` (waiting for the first
   KV), ``..._receives_receiving``;
 - on the packed path (``wire_dtype: fp8`` or ``data_path: packed``), gauges ``vllm:kvbridge_staging_slots`` and
   ``..._staging_slots_used`` (the instance's staging slots and those held, all ranks).

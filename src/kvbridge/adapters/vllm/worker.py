@@ -305,7 +305,9 @@ class WorkerSide:
             levels.update(sends_held=sends[SendPhase.HELD], sends_sending=sends[SendPhase.SENDING])
         if ep.receiver is not None:
             recvs = ep.receiver.phases()
-            levels.update(receives_waiting=recvs[RecvPhase.ALLOCATED] + recvs[RecvPhase.WAITING], receives_receiving=recvs[RecvPhase.RECEIVING])
+            levels.update(
+                receives_allocated=recvs[RecvPhase.ALLOCATED], receives_waiting=recvs[RecvPhase.WAITING], receives_receiving=recvs[RecvPhase.RECEIVING]
+            )
         packed = ep.node.packed
         if packed is not None:
             levels.update(staging_slots=packed.allocator.num_slots * self.tp_size, staging_slots_used=packed.allocator.num_slots - packed.allocator.free_slots)
