@@ -55,7 +55,8 @@ def _registration(prefix_cache: bool, page_size: int) -> wire.Registration:
 
 def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -> None:
     prefill = SimpleNamespace(  # pages of 32 tokens, moved as transfer pages of 16
-        config=load_config({"transfer_block_size": UNIT}), page_ratio=2, geometry=_registration(False, UNIT).geometry, packed=None, attn_tp_size=1
+        config=load_config({"transfer_block_size": UNIT}), kv_args=SimpleNamespace(page_size=2 * UNIT), geometry=_registration(False, UNIT).geometry,
+        packed=None, attn_tp_size=1,
     )
     with pytest.raises(IncompatiblePeerError, match="radix cache.*pages of 16 tokens.*hold 32") as err:
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=16))
@@ -64,5 +65,5 @@ def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -
     assert PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=64)) is None, "its hits end on the prefill's pages too"
     with pytest.raises(IncompatiblePeerError, match="radix cache"):  # a decode that does not say its page size
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=0))
-    same_pages = SimpleNamespace(**{**vars(prefill), "page_ratio": 1})
+    same_pages = SimpleNamespace(**{**vars(prefill), "kv_args": SimpleNamespace(page_size=UNIT)})
     assert PrefillSide._pairing(same_pages, _registration(prefix_cache=True, page_size=16)) is None

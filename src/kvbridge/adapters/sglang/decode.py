@@ -147,7 +147,7 @@ class DecodeSide:
                 tp_rank=self.attn_tp_rank,
                 kv_heads=self._total_kv_heads(),
                 prefix_cache=self.decode_prefix_cache,
-                page_size=self.geometry.spec.block_size * self.page_ratio,
+                page_size=self.kv_args.page_size,
             ),
             self.secret,
         )

@@ -234,7 +234,7 @@ class PrefillSide:
             raise IncompatiblePeerError(f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}")
         if reg.data_path != self.config.resolved_data_path:
             raise IncompatiblePeerError(f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}")
-        page, theirs = self.page_ratio * self.geometry.spec.block_size, reg.page_size or reg.geometry.spec.block_size
+        page, theirs = self.kv_args.page_size, reg.page_size or reg.geometry.spec.block_size
         if reg.prefix_cache and theirs % page:
             raise IncompatiblePeerError(
                 f"it keeps a radix cache of its own, whose hits end on its pages of {theirs} tokens, and this prefill's pages "
