@@ -111,12 +111,13 @@ def start_pd(
             env if decode_env is None else decode_env,
         )
         procs.append(decode)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        prefill.wait_ready(deadline=deadline)
-        decode.wait_ready(deadline=deadline)
+        # The mini load balancer does not contact the servers until a request comes:
+        # started beside them, its import overlaps theirs.
         router = SglangRouter(prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19).start()
         procs.append(router)
-        router.wait_ready(60)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for proc in procs:
+            proc.wait_ready(deadline=deadline)
         yield PD(router, prefill, decode, layerwise)
     finally:
         for proc in reversed(procs):

@@ -94,11 +94,10 @@ class Pair:
         self.starts = {"prefill": 0, "decode": 0}
         self.prefill = self._start("prefill")
         self.decode = self._start("decode")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        self.prefill.wait_ready(deadline=deadline)
-        self.decode.wait_ready(deadline=deadline)
         self.router = SglangRouter(self.prefill.url, self.bootstrap, self.decode.url, log_path=log_dir / "router.log", nice=19).start()
-        self.router.wait_ready(60)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in (self.prefill, self.decode, self.router):
+            server.wait_ready(deadline=deadline)
         self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
 
     def _start(self, mode: str) -> SglangServer:
