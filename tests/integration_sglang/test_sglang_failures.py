@@ -96,8 +96,13 @@ class Pair:
         self.decode = self._start("decode")
         self.router = SglangRouter(self.prefill.url, self.bootstrap, self.decode.url, log_path=log_dir / "router.log", nice=19).start()
         deadline = time.monotonic() + START_TIMEOUT_S
-        for server in (self.prefill, self.decode, self.router):
-            server.wait_ready(deadline=deadline)
+        try:
+            for server in self.servers():
+                server.wait_ready(deadline=deadline)
+        except BaseException:  # the fixture never gets this pair: stop what started
+            for server in self.servers():
+                server.kill()
+            raise
         self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
 
     def _start(self, mode: str) -> SglangServer:
