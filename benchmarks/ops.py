@@ -8,7 +8,7 @@ layer with its own cache and buffers (at least 1 GiB touched per iteration, so t
 50 MB L2 does not hold the data): pack and unpack in one call for all layers (what
 the runtime does per post), index_select / index_copy_ one torch call per layer,
 the copy one call for all the bytes. Pack and unpack run with each CUDA kernel of
-``kvbridge.ops.KERNELS`` ("rows", the default, and "tiles"); the bytes are the same.
+``kvbridge.ops.KERNELS`` ("rows" and "tiles", each named explicitly); the bytes are the same.
 
 Times are GPU times: CUDA-event medians over 5 calls queued back to back behind a
 short GPU sleep, so that the host has queued every call before the first starts and

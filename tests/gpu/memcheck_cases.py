@@ -41,9 +41,9 @@ def run(kernel: str) -> None:
                         assert torch.equal(a, b), (kernel, layout, dtype, dim)
     # block ids read from device memory: given on the device, or too many for the kernel's
     # parameters (more than kv_pack.h's kInlineIds)
-    cache = make_cache("nhd", 1100, 4, 2, 64, torch.bfloat16, "cuda", seed=5)
+    cache = make_cache("nhd", 4200, 4, 2, 64, torch.bfloat16, "cuda", seed=5)
     k, v = planes(cache, "nhd")
-    for ids in (block_ids(1100, 40, 2).cuda(), block_ids(1100, 1100, 3)):
+    for ids in (block_ids(4200, 40, 2).cuda(), block_ids(4200, 4200, 3)):
         for fp8 in (False, True):
             region, fmt = ops.pack((k, v), ids, 4 * ids.numel() - 1, fp8=fp8, kernel=kernel)
             ops.unpack(region, fmt, planes(torch.zeros_like(cache), "nhd"), ids, kernel=kernel)

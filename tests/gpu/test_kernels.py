@@ -160,9 +160,9 @@ def test_device_block_ids_and_unaligned_views(kernel):
     _assert_same_region(got, want, fmt)
 
 
-@pytest.mark.parametrize("count", [256, 257, 1024, 1025, 3000])
+@pytest.mark.parametrize("count", [256, 257, 4096, 4097, 5000])
 def test_host_block_ids_inline_or_uploaded(kernel, count):
-    """Host ids up to kv_pack.h's kInlineIds (256 before CUDA 12.1, else 1024) travel in
+    """Host ids up to kv_pack.h's kInlineIds (256 before CUDA 12.1, else 4096) travel in
     the kernel's parameters, longer lists through pinned memory: counts on both sides of
     either limit give the reference's bytes, pack and unpack, every block used."""
     cache = make_cache("nhd", count + 3, 4, 2, 64, torch.bfloat16, "cuda", seed=count)

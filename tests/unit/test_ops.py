@@ -211,6 +211,17 @@ def test_kernel_choice_comes_from_the_environment_when_not_given(monkeypatch):
     assert torch.equal(region, ops.pack((k, v), [0], 10, kernel="rows")[0])
 
 
+def test_default_kernel_is_tiles_for_fp8_regions_and_rows_for_exact_ones(monkeypatch):
+    """The measured choice (ops module docstring): FP8 pack / unpack of a scaled region on
+    the tile kernel, exact copies on the row kernel; the environment overrides both."""
+    monkeypatch.delenv("KVBRIDGE_PACK_KERNEL", raising=False)
+    assert ops.KERNELS[ops._kernel(None, scaled=True)] == "tiles"
+    assert ops.KERNELS[ops._kernel(None, scaled=False)] == "rows"
+    assert ops.KERNELS[ops._kernel("tiles", scaled=False)] == "tiles"
+    monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", "rows")
+    assert ops.KERNELS[ops._kernel(None, scaled=True)] == "rows"
+
+
 def _per_block_head_error(x: torch.Tensor) -> float:
     """The alternative granularity: one scale per (block, head) over block_size x head_dim."""
     amax = x.abs().amax(dim=(1, 3), keepdim=True)  # x: (blocks, block_size, heads, dim)
