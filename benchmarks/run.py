@@ -381,7 +381,7 @@ def plot_ops(doc: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(geos), figsize=(6.5 * len(geos), 4.2), squeeze=False)
     for ax, geo in zip(axes[0], geos):
         rows = [r for r in doc["results"] if r["geometry"] == geo]
-        labels = [f"b{r['block_size']}/{r['tokens'] // 1024}k" for r in rows]
+        labels = [f"b{r['block_size']}/" + (f"{r['tokens'] // 1024}k" if r["tokens"] % 1024 == 0 else str(r["tokens"])) for r in rows]
         cols = _ops_columns(doc)
         width = 0.8 / len(cols)
         for i, col in enumerate(cols):
@@ -391,9 +391,10 @@ def plot_ops(doc: dict, path: Path) -> None:
         ax.set_ylabel("GB/s / device copy GB/s")
         ax.set_title(geo)
         ax.grid(alpha=0.3, axis="y")
-    axes[0][0].legend(fontsize=7)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7)  # below the bars, not over them
     fig.suptitle(f"kvbridge pack/unpack on {doc['device']['gpu']} ({doc['machine']['date']})", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
 
