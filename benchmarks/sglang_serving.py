@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import LengthResult, fresh_dir
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
-from kvbridge.demo.servers import ServerProcess, random_prompt
+from kvbridge.demo.servers import ServerProcess, random_prompt, start_all
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang, stream_generate
 from kvbridge.errors import KVBridgeError
 
@@ -168,11 +168,7 @@ class Deployment:
     def __enter__(self) -> Deployment:
         try:
             engines, router = self.servers[:2], self.servers[2:]
-            for s in engines:
-                s.start()
-            deadline = time.monotonic() + START_TIMEOUT_S
-            for s in engines:
-                s.wait_ready(deadline=deadline)
+            start_all(engines, START_TIMEOUT_S)
             for s in router:
                 s.start().wait_ready(60)
         except BaseException:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvbridge.demo import servers as launch
 from kvbridge.demo.run import prom
 from kvbridge.demo.servers import Completion, VllmServer, complete
 
@@ -36,16 +37,9 @@ def kv_args(role: str, transport: str, extra: dict[str, Any] | None = None, *, p
 
 
 def start_all(servers: Sequence[VllmServer], timeout: float = 400) -> None:
-    """Start servers together and wait until all are ready (or stop them all)."""
-    for s in servers:
-        s.start()
-    try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda s: s.wait_ready(timeout), servers))
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
+    """:func:`kvbridge.demo.servers.start_all` with the vLLM tests' deadline (TP 2
+    instances sharing 2 cores take minutes)."""
+    launch.start_all(servers, timeout)
 
 
 class TPCluster:

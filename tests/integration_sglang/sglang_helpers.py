@@ -20,7 +20,7 @@ import torch
 
 from kvbridge.demo.run import prom
 from kvbridge.demo.servers import ServerProcess as Proc
-from kvbridge.demo.servers import free_port
+from kvbridge.demo.servers import free_port, start_all
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
 
 # Page 16 and 64-token chunks: prompts cross pages and chunks (the notes' chunked setting).
@@ -115,9 +115,7 @@ def start_pd(
         # started beside them, its import overlaps theirs.
         router = SglangRouter(prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19).start()
         procs.append(router)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for proc in procs:
-            proc.wait_ready(deadline=deadline)
+        start_all(procs, START_TIMEOUT_S)
         yield PD(router, prefill, decode, layerwise)
     finally:
         for proc in reversed(procs):

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 from sglang_helpers import STAGING_USED, START_TIMEOUT_S, http, kvbridge_metrics, prompt_ids
 
-from kvbridge.demo.servers import free_port
+from kvbridge.demo.servers import free_port, start_all
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer
 
 FLAGS = ["--page-size", "16", "--chunked-prefill-size", "32", "--enable-metrics"]
@@ -95,14 +95,7 @@ class Pair:
         self.prefill = self._start("prefill")
         self.decode = self._start("decode")
         self.router = SglangRouter(self.prefill.url, self.bootstrap, self.decode.url, log_path=log_dir / "router.log", nice=19).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        try:
-            for server in self.servers():
-                server.wait_ready(deadline=deadline)
-        except BaseException:  # the fixture never gets this pair: stop what started
-            for server in self.servers():
-                server.kill()
-            raise
+        start_all(self.servers(), START_TIMEOUT_S)  # or none left running: the fixture never gets this pair
         self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
 
     def _start(self, mode: str) -> SglangServer:

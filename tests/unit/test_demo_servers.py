@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,7 +15,7 @@ from kvbridge import cli
 from kvbridge.demo import servers, sglang_servers
 from kvbridge.demo.servers import ServerError, free_port, timed_stream
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import DeadlineExceeded, KVBridgeError
 
 
 def test_free_port_is_below_the_ephemeral_range() -> None:
@@ -144,3 +145,60 @@ def test_sglang_server_with_tp_ranks_binds_each_rank_to_its_cores(tmp_path) -> N
     cmd = two.command()
     assert cmd[cmd.index("--tp") + 1] == "2"
     assert two._own_env()["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+
+
+# --- start_all: real child processes that serve /health (or do not) ---------------------
+
+_HEALTHY = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class _Script(servers.ServerProcess):
+    """A stand-in server: ``python -c script port`` (``healthy``: serves 200 on every GET;
+    ``exits``: gone with code 3 at once; ``mute``: runs without listening)."""
+
+    name = "stand-in"
+    stop_grace_s = 5.0
+    SCRIPTS = {"healthy": _HEALTHY, "exits": "raise SystemExit(3)", "mute": "import time; time.sleep(600)"}
+
+    def __init__(self, kind: str, tmp_path) -> None:
+        super().__init__(log_path=tmp_path / f"{kind}-{free_port()}.log")
+        self.kind = kind
+
+    def command(self) -> list[str]:
+        return [self.python, "-c", self.SCRIPTS[self.kind], str(self.port)]
+
+
+def test_start_all_returns_once_every_server_is_ready(tmp_path) -> None:
+    group = [_Script("healthy", tmp_path) for _ in range(3)]
+    group[0].start()  # one already started: start_all starts only the others
+    try:
+        servers.start_all(group, timeout=60)
+        assert all(s.startup_s is not None and s.alive() for s in group)
+    finally:
+        for s in group:
+            s.stop()
+
+
+def test_start_all_stops_every_server_when_one_exits(tmp_path) -> None:
+    group = [_Script("healthy", tmp_path), _Script("exits", tmp_path), _Script("mute", tmp_path)]
+    began = time.monotonic()
+    with pytest.raises(ServerError, match="exited with code 3"):
+        servers.start_all(group, timeout=120)
+    assert [s.alive() for s in group] == [False, False, False]
+    # the first failure ended the wait for the mute one, not its 120 s deadline
+    assert time.monotonic() - began < 60
+
+
+def test_start_all_stops_every_server_at_the_deadline(tmp_path) -> None:
+    group = [_Script("healthy", tmp_path), _Script("mute", tmp_path)]
+    with pytest.raises(DeadlineExceeded, match="was not healthy"):
+        servers.start_all(group, timeout=3)
+    assert [s.alive() for s in group] == [False, False]

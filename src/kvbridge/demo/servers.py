@@ -38,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -323,8 +324,7 @@ class ServerProcess:
     A subclass gives :meth:`command` (the argv) and, if it needs more than the caller's
     environment, :meth:`environment`; it may warm the server up in :meth:`_warm_up`.
     ``with server:`` starts it, waits until it is ready and stops it on exit. To start
-    several at once, call :meth:`start` on each, then :meth:`wait_ready` on each (and
-    :meth:`stop` in a ``finally``).
+    several at once: :func:`start_all`.
 
     Args:
         port: TCP port on 127.0.0.1; default: a free one.
@@ -571,6 +571,11 @@ class ServerProcess:
         self._gone = True
         _live.discard(self)
 
+    @property
+    def started(self) -> bool:
+        """True once :meth:`start` has run (whether or not the server still runs)."""
+        return self._proc is not None
+
     def __enter__(self: _S) -> _S:
         if self._proc is None:
             self.start()
@@ -587,6 +592,35 @@ class ServerProcess:
     def __repr__(self) -> str:
         state = "not started" if self._proc is None else ("stopped" if self._gone else f"pid {self._proc.pid}")
         return f"{type(self).__name__}({self.url}, {state}, log {self._log_path})"
+
+
+def start_all(servers: Sequence[ServerProcess], timeout: float) -> None:
+    """Start ``servers`` together (those not started yet) and wait until every one is
+    ready, all within one deadline ``timeout`` seconds from now. The waits, warm-ups
+    included, run in parallel threads, and the first failure ends them: every server is
+    then stopped (its wait sees it exit) and that failure raised. Interrupted
+    (``KeyboardInterrupt``), it stops them too. So the caller gets all of them ready or
+    none left running.
+
+    Who calls: the demo, the benchmarks and the engine tests, once per set of servers
+    that start together; the caller stops them when done."""
+    deadline = time.monotonic() + timeout
+    pool = ThreadPoolExecutor(max(len(servers), 1), thread_name_prefix="kvbridge-start")
+    try:
+        for server in servers:
+            if not server.started:
+                server.start()
+        futures = [pool.submit(server.wait_ready, deadline=deadline) for server in servers]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True)  # after stop(): the remaining waits end at once
 
 
 class VllmServer(ServerProcess):

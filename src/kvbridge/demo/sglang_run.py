@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
-from kvbridge.demo.run import compare, prom, wait_requests_sent
-from kvbridge.demo.servers import random_prompt
+from kvbridge.demo.run import compare, wait_requests_sent
+from kvbridge.demo.servers import random_prompt, start_all
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang, stream_generate
 from kvbridge.errors import KVBridgeError
 
@@ -79,11 +78,7 @@ def run(
     router = SglangRouter(prefill.url, prefill.bootstrap_port, servers[1].url, log_path=logs / "router.log")
     try:
         console.print("starting prefill, decode and colocated SGLang servers (a minute or two on 2 cores) ...")
-        for s in servers:
-            s.start()
-        deadline = time.monotonic() + 600
-        for s in servers:  # they start in parallel; one deadline for all
-            s.wait_ready(deadline=deadline)
+        start_all(servers, 600)
         router.start().wait_ready(60)
         console.print(f"router on {router.url}; sending {len(lengths)} requests of {max_tokens} tokens each")
         router.call(stream_generate, random_prompt(16, seed=1), 2)  # first contact: bootstrap, handshake
