@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -26,7 +27,7 @@ from kvbridge.errors import (
     UnknownPeerError,
     WireError,
 )
-from kvbridge.transports.base import PeerMetadata, encode_metadata
+from kvbridge.transports.base import PeerMetadata, decode_metadata, encode_metadata
 from kvbridge.transports.testing import Local, Peer, digest, pattern, unique
 
 pytestmark = pytest.mark.conformance
@@ -181,6 +182,42 @@ def test_bad_descriptors_and_peers_get_clear_errors(local: Local, peer: Peer) ->
     x = local.t.post("write", lt, [0], rt, [0])
     local.t.wait(x, 30)
     local.t.release(x)
+
+
+def test_second_handshake_with_a_live_peer_keeps_its_connection(transport_name: str) -> None:
+    """Two ``kv_both`` instances that swap the prefill and decode roles shake hands
+    again, and each side adds the other's unchanged metadata once more: tables prepared
+    before stay valid, the next write lands, notifications arrive once. Other metadata
+    under the same peer id (the peer re-registered memory) replaces the peer instead:
+    its old tables are released, new ones work."""
+    n, size = 8, 4 * KiB
+    with Peer(transport_name, unique("both"), nbytes=1 * MiB) as peer:
+        loc = Local(transport_name, nbytes=1 * MiB)
+        try:
+            pid = loc.connect(peer)
+            lt = loc.table(np.arange(n) * size, size)
+            rt = loc.table(np.arange(n) * size, size, peer=pid, base=peer.base)
+
+            def write(seed: int, note: bytes, remote=rt) -> None:
+                loc.buf[:] = pattern(seed, loc.buf.nbytes)
+                x = loc.t.post("write", lt, np.arange(n), remote, np.arange(n), notify=note)
+                loc.t.wait(x, 30)
+                loc.t.release(x)
+                assert peer.call("digest", 0, n * size) == digest(loc.buf[: n * size])
+
+            write(1, b"before")
+            assert loc.connect(peer) == pid  # both sides add each other again
+            write(2, b"after")
+            assert Counter(p for _, p in peer.call("take", 3, 2)) == Counter([b"before", b"after"])
+
+            md = decode_metadata(peer.metadata, transport_name)
+            half = [(addr, length // 2, dev, mem) for addr, length, dev, mem in md.regions]
+            assert loc.t.add_peer(encode_metadata(msgspec.structs.replace(md, regions=half))) == pid
+            with pytest.raises(InvalidDescriptorError, match="released"):
+                loc.t.post("write", lt, [0], rt, [0])
+            write(3, b"replaced", loc.table(np.arange(n) * size, size, peer=pid, base=peer.base))
+        finally:
+            loc.close()
 
 
 def _write_until_failure(loc: Local, lt, rt, deadline: float) -> KVBridgeError | None:

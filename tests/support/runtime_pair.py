@@ -30,14 +30,14 @@ def make_cache(seed: int | None, spec: CacheSpec = SPEC) -> tuple[np.ndarray, Ca
 
 
 def endpoint(role: str, arr_geo, timeouts: dict | None = None, spec: CacheSpec = SPEC, planes=None, **cfg) -> Endpoint:  # noqa: ANN001
-    """A prefill (``role`` "P") or decode ("D") endpoint over ``arr_geo``'s cache (the
+    """A prefill (``role`` "P"), decode ("D") or both ("PD") endpoint over ``arr_geo``'s cache (the
     array and its geometry) with the config keys ``cfg``; ``planes``: the cache's K and
     V planes per layer, for the packed path (``wire_dtype: fp8``, ``data_path: packed``)."""
     config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, **(timeouts or {})}, **cfg})
     _, geo = arr_geo
     compat = CompatInfo.from_spec(spec, model="m", wire_dtype=config.wire_dtype, data_path=config.resolved_data_path)
     name = f"{role}-{next(_names)}"
-    return Endpoint(config, geo, compat, role, send=role == "P", receive=role == "D", transport=LoopbackTransport(name), planes=planes)
+    return Endpoint(config, geo, compat, role, send="P" in role, receive="D" in role, transport=LoopbackTransport(name), planes=planes)
 
 
 def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:

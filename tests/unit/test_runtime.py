@@ -48,6 +48,38 @@ def test_layerwise_push_streams_layer_by_layer_across_chunks(pd) -> None:
     assert D.stats.take().bytes_received == L * 13 * SPEC.block_bytes
 
 
+def test_two_kv_both_workers_swap_roles_while_a_request_streams() -> None:
+    """A prefills for B; halfway through A's request, B prefills for A. The second
+    handshake between the two (each side adds the other's metadata again) must leave
+    the connection and the tables A's streaming request writes with intact."""
+    a_cache, b_cache = make_cache(1), make_cache(2)
+    a_orig, b_orig = a_cache[0].copy(), b_cache[0].copy()
+    A, B = endpoint("PD", a_cache), endpoint("PD", b_cache)
+    try:
+        n, a_blocks, b_dst = 200, list(range(13)), list(range(30, 43))
+        B.receiver.expect_push("a->b", A.address, b_dst, n)
+        A.sender.track("a->b", a_blocks, n)
+        A.sender.layer_done("a->b", 0, n)
+        eventually(lambda: np.array_equal(b_cache[0][0, b_dst], a_orig[0, a_blocks]))
+        # the other way round, while a->b waits for its next layers
+        A.receiver.expect_push("b->a", B.address, [20, 21], 20)
+        B.sender.track("b->a", [0, 1], 20)
+        for layer in range(L):
+            B.sender.layer_done("b->a", layer, 20)
+        B.sender.prefill_done("b->a")
+        assert A.receiver.wait_finished(5) == (["b->a"], [])
+        for layer in range(1, L):
+            A.sender.layer_done("a->b", layer, n)
+        A.sender.prefill_done("a->b")
+        assert B.receiver.wait_finished(5) == (["a->b"], [])
+        np.testing.assert_array_equal(b_cache[0][:, b_dst], a_orig[:, a_blocks])
+        np.testing.assert_array_equal(a_cache[0][:, [20, 21]], b_orig[:, [0, 1]])
+        assert A.sender.wait_released(5) == ["a->b"] and B.sender.wait_released(5) == ["b->a"]
+    finally:
+        A.close()
+        B.close()
+
+
 def test_short_prompt_goes_in_one_transfer_after_prefill(pd) -> None:
     P, D, pa, da = pd
     P.sender.track("s", [5, 6], 20)  # below layerwise_min_tokens

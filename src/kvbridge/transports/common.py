@@ -223,6 +223,8 @@ class TransportBase(abc.ABC):
         self._local = RegionIndex()
         self._registrations: list[Registration] = []
         self._peers: dict[str, RegionIndex] = {}
+        self._peer_metadata: dict[str, bytes] = {}
+        """What each peer was added with: the same bytes again keep its connection."""
         self._tables: set[DescTable] = set()
         self._xfers: set[Xfer] = set()
         self._inbox = Inbox()
@@ -298,8 +300,13 @@ class TransportBase(abc.ABC):
         )
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its peer id (its agent name). Adding a peer id
-        that is already known replaces it (the peer re-registered memory)."""
+        """Load a peer's metadata; returns its peer id (its agent name).
+
+        The same metadata again (a second handshake with a live peer, e.g. when two
+        ``kv_both`` instances swap the prefill and decode roles) changes nothing: the
+        connection, its prepared tables and transfers in flight on them stay valid.
+        Other metadata under a known peer id (the peer re-registered memory) replaces
+        the peer: its tables are released and the backend reconnects."""
         self._check_open()
         md = decode_metadata(metadata, self.name)
         if md.agent == self.agent_name:
@@ -315,6 +322,8 @@ class TransportBase(abc.ABC):
             index.add(spans, mem, dev)
         with self._lock:
             known = md.agent in self._peers
+            if known and self._peer_metadata.get(md.agent) == metadata:
+                return md.agent
         if known:
             self.remove_peer(md.agent)
         self._add_peer(md)  # unlocked: it may wait on the peer (bounded)
@@ -322,11 +331,13 @@ class TransportBase(abc.ABC):
             if self._closed:
                 raise TransportError(f"{self.name} transport {self.agent_name!r} was closed while adding peer {md.agent!r}")
             self._peers[md.agent] = index
+            self._peer_metadata[md.agent] = metadata
         return md.agent
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer; its prepared tables are released. Unknown peers are ignored."""
         with self._lock:
+            self._peer_metadata.pop(peer, None)
             if self._closed or self._peers.pop(peer, None) is None:
                 return
             self._reached.discard(peer)
@@ -519,6 +530,7 @@ class TransportBase(abc.ABC):
             self._xfers.clear()
             self._tables.clear()
             self._peers.clear()
+            self._peer_metadata.clear()
             self._registrations.clear()
         if self._pump is not None:
             self._pump.stop()
