@@ -220,6 +220,34 @@ def test_second_handshake_with_a_live_peer_keeps_its_connection(transport_name: 
             loc.close()
 
 
+def test_adding_a_peer_that_waits_for_our_answer_does_not_wait_on_it(transport_name: str) -> None:
+    """The prefill side adds a decode peer inside its answer to that peer's handshake
+    (``probe=False``), while the peer waits for the answer: the call must not wait on
+    the peer, here one that cannot answer at all (SIGSTOPped). A write after the peer
+    resumes lands."""
+    size = 64 * KiB
+    with Peer(transport_name, unique("paused"), nbytes=1 * MiB) as peer:
+        loc = Local(transport_name, nbytes=1 * MiB)
+        try:
+            os.kill(peer.process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                pid = loc.t.add_peer(peer.metadata, probe=False)
+                took = time.monotonic() - start
+            finally:
+                os.kill(peer.process.pid, signal.SIGCONT)
+            assert took < 2, f"add_peer(probe=False) waited {took:.1f}s on a stopped peer"
+            loc.buf[:] = pattern(5, loc.buf.nbytes)
+            lt = loc.table(np.array([0]), size)
+            rt = loc.table(np.array([0]), size, peer=pid, base=peer.base)
+            x = loc.t.post("write", lt, [0], rt, [0])
+            loc.t.wait(x, 60)
+            loc.t.release(x)
+            assert peer.call("digest", 0, size) == digest(loc.buf[:size])
+        finally:
+            loc.close()
+
+
 def _write_until_failure(loc: Local, lt, rt, deadline: float) -> KVBridgeError | None:
     """Keep writing to a peer until the transport reports an error or time runs out."""
     while time.monotonic() < deadline:

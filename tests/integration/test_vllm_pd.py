@@ -113,23 +113,33 @@ def test_push_works_whichever_side_sees_the_request_first(pd: PD, colocated: Vll
 
 def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer) -> None:
     """The destination is at the prefill before it starts: every chunk's layers are
-    written during that chunk's forward pass (from save_kv_layer), not once at the end."""
+    written during that chunk's forward pass (from save_kv_layer), not once at the end.
+
+    Layers that are ready when the sender thread wakes go out together, so a sender
+    thread kept off the CPU through a whole prefill (the tiny model's three chunks take
+    milliseconds) legitimately sends it in one transfer: up to three prefills, one of
+    them must take a transfer per chunk. A sender that gets the destination only at
+    the end never does."""
     n = 2 * CHUNK + 88  # three prefill chunks
-    prompt = fresh_prompt(n)
-    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
     sent = "vllm:kvbridge_requests_sent_total"
-    before, before_sent = metric(pd.p.url, "vllm:kvbridge_transfers_total"), metric(pd.p.url, sent)
-    tid = uuid.uuid4().hex
-    with ThreadPoolExecutor(1) as pool:
-        fd = pool.submit(
-            complete, pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
-        )
-        destination_at_prefill(pd.d.url)  # the destination is at P before its forward starts
-        complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
-        assert fd.result().token_ids == ref.token_ids
-    assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, "P never reported the request as sent"
-    transfers = metric(pd.p.url, "vllm:kvbridge_transfers_total") - before
-    assert transfers >= 3, f"{transfers:.0f} transfer(s) for a 3-chunk prefill: layers were not streamed as computed"
+    counts = []
+    for _ in range(3):
+        prompt = fresh_prompt(n)
+        ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+        before, before_sent = metric(pd.p.url, "vllm:kvbridge_transfers_total"), metric(pd.p.url, sent)
+        tid = uuid.uuid4().hex
+        with ThreadPoolExecutor(1) as pool:
+            fd = pool.submit(
+                complete, pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
+            )
+            destination_at_prefill(pd.d.url)  # the destination is at P before its forward starts
+            complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+            assert fd.result().token_ids == ref.token_ids
+        assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, "P never reported the request as sent"
+        counts.append(metric(pd.p.url, "vllm:kvbridge_transfers_total") - before)
+        if counts[-1] >= 3:
+            return
+    pytest.fail(f"{counts} transfers for 3-chunk prefills: layers were not streamed as computed")
 
 
 def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:

@@ -51,7 +51,8 @@ def test_layerwise_push_streams_layer_by_layer_across_chunks(pd) -> None:
 def test_two_kv_both_workers_swap_roles_while_a_request_streams() -> None:
     """A prefills for B; halfway through A's request, B prefills for A. The second
     handshake between the two (each side adds the other's metadata again) must leave
-    the connection and the tables A's streaming request writes with intact."""
+    the connection and the tables A's streaming request writes with intact, and a
+    handshake again in a known role must not prepare more tables."""
     a_cache, b_cache = make_cache(1), make_cache(2)
     a_orig, b_orig = a_cache[0].copy(), b_cache[0].copy()
     A, B = endpoint("PD", a_cache), endpoint("PD", b_cache)
@@ -75,6 +76,10 @@ def test_two_kv_both_workers_swap_roles_while_a_request_streams() -> None:
         np.testing.assert_array_equal(b_cache[0][:, b_dst], a_orig[:, a_blocks])
         np.testing.assert_array_equal(a_cache[0][:, [20, 21]], b_orig[:, [0, 1]])
         assert A.sender.wait_released(5) == ["a->b"] and B.sender.wait_released(5) == ["b->a"]
+        # one more handshake in a role B already has with A prepares nothing new
+        known = B.node.connect(A.address)
+        again = B.node.connect(A.address, fresh=True)
+        assert again is not known and (again.table, again.staging) == (known.table, known.staging)
     finally:
         A.close()
         B.close()

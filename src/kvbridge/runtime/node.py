@@ -10,7 +10,10 @@ side-channel address; ``Hello`` carries our identity, transport metadata and geo
 ``Welcome`` the same from the other side (the codec checks compatibility before either
 is read). Both sides then add each other to the transport and prepare the other's slot
 table once. A peer is identified by engine id, rank and a per-process *epoch*: a
-restarted process is a new peer even on the same address.
+restarted process is a new peer even on the same address. Two ``kv_both`` instances
+shake hands once per direction; a handshake with a peer already known in that role
+reuses its tables, and neither touches the connection, so transfers in flight between
+the two go on.
 
 Tensor parallelism: peers whose instances split the KV heads differently (one TP size
 a multiple of the other) are paired at the handshake
@@ -23,6 +26,7 @@ cannot work are refused naming the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid
@@ -138,6 +142,9 @@ class Node:
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, int, str], Peer] = {}
         self._by_address: dict[str, Peer] = {}
+        self._built: dict[tuple[tuple[str, int, str], bool], tuple[bytes, Peer]] = {}
+        """Per peer and role (we prefill: True), the transport metadata its tables were
+        prepared from: a handshake again with the same metadata reuses them."""
         self._connecting: dict[str, threading.Lock] = {}
         self._part_tables: dict[int, DescTable] = {1: self.table}
         self._tables_lock = threading.Lock()
@@ -185,7 +192,39 @@ class Node:
             raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
         if msg.staging is not None and msg.staging.slot_bytes != (want := slot_format(msg.geometry, self.packed.fp8).nbytes):
             raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {want}")
-        agent = self.transport.add_peer(msg.transport_metadata)
+        key = self._key(msg.peer)
+        with self._lock:
+            built = self._built.get((key, prefill))
+        if built is not None and built[0] == msg.transport_metadata:
+            # a second handshake in the same role: its tables stay, in use or not
+            peer = dataclasses.replace(built[1], address=address)
+        else:
+            peer = self._build(msg, address, split, prefill)
+        with self._lock:
+            # a restart of a peer (same engine and rank, new epoch) replaces the old one
+            stale = [k for k in self._peers if k[:2] == key[:2] and k[2] != key[2]]
+            gone = [self._peers.pop(k) for k in stale]
+            for old in gone:
+                if old.address is not None and self._by_address.get(old.address) is old:
+                    del self._by_address[old.address]
+            for k in stale:
+                self._built.pop((k, True), None)
+                self._built.pop((k, False), None)
+            self._peers[key] = peer
+            self._built[(key, prefill)] = (msg.transport_metadata, peer)
+            if address is not None:
+                self._by_address[address] = peer
+        for old in gone:
+            self.transport.remove_peer(old.agent)
+        log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
+        return peer
+
+    def _build(self, msg: Hello | Welcome, address: str | None, split: Split | None, prefill: bool) -> Peer:
+        """Add the peer to the transport and prepare its tables. The prefill side adds
+        a peer while that peer waits for its ``Welcome`` (the side-channel handler):
+        the transport must not wait on the peer then (a Mooncake TCP lane that stalls
+        blocks a probe for ``transfer_s``, far past the peer's ``handshake_s``)."""
+        agent = self.transport.add_peer(msg.transport_metadata, probe=not prefill)
         parts = split is not None and self.packed is None  # the exact path moves head ranges of blocks
         table = self.transport.prepare(msg.geometry.part_table(split.remote_parts if parts else 1), memory=msg.geometry.memory, peer=agent)
         if parts:
@@ -198,21 +237,7 @@ class Node:
             chunk = self.packed.chunk(heads[1] - heads[0]).nbytes
             self.packed.table_for(heads[1] - heads[0])  # prepared once, before the first transfer
             staging = self.transport.prepare(staging_descs(msg.staging, chunk), memory=msg.staging.memory, peer=agent)
-        peer = Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging, split=split, heads=heads)
-        with self._lock:
-            # a restart of a peer (same engine and rank, new epoch) replaces the old one
-            stale = [k for k in self._peers if k[:2] == (msg.peer.engine_id, msg.peer.rank) and k[2] != msg.peer.epoch]
-            gone = [self._peers.pop(k) for k in stale]
-            for old in gone:
-                if old.address is not None and self._by_address.get(old.address) is old:
-                    del self._by_address[old.address]
-            self._peers[self._key(msg.peer)] = peer
-            if address is not None:
-                self._by_address[address] = peer
-        for old in gone:
-            self.transport.remove_peer(old.agent)
-        log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
-        return peer
+        return Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging, split=split, heads=heads)
 
     def _split(self, msg: Hello | Welcome, prefill: bool) -> Split | None:
         """How our blocks pair with the peer's when our TP splits differ (None: they do
@@ -330,6 +355,8 @@ class Node:
             peer = self._by_address.pop(address, None)
             if peer is not None:
                 self._peers.pop(self._key(peer.id), None)
+                self._built.pop((self._key(peer.id), True), None)
+                self._built.pop((self._key(peer.id), False), None)
         if peer is not None:
             self.transport.remove_peer(peer.agent)
 

@@ -299,8 +299,15 @@ class TransportBase(abc.ABC):
             )
         )
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, *, probe: bool = True) -> str:
         """Load a peer's metadata; returns its peer id (its agent name).
+
+        ``probe``: make sure the peer answers before returning (the backends that
+        connect lazily, Mooncake, do it with a zero-length write, which also opens the
+        peer's segment; it may take up to the transfer timeout). False for a peer that
+        has just shaken hands with us, when we answer it (the prefill side's
+        ``Welcome``: the peer waits for our reply): the check then runs in the
+        background and a dead peer shows at the first transfer.
 
         The same metadata again (a second handshake with a live peer, e.g. when two
         ``kv_both`` instances swap the prefill and decode roles) changes nothing: the
@@ -326,7 +333,7 @@ class TransportBase(abc.ABC):
                 return md.agent
         if known:
             self.remove_peer(md.agent)
-        self._add_peer(md)  # unlocked: it may wait on the peer (bounded)
+        self._add_peer(md, probe)  # unlocked: it may wait on the peer (bounded)
         with self._lock:
             if self._closed:
                 raise TransportError(f"{self.name} transport {self.agent_name!r} was closed while adding peer {md.agent!r}")
@@ -563,7 +570,7 @@ class TransportBase(abc.ABC):
     def _backend_metadata(self) -> bytes: ...
 
     @abc.abstractmethod
-    def _add_peer(self, md: PeerMetadata) -> None: ...
+    def _add_peer(self, md: PeerMetadata, probe: bool) -> None: ...
 
     @abc.abstractmethod
     def _remove_peer(self, peer: str) -> None: ...

@@ -68,7 +68,7 @@ class LoopbackTransport(TransportBase):
     def _backend_metadata(self) -> bytes:
         return b""
 
-    def _add_peer(self, md: PeerMetadata) -> None:
+    def _add_peer(self, md: PeerMetadata, probe: bool) -> None:
         pass
 
     def _remove_peer(self, peer: str) -> None:

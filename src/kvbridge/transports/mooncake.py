@@ -18,7 +18,10 @@ metadata server), and what it avoids:
   batch complete (the TCP transport acknowledges data applied on the target);
 - the engine opens a peer's segment (a handshake RPC, also under that lock) on the
   first transfer; ``add_peer`` does it at once with a zero-length write, while the
-  handshake shows the peer is alive, and reports an unreachable peer there;
+  handshake shows the peer is alive, and reports an unreachable peer there. With
+  ``probe=False`` (the prefill side, adding a decode peer that waits for its answer)
+  that write runs in the background: a stalled TCP lane holds it for
+  ``transfer_s``, and the peer's handshake would time out first;
 - ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` / ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``
   are raised (unless set) so batches of thousands of descriptors are not refused;
   ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s`` and ``MC_LOG_LEVEL`` defaults
@@ -202,6 +205,15 @@ class MooncakeTransport(TransportBase):
             return 0, 0
         return rc, (probe if probe != 0 else engine.send_probe(endpoint))
 
+    def _log_probe(self, peer: str, future: cf.Future[tuple[int, int]]) -> None:
+        """A background ``add_peer`` probe ended (its pool thread): a failure only
+        logged; the first transfer to the peer reports it."""
+        try:
+            rc, probe = future.result()
+            self._check(rc, probe, peer, "add_peer")
+        except Exception as exc:  # noqa: BLE001 - a log line, the transfer raises its own
+            log.warning("kvbridge: Mooncake peer %s did not answer its first probe: %s", peer, exc)
+
     def _check(self, rc: int, probe: int, peer: str, what: str) -> None:
         if rc == 0:
             return
@@ -233,7 +245,7 @@ class MooncakeTransport(TransportBase):
     def _backend_metadata(self) -> bytes:
         return msgspec.msgpack.encode(_Endpoints(engine=self.endpoint, notify=self._notifier.endpoint))
 
-    def _add_peer(self, md: PeerMetadata) -> None:
+    def _add_peer(self, md: PeerMetadata, probe: bool) -> None:
         try:
             ends = msgspec.msgpack.decode(md.payload, type=_Endpoints)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -249,6 +261,10 @@ class MooncakeTransport(TransportBase):
         self._notifier.connect(md.agent, ends.notify)
         # open the engine's segment now (see the module docstring); moves nothing
         future = self._submit(md.agent, self._batch, md.agent, ends.engine, [sources[0]], [md.regions[0][0]], [0], TransferOpcode.Write, None)
+        if not probe:  # the peer waits for our answer: open the segment in the background
+            self._endpoints[md.agent] = ends.engine
+            future.add_done_callback(lambda f, peer=md.agent: self._log_probe(peer, f))
+            return
         try:
             try:
                 rc, probe = future.result(timeout=self._engine_timeout_s + 5)
