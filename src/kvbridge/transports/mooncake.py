@@ -209,8 +209,8 @@ class MooncakeTransport(TransportBase):
         """A background ``add_peer`` probe ended (its pool thread): a failure only
         logged; the first transfer to the peer reports it."""
         try:
-            rc, probe = future.result()
-            self._check(rc, probe, peer, "add_peer")
+            rc, probe_rc = future.result()
+            self._check(rc, probe_rc, peer, "add_peer")
         except Exception as exc:  # noqa: BLE001 - a log line, the transfer raises its own
             log.warning("kvbridge: Mooncake peer %s did not answer its first probe: %s", peer, exc)
 
@@ -267,10 +267,10 @@ class MooncakeTransport(TransportBase):
             return
         try:
             try:
-                rc, probe = future.result(timeout=self._engine_timeout_s + 5)
+                rc, probe_rc = future.result(timeout=self._engine_timeout_s + 5)
             except cf.TimeoutError:
                 raise self._peer_lost(md.agent, "add_peer", f"no answer from {ends.engine}") from None
-            self._check(rc, probe, md.agent, "add_peer")
+            self._check(rc, probe_rc, md.agent, "add_peer")
         except Exception:
             self._drop_peer(md.agent)
             raise
