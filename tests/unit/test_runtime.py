@@ -398,6 +398,52 @@ def test_activity_is_set_by_every_outcome_and_only_then(pd) -> None:
     assert D.receiver.take_finished() == (["a"], []) and P.sender.take_released() == ["a"]
 
 
+def test_heartbeats_to_a_slow_prefill_do_not_pile_up() -> None:
+    """A prefill whose side channel answers late: the decode side's heartbeats to it
+    (one due every ``heartbeat_s``, each waiting up to three of them) must not queue up
+    in its I/O pool, where destinations and releases would wait behind them (seen in
+    CI: a destination never left in 120 s). One beat in flight per prefill at a time."""
+    import threading
+
+    from kvbridge.wire.messages import Heartbeat
+
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.1})
+    stuck = threading.Event()
+    original = P.server._handler  # type: ignore[union-attr]
+
+    def slow(msg):  # noqa: ANN001, ANN202
+        if isinstance(msg, Heartbeat):
+            stuck.wait(10)
+        return original(msg)
+
+    lock, running, most, beats = threading.Lock(), [0], [0], [0]
+    beat = D.receiver._heartbeat
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        with lock:
+            running[0] += 1
+            beats[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            beat(*args)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    D.receiver._heartbeat = counted  # type: ignore[method-assign]
+    try:
+        D.receiver.expect_push("h", P.address, [1], 10)
+        eventually(lambda: D.receiver.phase("h").value == "waiting")
+        P.server._handler = slow  # type: ignore[union-attr]
+        assert D.receiver.wait_finished(1.5) == ([], [])  # 15 beats due meanwhile
+        assert beats[0] >= 2, "no heartbeat while the prefill was slow"
+        assert most[0] == 1, f"{most[0]} heartbeats to one prefill ran at once"
+    finally:
+        stuck.set()
+        D.close()
+        P.close()
+
+
 def test_busy_prefill_is_not_declared_dead_while_it_still_listens() -> None:
     """A prefill whose side-channel thread is stuck (the GIL held through a compilation)
     misses heartbeats but still accepts connections: its transfers go on (and keep their

@@ -130,6 +130,9 @@ class Receiver:
         self._finished: list[str] = []
         self._failed: list[str] = []
         self._beats: dict[str, float] = {}
+        self._beating: set[str] = set()
+        """Prefill addresses with a heartbeat in flight: at most one each, so that a
+        slow prefill's beats cannot pile up in the I/O pool ahead of destinations."""
         self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvbridge-recv-io")
         self._stop = False
         self._threads = [
@@ -424,6 +427,14 @@ class Receiver:
                 self._lock.notify()
 
     def _heartbeat(self, address: str, epoch: str) -> None:
+        """One beat (a pool thread; the next one for ``address`` is due once it ended)."""
+        try:
+            self._beat_once(address, epoch)
+        finally:
+            with self._lock:
+                self._beating.discard(address)
+
+    def _beat_once(self, address: str, epoch: str) -> None:
         """One beat: a new epoch or a closed port fails the peer's transfers at once. No
         reply while the port still accepts connections is a busy peer (its side-channel
         thread waits for the GIL, e.g. through a compilation), not a dead one: its
@@ -598,9 +609,12 @@ class Receiver:
                 if e.sources[i].peer is not None
             }
         for address, epoch in waiting:
-            if now >= self._beats.get(address, 0.0):
+            with self._lock:
+                if address in self._beating or now < self._beats.get(address, 0.0):
+                    continue
                 self._beats[address] = now + self.cfg.timeouts.heartbeat_s
-                self._pool.submit(self._heartbeat, address, epoch)
+                self._beating.add(address)
+            self._pool.submit(self._heartbeat, address, epoch)
 
     def _settle(self) -> None:
         now = self.clock()
