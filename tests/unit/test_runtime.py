@@ -398,6 +398,22 @@ def test_activity_is_set_by_every_outcome_and_only_then(pd) -> None:
     assert D.receiver.take_finished() == (["a"], []) and P.sender.take_released() == ["a"]
 
 
+def _heartbeats_held_until(event, P):  # noqa: ANN001, ANN202, N803
+    """A side-channel handler for ``P`` that holds each heartbeat until ``event`` is
+    set (at most 10 s; the server thread waits meanwhile) and passes other messages
+    through; install it as ``P.server._handler``."""
+    from kvbridge.wire.messages import Heartbeat
+
+    original = P.server._handler
+
+    def slow(msg):  # noqa: ANN001, ANN202
+        if isinstance(msg, Heartbeat):
+            event.wait(10)
+        return original(msg)
+
+    return slow
+
+
 def test_heartbeats_to_a_slow_prefill_do_not_pile_up() -> None:
     """A prefill whose side channel answers late: the decode side's heartbeats to it
     (one due every ``heartbeat_s``, each waiting up to three of them) must not queue up
@@ -405,17 +421,9 @@ def test_heartbeats_to_a_slow_prefill_do_not_pile_up() -> None:
     CI: a destination never left in 120 s). One beat in flight per prefill at a time."""
     import threading
 
-    from kvbridge.wire.messages import Heartbeat
-
     P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.1})
     stuck = threading.Event()
-    original = P.server._handler  # type: ignore[union-attr]
-
-    def slow(msg):  # noqa: ANN001, ANN202
-        if isinstance(msg, Heartbeat):
-            stuck.wait(10)
-        return original(msg)
-
+    slow = _heartbeats_held_until(stuck, P)
     lock, running, most, beats = threading.Lock(), [0], [0], [0]
     beat = D.receiver._heartbeat
 
@@ -450,17 +458,9 @@ def test_busy_prefill_is_not_declared_dead_while_it_still_listens() -> None:
     own deadlines) instead of failing as if it were dead."""
     import threading
 
-    from kvbridge.wire.messages import Heartbeat
-
     P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.2})
     stuck = threading.Event()
-    original = P.server._handler  # type: ignore[union-attr]
-
-    def slow(msg):  # noqa: ANN001, ANN202
-        if isinstance(msg, Heartbeat):
-            stuck.wait(10)
-        return original(msg)
-
+    slow = _heartbeats_held_until(stuck, P)
     try:
         D.receiver.expect_push("b", P.address, [1], 10)
         eventually(lambda: D.receiver.phase("b").value == "waiting")
