@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_logs import attach_engine_logs
+from engine_logs import pytest_runtest_makereport  # noqa: F401 - the hook: engine logs in failure reports
 from sglang_helpers import START_TIMEOUT_S, server_env, start_server
 
 from kvbridge.demo.servers import ServerProcess
@@ -37,13 +37,3 @@ def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield proc
     finally:
         proc.kill()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
-    """On a failure (test or fixture), report what the engine logs say (CI keeps only
-    the tail of the console output)."""
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed:
-        attach_engine_logs(item, report, since=call.start)

@@ -15,9 +15,18 @@ _FAILED = re.compile(r"kvbridge: .*(failed|expired|lost|refused|gave up).*")
 lease expired, a peer lost or refusing)."""
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """The engine suites' hook (their conftests import it): on a failure (test or
+    fixture), report what the engine logs say."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        attach_engine_logs(item, report, since=call.start)
+
+
 def attach_engine_logs(item: pytest.Item, report: pytest.TestReport, since: float, reasons: int = 4) -> None:
-    """Called by the engine suites' ``pytest_runtest_makereport`` for a failed report:
-    attaches the recent errors of every engine log as report sections, and appends the
+    """For a failed report: attaches the recent errors of every engine log as report sections, and appends the
     last ``reasons`` kvbridge failure lines of the logs written since ``since`` (the
     failed phase's start, epoch seconds), each with its log's name, to the failure's
     message, which the short summary prints."""
