@@ -321,16 +321,16 @@ class TransportBase(abc.ABC):
                 f"peer metadata carries our own agent name {md.agent!r}",
                 fix="give every instance a unique agent name (engine id + epoch + rank)",
             )
+        with self._lock:
+            known = md.agent in self._peers
+            if known and self._peer_metadata.get(md.agent) == metadata:
+                return md.agent
         index = RegionIndex()
         grouped: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for addr, length, dev, mem in md.regions:
             grouped.setdefault((mem, dev), []).append((addr, length))
         for (mem, dev), spans in grouped.items():
             index.add(spans, mem, dev)
-        with self._lock:
-            known = md.agent in self._peers
-            if known and self._peer_metadata.get(md.agent) == metadata:
-                return md.agent
         if known:
             self.remove_peer(md.agent)
         self._add_peer(md, probe)  # unlocked: it may wait on the peer (bounded)
