@@ -304,9 +304,10 @@ class TransportBase(abc.ABC):
 
         ``probe``: make sure the peer answers before returning (the backends that
         connect lazily, Mooncake, do it with a zero-length write, which also opens the
-        peer's segment; it may take up to the transfer timeout). False for a peer that
-        has just shaken hands with us, when we answer it (the prefill side's
-        ``Welcome``: the peer waits for our reply): the check then runs in the
+        peer's segment; it may take up to the transfer timeout). False where the caller
+        must not wait on the peer: when we answer a peer's handshake (the prefill side's
+        ``Welcome``: the peer waits for our reply) or on a thread that serves other
+        peers too (the SGLang prefill's control thread): the check then runs in the
         background and a dead peer shows at the first transfer.
 
         The same metadata again (a second handshake with a live peer, e.g. when two

@@ -199,7 +199,9 @@ class PrefillSide:
         with self._peers_lock:
             if reg.agent in self.peers:
                 return
-            peer = self.transport.add_peer(reg.transport_md)
+            # No waiting probe: this is the control thread, which every room's destination
+            # also passes through; a decode that does not answer shows at its first write.
+            peer = self.transport.add_peer(reg.transport_md, probe=False)
             kv = self.transport.prepare(reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer)
             aux = self.transport.prepare(reg.aux.table(), memory="host", peer=peer)
             staging = None
