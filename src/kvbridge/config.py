@@ -112,6 +112,13 @@ class MooncakeOptions(_Section):
     max_pending_admissions_per_peer: MooncakeQueueLimit = 65535
     """Sets ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` unless already set."""
 
+    progress_timeout_s: Union[PositiveInt, None] = None
+    """Sets ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless already set: how long a TCP lane may
+    move no byte before Mooncake drops it and the batch fails, to be retried while the
+    peer answers a probe. None: a third of ``timeouts.transfer_s`` (at least 2 s), so
+    a retry fits in the transfer's deadline; Mooncake's own default, 30 s, is the
+    whole default ``transfer_s``."""
+
 
 class KVBridgeConfig(_Section):
     """Top-level configuration. Every key has a default; ``{}`` is a valid config."""

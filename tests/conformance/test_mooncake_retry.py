@@ -99,3 +99,42 @@ def test_a_batch_failing_every_retry_fails_with_the_count_and_the_transport_keep
     assert flaky.batches == 1
     n = 16 * 4 * KiB
     assert peer.call("digest", 0, n) == digest(local.buf[:n])
+
+
+def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake drops a TCP lane that moved no byte for ``MC_TCP_PROGRESS_TIMEOUT_SEC``
+    (30 s by default: a whole default ``transfer_s``, leaving no time for the retry);
+    the transport sets it to a third of ``transfer_s`` unless the option or the user
+    says otherwise. Here the peer stops reading (SIGSTOP): the engine's batch fails
+    after that time, which is when the transport probes and retries."""
+    import os
+    import signal
+
+    from kvbridge.config import load_config
+    from kvbridge.transports import mooncake
+
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "unset")  # restored after the test
+    monkeypatch.setattr(mooncake, "_USER_PROGRESS", False)
+    config = load_config({"transport": "mooncake", "timeouts": {"transfer_s": 9}})
+    assert mooncake.progress_timeout_s(load_config({"mooncake": {"progress_timeout_s": 5}}).mooncake, 9) == 5
+    assert mooncake.progress_timeout_s(config.mooncake, 3) == 2
+    with Peer("mooncake", unique("stalled-peer"), nbytes=1 << 20) as peer:
+        local = Local("mooncake", nbytes=1 << 20, config=config)
+        try:
+            assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "3"
+            pid = local.t.add_peer(peer.metadata)
+            engine, endpoint = local.t._engine, local.t._endpoints[pid]  # type: ignore[attr-defined]
+            os.kill(peer.process.pid, signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                rc = engine.batch_transfer_sync(endpoint, [local.base], [peer.base], [1 << 20], mooncake.TransferOpcode.Write, None)
+                took = time.monotonic() - start
+            finally:
+                os.kill(peer.process.pid, signal.SIGCONT)
+            assert rc != 0 and 2.5 < took < 6, f"the stalled lane ended after {took:.1f}s (rc {rc}); the transport set 3s"
+        finally:
+            local.close()
+    monkeypatch.setattr(mooncake, "_USER_PROGRESS", True)
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "7")
+    Local("mooncake", nbytes=4096, config=config).close()
+    assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "7", "the user's setting wins"

@@ -24,8 +24,11 @@ metadata server), and what it avoids:
   ``transfer_s``, and the peer's handshake would time out first;
 - ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` / ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER``
   are raised (unless set) so batches of thousands of descriptors are not refused;
-  ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s`` and ``MC_LOG_LEVEL`` defaults
-  to WARNING, as INFO logs every batch (each unless the user set it);
+  ``MC_TRANSFER_TIMEOUT`` follows ``timeouts.transfer_s``, ``MC_TCP_PROGRESS_TIMEOUT_SEC``
+  a third of it (Mooncake's 30 s would let one stalled lane use a whole default
+  ``transfer_s``: measured, a write to a peer that stops reading fails after exactly
+  that time) and ``MC_LOG_LEVEL`` defaults to WARNING, as INFO logs every batch (each
+  unless the user set it);
 - the engine returns -1 for any failure; the worker then runs ``send_probe`` to tell a
   dead peer from a rejected transfer and, while the peer answers, retries the batch
   after growing pauses (:data:`RETRY_PAUSES_S`): a TCP lane can fail transiently (an
@@ -73,11 +76,19 @@ log = logging.getLogger(__name__)
 
 _USER_TIMEOUT = "MC_TRANSFER_TIMEOUT" in os.environ
 """Whether the user set the engine's timeout; if not, each transport sets its own."""
+_USER_PROGRESS = "MC_TCP_PROGRESS_TIMEOUT_SEC" in os.environ
+"""The same for how long a TCP lane may stall (see ``MooncakeOptions.progress_timeout_s``)."""
 
 _ENGINE_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
 _OPCODES = {"write": TransferOpcode.Write, "read": TransferOpcode.Read}
 
 RETRY_PAUSES_S = (0.05, 0.5, 1.5)
+
+
+def progress_timeout_s(options: MooncakeOptions, transfer_timeout_s: float) -> int:
+    """Seconds a TCP lane may move nothing before Mooncake drops it: the option, else a
+    third of the transfer timeout (at least 2), so a retry fits in the deadline."""
+    return options.progress_timeout_s or max(2, int(transfer_timeout_s // 3))
 """Pauses before each retry of a batch that failed while its peer answers a probe. The
 later ones outlast the cool-down after which Mooncake's TCP transport reconnects a
 failed lane (about 1 s); all of them together stay well inside any transfer
@@ -134,6 +145,8 @@ class MooncakeTransport(TransportBase):
         if not _USER_TIMEOUT:  # the engine reads it at construction: follow this config
             os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(transfer_timeout_s))))
         self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
+        if not _USER_PROGRESS:
+            os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(progress_timeout_s(options, transfer_timeout_s))
         self._engine = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", options.protocol, options.device_name)
         if rc != 0:
@@ -353,4 +366,4 @@ class MooncakeTransport(TransportBase):
         self._engine = None  # type: ignore[assignment]
 
 
-__all__ = ["RETRY_PAUSES_S", "MooncakeTransport"]
+__all__ = ["RETRY_PAUSES_S", "MooncakeTransport", "progress_timeout_s"]
