@@ -6,7 +6,8 @@ own rank mapping says who reads from whom:
   whole latent pages to each (SGLang's ``required_dst_info_num`` 2);
 - TP 2 -> TP 1: the decode sends its destination to both prefill ranks, one real and
   one dummy; the real one writes, the dummy one writes nothing and lets its request go
-  (a second request finds both free).
+  (a second request finds both free). Also on the packed path (exact values through
+  the staging buffers), whose parts follow SGLang's choice of the real rank.
 
 Greedy output equals a colocated server of the decode's TP size token for token, and the
 decode received exactly the prompt's latent pages per rank. Each test starts its own
@@ -30,6 +31,7 @@ from sglang_helpers import (
     tp_sides,
     wait_received_bytes,
     wait_sent_lines,
+    wait_staging_idle,
 )
 
 PROMPTS = [40, 200]  # three pages in one chunk; four chunks with a partial page
@@ -53,11 +55,15 @@ def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(mla_
             assert wait_received_bytes(pd.decode.url, before, expected) == expected
 
 
-def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    log_dir = tmp_path_factory.mktemp("mla-tp2-1")
+@pytest.mark.parametrize("data_path", ["direct", "packed"])
+def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(
+    data_path: str, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    log_dir = tmp_path_factory.mktemp(f"mla-tp2-1-{data_path}")
     with colocated(mla_model, log_dir) as ref:
         want = {n: generate_ids(ref.url, prompt_ids(n, seed=900 + n)) for n in PROMPTS}
-    with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(pd_config("nixl", True), p_tp=2, d_tp=1)) as pd:
+    config = {**pd_config("nixl", True), "data_path": data_path}
+    with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(config, p_tp=2, d_tp=1)) as pd:
         for n in PROMPTS:
             for attempt in range(2):  # the second request finds both prefill ranks free again
                 offset = pd.prefill.log_path.stat().st_size
@@ -68,3 +74,6 @@ def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(mla_mode
                 assert writes[0] == 0 and writes[1] > 0, f"exactly one prefill rank writes, the dummy one nothing: {lines}"
                 expected = latent_bytes(mla_model, pd.decode, n)
                 assert wait_received_bytes(pd.decode.url, before, expected) == expected
+        if data_path == "packed":  # every room's staging run came back, the dummy rank's included
+            for server in (pd.prefill, pd.decode):
+                wait_staging_idle(server)

@@ -17,8 +17,8 @@ import torch
 
 from kvbridge.adapters.sglang.layout import kv_geometry
 from kvbridge.adapters.sglang.packed import (
+    Part,
     RoomReservations,
-    check_packed_pairing,
     decode_parts,
     pool_planes,
     room_part,
@@ -112,14 +112,37 @@ def test_an_mla_pool_packs_as_its_vectors_halves_into_the_decode_pages(fp8: bool
         assert not d_bufs[layer].view(PAGES, PAGE, 576)[torch.as_tensor(others)].any()
 
 
-def test_mla_pools_pair_on_the_packed_path_only_towards_at_least_the_prefills_tp() -> None:
-    check_packed_pairing("latent", 1, 1)
-    check_packed_pairing("latent", 1, 2)
-    check_packed_pairing("nhd", 2, 1)  # MHA pools: parts of heads, any pairing room_part takes
-    with pytest.raises(IncompatiblePeerError, match="at least the prefill's TP size") as err:
-        check_packed_pairing("latent", 2, 1)
-    assert "data_path 'auto'" in (err.value.fix or "")
-    assert [p.heads for p in decode_parts(1, 1, 2, 1)] == [1]  # every decode rank: the whole latent cache
+# Which prefill ranks SGLang 0.5.23's receiver connects an MLA decode rank to, the real
+# one first (its dummy destinations go to the rest): written out from its rank mapping
+# for these sizes, (prefill TP, decode TP) -> per decode rank.
+SGLANG_MLA_TARGETS = {
+    (1, 1): [[0]],
+    (1, 2): [[0], [0]],
+    (2, 4): [[0], [0], [1], [1]],
+    (2, 1): [[0, 1]],
+    (4, 2): [[0, 1], [2, 3]],
+    (4, 1): [[0, 1, 2, 3]],
+}
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), list(SGLANG_MLA_TARGETS))
+def test_mla_pools_pair_on_the_packed_path_as_sglang_maps_their_ranks(p_tp: int, d_tp: int) -> None:
+    """Every prefill rank SGLang connects a decode rank to pairs as the whole latent
+    cache (part 0 of 1: whichever gets the real destination writes it), no other rank
+    does, and the decode expects one source."""
+    for d_rank, targets in enumerate(SGLANG_MLA_TARGETS[(p_tp, d_tp)]):
+        for p_rank in range(p_tp):
+            part = room_part(1, p_tp, d_tp, p_rank, d_rank, latent=True)
+            if p_rank in targets:
+                assert part == Part(index=0, sources=1, heads=1, p_heads=(0, 1), d_heads=(0, 1)), (p_rank, d_rank)
+            else:
+                assert part is None, (p_rank, d_rank)
+        assert decode_parts(1, p_tp, d_tp, d_rank, latent=True) == (room_part(1, p_tp, d_tp, targets[0], d_rank, latent=True),)
+
+
+def test_mla_pools_of_tp_sizes_that_do_not_divide_are_refused() -> None:
+    with pytest.raises(IncompatiblePeerError, match="multiple of the other"):
+        decode_parts(1, 2, 3, 0, latent=True)
 
 
 def test_room_slots_are_layer_major_and_bounded() -> None:

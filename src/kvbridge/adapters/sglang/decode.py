@@ -37,7 +37,7 @@ from kvbridge.adapters.sglang.lifecycle import (
     Verdict,
     decode_epoch,
 )
-from kvbridge.adapters.sglang.packed import Part, RoomReservations, check_packed_pairing, decode_parts
+from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts
 from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError
 
@@ -163,8 +163,8 @@ class DecodeSide:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
         of attention TP ``prefill_tp``. Raises
         :class:`~kvbridge.errors.IncompatiblePeerError` for sizes that do not pair."""
-        check_packed_pairing(self.geometry.spec.layout, prefill_tp, self.attn_tp_size)
-        return decode_parts(self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank)
+        latent = self.geometry.spec.layout == "latent"
+        return decode_parts(self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank, latent=latent)
 
     def build_receiver_metadata_message(
         self,

@@ -122,25 +122,37 @@ class Part(NamedTuple):
     """The decode rank's heads ``[first, end)`` they become."""
 
 
-def check_packed_pairing(layout: str, p_tp: int, d_tp: int) -> None:
-    """Raise unless packed rooms of a pool of ``layout`` can pair these TP sizes. Any
-    pairing :func:`room_part` accepts, except for an MLA pool (``latent``) towards a
-    decode of fewer ranks than the prefill: SGLang reads each room from one prefill
-    rank of its choosing there (the others get a dummy destination), which the packed
-    path's parts do not follow; the direct path does. Both sides call it."""
-    if layout == "latent" and p_tp > d_tp:
-        raise IncompatiblePeerError(
-            f"prefill attention TP {p_tp}, decode TP {d_tp}: the packed data path moves an MLA model's latent cache "
-            "to a decode of at least the prefill's TP size",
-            fix="use the direct path for this pairing (wire_dtype 'exact', data_path 'auto' in KVBRIDGE_CONFIG on both), "
-            f"or a decode of attention TP {p_tp} or more",
-        )
+def latent_sources(p_tp: int, d_tp: int, d_rank: int) -> range:
+    """The prefill ranks that may feed decode rank ``d_rank`` an MLA pool (``latent``:
+    every rank holds the whole latent cache), following SGLang's receiver, which maps
+    MLA ranks itself (``CommonKVReceiver``, 0.5.23): a decode rank of at least as many
+    reads from prefill rank ``d_rank // (d_tp / p_tp)``; one of fewer ranks connects to
+    the ``p_tp / d_tp`` ranks ``[d_rank * k, (d_rank + 1) * k)``, sends the first a real
+    destination and the others dummy ones. Each of that range pairs (as the whole
+    cache, part 0 of 1); the destination's dummy flag says which one writes.
+
+    Raises:
+        IncompatiblePeerError: neither TP size is a multiple of the other.
+
+    >>> latent_sources(1, 2, 1), latent_sources(4, 2, 1)
+    (range(0, 1), range(2, 4))
+    """
+    check_pairing(1, p_tp, d_tp, idle=True)
+    if p_tp <= d_tp:
+        source = d_rank // (d_tp // p_tp)
+        return range(source, source + 1)
+    k = p_tp // d_tp
+    return range(d_rank * k, (d_rank + 1) * k)
 
 
-def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> Part | None:
+_WHOLE_LATENT = Part(index=0, sources=1, heads=1, p_heads=(0, 1), d_heads=(0, 1))
+
+
+def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, latent: bool = False) -> Part | None:
     """The pairing of prefill rank ``p_rank`` (of ``p_tp``) and decode rank ``d_rank``
-    (of ``d_tp``) for a model of ``total`` KV heads; None when they exchange nothing.
-    Both sides compute it alike.
+    (of ``d_tp``) for a model of ``total`` KV heads, or an MLA pool (``latent``, see
+    :func:`latent_sources`); None when they exchange nothing. Both sides compute it
+    alike.
 
     Raises:
         IncompatiblePeerError: the TP sizes do not pair (naming the fix).
@@ -150,6 +162,8 @@ def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> Par
     >>> room_part(4, 2, 1, 1, 0)
     Part(index=1, sources=2, heads=2, p_heads=(0, 2), d_heads=(2, 4))
     """
+    if latent:
+        return _WHOLE_LATENT if p_rank in latent_sources(p_tp, d_tp, d_rank) else None
     check_pairing(total, p_tp, d_tp)
     mine = [s for s in head_slices(total, p_tp, d_tp) if (s.p_rank, s.d_rank) == (p_rank, d_rank)]
     if not mine:
@@ -161,13 +175,17 @@ def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> Par
     return Part(sources.index(p_rank), len(sources), s.count, (s.p_first, s.p_first + s.count), (s.d_first, s.d_first + s.count))
 
 
-def decode_parts(total: int, p_tp: int, d_tp: int, d_rank: int) -> tuple[Part, ...]:
-    """Every source's part of decode rank ``d_rank``'s rooms, in source order. Raises
+def decode_parts(total: int, p_tp: int, d_tp: int, d_rank: int, *, latent: bool = False) -> tuple[Part, ...]:
+    """Every source's part of decode rank ``d_rank``'s rooms, in source order (an MLA
+    pool: the whole cache from one source). Raises
     :class:`~kvbridge.errors.IncompatiblePeerError` like :func:`room_part`.
 
     >>> [(p.index, p.heads, p.d_heads) for p in decode_parts(4, 2, 1, 0)]
     [(0, 2, (0, 2)), (1, 2, (2, 4))]
     """
+    if latent:
+        latent_sources(p_tp, d_tp, d_rank)  # the sizes pair
+        return (_WHOLE_LATENT,)
     check_pairing(total, p_tp, d_tp)
     parts = tuple(room_part(total, p_tp, d_tp, p, d_rank) for p in prefill_ranks(total, p_tp, d_tp, d_rank))
     if len({p.heads for p in parts}) != 1:  # cannot happen when one size is a multiple of the other
@@ -321,4 +339,4 @@ class RoomReservations:
             return len(self._rooms)
 
 
-__all__ = ["Part", "Reservation", "RoomReservations", "decode_parts", "part_start", "pool_planes", "room_part", "room_slots", "typed_geometry"]
+__all__ = ["Part", "Reservation", "RoomReservations", "decode_parts", "latent_sources", "part_start", "pool_planes", "room_part", "room_slots", "typed_geometry"]

@@ -37,7 +37,7 @@ from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import AuxLayout, pages_differ, paired_count, transfer_pages
 from kvbridge.adapters.sglang.lifecycle import Tombstones
-from kvbridge.adapters.sglang.packed import Part, check_packed_pairing, part_start, room_part, room_slots
+from kvbridge.adapters.sglang.packed import Part, part_start, room_part, room_slots
 from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
@@ -258,11 +258,10 @@ class PrefillSide:
         theirs = reg.packed_spec
         if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
             raise pages_differ(theirs, mine)
-        check_packed_pairing(mine.layout, p_tp, d_tp)
         total = self._total_kv_heads()
         if reg.kv_heads and reg.kv_heads != total:
             raise IncompatiblePeerError(f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both")
-        part = room_part(total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank)
+        part = room_part(total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, latent=mine.layout == "latent")
         if part is None or (mine.num_kv_heads, theirs.num_kv_heads) != (heads_per_rank(total, p_tp), heads_per_rank(total, d_tp)):
             raise IncompatiblePeerError(
                 f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV heads) does not pair with "
