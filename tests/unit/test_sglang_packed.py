@@ -145,6 +145,30 @@ def test_mla_pools_of_tp_sizes_that_do_not_divide_are_refused() -> None:
         decode_parts(1, 2, 3, 0, latent=True)
 
 
+# The same for an MHA pool (every target real), (KV heads, prefill TP, decode TP) -> per
+# decode rank; with replicas on the decode side (more decode ranks than heads) too.
+SGLANG_MHA_TARGETS = {
+    (8, 1, 2): [[0], [0]],
+    (8, 2, 1): [[0, 1]],
+    (8, 2, 4): [[0], [0], [1], [1]],
+    (8, 4, 2): [[0, 1], [2, 3]],
+    (2, 1, 4): [[0], [0], [0], [0]],
+    (2, 2, 4): [[0], [0], [1], [1]],
+}
+
+
+@pytest.mark.parametrize(("total", "p_tp", "d_tp"), list(SGLANG_MHA_TARGETS))
+def test_mha_parts_come_from_the_prefill_ranks_sglang_connects(total: int, p_tp: int, d_tp: int) -> None:
+    """The packed parts of an MHA pool use kvbridge's own head split: for the pairings it
+    accepts, each decode rank's sources must be exactly the ranks SGLang sends real
+    destinations to, or a part would wait on a rank that never writes."""
+    for d_rank, targets in enumerate(SGLANG_MHA_TARGETS[(total, p_tp, d_tp)]):
+        sources = [p for p in range(p_tp) if room_part(total, p_tp, d_tp, p, d_rank) is not None]
+        assert sources == targets, f"decode rank {d_rank}"
+        parts = decode_parts(total, p_tp, d_tp, d_rank)
+        assert [p.index for p in parts] == list(range(len(targets))) and {p.sources for p in parts} == {len(targets)}
+
+
 def test_room_slots_are_layer_major_and_bounded() -> None:
     assert room_slots(10, 3, [1, 2], np.array([0, 2])).tolist() == [13, 15, 16, 18]
     with pytest.raises(PlanError, match="outside"):
