@@ -33,6 +33,11 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   allocated, then ``poll`` each step; ``init_time`` unset until it runs, so SGLang's
   waiting timeout does not start) and reads ``bootstrap_infos`` and
   ``conclude_state``.
+- The packed path's pairing of ranks between TP sizes mirrors the rank mapping of
+  ``CommonKVReceiver`` (``target_tp_rank(s)``, ``required_prefill_response_num``; for
+  MLA the first target real and the rest dummy): :func:`.packed.latent_sources` for
+  MLA pools, :mod:`kvbridge.core.tp`'s split for MHA. ``tests/unit/test_sglang_packed.py``
+  holds SGLang's targets for several sizes, written from that code: re-derive them.
 - ``ServerArgs.disaggregation_decode_enable_radix_cache`` (:func:`decode_prefix_cache`):
   a decode that keeps its own prefix cache (a prefill with larger pages refuses it).
 - One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
