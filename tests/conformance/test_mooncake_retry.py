@@ -108,7 +108,6 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
     says otherwise. Here the peer stops reading (SIGSTOP): the engine's batch fails
     after that time, which is when the transport probes and retries."""
     import os
-    import signal
 
     from kvbridge.config import load_config
     from kvbridge.transports import mooncake
@@ -124,13 +123,10 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
             assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "3"
             pid = local.t.add_peer(peer.metadata)
             engine, endpoint = local.t._engine, local.t._endpoints[pid]  # type: ignore[attr-defined]
-            os.kill(peer.process.pid, signal.SIGSTOP)
-            try:
+            with peer.paused():
                 start = time.monotonic()
                 rc = engine.batch_transfer_sync(endpoint, [local.base], [peer.base], [1 << 20], mooncake.TransferOpcode.Write, None)
                 took = time.monotonic() - start
-            finally:
-                os.kill(peer.process.pid, signal.SIGCONT)
             assert rc != 0 and 2.5 < took < 6, f"the stalled lane ended after {took:.1f}s (rc {rc}); the transport set 3s"
         finally:
             local.close()

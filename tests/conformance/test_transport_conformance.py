@@ -3,8 +3,6 @@ the peer in another process on loopback."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -229,13 +227,10 @@ def test_adding_a_peer_that_waits_for_our_answer_does_not_wait_on_it(transport_n
     with Peer(transport_name, unique("paused"), nbytes=1 * MiB) as peer:
         loc = Local(transport_name, nbytes=1 * MiB)
         try:
-            os.kill(peer.process.pid, signal.SIGSTOP)
-            try:
+            with peer.paused():
                 start = time.monotonic()
                 pid = loc.t.add_peer(peer.metadata, probe=False)
                 took = time.monotonic() - start
-            finally:
-                os.kill(peer.process.pid, signal.SIGCONT)
             assert took < 2, f"add_peer(probe=False) waited {took:.1f}s on a stopped peer"
             loc.buf[:] = pattern(5, loc.buf.nbytes)
             lt = loc.table(np.array([0]), size)
@@ -370,33 +365,32 @@ def test_hung_peer_does_not_block_other_peers(transport_name: str) -> None:
             lt = loc.table(np.array([0]), 64 * MiB)
             ht = loc.table(np.array([0]), 64 * MiB, peer=hid, base=hung.base)
             bt = loc.table(np.array([0]), 64 * MiB, peer=bid, base=healthy.base)
-            os.kill(hung.process.pid, signal.SIGSTOP)
-            outcome: dict[str, object] = {}
+            with hung.paused(timeout=10):
+                outcome: dict[str, object] = {}
 
-            def talk_to_hung() -> None:
-                try:
-                    x = loc.t.post("write", lt, [0], ht, [0], notify=b"to-hung")
-                    loc.t.notify(hid, b"bare-to-hung")
-                    loc.t.wait(x, 5)
-                    outcome["hung"] = "completed"
-                except KVBridgeError as exc:
-                    outcome["hung"] = exc
+                def talk_to_hung() -> None:
+                    try:
+                        x = loc.t.post("write", lt, [0], ht, [0], notify=b"to-hung")
+                        loc.t.notify(hid, b"bare-to-hung")
+                        loc.t.wait(x, 5)
+                        outcome["hung"] = "completed"
+                    except KVBridgeError as exc:
+                        outcome["hung"] = exc
 
-            side = threading.Thread(target=talk_to_hung)
-            side.start()
-            loc.buf[:] = pattern(66, loc.buf.nbytes)
-            start = time.monotonic()
-            for _ in range(3):
-                y = loc.t.post("write", lt, [0], bt, [0], notify=b"to-healthy")
-                loc.t.wait(y, 20)
-                loc.t.release(y)
-            healthy_s = time.monotonic() - start
-            assert healthy.call("digest", 0, 64 * MiB) == digest(loc.buf)
-            assert healthy_s < 10, f"writes to the healthy peer took {healthy_s:.1f}s while another peer hung"
-            side.join(60)
-            assert not side.is_alive(), "talking to the hung peer never returned"
-            # cma (NIXL) may complete a write into a stopped process; otherwise the wait ends in an error
-            assert outcome["hung"] == "completed" or isinstance(outcome["hung"], (DeadlineExceeded, TransportError)), outcome
+                side = threading.Thread(target=talk_to_hung)
+                side.start()
+                loc.buf[:] = pattern(66, loc.buf.nbytes)
+                start = time.monotonic()
+                for _ in range(3):
+                    y = loc.t.post("write", lt, [0], bt, [0], notify=b"to-healthy")
+                    loc.t.wait(y, 20)
+                    loc.t.release(y)
+                healthy_s = time.monotonic() - start
+                assert healthy.call("digest", 0, 64 * MiB) == digest(loc.buf)
+                assert healthy_s < 10, f"writes to the healthy peer took {healthy_s:.1f}s while another peer hung"
+                side.join(60)
+                assert not side.is_alive(), "talking to the hung peer never returned"
+                # cma (NIXL) may complete a write into a stopped process; otherwise the wait ends in an error
+                assert outcome["hung"] == "completed" or isinstance(outcome["hung"], (DeadlineExceeded, TransportError)), outcome
         finally:
-            os.kill(hung.process.pid, signal.SIGCONT)
             loc.close()

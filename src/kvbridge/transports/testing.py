@@ -9,12 +9,15 @@ caller. Not used by the engine integrations.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -67,6 +70,19 @@ def settled_os_threads(quiet: float = 0.5, limit: float = 10.0) -> int:
         if now != count:
             count, since = now, time.monotonic()
     return count
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is in the stopped state (``T``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # the thread exited meanwhile
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 def py_threads() -> list[str]:
@@ -162,6 +178,23 @@ class Peer:
     def kill(self) -> None:
         self.process.kill()
         self.process.join(10)
+
+    @contextlib.contextmanager
+    def paused(self, timeout: float = 10.0) -> Iterator[None]:
+        """Freeze the peer (SIGSTOP) for the ``with`` block, resumed after (SIGCONT).
+        Returns only once every thread of the process is stopped (``/proc``, polled):
+        ``kill`` returns before that, and on a loaded machine the peer's threads can go
+        on for milliseconds, long enough to finish a transfer meant to find it frozen."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + timeout
+            while not _all_stopped(self.process.pid):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"peer {self.agent_name} did not stop within {timeout}s of SIGSTOP")
+                time.sleep(0.001)
+            yield
+        finally:
+            os.kill(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.process.is_alive():
