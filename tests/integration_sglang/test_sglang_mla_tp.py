@@ -6,8 +6,10 @@ own rank mapping says who reads from whom:
   whole latent pages to each (SGLang's ``required_dst_info_num`` 2);
 - TP 2 -> TP 1: the decode sends its destination to both prefill ranks, one real and
   one dummy; the real one writes, the dummy one writes nothing and lets its request go
-  (a second request finds both free). Also on the packed path (exact values through
-  the staging buffers), whose parts follow SGLang's choice of the real rank.
+  (a second request finds both free).
+
+Both also on the packed path (exact values through the staging buffers), whose parts
+follow SGLang's rank mapping (:func:`kvbridge.adapters.sglang.packed.latent_sources`).
 
 Greedy output equals a colocated server of the decode's TP size token for token, and the
 decode received exactly the prompt's latent pages per rank. Each test starts its own
@@ -40,11 +42,15 @@ pytestmark = pytest.mark.timeout(900)
 colocated, pd_pair = contextmanager(start_colocated), contextmanager(start_pd)  # servers killed on any exit
 
 
-def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    log_dir = tmp_path_factory.mktemp("mla-tp1-2")
+@pytest.mark.parametrize("data_path", ["direct", "packed"])
+def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(
+    data_path: str, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    log_dir = tmp_path_factory.mktemp(f"mla-tp1-2-{data_path}")
     with colocated(mla_model, log_dir, tp=2) as ref:
         want = {n: generate_ids(ref.url, prompt_ids(n, seed=800 + n)) for n in PROMPTS}
-    with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(pd_config("nixl", True), p_tp=1, d_tp=2)) as pd:
+    config = {**pd_config("nixl", True), "data_path": data_path}
+    with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(config, p_tp=1, d_tp=2)) as pd:
         for n in PROMPTS:
             offset = pd.prefill.log_path.stat().st_size
             before = kvbridge_metrics(pd.decode.url)
@@ -53,6 +59,9 @@ def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(mla_
             assert layer_writes > 0, f"room {room} was not streamed"
             expected = 2 * latent_bytes(mla_model, pd.decode, n)  # each decode rank holds all of it
             assert wait_received_bytes(pd.decode.url, before, expected) == expected
+        if data_path == "packed":
+            for server in (pd.prefill, pd.decode):
+                wait_staging_idle(server)
 
 
 @pytest.mark.parametrize("data_path", ["direct", "packed"])
