@@ -83,16 +83,17 @@ _ENGINE_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
 _OPCODES = {"write": TransferOpcode.Write, "read": TransferOpcode.Read}
 
 RETRY_PAUSES_S = (0.05, 0.5, 1.5)
+"""Pauses before each retry of a batch that failed while its peer answers a probe. The
+later ones outlast the cool-down after which Mooncake's TCP transport reconnects a
+failed lane (about 1 s); all of them together stay well inside any transfer
+deadline (``MC_TRANSFER_TIMEOUT`` is at least 5 s)."""
 
 
 def progress_timeout_s(options: MooncakeOptions, transfer_timeout_s: float) -> int:
     """Seconds a TCP lane may move nothing before Mooncake drops it: the option, else a
     third of the transfer timeout (at least 2), so a retry fits in the deadline."""
     return options.progress_timeout_s or max(2, int(transfer_timeout_s // 3))
-"""Pauses before each retry of a batch that failed while its peer answers a probe. The
-later ones outlast the cool-down after which Mooncake's TCP transport reconnects a
-failed lane (about 1 s); all of them together stay well inside any transfer
-deadline (``MC_TRANSFER_TIMEOUT`` is at least 5 s)."""
+
 
 _parked: list[object] = []
 """Engines (with their pools) closed while a frozen peer still held batches; kept alive
