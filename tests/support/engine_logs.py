@@ -26,10 +26,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 def attach_engine_logs(item: pytest.Item, report: pytest.TestReport, since: float, reasons: int = 4) -> None:
-    """For a failed report: attaches the recent errors of every engine log as report sections, and appends the
-    last ``reasons`` kvbridge failure lines of the logs written since ``since`` (the
-    failed phase's start, epoch seconds), each with its log's name, to the failure's
-    message, which the short summary prints."""
+    """For a failed report: attaches the recent errors of every engine log as report
+    sections, and appends the last ``reasons`` kvbridge failure lines of the logs
+    written since ``since`` (the failed phase's start, epoch seconds), each with its
+    log's name, to the failure's message, which the short summary prints."""
     base: Path = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
     found: list[str] = []
     for log in sorted(base.rglob("*.log")):
