@@ -14,7 +14,8 @@ Times are GPU times: CUDA-event medians over 5 calls queued back to back behind 
 short GPU sleep, so that the host has queued every call before the first starts and
 the events see the GPU's work alone (without the sleep, the first call's host work,
 60-400 us, counted as GPU time). The host time to issue one call (checks, block ids,
-launch) is reported apart: where it exceeds the GPU time, a loop issuing such calls
+launch) is reported apart, for ``ops.pack`` and for ``ops.PagedKV.pack`` (the runtime's
+handle, planes checked once): where it exceeds the GPU time, a loop issuing such calls
 is bound by the host, not by the kernel. Block ids are host ids: up to 1024 of them
 (16k tokens in 16-token blocks) travel in the kernel's launch parameters, longer lists
 are uploaded through pinned memory, so the host column compares the two.
@@ -166,6 +167,8 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
             moved[name] = kv + qfmt.nbytes * layers if "fp8" in name else 2 * kv
     gbps = {k: moved[k] / t[k] / 1e9 for k in t}
     host = {name: _host_us(fns[name]) for name in ("pack", "pack_fp8", "copy")}
+    paged = ops.PagedKV(planes)  # what the runtime calls: planes checked once
+    host["pack_paged"] = _host_us(lambda: paged.pack(ids_cpu, tokens, out=exact))
     return {
         "geometry": geometry,
         "block_size": block_size,

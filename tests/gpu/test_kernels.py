@@ -222,6 +222,21 @@ def test_kernels_reject_bad_input_with_clear_errors():
         torch.ops.kvbridge.pack([k, k], [v, v[:, :8]], torch.tensor([0]), 16, 0, 4, False, 0, out)
 
 
+def test_the_front_raises_the_bindings_checks_as_ops_input_errors():
+    """On the kernels' path the front leaves block-id bounds to the binding (no second
+    pass over the ids); its refusal still reaches the caller as OpsInputError, for host
+    and device ids, through ops.pack and PagedKV alike."""
+    cache = make_cache("nhd", 8, 16, 4, 64, torch.bfloat16, "cuda", seed=1)
+    k, v = planes(cache, "nhd")
+    with pytest.raises(ops.OpsInputError, match=r"block id 8 is out of range \[0, 8\)"):
+        ops.pack((k, v), [0, 8], 32)
+    with pytest.raises(ops.OpsInputError, match=r"block id -1 is out of range \[0, 8\)"):
+        ops.PagedKV([(k, v)]).pack(torch.tensor([-1], device="cuda"), 16)
+    region, fmt = ops.pack((k, v), [0, 1], 32)
+    with pytest.raises(ops.OpsInputError, match=r"block id 9 is out of range \[0, 8\)"):
+        ops.unpack(region, fmt, (k, v), [9, 1])
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not installed")
 def test_memcheck_clean():
     script = Path(__file__).with_name("memcheck_cases.py")

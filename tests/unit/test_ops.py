@@ -211,15 +211,137 @@ def test_kernel_choice_comes_from_the_environment_when_not_given(monkeypatch):
     assert torch.equal(region, ops.pack((k, v), [0], 10, kernel="rows")[0])
 
 
-def test_default_kernel_is_tiles_for_fp8_regions_and_rows_for_exact_ones(monkeypatch):
-    """The measured choice (ops module docstring): FP8 pack / unpack of a scaled region on
-    the tile kernel, exact copies on the row kernel; the environment overrides both."""
+class _Binding:
+    """Stands in for ``torch.ops.kvbridge`` on CPU tensors: records each call's arguments
+    (the kernel code is the last) and moves nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def pack(self, *args) -> None:
+        self.calls.append(("pack", args))
+
+    def unpack(self, *args) -> None:
+        self.calls.append(("unpack", args))
+
+
+@pytest.fixture
+def binding(monkeypatch):
+    """The kernels' path taken on CPU tensors, the binding replaced by :class:`_Binding`."""
+    fake = _Binding()
+    monkeypatch.setattr(ops, "_use_kernels", lambda t: True)
+    monkeypatch.setattr(ops, "_binding", lambda: fake)
     monkeypatch.delenv("KVBRIDGE_PACK_KERNEL", raising=False)
-    assert ops.KERNELS[ops._kernel(None, scaled=True)] == "tiles"
-    assert ops.KERNELS[ops._kernel(None, scaled=False)] == "rows"
-    assert ops.KERNELS[ops._kernel("tiles", scaled=False)] == "tiles"
+    return fake
+
+
+@pytest.mark.parametrize(
+    ("heads", "bs", "head_range", "fp8", "expected"),
+    [
+        (8, 16, None, False, "rows"),  # Llama-3-8B: a block fills a 128-row tile
+        (8, 64, None, False, "rows"),
+        (1, 16, None, False, "tiles"),  # Llama-3-70B at TP 8: 16-row tiles
+        (1, 64, None, False, "tiles"),
+        (8, 16, (0, 4), False, "tiles"),  # half the heads for a decode of twice the TP
+        (8, 16, None, True, "tiles"),  # FP8, any shape
+        (1, 16, None, True, "tiles"),
+    ],
+)
+def test_default_kernel_follows_the_measured_choice(binding, heads, bs, head_range, fp8, expected):
+    """The kernel the binding is asked for (ops._kernel): tiles for FP8 regions and for
+    blocks of fewer than TILE_ROWS (token, head) rows, rows for the rest; unpack of the
+    same region makes the same choice."""
+    k, v = ops.kv_planes(cache("nhd", 4, bs, heads, 16), "nhd")
+    region, fmt = ops.pack((k, v), [2, 0], bs + 1, heads=head_range, fp8=fp8)
+    ops.unpack(region, fmt, (k, v), [1, 3], head_start=0)
+    assert [(op, ops.KERNELS[args[-1]]) for op, args in binding.calls] == [("pack", expected), ("unpack", expected)]
+
+
+def test_kernel_from_the_environment_or_the_call_wins_over_the_default(binding, monkeypatch):
+    k, v = ops.kv_planes(cache("nhd", 4, 16, 8, 16), "nhd")
+    ops.pack((k, v), [0], 16, kernel="tiles")
     monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", "rows")
-    assert ops.KERNELS[ops._kernel(None, scaled=True)] == "rows"
+    ops.pack((k, v), [0], 16, fp8=True)
+    ops.pack((k, v), [0], 16, fp8=True, kernel="tiles")
+    assert [ops.KERNELS[args[-1]] for _, args in binding.calls] == ["tiles", "rows", "tiles"]
+
+
+def test_the_bindings_input_errors_are_raised_as_ours_and_launch_failures_as_they_came(binding, monkeypatch):
+    """On the kernels' path host block ids reach the binding unchecked (it bounds-checks
+    them in C++; the front skips its own pass) and the binding's refusals, RuntimeErrors
+    starting "kvbridge: ", come out as OpsInputError with the binding's words."""
+    k, v = ops.kv_planes(cache("nhd", 4, 16, 2, 32), "nhd")
+    ops.pack((k, v), [0, 9], 20)
+    assert binding.calls[-1][1][2].tolist() == [0, 9]
+
+    def refuse(*args):
+        raise RuntimeError("kvbridge: block id 9 is out of range [0, 4)\nException raised from check_planes at csrc/api.cpp:130")
+
+    monkeypatch.setattr(binding, "pack", refuse)
+    with pytest.raises(OpsInputError, match=r"^block id 9 is out of range \[0, 4\)$"):
+        ops.pack((k, v), [0, 9], 20)
+    for message in ("kvbridge: pack kernel launch failed: an illegal memory access", "CUDA error: out of memory"):
+        def fail(*args, message=message):
+            raise RuntimeError(message)
+
+        monkeypatch.setattr(binding, "pack", fail)
+        with pytest.raises(RuntimeError, match=message) as err:
+            ops.pack((k, v), [0], 10)
+        assert not isinstance(err.value, OpsInputError)
+
+
+def test_paged_kv_packs_and_unpacks_the_same_bytes_as_the_free_functions():
+    """PagedKV (the runtime's handle, checked once) against ops.pack / ops.unpack on the
+    same layers: a selection of layers in any order, FP8 and exact, head ranges."""
+    layers = [ops.kv_planes(cache("hnd", 6, 16, 4, 32, seed=i), "hnd") for i in range(4)]
+    kv = ops.PagedKV(layers)
+    assert kv.num_layers == 4
+    for pick, fp8, heads in [((2, 0), False, None), ((3,), True, (1, 3)), ((0, 1, 2, 3), True, None)]:
+        zeros = lambda: torch.zeros(1 << 18, dtype=torch.uint8)  # noqa: E731 - padding between chunks is left as it was
+        got, fmt = kv.pack([5, 1, 2], 40, layers=pick, heads=heads, fp8=fp8, chunk_tokens=16, out=zeros())
+        want, want_fmt = ops.pack([layers[i] for i in pick], [5, 1, 2], 40, heads=heads, fp8=fp8, chunk_tokens=16, out=zeros())
+        assert fmt == want_fmt and torch.equal(got, want)
+        dst = [ops.kv_planes(torch.zeros(2, 6, 4, 16, 32), "hnd") for _ in range(4)]
+        into = ops.PagedKV(dst)
+        into.unpack(got, fmt, [0, 3, 4], layers=pick, head_start=0 if heads is None else 1)
+        ref = [ops.kv_planes(torch.zeros(2, 6, 4, 16, 32), "hnd") for _ in range(4)]
+        ops.unpack(want, want_fmt, [ref[i] for i in pick], [0, 3, 4], head_start=0 if heads is None else 1)
+        for (a, b), (c, d) in zip(dst, ref, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d)
+    whole, _ = kv.pack([0], 16)
+    assert whole.numel() == 4 * ops.packed_format(layers[0][0], 16).nbytes
+
+
+def test_paged_kv_rejects_bad_layers_at_construction_and_bad_selections_per_call():
+    k, v = ops.kv_planes(cache("nhd", 4, 16, 2, 32), "nhd")
+    with pytest.raises(OpsInputError, match="layer 1's planes differ"):
+        ops.PagedKV([(k, v), (k, v[:2])])
+    kv = ops.PagedKV([(k, v), (k, v)])
+    for bad in ((), (2,), (0, -1)):
+        with pytest.raises(OpsInputError, match="not a non-empty selection of this cache's 2 layers"):
+            kv.pack([0], 10, layers=bad)
+    with pytest.raises(OpsInputError, match="out of range"):
+        kv.pack([0, 4], 20)
+    region, fmt = kv.pack([0], 10, layers=(1,))
+    with pytest.raises(OpsInputError, match="holds .* bytes, the regions need"):
+        kv.unpack(region, fmt, [0], layers=(0, 1))
+
+
+def test_block_ids_are_checked_the_same_way_whatever_their_type():
+    """Lists, numpy arrays and tensors (int32 or int64) give the same bytes and errors;
+    more ids than the tokens need are ignored (the prompt's blocks, then others)."""
+    import numpy as np
+
+    k, v = ops.kv_planes(cache("nhd", 4, 16, 2, 32), "nhd")
+    want, _ = ops.pack((k, v), [3, 1], 20)
+    for ids in ([3, 1, 9], np.array([3, 1], dtype=np.int32), torch.tensor([3, 1, -5]), torch.tensor([3, 1], dtype=torch.int32)):
+        assert torch.equal(ops.pack((k, v), ids, 20)[0], want)
+    for ids in ([3, 4], np.array([-1, 0]), torch.tensor([3, 4])):
+        with pytest.raises(OpsInputError, match="out of range"):
+            ops.pack((k, v), ids, 20)
+    for ids in ([[3, 1]], torch.zeros(2, 2, dtype=torch.int64), torch.tensor([3.0, 1.0])):
+        with pytest.raises(OpsInputError, match="1-D"):
+            ops.pack((k, v), ids, 20)
 
 
 def _per_block_head_error(x: torch.Tensor) -> float:

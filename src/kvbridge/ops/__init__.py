@@ -14,17 +14,24 @@ bytes.
 
 Two CUDA kernels give the same bytes: ``"rows"`` (one row per lane group, placed by its
 index) and ``"tiles"`` (a warp per run of tokens inside one block, ``csrc/tile_map.h``;
-fewer instructions per byte). The default is the faster one per mode on an H100
-(``benchmarks/results/ops.md``): tiles for FP8 regions (pack with ``fp8=True``, unpack of
-a scaled region: 86-96% of a device copy's bandwidth against 53-57% for rows' FP8
-pack), rows for exact copies (rows 1-4 points ahead of tiles at 8 KV heads).
-``kernel=`` or ``$KVBRIDGE_PACK_KERNEL`` picks one for every mode; the CPU path ignores
-the choice.
+fewer instructions per byte). The default is the faster one per case on an H100
+(``benchmarks/results/ops.md``, :func:`_kernel`): tiles for FP8 regions (pack with
+``fp8=True``, unpack of a scaled region: 86-96% of a device copy's bandwidth against
+53-57% for rows' FP8 pack) and for exact copies of blocks under :data:`TILE_ROWS`
+(token, head) rows (1 KV head per rank), rows for other exact copies (rows 1-4 points
+ahead of tiles at 8 KV heads). ``kernel=`` or ``$KVBRIDGE_PACK_KERNEL`` picks one for
+every case; the CPU path ignores the choice.
+
+Host work per call: a caller that packs the same cache again and again (the runtime,
+once per post) holds a :class:`PagedKV`, whose planes are checked once; the free
+functions check the planes they are given on every call. On the kernels' path the
+binding checks block-id bounds and every layer's planes itself, and its refusals are
+raised as :class:`OpsInputError` like the front's own.
 
 Calls are asynchronous on CUDA (the current stream); the caller keeps every tensor
 alive and unmodified until the stream has passed them. Who calls: the runtime's
-sender (pack, once per layer and post) and receiver (unpack, once per layer and
-arrival), and benchmarks.
+sender (pack, once per post of one or more layers) and receiver (unpack, once per
+layer and arrival) through :class:`PagedKV`, and benchmarks.
 
 >>> import torch
 >>> cache = torch.randn(2, 8, 16, 4, 64)                # vLLM FlashAttention layout, 8 blocks
@@ -40,8 +47,10 @@ True
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -195,36 +204,78 @@ def _check_all(layers: list[Planes]) -> None:
                 )
 
 
-def _block_ids(block_ids: Sequence[int] | np.ndarray | torch.Tensor, num_tokens: int, k: torch.Tensor) -> torch.Tensor:
+class _Cache(NamedTuple):
+    """What a call needs to know of its planes (all layers alike), read from layer 0's K
+    once: per call, reading tensor attributes costs more than the checks themselves."""
+
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+    """torch dtype name without ``torch.``."""
+    device: torch.device
+    kernels: bool
+    """The compiled kernels run these planes (CUDA tensors, the kernels load)."""
+
+
+def _cache(k: torch.Tensor) -> _Cache:
+    n, bs, heads, dim = k.shape
+    return _Cache(n, bs, heads, dim, str(k.dtype).removeprefix("torch."), k.device, _use_kernels(k))
+
+
+@functools.lru_cache(maxsize=1024)
+def _format(num_tokens: int, num_heads: int, head_dim: int, dtype: str, scaled: bool, chunk_tokens: int) -> tuple[PackedFormat, int]:
+    """A format and its ``nbytes``: a runtime's calls repeat a few shapes."""
+    fmt = PackedFormat(num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype, scaled=scaled, chunk_tokens=chunk_tokens)
+    return fmt, fmt.nbytes
+
+
+def _block_ids(block_ids: Sequence[int] | np.ndarray | torch.Tensor, num_tokens: int, c: _Cache) -> torch.Tensor:
     """The ``ceil(num_tokens / block_size)`` ids that hold the tokens, bounds-checked,
-    as int64 where they were given (host ids cost the kernels no device sync)."""
-    n_blocks, bs = k.shape[0], k.shape[1]
+    as int64 where they were given (host ids cost the kernels no device sync). Ids going
+    to the kernels are bounds-checked by the binding (host ids in a loop, device ids
+    with one device sync), whose errors :func:`_launch` turns into ours. Host ids go
+    through numpy: a list of ids becomes a tensor in a third of the time
+    ``torch.as_tensor`` takes."""
     if num_tokens < 0:
         raise OpsInputError(f"num_tokens must be >= 0, got {num_tokens}")
-    ids = block_ids if isinstance(block_ids, torch.Tensor) else torch.as_tensor(np.asarray(block_ids, dtype=np.int64))
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-        raise OpsInputError(f"block_ids must be a 1-D integer sequence, got {ids.dtype} of shape {tuple(ids.shape)}")
-    needed = -(-num_tokens // bs)
-    if ids.numel() < needed:
-        raise OpsInputError(f"{num_tokens} tokens in blocks of {bs} need {needed} block ids, got {ids.numel()}")
-    ids = ids[:needed].to(torch.int64)
-    if needed:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= n_blocks:
-            raise OpsInputError(f"block id {lo if lo < 0 else hi} is out of range [0, {n_blocks})")
-    return ids
+    needed = -(-num_tokens // c.block_size)
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
+            raise OpsInputError(f"block_ids must be a 1-D integer sequence, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
+        if block_ids.numel() < needed:
+            raise OpsInputError(f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {block_ids.numel()}")
+        ids = block_ids[:needed].to(torch.int64)
+        if needed and not c.kernels:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= c.num_blocks:
+                raise OpsInputError(f"block id {lo if lo < 0 else hi} is out of range [0, {c.num_blocks})")
+        return ids
+    arr = np.ascontiguousarray(block_ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise OpsInputError(f"block_ids must be a 1-D integer sequence, got shape {arr.shape}")
+    if arr.size < needed:
+        raise OpsInputError(f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {arr.size}")
+    arr = arr[:needed]
+    # the binding checks host ids itself (a C++ loop): the kernels' path skips this pass
+    # (one pass: a negative id read as unsigned is larger than any block count)
+    if needed and not c.kernels and int(arr.view(np.uint64).max()) >= c.num_blocks:
+        lo = int(arr.min())
+        raise OpsInputError(f"block id {lo if lo < 0 else int(arr.max())} is out of range [0, {c.num_blocks})")
+    return torch.from_numpy(arr)
 
 
-def _check_heads(k: torch.Tensor, start: int, count: int) -> None:
-    if start < 0 or count <= 0 or start + count > k.shape[2]:
-        raise OpsInputError(f"head range [{start}, {start + count}) is outside the cache's {k.shape[2]} heads")
+def _check_heads(c: _Cache, start: int, count: int) -> None:
+    if start < 0 or count <= 0 or start + count > c.num_heads:
+        raise OpsInputError(f"head range [{start}, {start + count}) is outside the cache's {c.num_heads} heads")
 
 
-def _check_buffer(buf: torch.Tensor, nbytes: int, k: torch.Tensor, what: str) -> None:
+def _check_buffer(buf: torch.Tensor, nbytes: int, c: _Cache, what: str) -> None:
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise OpsInputError(f"{what} must be a contiguous 1-D uint8 tensor")
-    if buf.device != k.device:
-        raise OpsInputError(f"{what} is on {buf.device}, the cache on {k.device}")
+    if buf.device != c.device:
+        raise OpsInputError(f"{what} is on {buf.device}, the cache on {c.device}")
     if buf.numel() < nbytes:
         raise OpsInputError(f"{what} holds {buf.numel()} bytes, the regions need {nbytes}")
     if buf.data_ptr() % 16:
@@ -234,14 +285,46 @@ def _check_buffer(buf: torch.Tensor, nbytes: int, k: torch.Tensor, what: str) ->
 KERNELS = ("rows", "tiles")
 """The CUDA kernels :func:`pack` and :func:`unpack` can run (``kernel=``)."""
 
+TILE_ROWS = 128
+"""Rows (tokens x packed heads) of the tile kernel's largest tile (``kTileRows`` in
+``csrc/tile_map.h``). An exact copy whose cache blocks hold fewer rows runs on tiles by
+default (see :func:`_kernel`)."""
 
-def _kernel(name: str | None, scaled: bool) -> int:
+
+def _kernel(name: str | None, scaled: bool, block_rows: int) -> int:
     """The binding's code of the kernel ``name``; default ``$KVBRIDGE_PACK_KERNEL``, else
-    ``"tiles"`` for an FP8 (scaled) region and ``"rows"`` for the rest (module docstring)."""
-    name = name or os.environ.get("KVBRIDGE_PACK_KERNEL") or ("tiles" if scaled else "rows")
+    ``"tiles"`` for an FP8 (scaled) region or for blocks of fewer than
+    :data:`TILE_ROWS` rows (``block_rows``: block size x packed heads), ``"rows"`` for
+    the rest. Measured on an H100 (``benchmarks/results/ops.md``): tiles move FP8 at
+    86-96% of a device copy (rows 53-57%). For exact copies rows lead by 1-4 points
+    where a block fills a whole 128-row tile (8 KV heads); where tiles are small (1 KV
+    head: 16-64 rows) tiles lead by 2-3 points at 1k tokens (85-86% against 82-83%,
+    below the 85% goal) and trail by 0-3 from 8k (87-89% against 89-91%): tiles are
+    the choice that stays at 85% or more in every measured case."""
+    name = name or os.environ.get("KVBRIDGE_PACK_KERNEL") or ("tiles" if scaled or block_rows < TILE_ROWS else "rows")
     if name not in KERNELS:
         raise OpsInputError(f"unknown kernel {name!r}", fix=f"use one of {', '.join(KERNELS)} (kernel= or KVBRIDGE_PACK_KERNEL)")
     return KERNELS.index(name)
+
+
+def _binding():
+    """The compiled ops, ``torch.ops.kvbridge`` (one place, so tests can stand in for it)."""
+    return torch.ops.kvbridge
+
+
+def _launch(op: str, *args) -> None:
+    """Call the binding's ``op``. Its input checks (``csrc/api.cpp``: every layer's
+    planes, block-id bounds, buffer sizes) fail as a ``RuntimeError`` whose message
+    starts with "kvbridge: "; they are raised as :class:`OpsInputError` like the front's
+    own, and anything else (a launch that failed) as it came."""
+    try:
+        getattr(_binding(), op)(*args)
+    except RuntimeError as exc:
+        text = str(exc)
+        at = text.find("kvbridge: ")
+        if at < 0 or "launch failed" in text:
+            raise
+        raise OpsInputError(text[at + len("kvbridge: ") :].split("\n", 1)[0]) from exc
 
 
 def _use_kernels(t: torch.Tensor) -> bool:
@@ -250,6 +333,77 @@ def _use_kernels(t: torch.Tensor) -> bool:
     from kvbridge.ops import jit
 
     return jit.try_load()
+
+
+class PagedKV:
+    """A cache's layers as ``(k, v)`` planes (from :func:`kv_planes`), checked once, for
+    repeated :meth:`pack` / :meth:`unpack` calls that pick layers by index.
+
+    Who uses it: the runtime's packed path builds one per worker when the cache is
+    registered and calls it once per post (pack) or arrival (unpack), from the
+    sender's or receiver's thread. A call checks only what changes between calls
+    (block ids, token count, head range, buffer) and hands the binding lists it
+    already holds: the host work of a call is what limits short calls on a GPU
+    (``csrc/NOTES.md``, "GPU results"). Same bytes and errors as the free functions.
+    The engine owns the planes; they must stay allocated, with the shape they had
+    here, while this object is used.
+
+    >>> cache = torch.randn(2, 8, 16, 4, 64)                # 8 blocks, one layer, nhd
+    >>> kv = PagedKV([kv_planes(cache, "nhd")])
+    >>> region, fmt = kv.pack([3, 5], num_tokens=20)
+    >>> bool(torch.equal(region, pack(kv_planes(cache, "nhd"), [3, 5], num_tokens=20)[0]))
+    True
+    """
+
+    def __init__(self, layers: Planes | Sequence[Planes]) -> None:
+        pairs = _layers(layers)
+        _check_all(pairs)
+        self.k = [p[0] for p in pairs]
+        self.v = [p[1] for p in pairs]
+        self._cache = _cache(self.k[0])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    def _select(self, layers: Sequence[int] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if layers is None:
+            return self.k, self.v
+        if not layers or min(layers) < 0 or max(layers) >= len(self.k):
+            raise OpsInputError(f"layers {list(layers)} are not a non-empty selection of this cache's {len(self.k)} layers")
+        return [self.k[i] for i in layers], [self.v[i] for i in layers]
+
+    def pack(
+        self,
+        block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        num_tokens: int,
+        *,
+        layers: Sequence[int] | None = None,
+        heads: tuple[int, int] | None = None,
+        fp8: bool = False,
+        chunk_tokens: int = 0,
+        out: torch.Tensor | None = None,
+        kernel: str | None = None,
+    ) -> tuple[torch.Tensor, PackedFormat]:
+        """:func:`pack` of the layers with indices ``layers`` (default all), in that
+        order: region ``i`` holds layer ``layers[i]``."""
+        ks, vs = self._select(layers)
+        return _pack(ks, vs, self._cache, block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked=True)
+
+    def unpack(
+        self,
+        packed: torch.Tensor,
+        fmt: PackedFormat,
+        block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        *,
+        layers: Sequence[int] | None = None,
+        head_start: int = 0,
+        kernel: str | None = None,
+    ) -> None:
+        """:func:`unpack` into the layers with indices ``layers`` (default all): region
+        ``i`` goes to layer ``layers[i]``."""
+        ks, vs = self._select(layers)
+        _unpack(packed, fmt, ks, vs, self._cache, block_ids, head_start, kernel, checked=True)
 
 
 def pack(
@@ -285,27 +439,9 @@ def pack(
         ``(out[:len(layers) * fmt.nbytes], fmt)``; layer ``i``'s region starts at
         byte ``i * fmt.nbytes``.
     """
-    layers = _layers(layers)
-    k = layers[0][0]
-    h0, h1 = heads if heads is not None else (0, k.shape[2])
-    _check_heads(k, h0, h1 - h0)
-    if fp8 and k.dtype == torch.float8_e4m3fn:
-        raise OpsInputError("the cache is already float8", fix="pack it with fp8=False (its bytes are copied as they are)")
-    if chunk_tokens < 0:
-        raise OpsInputError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
-    fmt = packed_format(k, num_tokens, (h0, h1), fp8, chunk_tokens)
-    ids = _block_ids(block_ids, num_tokens, k)
-    total = len(layers) * fmt.nbytes
-    if out is None:
-        out = torch.empty(total, dtype=torch.uint8, device=k.device)
-    _check_buffer(out, total, k, "out")
-    code = _kernel(kernel, fp8)
-    if _use_kernels(k):  # the binding checks every layer
-        torch.ops.kvbridge.pack([p[0] for p in layers], [p[1] for p in layers], ids, num_tokens, h0, h1 - h0, fp8, fmt.ct, out, code)
-    else:
-        _check_all(layers)
-        reference.pack(layers, ids.to(k.device), fmt, h0, out)
-    return out[:total], fmt
+    pairs = _layers(layers)
+    ks = [p[0] for p in pairs]
+    return _pack(ks, [p[1] for p in pairs], _cache(ks[0]), block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked=False)
 
 
 def unpack(
@@ -322,30 +458,60 @@ def unpack(
     head_start + fmt.num_heads)`` of each layer's planes, converting to their dtype
     (round to nearest even). Only the regions' tokens are written; the rest of the last
     block is left as it was. ``kernel``: as for :func:`pack`."""
-    layers = _layers(layers)
-    k = layers[0][0]
+    pairs = _layers(layers)
+    ks = [p[0] for p in pairs]
+    _unpack(packed, fmt, ks, [p[1] for p in pairs], _cache(ks[0]), block_ids, head_start, kernel, checked=False)
+
+
+def _pack(ks, vs, c: _Cache, block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked: bool) -> tuple[torch.Tensor, PackedFormat]:
+    """:func:`pack` past the layers' own checks (``checked``: every layer was compared
+    with the first; otherwise the binding or, for the reference, this does it)."""
+    h0, h1 = heads if heads is not None else (0, c.num_heads)
+    _check_heads(c, h0, h1 - h0)
+    if fp8 and c.dtype == FP8_DTYPE:
+        raise OpsInputError("the cache is already float8", fix="pack it with fp8=False (its bytes are copied as they are)")
+    if chunk_tokens < 0:
+        raise OpsInputError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
+    fmt, nbytes = _format(num_tokens, h1 - h0, c.head_dim, FP8_DTYPE if fp8 else c.dtype, fp8, chunk_tokens)
+    ids = _block_ids(block_ids, num_tokens, c)
+    total = len(ks) * nbytes
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8, device=c.device)
+    _check_buffer(out, total, c, "out")
+    code = _kernel(kernel, fp8, c.block_size * (h1 - h0))
+    if c.kernels:  # the binding checks every layer
+        _launch("pack", ks, vs, ids, num_tokens, h0, h1 - h0, fp8, fmt.ct, out, code)
+    else:
+        pairs = list(zip(ks, vs))
+        if not checked:
+            _check_all(pairs)
+        reference.pack(pairs, ids.to(c.device), fmt, h0, out)
+    return out[:total], fmt
+
+
+def _unpack(packed, fmt: PackedFormat, ks, vs, c: _Cache, block_ids, head_start, kernel, checked: bool) -> None:
+    """:func:`unpack` past the layers' own checks (``checked``: as for :func:`_pack`)."""
     try:
         fmt.check()
     except KVBridgeError as exc:
         raise OpsInputError(str(exc)) from exc
-    if fmt.head_dim != k.shape[3]:
-        raise OpsInputError(f"the region's head_dim {fmt.head_dim} differs from the cache's {k.shape[3]}")
-    _check_heads(k, head_start, fmt.num_heads)
-    cache_dtype = str(k.dtype).removeprefix("torch.")
-    if fmt.scaled and cache_dtype == FP8_DTYPE:
+    if fmt.head_dim != c.head_dim:
+        raise OpsInputError(f"the region's head_dim {fmt.head_dim} differs from the cache's {c.head_dim}")
+    _check_heads(c, head_start, fmt.num_heads)
+    if fmt.scaled and c.dtype == FP8_DTYPE:
         raise OpsInputError("a scaled region cannot go into a float8 cache", fix="pack a float8 cache with fp8=False")
-    if not fmt.scaled and FP8_DTYPE in (fmt.dtype, cache_dtype) and fmt.dtype != cache_dtype:
-        raise OpsInputError(f"unscaled float8 values only go into a float8 cache; got {fmt.dtype} into {cache_dtype}")
-    ids = _block_ids(block_ids, fmt.num_tokens, k)
-    _check_buffer(packed, len(layers) * fmt.nbytes, k, "packed")
-    code = _kernel(kernel, fmt.scaled)
-    if _use_kernels(k):
-        torch.ops.kvbridge.unpack(
-            packed, getattr(torch, fmt.dtype), fmt.scaled, fmt.ct, [p[0] for p in layers], [p[1] for p in layers], ids, fmt.num_tokens, head_start, fmt.num_heads, code
-        )
+    if not fmt.scaled and FP8_DTYPE in (fmt.dtype, c.dtype) and fmt.dtype != c.dtype:
+        raise OpsInputError(f"unscaled float8 values only go into a float8 cache; got {fmt.dtype} into {c.dtype}")
+    ids = _block_ids(block_ids, fmt.num_tokens, c)
+    _check_buffer(packed, len(ks) * _format(*fmt)[1], c, "packed")
+    code = _kernel(kernel, fmt.scaled, c.block_size * fmt.num_heads)
+    if c.kernels:
+        _launch("unpack", packed, getattr(torch, fmt.dtype), fmt.scaled, fmt.ct, ks, vs, ids, fmt.num_tokens, head_start, fmt.num_heads, code)
     else:
-        _check_all(layers)
-        reference.unpack(packed, fmt, layers, ids.to(k.device), head_start)
+        pairs = list(zip(ks, vs))
+        if not checked:
+            _check_all(pairs)
+        reference.unpack(packed, fmt, pairs, ids.to(c.device), head_start)
 
 
-__all__ = ["KERNELS", "OpsInputError", "PackedFormat", "device_bytes", "kv_planes", "pack", "packed_format", "unpack"]
+__all__ = ["KERNELS", "OpsInputError", "PackedFormat", "PagedKV", "TILE_ROWS", "device_bytes", "kv_planes", "pack", "packed_format", "unpack"]

@@ -156,6 +156,8 @@ class PackedPath:
     ) -> None:
         import torch
 
+        from kvbridge import ops
+
         spec = geometry.spec
         if fp8 and spec.dtype not in _FLOAT_CACHES:
             raise ConfigError(
@@ -173,6 +175,7 @@ class PackedPath:
             raise ValueError(f"{len(planes)} layers of cache planes for a {spec.num_layers}-layer cache")
         self.geometry = geometry
         self.planes = list(planes)
+        self.kv = ops.PagedKV(self.planes)  # checked once here, not on every call
         self.block_size = spec.block_size
         self.fp8 = fp8
         self.slot = slot_format(geometry, fp8)
@@ -274,14 +277,11 @@ class PackedPath:
         attention kernel's business (vLLM's CPU kernel keeps a block's keys dim-major),
         so a block is moved as ``block_size`` opaque rows per head and plane, whatever
         they hold; only a row's ``head_dim`` values must be contiguous."""
-        from kvbridge import ops
-
         n = len(block_ids)
         fmt = self.chunk(self.slot.num_heads if heads is None else heads[1] - heads[0])
         out = self._chunks(fmt, first, len(layers) * n)
-        planes = [self.planes[l] for l in layers]
         self.queue.run(
-            lambda: ops.pack(planes, block_ids, n * self.block_size, heads=heads, fp8=self.fp8, chunk_tokens=self.block_size, out=out),
+            lambda: self.kv.pack(block_ids, n * self.block_size, layers=layers, heads=heads, fp8=self.fp8, chunk_tokens=self.block_size, out=out),
             f"packing {n} blocks of layers {list(layers)}",
         )
 
@@ -289,14 +289,12 @@ class PackedPath:
         """Unpack chunks ``[first, first + len(block_ids))`` of one layer into the whole
         ``block_ids`` of this cache, into our KV heads ``heads`` (default all). Returns
         once the cache holds them."""
-        from kvbridge import ops
-
         h0, h1 = (0, self.slot.num_heads) if heads is None else heads
         chunk = self.chunk(h1 - h0)
         fmt = chunk._replace(num_tokens=len(block_ids) * self.block_size)
         region = self._chunks(chunk, first, len(block_ids))
         self.queue.run(
-            lambda: ops.unpack(region, fmt, self.planes[layer], block_ids, head_start=h0),
+            lambda: self.kv.unpack(region, fmt, block_ids, layers=(layer,), head_start=h0),
             f"unpacking {len(block_ids)} blocks of layer {layer}",
         )
 
