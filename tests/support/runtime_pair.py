@@ -29,13 +29,18 @@ def make_cache(seed: int | None, spec: CacheSpec = SPEC) -> tuple[np.ndarray, Ca
     return arr, geo
 
 
-def endpoint(role: str, arr_geo, timeouts: dict | None = None, spec: CacheSpec = SPEC, planes=None, **cfg) -> Endpoint:  # noqa: ANN001
+def endpoint(
+    role: str, arr_geo, timeouts: dict | None = None, spec: CacheSpec = SPEC, planes=None, groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), **cfg  # noqa: ANN001
+) -> Endpoint:
     """A prefill (``role`` "P"), decode ("D") or both ("PD") endpoint over ``arr_geo``'s cache (the
     array and its geometry) with the config keys ``cfg``; ``planes``: the cache's K and
-    V planes per layer, for the packed path (``wire_dtype: fp8``, ``data_path: packed``)."""
+    V planes per layer, for the packed path (``wire_dtype: fp8``, ``data_path: packed``);
+    ``groups``: the layers' KV cache groups and the groups' windows (``CompatInfo``)."""
     config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, **(timeouts or {})}, **cfg})
     _, geo = arr_geo
-    compat = CompatInfo.from_spec(spec, model="m", wire_dtype=config.wire_dtype, data_path=config.resolved_data_path)
+    compat = CompatInfo.from_spec(
+        spec, model="m", wire_dtype=config.wire_dtype, data_path=config.resolved_data_path, layer_groups=groups[0], group_windows=groups[1]
+    )
     name = f"{role}-{next(_names)}"
     return Endpoint(config, geo, compat, role, send="P" in role, receive="D" in role, transport=LoopbackTransport(name), planes=planes)
 

@@ -212,3 +212,72 @@ def test_layer_slices_equal_single_layer_plans() -> None:
     np.testing.assert_array_equal(partial.for_layer(0).local_slots, plan_blocks(a, b, [1], [1], layers=[0]).local_slots)
     with pytest.raises(PlanError, match="layer 1 is not part of this plan"):
         partial.for_layer(1)
+
+
+def _run_slots(src_geo: CacheGeometry, dst_geo: CacheGeometry, lidx: np.ndarray, ridx: np.ndarray, into_local: bool = False) -> None:
+    """Execute paired slot indices with memmove (a write local -> remote, or a read)."""
+    for ls, rs in zip(lidx.tolist(), ridx.tolist()):
+        src, dst = (dst_geo.slot_address(rs), src_geo.slot_address(ls)) if into_local else (src_geo.slot_address(ls), dst_geo.slot_address(rs))
+        ctypes.memmove(dst, src, src_geo.spec.block_bytes)
+
+
+@pytest.mark.parametrize("layout", ["fused", "nhd"])
+def test_grouped_plan_moves_each_layer_s_group_and_skips_what_the_destination_lacks(layout: str) -> None:
+    """Layers 0 and 2 in group 0 (full attention), layer 1 in group 1 (a sliding window
+    whose first two positions the destination does not hold): every block of group 0,
+    group 1's last two only; nothing else of the destination changes."""
+    from kvbridge.core.blocks import NONE, BlockTable
+    from kvbridge.core.plan import plan_grouped
+
+    _, src_geo, src_block = make_cache(layout, 50)
+    _, dst_geo, dst_block = make_cache(layout, 51)
+    planes = src_geo.spec.planes_per_layer
+    src = BlockTable.grouped([[0, 1, 2, 3], [4, 5, 1, 0]])  # the groups' ids are unrelated
+    dst = BlockTable.grouped([[5, 4, 3, 2], [NONE, NONE, 0, 1]])
+    before = {(l, p, b): dst_block(l, p, b) for l in range(L) for p in range(planes) for b in range(N)}
+    lidx, ridx = plan_grouped(src_geo, dst_geo, src, dst, layer_groups=(0, 1, 0))
+    _run_slots(src_geo, dst_geo, lidx, ridx)
+    moved = {(l, p, d): s for l in (0, 2) for p in range(planes) for s, d in zip([0, 1, 2, 3], [5, 4, 3, 2])}
+    moved |= {(1, p, d): s for p in range(planes) for s, d in ((1, 0), (0, 1))}
+    for key, old in before.items():
+        want = src_block(key[0], key[1], moved[key]) if key in moved else old
+        assert dst_block(*key) == want, key
+    assert lidx.size == (2 * 4 + 2) * planes
+
+    # the other direction: a read into local blocks; only the layers asked for
+    lidx, ridx = plan_grouped(dst_geo, src_geo, dst, src, layer_groups=(0, 1, 0), layers=[1], into_local=True)
+    assert lidx.size == 2 * planes
+
+
+def test_grouped_plan_refuses_lost_blocks_and_tables_that_do_not_fit() -> None:
+    from kvbridge.core.blocks import NONE, BlockTable
+    from kvbridge.core.plan import plan_grouped
+
+    _, a, _ = make_cache("nhd", 60)
+    _, b, _ = make_cache("nhd", 61)
+    src = BlockTable.grouped([[0, 1], [NONE, 2]])
+    dst = BlockTable.grouped([[3, 4], [5, 0]])
+    with pytest.raises(PlanError, match="group 1: the destination expects position 0 .* which the source no longer holds"):
+        plan_grouped(a, b, src, dst, layer_groups=(0, 1, 0))
+    lidx, _ = plan_grouped(b, a, dst, src, layer_groups=(0, 1, 0), into_local=False)  # the other way nothing is lost
+    assert lidx.size == (2 * 2 + 1) * 2
+    with pytest.raises(PlanError, match="2 \\(local\\) and 1 \\(remote\\) KV cache groups for a cache whose layers form 2"):
+        plan_grouped(a, b, src, BlockTable.flat([3, 4]), layer_groups=(0, 1, 0))
+    with pytest.raises(PlanError, match="2 local vs 1 remote"):
+        plan_grouped(a, b, src, dst[:1], layer_groups=(0, 1, 0))
+    with pytest.raises(PlanError, match="differ in length"):
+        BlockTable.grouped([[1, 2], [3]])
+
+
+def test_block_tables_slice_join_and_cross_the_wire() -> None:
+    from kvbridge.core.blocks import NONE, BlockTable
+
+    t = BlockTable.grouped([[1, 2, 3], [NONE, 5, 6]])
+    assert len(t) == 3 and t.num_groups == 2 and list(t) == [(1, NONE), (2, 5), (3, 6)]
+    assert t[1:] + t[:1] == BlockTable.grouped([[2, 3, 1], [5, 6, NONE]])
+    assert BlockTable.from_wire(*t.to_wire()) == t
+    assert BlockTable.from_wire([7, 8]) == [7, 8] and BlockTable.of([7, 8]).to_wire() == ([7, 8], [])
+    with pytest.raises(PlanError, match="one block list per request; the request has 2 KV cache groups"):
+        t.flat_ids()
+    with pytest.raises(PlanError, match="cannot join block tables of 2 and 1"):
+        t + BlockTable.flat([1])  # noqa: B018 - the join raises

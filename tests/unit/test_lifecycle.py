@@ -96,6 +96,16 @@ def test_recv_happy_path_and_deadlines() -> None:
     assert r.phase is RecvPhase.RECEIVED and r.release() == (4, 5)
 
 
+def test_data_arriving_before_the_destination_s_reply_counts_as_receiving() -> None:
+    """A source may write as soon as it has the destination, before its reply reaches
+    the decode side: the request is receiving from then on, not waiting."""
+    r = RecvRequest("b", [4, 5], T, now=0)
+    r.layer_arrived(now=1)
+    assert r.phase is RecvPhase.ALLOCATED
+    r.destination_sent(now=1.5)
+    assert r.phase is RecvPhase.RECEIVING and r.deadline == 3.5  # transfer_s from now
+
+
 @pytest.mark.parametrize(
     ("steps", "at", "why"),
     [

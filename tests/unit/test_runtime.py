@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 from runtime_pair import SPEC, DeviceEvent, L, endpoint, eventually, make_cache
 
+from kvbridge.core.blocks import NONE, BlockTable
+from kvbridge.core.lifecycle import RecvPhase
+
 @pytest.fixture
 def pd() -> Iterator[tuple]:
     p_cache, d_cache = make_cache(1), make_cache(None)
@@ -473,5 +476,109 @@ def test_busy_prefill_is_not_declared_dead_while_it_still_listens() -> None:
         assert D.receiver.wait_finished(5) == (["b"], [])
     finally:
         stuck.set()
+        D.close()
+        P.close()
+
+
+GROUPS = ((0, 1, 0, 1), (0, 40))
+"""Layers 0 and 2 full attention (group 0), 1 and 3 a sliding window (group 1)."""
+
+
+@pytest.fixture
+def hybrid() -> Iterator[tuple]:
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    P, D = endpoint("P", p_cache, groups=GROUPS), endpoint("D", d_cache, groups=GROUPS)
+    yield P, D, p_cache[0], d_cache[0]
+    D.close()
+    P.close()
+
+
+def test_sliding_layers_move_only_the_blocks_the_decode_holds(hybrid) -> None:
+    """Layer-wise push of a 200-token prompt (13 blocks) whose sliding group the decode
+    holds from block 10 on: full layers land whole, sliding layers only there. The first
+    chunk's sliding layers have nothing to write (a bare notification covers them)."""
+    P, D, pa, da = hybrid
+    n, full, sliding = 200, list(range(13)), list(range(13, 26))
+    d_full, d_sliding = list(range(30, 43)), [NONE] * 10 + [43, 44, 45]
+    D.receiver.expect_push("h", P.address, BlockTable.grouped([d_full, d_sliding]), n)
+    P.sender.track("h", BlockTable.grouped([full[:4], sliding[:4]]), n)
+    for layer in (1, 3):  # the sliding layers first: a post of their own, all before the window
+        P.sender.layer_done("h", layer, 64)
+    eventually(lambda: D.receiver.phase("h") is RecvPhase.RECEIVING)  # its notification arrived, with nothing written
+    assert not da.any()
+    for layer in (0, 2):
+        P.sender.layer_done("h", layer, 64)
+    eventually(lambda: np.array_equal(da[2, d_full[:4]], pa[2, full[:4]]))
+    P.sender.add_blocks("h", BlockTable.grouped([full[4:], sliding[4:]]))
+    for layer in range(L):
+        P.sender.layer_done("h", layer, n)
+    P.sender.prefill_done("h")
+    assert D.receiver.wait_finished(5) == (["h"], [])
+    for layer in (0, 2):
+        np.testing.assert_array_equal(da[layer, d_full], pa[layer, full])
+    for layer in (1, 3):
+        np.testing.assert_array_equal(da[layer, [43, 44, 45]], pa[layer, sliding[10:]])
+        untouched = [b for b in range(da.shape[1]) if b not in (43, 44, 45)]
+        assert not da[layer, untouched].any(), "a sliding layer received blocks outside the window"
+    assert P.sender.wait_released(5) == ["h"]
+    moved = (2 * 13 + 2 * 3) * SPEC.block_bytes
+    assert P.stats.take().bytes_sent == moved
+    assert D.stats.take().bytes_received == moved
+
+
+def test_pull_reads_each_group_s_blocks_into_the_decode_s(hybrid) -> None:
+    P, D, pa, da = hybrid
+    P.sender.track("g", BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), 40, pull=True)  # the prefill freed its first sliding block
+    P.sender.prefill_done("g")
+    D.receiver.expect_pull("g", P.address, P.epoch, BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), BlockTable.grouped([[1, 2, 3], [NONE, 4, 5]]), 40)
+    assert D.receiver.wait_finished(5) == (["g"], [])
+    for layer in (0, 2):
+        np.testing.assert_array_equal(da[layer, [1, 2, 3]], pa[layer, [7, 8, 9]])
+    for layer in (1, 3):
+        np.testing.assert_array_equal(da[layer, [4, 5]], pa[layer, [10, 11]])
+        assert not da[layer, [1, 2, 3]].any()
+    assert P.sender.wait_released(5) == ["g"]
+
+
+def test_a_decode_expecting_blocks_the_prefill_freed_fails_cleanly(hybrid, caplog: pytest.LogCaptureFixture) -> None:
+    """The decode holds a sliding block the prefill no longer has: the write fails with
+    the reason, on both sides; nothing is read from a freed block."""
+    P, D, pa, da = hybrid
+    D.receiver.expect_push("f", P.address, BlockTable.grouped([[30, 31], [32, 33]]), 20)
+    P.sender.track("f", BlockTable.grouped([[1, 2], [NONE, 3]]), 20)
+    for layer in range(L):
+        P.sender.layer_done("f", layer, 20)
+    P.sender.prefill_done("f")
+    assert D.receiver.wait_finished(5) == ([], ["f"])
+    assert P.sender.wait_released(5) == ["f"]
+    assert not da[[1, 3]][:, [32]].any()
+    assert any("expects position 0 of the request's blocks, which the source no longer holds" in r.getMessage() for r in caplog.records)
+
+
+def test_a_destination_with_other_kv_cache_groups_is_refused(hybrid, caplog: pytest.LogCaptureFixture) -> None:
+    P, D, _, _ = hybrid
+    P.sender.track("x", BlockTable.grouped([[1, 2], [3, 4]]), 20)
+    D.receiver.expect_push("x", P.address, [30, 31], 20)  # one group, where the prefill has two
+    assert D.receiver.wait_finished(5) == ([], ["x"])
+    assert P.sender.wait_released(5) == ["x"]
+    assert any("blocks of 1 KV cache groups, this prefill's request 2" in r.getMessage() for r in caplog.records)
+
+
+def test_one_sliding_group_moves_only_its_window() -> None:
+    """Every layer in one sliding-window group (a model whose layers all slide)."""
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    P, D = endpoint("P", p_cache, groups=((0,) * L, (40,))), endpoint("D", d_cache, groups=((0,) * L, (40,)))
+    pa, da = p_cache[0], d_cache[0]
+    try:
+        D.receiver.expect_push("o", P.address, BlockTable.grouped([[NONE] * 10 + [40, 41, 42]]), 200)
+        P.sender.track("o", BlockTable.grouped([list(range(13))]), 200)
+        for layer in range(L):
+            P.sender.layer_done("o", layer, 200)
+        P.sender.prefill_done("o")
+        assert D.receiver.wait_finished(5) == (["o"], [])
+        np.testing.assert_array_equal(da[:, 40:43], pa[:, 10:13])
+        assert not da[:, :40].any() and not da[:, 43:].any()
+        assert D.stats.take().bytes_received == L * 3 * SPEC.block_bytes
+    finally:
         D.close()
         P.close()

@@ -202,3 +202,82 @@ def test_fp8_refuses_what_it_cannot_pack_with_the_fix() -> None:
         fp8_cache = CacheGeometry(spec=msgspec.structs.replace(SPEC, dtype="float8_e4m3fn"), num_blocks=N, plane_bases=geo.plane_bases)
         with pytest.raises(ConfigError, match="float16, bfloat16 or float32 caches"):
             PackedPath(fp8_cache, planes, 1, tr)
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_packed_sliding_layers_move_only_the_blocks_the_decode_holds(flow: str) -> None:
+    """Two KV cache groups through staging (exact values, so bit for bit): layers 1 and 3
+    a sliding window the decode holds from block 10 of 13 on. Full layers land whole,
+    sliding ones there only; a post with nothing to write gives its staging back at once;
+    every staging slot is free at the end on both sides."""
+    from kvbridge.core.blocks import NONE, BlockTable
+    from kvbridge.core.lifecycle import RecvPhase
+
+    groups = ((0, 1, 0, 1), (0, 40))
+    p, d = make_cache(1), make_cache(None)
+    P = endpoint("P", p, wire_dtype="exact", data_path="packed", groups=groups)
+    D = endpoint("D", d, wire_dtype="exact", data_path="packed", groups=groups)
+    pa, da = p[0], d[0]
+    try:
+        n, full, sliding = 200, list(range(13)), list(range(13, 26))
+        ours = BlockTable.grouped([list(range(30, 43)), [NONE] * 10 + [43, 44, 45]])
+        theirs = BlockTable.grouped([full, sliding])
+        if flow == "push":
+            D.receiver.expect_push("h", P.address, ours, n)
+            P.sender.track("h", theirs, n)
+            for layer in (1, 3):  # nothing of the sliding layers is in the first 64 tokens' window
+                P.sender.layer_done("h", layer, 64)
+            runtime_pair.eventually(lambda: D.receiver.phase("h") is RecvPhase.RECEIVING)  # its notification came, nothing written
+            assert P.node.packed.allocator.free_slots == P.node.packed.allocator.num_slots
+        else:
+            P.sender.track("h", theirs, n, pull=True)
+        for layer in range(L):
+            P.sender.layer_done("h", layer, n)
+        P.sender.prefill_done("h")
+        if flow == "pull":
+            D.receiver.expect_pull("h", P.address, P.epoch, theirs, ours, n)
+        assert D.receiver.wait_finished(5) == (["h"], [])
+        assert P.sender.wait_released(5) == ["h"]
+        for layer in (0, 2):
+            assert torch.equal(da[layer, 30:43], pa[layer, :13])
+        for layer in (1, 3):
+            assert torch.equal(da[layer, 43:46], pa[layer, 23:26])
+            assert not da[layer, :43].any() and not da[layer, 46:].any(), "a sliding layer got blocks outside its window"
+        assert D.stats.take().bytes_received == P.stats.take().bytes_sent == (2 * 13 + 2 * 3) * P.node.packed.slot.nbytes
+        for ep in (P, D):
+            runtime_pair.eventually(lambda ep=ep: ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots)
+    finally:
+        D.close()
+        P.close()
+
+
+def test_fp8_with_kv_cache_groups_clears_each_group_s_partial_block_and_lands_the_window() -> None:
+    """FP8 through staging with two groups: the partial last block is zeroed in both
+    groups before the engine writes it (its unused rows would enter the scales), and the
+    sliding layers' window lands with bounded error, nothing outside it."""
+    from kvbridge.core.blocks import NONE, BlockTable
+
+    groups = ((0, 1, 0, 1), (0, 40))
+    p, d = make_cache(1), make_cache(None)
+    P, D = endpoint("P", p, groups=groups), endpoint("D", d, groups=groups)
+    pa, da = p[0], d[0]
+    try:
+        n = 200  # 13 blocks, the last holding 8 tokens
+        theirs = BlockTable.grouped([list(range(13)), list(range(13, 26))])
+        D.receiver.expect_push("q", P.address, BlockTable.grouped([list(range(30, 43)), [NONE] * 10 + [43, 44, 45]]), n)
+        written = pa[:, [12, 25]].clone()
+        P.sender.track("q", theirs, n)
+        assert not pa[:, [12, 25]].any(), "the partial last block of each group is cleared at track"
+        pa[:, [12, 25]] = written  # what the engine's forward then writes
+        for layer in range(L):
+            P.sender.layer_done("q", layer, n)
+        P.sender.prefill_done("q")
+        assert D.receiver.wait_finished(5) == (["q"], [])
+        assert P.sender.wait_released(5) == ["q"]
+        for layer, src, dst in [(0, range(13), range(30, 43)), (2, range(13), range(30, 43)), (1, range(23, 26), range(43, 46)), (3, range(23, 26), range(43, 46))]:
+            assert 0 < rel_err(pa[layer, list(src)], da[layer, list(dst)]) < 0.04, layer
+        for layer in (1, 3):
+            assert not da[layer, :43].any() and not da[layer, 46:].any()
+    finally:
+        D.close()
+        P.close()

@@ -19,7 +19,7 @@ from kvbridge.errors import ConfigError, KVBridgeError
 def _discover(s: SchedulerSide, rid: str) -> dict | None:
     req = SimpleNamespace(request_id=rid, kv_transfer_params={"kvbridge": {"transfer_id": rid, "role": "prefill", "flow": "discover"}})
     assert s.matched_tokens(req, 0) == (0, False)  # vLLM's first call; the prefill loads nothing
-    held, params = s.request_finished(req, [])
+    held, params = s.request_finished(req, ([],))
     assert not held, "discover holds nothing"
     return params
 
@@ -111,7 +111,7 @@ def test_transfer_blocks_cut_each_vllm_block_on_the_prefill_side_in_both_flows()
     second = s.build_meta(_output(cached=[(r, 40, [7]) for r in reqs], scheduled={r: 30 for r in reqs})).send
     # 70 tokens fill 9 blocks of 8: the 9th is the first of vLLM block 7
     assert [st.new_blocks for st in second] == [[28]] * 2
-    held, params = s.request_finished(reqs["pull"], [5, 2, 7])
+    held, params = s.request_finished(reqs["pull"], ([5, 2, 7],))
     assert held and params["kvbridge"]["remote_blocks"] == [20, 21, 22, 23, 8, 9, 10, 11, 28]
 
 
@@ -171,8 +171,8 @@ def test_decode_siblings_of_one_transfer_load_it_once_then_read_the_prefix_cache
     assert s.matched_tokens(b, 32) == (0, False)
     s.after_alloc(b, _blocks([6, 7, 8]), 0)
     assert s.build_meta(_output()).recv == []
-    assert s.request_finished(b, [6, 7, 8]) == (False, None)
-    assert s.request_finished(a, [3, 4, 5]) == (False, None)
+    assert s.request_finished(b, ([6, 7, 8],)) == (False, None)
+    assert s.request_finished(a, ([3, 4, 5],)) == (False, None)
     # a sibling that arrives after the load ended (vLLM submits them one by one) loads
     # nothing either: the prefill side has let go of the transfer
     assert s.matched_tokens(_decode_req("2_r"), 32) == (0, False)
@@ -187,7 +187,7 @@ def test_a_sibling_waits_for_an_aborted_owner_until_the_workers_let_go() -> None
     s.build_meta(_output())
     assert s.matched_tokens(b, 0) == (None, False)
     a.status = "FINISHED_ABORTED"
-    assert s.request_finished(a, [3, 4, 5]) == (True, None), "held while the prefill side may still write"
+    assert s.request_finished(a, ([3, 4, 5],)) == (True, None), "held while the prefill side may still write"
     assert s.build_meta(_output()).abort_recv == {"0_r": "t1"}
     assert s.matched_tokens(b, 0) == (None, False), "writes may still land: b must not start yet"
     s.update_output({"0_r"}, None)  # the workers report the aborted load stopped
@@ -201,7 +201,7 @@ def test_a_waiting_sibling_aborted_by_its_client_leaves_nothing_behind() -> None
     assert s.matched_tokens(a, 0) == (40, True)
     s.after_alloc(a, _blocks([3, 4, 5]), 40)
     assert s.matched_tokens(b, 0) == (None, False)
-    assert s.request_finished(b, []) == (False, None)
+    assert s.request_finished(b, ([],)) == (False, None)
     assert not s._sharing and not s.has_pending_work()
 
 
@@ -221,14 +221,14 @@ def test_a_second_prefill_request_naming_a_transfer_in_use_is_computed_without_a
         s.after_alloc(r, None, 0)
     steps = s.build_meta(_output(new=[("0_r", 0, [1, 2, 3]), ("1_r", 0, [4, 5, 6])], scheduled={"0_r": 40, "1_r": 40})).send
     assert [st.req_id for st in steps] == ["0_r"], "one sender per transfer id and worker"
-    assert s.request_finished(b, [4, 5, 6]) == (False, None), "b holds nothing"
-    held, _ = s.request_finished(a, [1, 2, 3])
+    assert s.request_finished(b, ([4, 5, 6],)) == (False, None), "b holds nothing"
+    held, _ = s.request_finished(a, ([1, 2, 3],))
     assert held
     s.update_output({"0_r"}, None)
     c = _prefill_req("2_r")  # a later sibling: t1 was sent already
     s.after_alloc(c, None, 0)
     assert s.build_meta(_output(new=[("2_r", 0, [7, 8, 9])], scheduled={"2_r": 40})).send == []
-    assert s.request_finished(c, [7, 8, 9]) == (False, None)
+    assert s.request_finished(c, ([7, 8, 9],)) == (False, None)
     d = _prefill_req("3_r", tid="t2")
     s.after_alloc(d, None, 0)
     assert [st.req_id for st in s.build_meta(_output(new=[("3_r", 0, [7, 8, 9])], scheduled={"3_r": 40})).send] == ["3_r"]
@@ -250,7 +250,7 @@ def test_a_preempted_prefill_drops_its_transfer_and_resumes_as_a_plain_request()
     s.after_alloc(r, None, 0)  # rescheduled later, from the start
     again = s.build_meta(_output(new=[("r", 0, [5, 6, 7, 8, 9, 10, 11])], scheduled={"r": 100}))
     assert again.send == [] and again.drop_send == {}
-    assert s.request_finished(r, [5, 6, 7, 8, 9, 10, 11]) == (False, None)
+    assert s.request_finished(r, ([5, 6, 7, 8, 9, 10, 11],)) == (False, None)
     assert not s.has_pending_work() and not s._send_owner
 
 
@@ -268,4 +268,91 @@ def test_a_decode_request_vllm_computes_itself_lets_the_prefill_go() -> None:
     s.after_alloc(r, _blocks([3, 4, 5]), 0)  # rescheduled after a preemption
     assert s.build_meta(_output()).forgo == [], "let go of once"
     assert s.matched_tokens(_decode_req("1_r"), 0) == (0, False), "a later sibling computes too"
-    assert s.request_finished(r, [3, 4, 5]) == (False, None)
+    assert s.request_finished(r, ([3, 4, 5],)) == (False, None)
+
+
+# --- KV cache groups (vLLM's hybrid manager) --------------------------------------------
+
+
+def _hybrid_output(new=(), cached=(), scheduled=None) -> SimpleNamespace:
+    """:func:`_output` with one block list per KV cache group already in ``block_ids``."""
+    out = _output(scheduled=scheduled)
+    out.scheduled_new_reqs = [SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=b) for r, c, b in new]
+    out.scheduled_cached_reqs = SimpleNamespace(
+        req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached], new_block_ids=[b for _, _, b in cached], resumed_req_ids=set()
+    )
+    return out
+
+
+def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_none() -> None:
+    """Group 0 full attention, group 1 a 40-token window, blocks of 32: the decode's
+    lists per group after a one-block prefix hit (vLLM pads the sliding one with its null
+    block, id 0), the prefill's per step, and the P-first parameters of every group."""
+    from kvbridge.adapters.vllm import params as kvparams
+    from kvbridge.core.blocks import NONE, BlockTable
+
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
+    req = _decode_req("d", n=150)
+    assert s.matched_tokens(req, 32) == (118, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14], [0, 0, 0, 15, 16]))
+    s.after_alloc(req, blocks, 118)
+    task = s.build_meta(_output()).recv[0]
+    assert task.block_ids == BlockTable.grouped([[11, 12, 13, 14], [NONE, NONE, 15, 16]]) and task.skip_tokens == 32
+
+    s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
+    p = SimpleNamespace(request_id="p", num_prompt_tokens=150, status=FINISHED_OK[0], kv_transfer_params={"do_remote_decode": True})
+    s.after_alloc(p, None, 0)
+    first = s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3], [4, 5, 6]))], scheduled={"p": 96})).send[0]
+    assert first.new_blocks == BlockTable.grouped([[1, 2, 3], [4, 5, 6]])
+    second = s.build_meta(_hybrid_output(cached=[("p", 96, ([7, 8], [9, 10]))], scheduled={"p": 54})).send[0]
+    assert second.new_blocks == BlockTable.grouped([[7, 8], [9, 10]]) and second.last
+    held, params = s.request_finished(p, ([1, 2, 3, 7, 8], [0, 0, 0, 9, 10]))  # vLLM freed what left the window
+    assert held and params["remote_block_ids"] == [1, 2, 3, 7, 8]
+    handoff = kvparams.parse(params, "d2")
+    assert handoff is not None and handoff.remote_table() == BlockTable.grouped([[1, 2, 3, 7, 8], [NONE, NONE, NONE, 9, 10]])
+
+
+def test_a_prompt_whose_window_starts_on_a_block_boundary_is_not_handed_off() -> None:
+    """``N - W + 1`` a multiple of the block size: the decode computes the prompt (no
+    tokens to load) and the prefill computes it as a plain request (nothing held)."""
+    from kvbridge.adapters.vllm import params as kvparams
+
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
+    edge = 2 * 32 + 40 - 1
+    assert s.on_window_edge(edge) and not s.on_window_edge(edge - 1) and not s.on_window_edge(edge + 1) and not s.on_window_edge(39)
+    assert s.matched_tokens(_decode_req("d", n=edge), 0) == (0, False)
+    assert s.matched_tokens(_decode_req("d2", tid="t2", n=edge + 1), 0) == (edge + 1, True)
+    p = SimpleNamespace(request_id="p", num_prompt_tokens=edge, status=FINISHED_OK[0], kv_transfer_params={"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    s.after_alloc(p, None, 0)
+    assert s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"p": edge})).send == []
+    assert s.request_finished(p, ([1, 2, 3, 4], [0, 0, 7, 8])) == (False, None)
+    # P-first: the router gets parameters that make the decode compute the prompt
+    q = SimpleNamespace(request_id="q", num_prompt_tokens=edge, status=FINISHED_OK[0], kv_transfer_params={"do_remote_decode": True})
+    s.after_alloc(q, None, 0)
+    assert s.build_meta(_hybrid_output(new=[("q", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"q": edge})).send == []
+    held, params = s.request_finished(q, ([1, 2, 3, 4], [0, 0, 7, 8]))
+    assert not held and params and kvparams.parse(params, "dq") is None
+    assert not SchedulerSide(32, "eng", "127.0.0.1").on_window_edge(edge), "full attention only: every length is handed off"
+
+
+def test_groups_out_of_step_give_the_transfer_up_not_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
+    p = SimpleNamespace(request_id="p", num_prompt_tokens=150, status=FINISHED_OK[0], kv_transfer_params={"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    s.after_alloc(p, None, 0)
+    meta = s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3], [4, 5]))], scheduled={"p": 96}))
+    assert meta.send == [] and meta.drop_send == {"p": "tp"}
+    assert "differ in length" in caplog.text
+    assert s.request_finished(p, ([1, 2, 3], [4, 5])) == (False, None)
+
+
+def test_one_sliding_window_group_is_told_apart_too() -> None:
+    """A model whose layers all slide (one group, a sliding window): vLLM still pads the
+    decode's list with its null block, so the lists travel as tables."""
+    from kvbridge.core.blocks import NONE, BlockTable
+
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(40,))
+    req = _decode_req("d", n=150)
+    assert s.matched_tokens(req, 0) == (150, True)
+    s.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 15, 16],)), 150)
+    assert s.build_meta(_output()).recv[0].block_ids == BlockTable.grouped([[NONE, NONE, NONE, 15, 16]])
+    assert s.on_window_edge(2 * 32 + 40 - 1)

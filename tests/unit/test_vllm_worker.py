@@ -377,3 +377,64 @@ def test_a_transfer_block_size_on_vllm_s_cpu_cache_is_refused_naming_the_key(mon
     with pytest.raises(ConfigError, match="does not store a block token by token") as err:
         _register({"transfer_block_size": 8}, caches, monkeypatch)
     assert err.value.key == "transfer_block_size"
+
+
+def _register_groups(cache_config: dict, kv_caches: dict, groups, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
+    seen: dict = {}
+
+    class Recorder:
+        def __init__(self, config, geometry, compat, *args, planes=None, **kwargs) -> None:
+            seen.update(geometry=geometry, compat=compat)
+            self.address = "recorded"
+
+    monkeypatch.setattr("kvbridge.adapters.vllm.worker.Endpoint", Recorder)
+    ws = WorkerSide(load_config(cache_config), "e", 0, "m", 1, 32, send=True, receive=False, groups=groups)
+    ws.register(kv_caches)
+    return seen
+
+
+def test_each_layer_names_its_kv_cache_group_in_the_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's hybrid manager: layers alias the same memory across groups (the i-th layer
+    of each); the handshake's compat info carries every layer's group and the groups'
+    windows in model order, whatever order vLLM listed the groups in, on either path."""
+    import torch
+
+    from kvbridge.adapters.vllm.compat import CacheGroup
+    from kvbridge.errors import ConfigError
+
+    shared = [torch.zeros(6, 2, 32, 64) for _ in range(2)]  # fused CPU layout; layers 2i and 2i+1 alias
+    caches = {f"model.layers.{i}.self_attn.attn": shared[i // 2] for i in range(4)}
+    groups = [CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], 32, 40), CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], 32, 0)]
+    for config in ({}, {"wire_dtype": "fp8"}):
+        compat = _register_groups(config, caches, groups, monkeypatch)["compat"]
+        assert compat.layer_groups == (1, 0, 1, 0) and compat.group_windows == (40, 0)
+    with pytest.raises(ConfigError, match=r"KV cache layers \['model.layers.3.self_attn.attn'\] are in none"):
+        _register_groups({}, caches, [groups[0]._replace(layer_names=groups[0].layer_names[:1]), groups[1]], monkeypatch)
+
+
+def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refused() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from kvbridge.adapters.vllm.compat import cache_groups
+    from kvbridge.errors import KVBridgeError
+
+    def group(spec, *names):  # noqa: ANN001, ANN202
+        return SimpleNamespace(layer_names=list(names), kv_cache_spec=spec, enable_kv_transfer=True)
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)
+    got = cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b"), group(full, "a")]))
+    assert [(g.layer_names, g.block_size, g.window) for g in got] == [(["b"], 32, 40), (["a"], 32, 0)]
+    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,))
+    with pytest.raises(KVBridgeError, match="group 1 .* is MambaSpec; kvbridge moves full-attention and sliding-window groups only") as err:
+        cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(mamba, "m")]))
+    assert "--disable-hybrid-kv-cache-manager" in str(err.value)
+    assert cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m")])) == [], "one group that keeps every block: moved whole, as before"
+    assert cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a")])) == []
+    assert [g.window for g in cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b")]))] == [40], "one sliding group: told apart"
+    bigger = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)
+    with pytest.raises(KVBridgeError, match=r"different block sizes \[32, 64\]"):
+        cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(bigger, "b")]))

@@ -18,6 +18,7 @@ ALL_MESSAGES = [
     m.Hello(peer=PEER, compat=INFO, transport="nixl", transport_metadata=b"\x00\x01", geometry=GEO),
     m.Welcome(peer=PEER, compat=INFO, transport="mooncake", transport_metadata=b"127.0.0.1:1", geometry=GEO),
     m.Destination(transfer_id="r1", peer=PEER, block_ids=[3, 4, 5], num_tokens=90, skip_tokens=32),
+    m.Destination(transfer_id="r2", peer=PEER, block_ids=[3, 4, 5], num_tokens=96, group_block_ids=[[-1, 8, 9]]),
     m.Release(transfer_id="r1", peer=PEER, ok=False, reason="read failed"),
     m.LayerDone(transfer_id="r1", layers=[0, 1], first_block=2, num_blocks=3),
     m.Done(transfer_id="r1", ok=False, reason="lease expired"),
@@ -95,9 +96,23 @@ def test_unknown_fields_from_newer_peers_are_tolerated() -> None:
 
 def test_compat_hash_changes_with_every_property() -> None:
     base = compat_hash(INFO)
-    changes = {"model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128, "tp_size": 3, "total_kv_heads": 16}
+    changes = {
+        "model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128,
+        "tp_size": 3, "total_kv_heads": 16, "layer_groups": (0, 1), "group_windows": (0, 40),
+    }  # fmt: skip
     hashes = {compat_hash(msgspec.structs.replace(INFO, **{k: v})) for k, v in changes.items()}
     assert base not in hashes and len(hashes) == len(changes)
+
+
+def test_peers_without_kv_cache_groups_keep_the_hash_of_earlier_releases() -> None:
+    """``layer_groups`` and ``group_windows`` came after the first release: a peer that
+    sets neither hashes as before (the value kvbridge 0.1.0.dev0 computed for this info,
+    before the fields existed), and groups make a peer differ, naming what."""
+    info = CompatInfo(model="m", dtype="bfloat16", layout="nhd", block_size=16, num_layers=32, num_kv_heads=8, head_dim=128)
+    assert compat_hash(info) == "b50daa35b00660b4"
+    hybrid = msgspec.structs.replace(info, layer_groups=(0, 1) * 16, group_windows=(0, 128))
+    assert compat_hash(hybrid) != compat_hash(info)
+    assert compat_diff(info, hybrid) == {"layer_groups": ((), (0, 1) * 16), "group_windows": ((), (0, 128))}
 
 
 def test_nhd_and_hnd_caches_are_compatible_on_the_packed_path_only() -> None:

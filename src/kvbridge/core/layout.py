@@ -286,12 +286,15 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
 def sub_block_ids(block_ids: Iterable[int], ratio: int, limit: int | None = None) -> list[int]:
     """Block ids of a cache of ``ratio``-times smaller blocks covering the same tokens
     (:meth:`CacheGeometry.in_blocks_of`): each id ``b`` becomes ``b * ratio`` to ``b *
-    ratio + ratio - 1``; at most ``limit`` of them (the blocks the tokens fill).
+    ratio + ratio - 1``; at most ``limit`` of them (the blocks the tokens fill). A
+    negative id (no block: :data:`kvbridge.core.blocks.NONE`) stays one in each.
 
     >>> sub_block_ids([7, 2], 4, limit=6)
     [28, 29, 30, 31, 8, 9]
+    >>> sub_block_ids([-1, 2], 2)
+    [-1, -1, 4, 5]
     """
-    out = [b * ratio + k for b in block_ids for k in range(ratio)]
+    out = [b * ratio + k if b >= 0 else b for b in block_ids for k in range(ratio)]
     return out if limit is None else out[: max(0, limit)]
 
 

@@ -260,7 +260,12 @@ class RecvRequest(_Request[RecvPhase]):
         self.layers_arrived = 0
 
     def destination_sent(self, now: float) -> None:
+        """The source has our destination. A source may write (and its notifications
+        arrive) before its reply reaches us: with layers arrived, the request is
+        receiving, not waiting."""
         self._move(RecvPhase.WAITING, now, deadline=now + self.timeouts.receive_s)
+        if self.layers_arrived:
+            self._move(RecvPhase.RECEIVING, now, deadline=now + self.timeouts.transfer_s)
 
     def layer_arrived(self, now: float) -> None:
         if self.terminal:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
+from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.tp import Split
 from kvbridge.errors import PlanError
@@ -152,6 +153,90 @@ def plan_parts(
     )
 
 
+def layers_by_group(layer_groups: Sequence[int], layers: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``layers`` split by KV cache group: ``(group, its layers in the given order)`` per
+    group, groups ascending (``layer_groups`` empty: all in group 0)."""
+    of = list(layer_groups)
+    by: dict[int, list[int]] = {}
+    for layer in layers:
+        by.setdefault(of[layer] if of else 0, []).append(layer)
+    return sorted(by.items())
+
+
+def held_positions(src: np.ndarray, dst: np.ndarray, group: int = 0) -> np.ndarray:
+    """Positions of one KV cache group's block ids where the destination (``dst``) holds
+    a block, as indices: what moves. The source must hold those too.
+
+    Raises:
+        PlanError: the destination holds a block where the source holds none (the
+            source no longer has KV the destination expects).
+    """
+    lost = np.flatnonzero((src == NONE) & (dst != NONE))
+    if lost.size:
+        raise PlanError(
+            f"KV cache group {group}: the destination expects position {int(lost[0])} of the request's blocks, "
+            "which the source no longer holds (it left the source's sliding window)"
+        )
+    return np.flatnonzero(dst != NONE)
+
+
+def plan_grouped(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: BlockTable,
+    remote_blocks: BlockTable,
+    layer_groups: Sequence[int],
+    layers: Iterable[int] | None = None,
+    *,
+    split: Split | None = None,
+    into_local: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`plan_blocks` (or, with ``split``, :func:`plan_parts`) for a request whose
+    layers take their blocks from KV cache groups (:mod:`kvbridge.core.blocks`): layer
+    ``l`` moves the blocks of group ``layer_groups[l]`` (empty: every layer group 0).
+    A position the destination (``remote``, or ``local`` when ``into_local``) holds no
+    block for in a group is left out for that group's layers: a sliding-window layer
+    moves only its window. Returns the paired slot (or part) indices, int32, layer
+    order within each group.
+
+    >>> from kvbridge.core.layout import CacheSpec
+    >>> spec = CacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused")
+    >>> geo = CacheGeometry(spec=spec, num_blocks=10, plane_bases=(0x1000, 0x2000))
+    >>> src = BlockTable.grouped([[1, 2, 3], [4, 5, 6]])
+    >>> dst = BlockTable.grouped([[7, 8, 9], [NONE, NONE, 3]])    # layer 1 keeps its last block
+    >>> lidx, ridx = plan_grouped(geo, geo, src, dst, layer_groups=(0, 1))
+    >>> lidx.tolist(), ridx.tolist()
+    ([1, 2, 3, 16], [7, 8, 9, 13])
+
+    Raises:
+        PlanError: a table's groups are not those of ``layer_groups``, the tables differ
+            in length, or the destination holds a block where the source holds none
+            (the source no longer has KV the destination expects).
+    """
+    groups = max(layer_groups, default=0) + 1
+    if local_blocks.num_groups != groups or remote_blocks.num_groups != groups:
+        raise PlanError(
+            f"block tables of {local_blocks.num_groups} (local) and {remote_blocks.num_groups} (remote) KV cache groups "
+            f"for a cache whose layers form {groups}"
+        )
+    if len(local_blocks) != len(remote_blocks):
+        raise PlanError(f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote")
+    layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
+    lparts, rparts = [], []
+    for g, on in layers_by_group(layer_groups, layer_list):
+        lrow, rrow = local_blocks.row(g), remote_blocks.row(g)
+        keep = held_positions(rrow, lrow, g) if into_local else held_positions(lrow, rrow, g)
+        if split is None:
+            plan = plan_blocks(local, remote, lrow[keep], rrow[keep], layers=on)
+        else:
+            plan = plan_parts(local, remote, lrow[keep], rrow[keep], split, layers=on)
+        lparts.append(plan.local_slots)
+        rparts.append(plan.remote_slots)
+    if not lparts:
+        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
+    return np.concatenate(lparts), np.concatenate(rparts)
+
+
 def plan_regions(plan: TransferPlan, local: CacheGeometry, remote: CacheGeometry) -> Regions:
     """The plan as coalesced (local -> remote) address regions."""
     lt = _addresses(local, plan.local_slots)
@@ -204,7 +289,10 @@ __all__ = [
     "TransferPlan",
     "check_direct_compatible",
     "coalesce",
+    "held_positions",
+    "layers_by_group",
     "plan_blocks",
+    "plan_grouped",
     "plan_parts",
     "plan_regions",
 ]

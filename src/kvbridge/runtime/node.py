@@ -38,7 +38,8 @@ import numpy as np
 
 from kvbridge.config import KVBridgeConfig
 from kvbridge.core.layout import CacheGeometry
-from kvbridge.core.plan import plan_blocks, plan_parts
+from kvbridge.core.blocks import BlockTable
+from kvbridge.core.plan import plan_blocks, plan_grouped, plan_parts
 from kvbridge.core.tp import Split, check_pairing, pair_split, prefill_ranks
 from kvbridge.errors import (
     ConfigError,
@@ -276,21 +277,41 @@ class Node:
                 table = self._part_tables[parts] = self.transport.prepare(self.geometry.part_table(parts), memory=self.geometry.memory)
         return table
 
-    def plan(self, peer: Peer, local_blocks: Sequence[int], remote_blocks: Sequence[int], layers: Sequence[int] | None = None) -> tuple[DescTable, np.ndarray, DescTable, np.ndarray]:
+    def plan(
+        self,
+        peer: Peer,
+        local_blocks: BlockTable | Sequence[int],
+        remote_blocks: BlockTable | Sequence[int],
+        layers: Sequence[int] | None = None,
+        *,
+        into_local: bool = False,
+    ) -> tuple[DescTable, np.ndarray, DescTable, np.ndarray]:
         """Descriptor tables and indices moving ``local_blocks[i]`` to / from
         ``remote_blocks[i]`` in ``layers`` (default all): whole blocks, or the head
-        ranges the peer's TP split pairs with ours.
+        ranges the peer's TP split pairs with ours. Block tables of several KV cache
+        groups pair each layer's group (:func:`~kvbridge.core.plan.plan_grouped`),
+        leaving out what the destination (the peer, or us when ``into_local``: a read)
+        holds no block for. The indices may be empty: nothing of these layers and
+        positions moves.
 
         Raises:
-            PlanError: bad block ids or layers.
+            PlanError: bad block ids or layers, or block tables that do not fit the
+                cache's groups.
         """
         if peer.split is not None and self.packed is not None:
             raise KVBridgeError("a peer with another TP split exchanges packed head ranges through staging, not cache blocks")
+        local_t, remote_t = BlockTable.of(local_blocks), BlockTable.of(remote_blocks)
+        table = self.table if peer.split is None else self.local_table(peer.split.local_parts)
+        groups = self.codec.compat.layer_groups
+        if groups or local_t.num_groups > 1 or remote_t.num_groups > 1:
+            lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, split=peer.split, into_local=into_local)
+            return table, lidx, peer.table, ridx
+        local_ids, remote_ids = local_t.row(0), remote_t.row(0)
         if peer.split is None:
-            plan = plan_blocks(self.geometry, peer.geometry, local_blocks, remote_blocks, layers=layers)
-            return self.table, plan.local_slots, peer.table, plan.remote_slots
-        plan = plan_parts(self.geometry, peer.geometry, local_blocks, remote_blocks, peer.split, layers=layers)
-        return self.local_table(peer.split.local_parts), plan.local_slots, peer.table, plan.remote_slots
+            plan = plan_blocks(self.geometry, peer.geometry, local_ids, remote_ids, layers=layers)
+        else:
+            plan = plan_parts(self.geometry, peer.geometry, local_ids, remote_ids, peer.split, layers=layers)
+        return table, plan.local_slots, peer.table, plan.remote_slots
 
     # --- notifications -------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.lifecycle import RecvPhase, RecvRequest
 from kvbridge.errors import KVBridgeError, PeerUnreachableError, WireError
 from kvbridge.runtime.node import Node, Peer
@@ -91,11 +92,11 @@ def _remote(i: int) -> str:
 class _In:
     req: RecvRequest
     sources: list[_Source]
-    block_ids: list[int]
+    block_ids: BlockTable
     num_tokens: int
     skip_tokens: int
     pull: bool
-    remote_blocks: list[int]
+    remote_blocks: BlockTable
     coverage: np.ndarray | None = None
     """Push: (source, layer, block) landed."""
     started: float = 0.0
@@ -144,9 +145,13 @@ class Receiver:
 
     # --- engine-facing -------------------------------------------------------------------
 
-    def expect_push(self, transfer_id: str, address: str | Sequence[str], block_ids: list[int], num_tokens: int, skip_tokens: int = 0) -> None:
+    def expect_push(
+        self, transfer_id: str, address: str | Sequence[str], block_ids: BlockTable | list[int], num_tokens: int, skip_tokens: int = 0
+    ) -> None:
         """Layer-wise push: ask the prefill worker at ``address`` to write the prompt's
-        KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids``. A list of
+        KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids`` (a table of
+        several KV cache groups, :mod:`kvbridge.core.blocks`, where the engine keeps
+        some: each layer gets its group's blocks, none where that is -1). A list of
         addresses: each of those prefill workers holds some of our KV heads and writes
         them (a prefill instance with more TP ranks than ours)."""
         addresses = [address] if isinstance(address, str) else list(address)
@@ -157,8 +162,8 @@ class Receiver:
         transfer_id: str,
         address: str | Sequence[str],
         epoch: str | None | Sequence[str | None],
-        remote_blocks: list[int],
-        block_ids: list[int],
+        remote_blocks: BlockTable | list[int],
+        block_ids: BlockTable | list[int],
         num_tokens: int,
         skip_tokens: int = 0,
     ) -> None:
@@ -208,29 +213,40 @@ class Receiver:
         if isinstance(reply, Reply) and not reply.ok:
             log.warning("kvbridge: %s %s refused to let go of %s: %s", who, address, msg.transfer_id, reply.detail or reply.code)
 
-    def refuse(self, transfer_id: str, block_ids: list[int], num_tokens: int, reason: str) -> None:
+    def refuse(self, transfer_id: str, block_ids: BlockTable | list[int], num_tokens: int, reason: str) -> None:
         """Fail a load before it starts (the adapter found it cannot be served, e.g. the
         prefill instance is incompatible); reported by :meth:`take_finished` like any
         failed load."""
         entry = self._new(transfer_id, [], block_ids, num_tokens, 0, pull=False, remote_blocks=[])
         self._fail(entry, reason)
 
-    def _new(self, transfer_id: str, sources: list[_Source], block_ids: list[int], num_tokens: int, skip_tokens: int, **kw: object) -> _In:
+    def _new(
+        self,
+        transfer_id: str,
+        sources: list[_Source],
+        block_ids: BlockTable | list[int],
+        num_tokens: int,
+        skip_tokens: int,
+        pull: bool,
+        remote_blocks: BlockTable | list[int],
+    ) -> _In:
         now = self.clock()
+        block_ids = BlockTable.of(block_ids)
         entry = _In(
             req=RecvRequest(transfer_id, block_ids, self.cfg.timeouts, now),
             sources=sources,
-            block_ids=list(block_ids),
+            block_ids=block_ids,
             num_tokens=num_tokens,
             skip_tokens=skip_tokens,
+            pull=pull,
+            remote_blocks=BlockTable.of(remote_blocks),
             started=now,
-            **kw,  # type: ignore[arg-type]
         )
         with self._lock:
             if transfer_id in self._in:
                 raise KVBridgeError(f"transfer {transfer_id!r} is already expected by this decode worker")
             self._in[transfer_id] = entry
-            if not block_ids:  # D's prefix cache already holds everything
+            if not len(block_ids):  # D's prefix cache already holds everything
                 entry.req.complete(now)
             self._lock.notify()
         return entry
@@ -351,14 +367,16 @@ class Receiver:
                     if peer.heads is None or peer.heads[1] - peer.heads[0] != self._source_heads(entry):
                         raise KVBridgeError(f"prefill at {src.address} writes KV heads {peer.heads}, not {self._source_heads(entry)} of ours as one of {len(entry.sources)} sources")
                     first = entry.staging.first + i * self._layers * len(entry.block_ids)
+                block_ids, group_block_ids = entry.block_ids.to_wire()
                 msg = Destination(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
-                    block_ids=entry.block_ids,
+                    block_ids=block_ids,
                     num_tokens=entry.num_tokens,
                     skip_tokens=entry.skip_tokens,
                     staging_slot=first,
                     source=i,
+                    group_block_ids=group_block_ids,
                 )
                 maybe_held = True
                 reply = self.node.client.request(src.address, msg, self.cfg.timeouts.handshake_s)
@@ -393,7 +411,7 @@ class Receiver:
             key = ("read", i)
             try:
                 peer = self._connect(entry, i)
-                local, lidx, remote, ridx = self.node.plan(peer, entry.block_ids, remote_blocks)
+                local, lidx, remote, ridx = self.node.plan(peer, entry.block_ids, remote_blocks, into_local=True)
                 with self._lock:
                     if entry.req.terminal:  # it holds blocks for us that we will not read
                         stop = Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "aborted")
@@ -520,13 +538,23 @@ class Receiver:
             if unpack:
                 entry.req.settled(_UNPACK, now)
             entry.coverage[msg.source, msg.layers, msg.first_block:end] = True
-            entry.nbytes += len(msg.layers) * msg.num_blocks * self._block_bytes(src)
+            entry.nbytes += self._held(entry, msg.layers, msg.first_block, end) * self._block_bytes(src)
             entry.req.layer_arrived(now)
             if entry.coverage[msg.source].all():
                 self._writes_stopped(entry, now, msg.source)
             if entry.coverage.all():
                 entry.req.complete(now)
             self._lock.notify()
+
+    def _held(self, entry: _In, layers: list[int], first: int, end: int) -> int:
+        """How many (layer, block) pairs of ``layers`` and positions ``[first, end)``
+        our blocks hold: all, except where a layer's KV cache group holds no block
+        (a sliding window's positions before it, which nothing is written to)."""
+        groups = self.node.codec.compat.layer_groups
+        if not groups:
+            return len(layers) * (end - first)
+        held = (entry.block_ids.rows[:, first:end] != NONE).sum(axis=1)
+        return int(sum(held[groups[layer]] for layer in layers))
 
     def _block_bytes(self, src: _Source) -> int:
         """Bytes source ``src`` sends per layer and block of ours."""
@@ -543,8 +571,14 @@ class Receiver:
         packed, nb = self.node.packed, len(entry.block_ids)
         blocks = entry.block_ids[msg.first_block : msg.first_block + msg.num_blocks]
         first = entry.staging.first + msg.source * self._layers * nb + msg.first_block
+        heads = entry.sources[msg.source].peer.heads
+        groups = self.node.codec.compat.layer_groups
         for layer in msg.layers:
-            packed.unpack(layer, blocks, first + layer * nb, heads=entry.sources[msg.source].peer.heads)
+            row = blocks.row(groups[layer] if groups else 0)
+            held = np.flatnonzero(row != NONE)  # a sliding group's positions before its window got nothing
+            for run in np.split(held, np.flatnonzero(np.diff(held) != 1) + 1) if held.size else ():
+                a, b = int(run[0]), int(run[-1]) + 1
+                packed.unpack(layer, row[a:b].tolist(), first + layer * nb + a, heads=heads)
 
     # --- control thread ------------------------------------------------------------------
 

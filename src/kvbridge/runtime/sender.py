@@ -53,7 +53,9 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.lifecycle import EndedTransfers, SendPhase, SendRequest
+from kvbridge.core.plan import held_positions, layers_by_group
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.node import Node, Peer
 from kvbridge.runtime.packed import Run
@@ -94,12 +96,14 @@ class _Dest:
     peer: Peer
     posted: list[int]
     """Per layer: prompt blocks posted to it so far (absolute index)."""
+    blocks: BlockTable
+    """The destination's blocks (``msg``'s, in every KV cache group)."""
 
 
 @dataclass
 class _Out:
     req: SendRequest
-    blocks: list[int]
+    blocks: BlockTable
     num_tokens: int
     stream: bool
     pull: bool
@@ -158,9 +162,17 @@ class Sender:
     # --- engine-facing -------------------------------------------------------------------
 
     def track(
-        self, transfer_id: str, blocks: list[int], num_tokens: int, computed_tokens: int = 0, pull: bool = False, ready: Ready | None = None
+        self,
+        transfer_id: str,
+        blocks: BlockTable | list[int],
+        num_tokens: int,
+        computed_tokens: int = 0,
+        pull: bool = False,
+        ready: Ready | None = None,
     ) -> None:
-        """Start holding ``blocks`` (the prompt's, in order) for ``transfer_id``.
+        """Start holding ``blocks`` (the prompt's, in order; a table of several KV cache
+        groups, :mod:`kvbridge.core.blocks`, where the engine keeps some) for
+        ``transfer_id``.
 
         ``computed_tokens``: tokens already in the cache before this prefill (prefix
         cache hits), ready in every layer (once ``ready`` has completed, when given: an
@@ -168,13 +180,14 @@ class Sender:
         P-first flow, the decode side reads the blocks itself and sends ``Release``.
         """
         now = self.clock()
+        blocks = BlockTable.of(blocks)
         with self._lock:
             if transfer_id in self._out:
                 raise KVBridgeError(f"transfer {transfer_id!r} is already tracked by this prefill worker")
             stream = self.cfg.layerwise and num_tokens >= self.cfg.layerwise_min_tokens
             out = _Out(
                 req=SendRequest(transfer_id, blocks, self.cfg.timeouts, now),
-                blocks=list(blocks),
+                blocks=blocks,
                 num_tokens=num_tokens,
                 stream=stream,
                 pull=pull,
@@ -194,17 +207,18 @@ class Sender:
                     self._accept(out, msg, now)
             self._lock.notify()
 
-    def add_blocks(self, transfer_id: str, blocks: list[int]) -> None:
+    def add_blocks(self, transfer_id: str, blocks: BlockTable | list[int]) -> None:
         """More blocks of the same prompt (a later chunk of a chunked prefill)."""
+        blocks = BlockTable.of(blocks)
         with self._lock:
             out = self._out.get(transfer_id)
             if out is None or out.req.terminal:
                 return
             self._clear_tail(out, len(out.blocks), blocks)
-            out.blocks.extend(blocks)
+            out.blocks = out.blocks + blocks
             out.req.hold(blocks)
 
-    def _clear_tail(self, out: _Out, first: int, blocks: list[int]) -> None:
+    def _clear_tail(self, out: _Out, first: int, blocks: BlockTable) -> None:
         """Packed path: zero the prompt's partial last block if it is among ``blocks``
         (new, prompt blocks ``first`` onwards), before the engine writes it (see
         :meth:`~kvbridge.runtime.packed.PackedPath.clear`)."""
@@ -213,7 +227,9 @@ class Sender:
             return
         last = out.num_tokens // self._bs - first  # its index in ``blocks``
         if 0 <= last < len(blocks):
-            packed.clear(blocks[last])
+            for block in blocks.rows[:, last].tolist():  # in every KV cache group that holds one
+                if block != NONE:
+                    packed.clear(block)
 
     def layer_done(self, transfer_id: str, layer: int, computed_tokens: int, ready: Ready | None = None) -> None:
         """``layer`` holds KV for the first ``computed_tokens`` prompt tokens (once
@@ -354,6 +370,19 @@ class Sender:
         if peer is None:
             out.req.fail(f"destination from {msg.peer}, which never shook hands", now)
             return "unknown peer"
+        try:
+            blocks = BlockTable.from_wire(msg.block_ids, msg.group_block_ids)
+        except KVBridgeError as exc:
+            reason = f"destination of {msg.transfer_id} from {msg.peer} is malformed: {exc}"
+            out.req.fail(reason, now)
+            return reason
+        if blocks.num_groups != out.blocks.num_groups:
+            reason = (
+                f"destination of {msg.transfer_id} from {msg.peer} has blocks of {blocks.num_groups} KV cache groups, "
+                f"this prefill's request {out.blocks.num_groups}"
+            )
+            out.req.fail(reason, now)
+            return reason
         if peer.split is not None and peer.split.idle:
             reason = f"destination of {msg.transfer_id} from {msg.peer}, for which this prefill rank holds no KV heads (it is idle for it)"
             out.req.fail(reason, now)
@@ -368,7 +397,7 @@ class Sender:
                 out.req.fail(reason, now)
                 return reason
             out.pull = False  # packed: P-first requests are written like pushed ones
-        out.dests.append(_Dest(msg=msg, peer=peer, posted=[0] * self._layers))
+        out.dests.append(_Dest(msg=msg, peer=peer, posted=[0] * self._layers, blocks=blocks))
         if out.req.phase is SendPhase.HELD:
             out.req.start_sending(now)
         return None
@@ -507,9 +536,13 @@ class Sender:
             try:
                 note = LayerDone(transfer_id=dest.msg.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start, source=dest.msg.source)
                 if packed is None:
-                    local, lidx, remote, ridx = self.node.plan(dest.peer, out.blocks[start:end], dest.msg.block_ids[start - skip : end - skip], layers)
+                    local, lidx, remote, ridx = self.node.plan(dest.peer, out.blocks[start:end], dest.blocks[start - skip : end - skip], layers)
                 else:
                     local, lidx, remote, ridx = self._pack(out, dest, layers, start, end, run)
+                if not len(lidx):  # sliding-window layers before their window: nothing to write
+                    self.node.transport.notify(dest.peer.agent, self.node.encode_note(note))
+                    self._free_posts([posts[i]])
+                    continue
                 with self._lock:
                     if out.req.terminal:
                         self._free_posts(posts[i:])
@@ -531,16 +564,27 @@ class Sender:
 
     def _pack(self, out: _Out, to: _Dest, layers: list[int], start: int, end: int, run: Run):
         """Pack a post (the peer's head range of each block) into our staging; the chunk
-        pairs to write (packed path)."""
+        pairs to write (packed path). Per KV cache group, only the positions the
+        destination holds a block for (all, with one group) are packed and written,
+        each into its chunk of the destination's staging."""
         packed, dest, peer = self.node.packed, to.msg, to.peer
         assert packed is not None and peer.heads is not None
         if peer.staging is None or dest.staging_slot < 0:
             raise KVBridgeError(f"destination of {dest.transfer_id} has no staging slots for packed KV")
         skip = dest.skip_tokens // self._bs
-        n, nb = end - start, len(dest.block_ids)
-        packed.pack(layers, out.blocks[start:end], run.first, heads=peer.heads)
-        lidx = np.arange(run.first, run.first + len(layers) * n, dtype=np.int64)
-        ridx = np.concatenate([dest.staging_slot + layer * nb + (start - skip) + np.arange(n, dtype=np.int64) for layer in layers])
+        nb = len(dest.block_ids)
+        src, dst = out.blocks[start:end], to.blocks[start - skip : end - skip]
+        chunk, lparts, rparts = run.first, [], []
+        for g, on in layers_by_group(self.node.codec.compat.layer_groups, layers):
+            keep = held_positions(src.row(g), dst.row(g), g)
+            if not keep.size:
+                continue
+            packed.pack(on, src.row(g)[keep].tolist(), chunk, heads=peer.heads)
+            lparts.append(np.arange(chunk, chunk + len(on) * keep.size, dtype=np.int64))
+            rparts += [dest.staging_slot + layer * nb + (start - skip) + keep for layer in on]
+            chunk += len(on) * keep.size
+        lidx = np.concatenate(lparts) if lparts else np.empty(0, dtype=np.int64)
+        ridx = np.concatenate(rparts) if rparts else np.empty(0, dtype=np.int64)
         return packed.table_for(peer.heads[1] - peer.heads[0]), lidx, peer.staging, ridx
 
     def _free_posts(self, posts: list[tuple[_Dest, list[int], int, int, Run | None]]) -> None:

@@ -50,6 +50,17 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     data_path: str = "direct"
     """How KV moves (config ``data_path``, resolved: ``direct`` or ``packed``): both
     sides must pack or neither."""
+    layer_groups: tuple[int, ...] = ()
+    """Per layer (model order), the KV cache group whose block ids it uses
+    (:mod:`kvbridge.core.blocks`); empty: one group (every engine without vLLM's hybrid
+    KV cache manager)."""
+    group_windows: tuple[int, ...] = ()
+    """Per KV cache group, its sliding window in tokens, 0 for full attention; empty
+    with ``layer_groups``."""
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.layer_groups, default=0) + 1
 
     @property
     def model_kv_heads(self) -> int:
@@ -67,7 +78,16 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_spec(
-        cls, spec: CacheSpec, *, model: str, tp_size: int = 1, wire_dtype: str = "exact", total_kv_heads: int = 0, data_path: str = "direct"
+        cls,
+        spec: CacheSpec,
+        *,
+        model: str,
+        tp_size: int = 1,
+        wire_dtype: str = "exact",
+        total_kv_heads: int = 0,
+        data_path: str = "direct",
+        layer_groups: tuple[int, ...] = (),
+        group_windows: tuple[int, ...] = (),
     ) -> CompatInfo:
         """``data_path``: ``KVBridgeConfig.resolved_data_path``."""
         return cls(
@@ -82,6 +102,8 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             wire_dtype=wire_dtype,
             total_kv_heads=total_kv_heads,
             data_path=data_path,
+            layer_groups=layer_groups,
+            group_windows=group_windows,
         )
 
 
@@ -91,10 +113,19 @@ between peers (checked at the handshake, :mod:`kvbridge.core.tp`) and are left o
 the hash, which carries the model's head count instead."""
 
 
+_SINCE_V1 = ("layer_groups", "group_windows")
+"""Fields added after the first release of the hash: hashed only when set, so that
+peers that do not use them keep the hash they had."""
+
+
 def compat_hash(info: CompatInfo) -> str:
     """16 hex characters identifying what every pair of peers must share (stable
     across processes and versions of msgspec: values are encoded in field order)."""
-    shared = [info.layout_key if f == "layout" else getattr(info, f) for f in info.__struct_fields__ if f not in _TP_SPLIT] + [info.model_kv_heads]
+    shared = [
+        info.layout_key if f == "layout" else getattr(info, f)
+        for f in info.__struct_fields__
+        if f not in _TP_SPLIT and not (f in _SINCE_V1 and not getattr(info, f))
+    ] + [info.model_kv_heads]
     payload = msgspec.msgpack.encode(shared)
     return hashlib.sha256(b"kvbridge-compat-v3\0" + payload).hexdigest()[:16]
 

@@ -102,6 +102,10 @@ class Destination(_Msg, tag="dest"):
     """Which of D's sources for this transfer the receiving prefill rank is (D reads
     its KV heads from several prefill ranks when the prefill has more TP ranks); P
     echoes it in every ``LayerDone`` and ``Done`` of this destination."""
+    group_block_ids: list[list[int]] = []
+    """KV cache groups after the first (vLLM's hybrid manager; peers' ``layer_groups``):
+    D's blocks for the same positions, one list per group, -1 where the group holds
+    none (``block_ids`` is then group 0's, with -1 too). See :mod:`kvbridge.core.blocks`."""
 
 
 class Release(_Msg, tag="release"):

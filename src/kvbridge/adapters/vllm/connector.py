@@ -20,6 +20,8 @@ from kvbridge.adapters.vllm.compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
+    cache_groups,
     check_version,
     is_mla,
     model_kv_heads,
@@ -71,12 +73,16 @@ def cache_layout(vllm_config) -> str | None:
     return "LBNHC" if unit and unit != vllm_config.cache_config.block_size else "LBHNC"
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's vLLM V1 KV connector (layer-wise push and P-first flows).
 
-    Deliberately not ``SupportsHMA``: kvbridge moves one block list for all layers, so
-    vLLM turns its hybrid KV cache manager off for this connector and a sliding-window
-    model runs as one KV cache group (docs/vllm-connector-notes.md, section 1)."""
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a model with
+    sliding-window layers beside full ones runs with one KV cache group per kind, and a
+    sliding layer keeps and moves only its window (the scheduler side's module
+    docstring; docs/vllm-connector-notes.md, section 1). Groups other than full
+    attention and sliding window (state-space layers) are refused at start-up, and so
+    is the packed data path with several groups; ``--disable-hybrid-kv-cache-manager``
+    gives such a deployment one group again."""
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -94,11 +100,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         send = kv_role in ("kv_producer", "kv_both")
         receive = kv_role in ("kv_consumer", "kv_both")
         block_size = vllm_config.cache_config.block_size
+        groups = cache_groups(kv_cache_config)
+        if groups:
+            block_size = groups[0].block_size  # the manager's, which may differ from --block-size
+        self._groups = len(groups)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host, self.config.transfer_block_size)
+            windows = [g.window for g in groups]
+            self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host, self.config.transfer_block_size, windows=windows)
             log.info(
                 "kvbridge: engine %s is %s, block size %d, %s scheduling",
                 self.engine_id,
@@ -120,6 +131,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 block_size=block_size,
                 send=send,
                 receive=receive,
+                groups=groups or None,
             )
 
     # --- scheduler side ------------------------------------------------------------------
@@ -138,7 +150,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls this instead of :meth:`request_finished` (``SupportsHMA``), with one
+        block list per KV cache group."""
+        assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request) -> tuple[int, ...]:
+        """A load writes the request's own blocks in every group (vLLM's default names
+        the groups a hash-addressed store holds)."""
+        return tuple(range(max(1, self._groups)))
 
     def update_connector_output(self, connector_output) -> None:
         assert self._scheduler is not None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.adapters.vllm.compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
 from kvbridge.adapters.vllm.params import PrefillAddress
+from kvbridge.core.blocks import BlockTable
 
 
 @dataclass
@@ -24,10 +25,12 @@ class RecvTask:
     transfer_id: str
     flow: str
     prefill: PrefillAddress
-    block_ids: list[int]
+    block_ids: list[int] | BlockTable
+    """Ours for tokens ``[skip_tokens, num_tokens)``; a table of every KV cache group
+    with vLLM's hybrid manager."""
     num_tokens: int
     skip_tokens: int
-    remote_blocks: list[int] | None = None
+    remote_blocks: list[int] | BlockTable | None = None
 
 
 @dataclass
@@ -50,7 +53,7 @@ class SendStep:
     transfer_id: str
     flow: str
     num_tokens: int
-    new_blocks: list[int]
+    new_blocks: list[int] | BlockTable
     computed_before: int
     computed_after: int
     first: bool

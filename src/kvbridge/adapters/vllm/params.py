@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from kvbridge.core.blocks import BlockTable
 from kvbridge.core.tp import check_pairing, idle_prefill_ranks, prefill_ranks
 from kvbridge.errors import IncompatiblePeerError
 
@@ -104,7 +105,11 @@ class KVBridgeParams(msgspec.Struct, frozen=True):
     prefill: Union[PrefillAddress, None] = None
     """Decode side: the prefill instance to ask (push) or read from (pull)."""
     remote_blocks: Union[list[int], None] = None
-    """P-first decode side: the prefill's blocks holding the prompt, in order."""
+    """P-first decode side: the prefill's blocks holding the prompt, in order (with
+    vLLM's hybrid manager, KV cache group 0's, -1 where it holds none)."""
+    remote_group_blocks: Union[list[list[int]], None] = None
+    """P-first decode side, hybrid manager: the other KV cache groups' blocks for the
+    same positions (:mod:`kvbridge.core.blocks`)."""
 
 
 class Handoff(msgspec.Struct, frozen=True):
@@ -115,6 +120,13 @@ class Handoff(msgspec.Struct, frozen=True):
     transfer_id: str
     prefill: Union[PrefillAddress, None] = None
     remote_blocks: Union[list[int], None] = None
+    remote_group_blocks: Union[list[list[int]], None] = None
+
+    def remote_table(self) -> BlockTable | None:
+        """P-first decode side: the prefill's blocks as a table (every KV cache group)."""
+        if self.remote_blocks is None:
+            return None
+        return BlockTable.from_wire(self.remote_blocks, self.remote_group_blocks or ())
 
 
 def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
@@ -133,7 +145,10 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
             return None
         if kb.flow == "pull" and kb.role == "decode" and not params.get("do_remote_prefill", True):
             return None  # vLLM cleared the flag: the transfer was already handled
-        return Handoff(role=kb.role, flow=kb.flow, transfer_id=kb.transfer_id, prefill=kb.prefill, remote_blocks=kb.remote_blocks)
+        return Handoff(
+            role=kb.role, flow=kb.flow, transfer_id=kb.transfer_id, prefill=kb.prefill, remote_blocks=kb.remote_blocks,
+            remote_group_blocks=kb.remote_group_blocks,
+        )
     if params.get("do_remote_decode"):
         # vLLM's P-first protocol, request to the prefill instance
         return Handoff(role="prefill", flow="pull", transfer_id=request_id)
@@ -145,9 +160,14 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
     return None
 
 
-def pull_response(transfer_id: str, prefill: PrefillAddress, engine_id: str, blocks: list[int], num_tokens: int, host: str, port: int) -> dict[str, Any]:
+def pull_response(
+    transfer_id: str, prefill: PrefillAddress, engine_id: str, blocks: BlockTable | list[int], num_tokens: int, host: str, port: int
+) -> dict[str, Any]:
     """``kv_transfer_params`` the prefill side returns in the P-first flow: vLLM's own
-    fields (so generic routers pass it on) plus kvbridge's block for the decode side."""
+    fields (so generic routers pass it on) plus kvbridge's block for the decode side.
+    ``blocks``: the prompt's, in every KV cache group (vLLM's ``remote_block_ids`` gets
+    group 0's)."""
+    blocks, groups = BlockTable.of(blocks).to_wire()
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -158,9 +178,18 @@ def pull_response(transfer_id: str, prefill: PrefillAddress, engine_id: str, blo
         "remote_port": port,
         "remote_num_tokens": num_tokens,
         "kvbridge": msgspec.to_builtins(
-            KVBridgeParams(transfer_id=transfer_id, role="decode", flow="pull", prefill=prefill, remote_blocks=blocks)
+            KVBridgeParams(
+                transfer_id=transfer_id, role="decode", flow="pull", prefill=prefill, remote_blocks=blocks, remote_group_blocks=groups or None
+            )
         ),
     }
+
+
+def local_response() -> dict[str, Any]:
+    """``kv_transfer_params`` the prefill side returns for a P-first request it did not
+    hand off (the decode computes the prompt itself): vLLM's flags, both off, so a
+    router passes them on and the decode side serves the request as a plain one."""
+    return {"do_remote_prefill": False, "do_remote_decode": False}
 
 
 def discover_response(prefill: PrefillAddress) -> dict[str, Any]:
@@ -168,4 +197,4 @@ def discover_response(prefill: PrefillAddress) -> dict[str, Any]:
     return {"kvbridge": {"prefill": msgspec.to_builtins(prefill)}}
 
 
-__all__ = ["Handoff", "KVBridgeParams", "PrefillAddress", "RankAddress", "discover_response", "parse", "pull_response"]
+__all__ = ["Handoff", "KVBridgeParams", "PrefillAddress", "RankAddress", "discover_response", "local_response", "parse", "pull_response"]

@@ -24,21 +24,42 @@ request. Used ids are remembered for the last
 A decode request that vLLM computes itself after all (it asked for prompt logprobs:
 ``update_state_after_alloc`` then reports no external tokens) tells its prefill to let
 go of the transfer (:class:`~kvbridge.adapters.vllm.metadata.Forgo`).
+
+KV cache groups (vLLM's hybrid manager, a model with sliding-window layers): vLLM hands
+every block list as one list per group, position by position in lockstep; with several
+groups, or one that is a sliding window, each list this class hands on is a
+:class:`~kvbridge.core.blocks.BlockTable` of one row per group, vLLM's null block (a
+sliding group's positions before its window) as :data:`~kvbridge.core.blocks.NONE`. The
+decode side allocates only a sliding group's window (vLLM pads the rest with the null
+block), and the prefill's writes leave out what it does not hold, so a sliding layer
+moves its window only.
+
+One length per block size and window is not handed off: where ``N - W + 1`` is a
+multiple of the block size ``B`` (``N`` prompt tokens, ``W`` a sliding window), the
+decode computes the prompt itself and the prefill computes it as a plain request. A
+decode that loads a whole prompt recomputes its last token (vLLM's way to sample after
+a full hit), whose window reaches back to token ``N - W``; vLLM's padding of a load of
+``N`` tokens nulls that token's block exactly at such lengths (measured: first-token
+logprobs off by 1e-2 and more there, 1e-6 elsewhere), and the prefill frees the same
+block when it finishes the request, so no partial load can be served either. About one
+request in ``B`` with a sliding-window model.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.adapters.vllm import params as kvparams
-from kvbridge.adapters.vllm.compat import FINISHED_OK, yield_req_data
+from kvbridge.adapters.vllm.compat import FINISHED_OK, NULL_BLOCK_ID, yield_req_data
 from kvbridge.adapters.vllm.metadata import Forgo, KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
+from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.layout import sub_block_ids
 from kvbridge.core.lifecycle import EndedTransfers
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, PlanError
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +84,12 @@ class SchedulerSide:
             workers or to the peer (``kv_transfer_params``) is in those units: vLLM's
             block ``b`` is blocks ``b * m`` to ``b * m + m - 1``,
             ``m = block_size / transfer_block_size``, cut to the blocks the prompt fills.
+        windows: per KV cache group (vLLM's hybrid manager, module docstring) its
+            sliding window in tokens, 0 for full attention; empty: one group that
+            keeps every block (no tables).
     """
 
-    def __init__(self, block_size: int, engine_id: str, host: str, transfer_block_size: int = 0) -> None:
+    def __init__(self, block_size: int, engine_id: str, host: str, transfer_block_size: int = 0, windows: Sequence[int] = ()) -> None:
         self.block_size = block_size
         self.unit = transfer_block_size or block_size
         if block_size % self.unit:
@@ -75,6 +99,9 @@ class SchedulerSide:
                 fix="use a divisor of both instances' --block-size, the same on prefill and decode (0: the engine's own)",
             )
         self._ratio = block_size // self.unit
+        self._grouped = bool(windows)
+        """Block lists are tables, vLLM's null block as NONE (every group told apart)."""
+        self._windows = sorted({w for w in windows if w})
         self.engine_id = engine_id
         self.host = host
         self._handoffs: dict[str, kvparams.Handoff] = {}
@@ -93,6 +120,7 @@ class SchedulerSide:
         self._abort_send: dict[str, str] = {}
         self._abort_recv: dict[str, str] = {}
         self._workers: dict[int, KVBridgeHandshake] = {}
+        self._not_handed: set[str] = set()  # P-first prefill requests on a window edge (module docstring)
 
     # --- handshake metadata from the workers ----------------------------------------------
 
@@ -142,6 +170,8 @@ class SchedulerSide:
             log.info("kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its prefix cache", req_id, h.transfer_id)
             self._recv_done.add(req_id)
             return 0, False
+        if self.on_window_edge(request.num_prompt_tokens):  # computed here (module docstring)
+            return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -153,6 +183,15 @@ class SchedulerSide:
             if h.flow == "discover":
                 return
             if request.request_id not in self._prefill:
+                if self.on_window_edge(request.num_prompt_tokens):
+                    log.info(
+                        "kvbridge: request %s (%d tokens) is computed without a handoff: its sliding window starts on a block boundary (its decode computes it too)",
+                        request.request_id, request.num_prompt_tokens,
+                    )
+                    self._handoffs[request.request_id] = _NONE
+                    if h.flow == "pull":  # the router still expects parameters for the decode
+                        self._not_handed.add(request.request_id)
+                    return
                 if h.transfer_id in self._send_owner or h.transfer_id in self._send_ended:
                     log.warning(
                         "kvbridge: request %s names transfer %s, which another request sends or sent (n > 1 on a prefill?); computing it without a handoff",
@@ -177,25 +216,35 @@ class SchedulerSide:
             self._recv_ended.add(tid, "forgone")
             self._recv_done.add(req_id)
             return
-        all_ids = blocks.get_block_ids()[0]
-        new_ids = blocks.get_unhashed_block_ids()
-        skip_blocks = len(all_ids) - len(new_ids)  # prefix-cache hits come first
-        needed = math.ceil(request.num_prompt_tokens / self.block_size) - skip_blocks
-        filled = math.ceil(request.num_prompt_tokens / self.unit) - skip_blocks * self._ratio
+        num_tokens = request.num_prompt_tokens
+        if not self._grouped:
+            all_ids = blocks.get_block_ids()[0]
+            new_ids = blocks.get_unhashed_block_ids()
+            skip_blocks = len(all_ids) - len(new_ids)  # prefix-cache hits come first
+        else:  # local hits (whole blocks) come first in every group; a sliding one pads with the null block
+            skip_blocks = (num_tokens - num_external_tokens) // self.block_size
+            new_ids = [ids[skip_blocks:] for ids in blocks.get_block_ids()]
+        needed = math.ceil(num_tokens / self.block_size) - skip_blocks
+        filled = math.ceil(num_tokens / self.unit) - skip_blocks * self._ratio
+        block_ids = self._ids(new_ids[:needed], filled) if not self._grouped else self._table([ids[:needed] for ids in new_ids], filled)
         self._recv_new.append(
             RecvTask(
                 req_id=request.request_id,
                 transfer_id=h.transfer_id,
                 flow=h.flow,
                 prefill=h.prefill,
-                block_ids=self._ids(new_ids[:needed], filled),
-                num_tokens=request.num_prompt_tokens,
+                block_ids=block_ids,
+                num_tokens=num_tokens,
                 skip_tokens=skip_blocks * self.block_size,
-                remote_blocks=h.remote_blocks,
+                remote_blocks=h.remote_blocks if not self._grouped else h.remote_table(),
             )
         )
         self._recv_active[request.request_id] = h.transfer_id
         self._recv_owner[h.transfer_id] = request.request_id
+
+    def on_window_edge(self, num_tokens: int) -> bool:
+        """A prompt of this length is not handed off (module docstring)."""
+        return any(num_tokens >= w and (num_tokens - w + 1) % self.block_size == 0 for w in self._windows)
 
     def build_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(
@@ -219,7 +268,12 @@ class SchedulerSide:
                 if before >= p.num_tokens:
                     continue  # decoding (max_tokens > 1): nothing more to send
                 after = min(before + scheduler_output.num_scheduled_tokens[req_id], p.num_tokens)
-                new = self._ids(new_blocks[0], math.ceil(p.num_tokens / self.unit) - p.blocks) if new_blocks else []
+                try:
+                    new = self._blocks(new_blocks, math.ceil(p.num_tokens / self.unit) - p.blocks) if new_blocks else []
+                except PlanError as exc:  # vLLM's groups out of step: give the transfer up, not the engine
+                    log.error("kvbridge: request %s: %s; its transfer %s is given up", req_id, exc, p.transfer_id)
+                    self._preempted(meta, req_id)
+                    continue
                 p.blocks += len(new)
                 meta.send.append(
                     SendStep(
@@ -249,13 +303,17 @@ class SchedulerSide:
         meta.drop_send[req_id] = p.transfer_id
         self._handoffs[req_id] = _NONE
 
-    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Called once per request before vLLM frees its blocks. True: kvbridge holds
-        them until a worker reports ``finished_sending``."""
+    def request_finished(self, request, block_ids: Sequence[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """Called once per request before vLLM frees its blocks (``block_ids``: one list
+        per KV cache group). True: kvbridge holds them until a worker reports
+        ``finished_sending``."""
         req_id = request.request_id
         self._recv_done.discard(req_id)
         self._sharing.pop(req_id, None)
         h = self._handoffs.pop(req_id, None)
+        if req_id in self._not_handed:
+            self._not_handed.discard(req_id)
+            return False, kvparams.local_response()
         if h is None or h is _NONE:
             self._free_transfer_id(req_id)  # preempted after its transfer had started
             return False, None
@@ -285,7 +343,7 @@ class SchedulerSide:
                 self._abort_send[req_id] = p.transfer_id
                 return True, None
             port = int(address.address.rsplit(":", 1)[1])
-            blocks = self._ids(block_ids, math.ceil(p.num_tokens / self.unit))
+            blocks = self._blocks(block_ids, math.ceil(p.num_tokens / self.unit))
             return True, kvparams.pull_response(p.transfer_id, address, self.engine_id, blocks, p.num_tokens, self.host, port)
         # push: tell the caller where we are (a proxy notices a restarted prefill here)
         address = self._address()
@@ -296,6 +354,20 @@ class SchedulerSide:
         if self._ratio == 1:
             return list(block_ids)[: max(0, limit)]
         return sub_block_ids(block_ids, self._ratio, limit)
+
+    def _table(self, per_group: Sequence[Sequence[int]], limit: int) -> BlockTable:
+        """One block list per KV cache group (vLLM's, the same positions) as a table in
+        transfer blocks, vLLM's null block as NONE, at most ``limit`` positions.
+
+        Raises:
+            PlanError: the lists differ in length.
+        """
+        return BlockTable.grouped([self._ids([NONE if b == NULL_BLOCK_ID else b for b in ids], limit) for ids in per_group])
+
+    def _blocks(self, per_group: Sequence[Sequence[int]], limit: int) -> list[int] | BlockTable:
+        """vLLM's block lists, one per KV cache group, as the workers take them: the one
+        group's list, or a table of every group's."""
+        return self._ids(per_group[0], limit) if not self._grouped else self._table(per_group, limit)
 
     def update_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         for req_id in finished_sending or ():

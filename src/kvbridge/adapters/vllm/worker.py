@@ -21,7 +21,10 @@ request in ``finished_recving`` (and ``failed_recving`` when its load failed).
 
 Block ids: the scheduler side hands the worker *transfer blocks* (config
 ``transfer_block_size``, default vLLM's block size); :meth:`WorkerSide.register`
-addresses the cache in the same units, so the runtime never sees vLLM's own.
+addresses the cache in the same units, so the runtime never sees vLLM's own. With
+vLLM's hybrid manager (several KV cache groups) they come as
+:class:`~kvbridge.core.blocks.BlockTable` s, and the worker tells the runtime which
+group each layer takes its blocks from (``CompatInfo.layer_groups``: peers must agree).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvbridge.adapters.vllm.cache import geometry_from_tensors, layer_order
-from kvbridge.adapters.vllm.compat import extract_layer_index
+from kvbridge.adapters.vllm.compat import CacheGroup, extract_layer_index
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake, KVBridgeMetadata, SendStep
 from kvbridge.config import KVBridgeConfig
 from kvbridge.core.lifecycle import RecvPhase, SendPhase
@@ -63,6 +66,7 @@ class WorkerSide:
         receive: bool,
         total_kv_heads: int = 0,
         mla: bool = False,
+        groups: list[CacheGroup] | None = None,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -73,6 +77,8 @@ class WorkerSide:
         """The model's KV heads before the TP split (0: this rank's heads x TP size)."""
         self.mla = mla
         """The model's attention is MLA: its cache holds one latent vector per token."""
+        self.groups = groups
+        """vLLM's KV cache groups when there are several (hybrid manager), else None."""
         self.block_size = block_size
         self.send = send
         self.receive = receive
@@ -105,9 +111,10 @@ class WorkerSide:
                 ) from exc
         if not self.total_kv_heads:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
+        layer_groups, windows = self._layer_groups(ordered)
         compat = CompatInfo.from_spec(
             geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads,
-            data_path=self.config.resolved_data_path,
+            data_path=self.config.resolved_data_path, layer_groups=layer_groups, group_windows=windows,
         )
         planes = None
         if self.config.packed:  # the packed path reads and writes the tensors
@@ -124,6 +131,21 @@ class WorkerSide:
             self.config.resolved_data_path,
             self.endpoint.address,
         )
+
+    def _layer_groups(self, ordered: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per layer (model order) its KV cache group, and per group its sliding window;
+        both empty with one group.
+
+        Raises:
+            ConfigError: a layer in no group.
+        """
+        if not self.groups:
+            return (), ()
+        of = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
+        missing = [name for name in ordered if name not in of]
+        if missing:
+            raise ConfigError(f"KV cache layers {missing} are in none of vLLM's KV cache groups", fix="report this model to kvbridge")
+        return tuple(of[name] for name in ordered), tuple(g.window for g in self.groups)
 
     def handshake(self) -> KVBridgeHandshake | None:
         if self.endpoint is None:
@@ -185,7 +207,8 @@ class WorkerSide:
             addresses = [s.address for s in sources]
             if task.flow == "pull":
                 epochs = [s.epoch or None for s in sources]
-                ep.receiver.expect_pull(task.transfer_id, addresses, epochs, list(task.remote_blocks or []), task.block_ids, task.num_tokens, task.skip_tokens)
+                remote = task.remote_blocks if task.remote_blocks is not None else []
+                ep.receiver.expect_pull(task.transfer_id, addresses, epochs, remote, task.block_ids, task.num_tokens, task.skip_tokens)
             else:
                 ep.receiver.expect_push(task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens)
             if idle:
