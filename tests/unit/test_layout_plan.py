@@ -281,3 +281,22 @@ def test_block_tables_slice_join_and_cross_the_wire() -> None:
         t.flat_ids()
     with pytest.raises(PlanError, match="cannot join block tables of 2 and 1"):
         t + BlockTable.flat([1])  # noqa: B018 - the join raises
+
+
+def test_grouped_plan_between_tp_splits_pairs_each_group_s_head_ranges() -> None:
+    """A prefill of TP 1 (2 heads) writing to decode rank 1 of TP 2 (1 head): per group
+    the head-range plan of the positions the destination holds, nothing else."""
+    from kvbridge.core.blocks import NONE, BlockTable
+    from kvbridge.core.plan import plan_grouped, plan_parts
+    from kvbridge.core.tp import pair_split
+
+    _, src, _ = make_cache("hnd", 70)
+    half = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=1, head_dim=D, dtype="float32", layout="hnd")
+    dst = CacheGeometry(spec=half, num_blocks=N, plane_bases=tuple(0x100000 * (i + 1) for i in range(2 * L)))
+    split = pair_split(2, 1, 2, 0, 1, prefill=True)
+    ours, theirs = BlockTable.grouped([[0, 1, 2], [3, 4, 5]]), BlockTable.grouped([[2, 3, 4], [NONE, NONE, 0]])
+    lidx, ridx = plan_grouped(src, dst, ours, theirs, layer_groups=(0, 1, 0), split=split)
+    full = plan_parts(src, dst, [0, 1, 2], [2, 3, 4], split, layers=[0, 2])
+    window = plan_parts(src, dst, [5], [0], split, layers=[1])
+    np.testing.assert_array_equal(lidx, np.concatenate([full.local_slots, window.local_slots]))
+    np.testing.assert_array_equal(ridx, np.concatenate([full.remote_slots, window.remote_slots]))
