@@ -79,10 +79,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a model with
     sliding-window layers beside full ones runs with one KV cache group per kind, and a
     sliding layer keeps and moves only its window (the scheduler side's module
-    docstring; docs/vllm-connector-notes.md, section 1). Groups other than full
-    attention and sliding window (state-space layers) are refused at start-up, and so
-    is the packed data path with several groups; ``--disable-hybrid-kv-cache-manager``
-    gives such a deployment one group again."""
+    docstring; docs/vllm-connector-notes.md, section 1), on both data paths. Groups
+    other than full attention and sliding window (state-space layers) are refused at
+    start-up; ``--disable-hybrid-kv-cache-manager`` gives such a deployment one group
+    again where the model allows it."""
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

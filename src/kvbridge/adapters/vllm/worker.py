@@ -22,7 +22,7 @@ request in ``finished_recving`` (and ``failed_recving`` when its load failed).
 Block ids: the scheduler side hands the worker *transfer blocks* (config
 ``transfer_block_size``, default vLLM's block size); :meth:`WorkerSide.register`
 addresses the cache in the same units, so the runtime never sees vLLM's own. With
-vLLM's hybrid manager (several KV cache groups) they come as
+vLLM's hybrid manager (KV cache groups, a sliding window among them) they come as
 :class:`~kvbridge.core.blocks.BlockTable` s, and the worker tells the runtime which
 group each layer takes its blocks from (``CompatInfo.layer_groups``: peers must agree).
 """
@@ -78,7 +78,8 @@ class WorkerSide:
         self.mla = mla
         """The model's attention is MLA: its cache holds one latent vector per token."""
         self.groups = groups
-        """vLLM's KV cache groups when there are several (hybrid manager), else None."""
+        """vLLM's KV cache groups when kvbridge tells them apart (several, or one that is
+        a sliding window: :func:`~kvbridge.adapters.vllm.compat.cache_groups`), else None."""
         self.block_size = block_size
         self.send = send
         self.receive = receive
@@ -134,7 +135,7 @@ class WorkerSide:
 
     def _layer_groups(self, ordered: list[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per layer (model order) its KV cache group, and per group its sliding window;
-        both empty with one group.
+        both empty when groups are not told apart.
 
         Raises:
             ConfigError: a layer in no group.
