@@ -16,7 +16,7 @@ Shown here:
   lengths where the window starts on a block boundary;
 - the first token's top log-probabilities equal the reference's to 1e-4 (float noise
   is ~5e-6) at lengths on both sides of such a boundary: a decode that loaded the
-  whole prompt there would be off by 1e-2 and more (it recomputes token ``N - 1``,
+  whole prompt there was off by 8e-3 and more (it recomputes token ``N - 1``,
   whose window reaches a block vLLM's padding left null), so kvbridge hands such
   lengths off to nobody: the decode computes them, receiving nothing;
 - D received every block of the full-attention layer and only the window's blocks of
