@@ -243,7 +243,11 @@ REFUSED_WITHIN_S = 30.0
 def test_parallel_sampling_is_refused_at_once_naming_the_fix(pair: Pair) -> None:
     """SGLang sends the prefix primer and then each sample of an ``n > 1`` request under
     the request's one bootstrap room, on both servers; kvbridge fails the samples on
-    both sides at once, naming the fix, instead of hanging (``adapters/sglang/rooms.py``)."""
+    both sides at once, naming the fix, instead of hanging (``adapters/sglang/rooms.py``).
+    Which server meets the second sample first is a race: it refuses it (and logs why),
+    and the other may see the room aborted by its peer before its own second sample
+    arrives (a fresh-clone CI run: the decode refused, the prefill's samples failed as
+    "aborted by decode-side abort notification"). Either way nothing stays held."""
     body = {"input_ids": prompt_ids(40, seed=14), "sampling_params": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "n": 2}}
     started = time.monotonic()
     status, data = http(f"{pair.router.url}/generate", body, timeout=REFUSED_WITHIN_S)
@@ -252,10 +256,13 @@ def test_parallel_sampling_is_refused_at_once_naming_the_fix(pair: Pair) -> None
     assert status != 200, f"a request with n = 2 was served: {data[:300]!r}"
     answer = data.decode(errors="replace")
     assert "n > 1" in answer and "send n requests with n = 1" in answer, answer[:800]
-    for server, side in ((pair.prefill, "prefill"), (pair.decode, "decode")):
-        text = server.log_path.read_text(errors="replace")
-        assert f"already carries another request on this {side}" in text, server.log_tail(40)
-    print(f"\nn = 2 refused with {status} after {took:.2f} s")
+    refused = [
+        side
+        for server, side in ((pair.prefill, "prefill"), (pair.decode, "decode"))
+        if f"already carries another request on this {side}" in server.log_path.read_text(errors="replace")
+    ]
+    assert refused, f"neither server refused the second sample\n{pair.tails()}"
+    print(f"\nn = 2 refused with {status} after {took:.2f} s (by the {' and the '.join(refused)})")
     pair.assert_settles()
     _next_request_works(pair)
 
