@@ -14,7 +14,7 @@ from typing import Any
 
 from kvbridge.demo import servers as launch
 from kvbridge.demo.run import prom
-from kvbridge.demo.servers import Completion, VllmServer, complete
+from kvbridge.demo.servers import Completion, VllmServer, complete, post_json
 
 BLOCK = 32
 CHUNK = 256
@@ -91,6 +91,29 @@ def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens
         out = fd.result()
         fp.result()
     return out
+
+
+def first_token_logprobs(url: str, prompt: Sequence[int], **kw: Any) -> dict[str, float]:
+    """The top-5 log-probabilities of the greedy first token ``url`` samples after ``prompt``."""
+    body = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0.0, "logprobs": 5, **kw}
+    return post_json(f"{url}/v1/completions", body, 120)["choices"][0]["logprobs"]["top_logprobs"][0]
+
+
+def check_first_token_logprobs(p_url: str, d_url: str, reference_url: str, prompt: Sequence[int], address: dict[str, str], tol: float = 1e-4) -> None:
+    """Push ``prompt`` from P to D layer by layer and assert D's first-token
+    log-probabilities equal the reference instance's to ``tol``: greedy tokens can hide a
+    wrong KV block or state (a tiny model's argmax rarely moves), these do not."""
+    ref = first_token_logprobs(reference_url, prompt)
+    tid = uuid.uuid4().hex
+    with ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(complete, p_url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        params = {"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}}
+        got = pool.submit(first_token_logprobs, d_url, prompt, kv_transfer_params=params).result()
+        fp.result()
+    n = len(prompt)
+    assert got.keys() == ref.keys(), f"{n} tokens: top tokens {sorted(got)} vs the reference's {sorted(ref)}"
+    worst = max(abs(got[k] - ref[k]) for k in ref)
+    assert worst < tol, f"{n} tokens: first-token logprobs differ from the reference's by up to {worst:.2e}"
 
 
 RECEIVED = "vllm:kvbridge_bytes_received_total"

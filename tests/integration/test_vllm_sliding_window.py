@@ -16,11 +16,11 @@ Shown here:
   lengths where the window starts on a block boundary;
 - the first token's top log-probabilities equal the reference's to 1e-4 (float noise
   is ~5e-6) at lengths on both sides of such a boundary: a decode that loaded the
-  whole prompt there was off by 8e-3 and more (it recomputes token ``N - 1``,
-  whose window reaches a block vLLM's padding left null), so kvbridge hands such
-  lengths off to nobody: the decode computes them, receiving nothing;
-- D received every block of the full-attention layer and only the window's blocks of
-  the sliding one, byte for byte what that comes to;
+  whole prompt there was off by 8e-3 and more (it recomputed token ``N - 1``, whose
+  window reaches a block vLLM's padding left null); the prefill now computes all but
+  the last token and the decode that one, at every length;
+- D received, for all but the last prompt token, every block of the full-attention
+  layer and only the window's blocks of the sliding one, byte for byte;
 - prompts that share a prefix with earlier ones (prefix-cache hits in both groups, on
   either instance) still decode as the reference does.
 """
@@ -31,20 +31,19 @@ import math
 import re
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
-from kvbridge.demo.servers import VllmServer, complete, post_json, random_prompt
+from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 _SHAPE = SHAPES["window"]
 WINDOW = _SHAPE["sliding_window"]
 EDGE = 2 * BLOCK + WINDOW - 1
 """A length whose next token's window starts on a block boundary (``N - W + 1`` a
-multiple of the block size): not handed off (the scheduler side's module docstring)."""
+multiple of the block size; the scheduler side's module docstring)."""
 LENGTHS = [1, WINDOW - 1, WINDOW + 1, EDGE, 3 * BLOCK + 5, CHUNK + 88]
 MAX_TOKENS = 12
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
@@ -53,19 +52,15 @@ SLIDING_LAYERS = _SHAPE["num_hidden_layers"] // 2  # every second layer (kvbridg
 FULL_LAYERS = _SHAPE["num_hidden_layers"] - SLIDING_LAYERS
 
 
-def on_edge(n: int) -> bool:
-    return n >= WINDOW and (n - WINDOW + 1) % BLOCK == 0
-
-
 def expected_bytes(n: int) -> int:
-    """What D receives for an ``n``-token prompt new to it: nothing on a window edge;
-    else every block in a full layer and, in a sliding layer, the blocks vLLM's decode
-    allocates: all but the leading ones outside the window of the next token,
-    ``(n - W + 1) // B``."""
-    if on_edge(n):
-        return 0
-    blocks = math.ceil(n / BLOCK)
-    window_blocks = blocks - max(0, n - WINDOW + 1) // BLOCK
+    """What D receives for an ``n``-token prompt new to it: the KV of its first
+    ``m = n - 1`` tokens (the decode computes the last; a 1-token prompt, all of it):
+    every block in a full layer and, in a sliding layer, the blocks vLLM's decode
+    allocates for a load of ``m`` tokens: all but the leading ones outside the window of
+    token ``m``, ``(m - W + 1) // B``."""
+    m = n - 1
+    blocks = math.ceil(m / BLOCK)
+    window_blocks = blocks - max(0, m - WINDOW + 1) // BLOCK
     return (FULL_LAYERS * blocks + SLIDING_LAYERS * window_blocks) * LAYER_BLOCK_BYTES
 
 
@@ -130,28 +125,13 @@ def test_decode_equals_colocated_and_moves_the_window_only(cluster: Cluster, pat
     assert got == want, f"D received {got} bytes for {n} tokens; the full layer's blocks and the sliding layer's window are {want}"
 
 
-def first_token_logprobs(url: str, prompt: list[int], **kw: object) -> dict[str, float]:
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 5, **kw}
-    return post_json(f"{url}/v1/completions", body, 120)["choices"][0]["logprobs"]["top_logprobs"][0]
-
-
 @pytest.mark.parametrize("n", [EDGE - 1, EDGE, EDGE + BLOCK, EDGE + BLOCK + 1])
 def test_first_token_logprobs_equal_the_reference_at_window_boundaries(cluster: Cluster, n: int) -> None:
-    """Greedy tokens can hide a wrong KV block (a tiny model's argmax rarely moves); the
-    log-probabilities do not. Two prompts per length."""
+    """Two prompts per length, layer-wise push."""
     for seed in range(2):
         prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31 + seed)
-        ref = first_token_logprobs(cluster.c.url, prompt)
         before = metric(cluster.d.url, RECEIVED)
-        tid = uuid.uuid4().hex
-        with ThreadPoolExecutor(2) as pool:
-            fp = pool.submit(complete, cluster.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
-            params = {"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address["direct"]}}
-            got = pool.submit(first_token_logprobs, cluster.d.url, prompt, kv_transfer_params=params).result()
-            fp.result()
-        assert got.keys() == ref.keys(), f"{n} tokens: top tokens {sorted(got)} vs the reference's {sorted(ref)}"
-        worst = max(abs(got[k] - ref[k]) for k in ref)
-        assert worst < 1e-4, f"{n} tokens: first-token logprobs differ from the reference's by up to {worst:.2e}"
+        check_first_token_logprobs(cluster.p.url, cluster.d.url, cluster.c.url, prompt, cluster.address["direct"])
         want = expected_bytes(n)
         got_bytes = wait_metric(cluster.d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
         assert got_bytes == want, f"{n} tokens: D received {got_bytes} bytes, expected {want}"

@@ -300,3 +300,27 @@ def test_grouped_plan_between_tp_splits_pairs_each_group_s_head_ranges() -> None
     window = plan_parts(src, dst, [5], [0], split, layers=[1])
     np.testing.assert_array_equal(lidx, np.concatenate([full.local_slots, window.local_slots]))
     np.testing.assert_array_equal(ridx, np.concatenate([full.remote_slots, window.remote_slots]))
+
+
+def test_state_layers_move_only_their_state_and_refuse_head_and_token_cuts() -> None:
+    """A state-space layer's block holds its state at the start of a page the size of an
+    attention block (vLLM's hybrid manager): its slots are that many bytes, at the same
+    addresses; head ranges (another TP split) and smaller transfer blocks cannot cut it."""
+    spec = CacheSpec(num_layers=3, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="fused")
+    pages = [np.arange(N * spec.block_bytes, dtype=np.uint8).reshape(N, -1) for _ in range(3)]
+    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(p.ctypes.data for p in pages), layer_bytes=(spec.block_bytes, 100, spec.block_bytes))
+    table = geo.slot_table()
+    assert table[:, 0].tolist() == CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases).slot_table()[:, 0].tolist()
+    assert table[:, 1].tolist() == [spec.block_bytes] * N + [100] * N + [spec.block_bytes] * N
+    assert [geo.layer_block_bytes(layer) for layer in range(3)] == [spec.block_bytes, 100, spec.block_bytes]
+    with pytest.raises(PlanError, match="state-space layers into 2 head ranges"):
+        geo.part_table(2)
+    with pytest.raises(PlanError, match="cannot be moved in blocks of 2 tokens"):
+        geo.in_blocks_of(2)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases, layer_bytes=(100,))
+    with pytest.raises(ValueError, match="at most the block stride"):
+        CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases, layer_bytes=(100, spec.block_bytes + 1, 100))
+    nhd = CacheSpec(num_layers=1, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="nhd")
+    with pytest.raises(ValueError, match="one-plane layout"):
+        CacheGeometry(spec=nhd, num_blocks=N, plane_bases=(0x1000, 0x9000), layer_bytes=(100,))

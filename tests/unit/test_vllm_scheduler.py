@@ -293,9 +293,9 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
 
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
     req = _decode_req("d", n=150)
-    assert s.matched_tokens(req, 32) == (118, True)
+    assert s.matched_tokens(req, 32) == (117, True), "the prefill sends 149 tokens, the decode has 32"
     blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14], [0, 0, 0, 15, 16]))
-    s.after_alloc(req, blocks, 118)
+    s.after_alloc(req, blocks, 117)
     task = s.build_meta(_output()).recv[0]
     assert task.block_ids == BlockTable.grouped([[11, 12, 13, 14], [NONE, NONE, 15, 16]]) and task.skip_tokens == 32
 
@@ -312,27 +312,32 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
     assert handoff is not None and handoff.remote_table() == BlockTable.grouped([[1, 2, 3, 7, 8], [NONE, NONE, NONE, 9, 10]])
 
 
-def test_a_prompt_whose_window_starts_on_a_block_boundary_is_not_handed_off() -> None:
-    """``N - W + 1`` a multiple of the block size: the decode computes the prompt (no
-    tokens to load) and the prefill computes it as a plain request (nothing held)."""
+def test_with_a_sliding_window_the_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> None:
+    """Every length is handed off, the window's edge (``N - W + 1`` a multiple of the
+    block size) included: 103 tokens, the decode loads 102. A 1-token prompt is not:
+    the decode computes it (no tokens to load), the prefill as a plain request (nothing
+    held; P-first: parameters that make the decode compute it)."""
     from kvbridge.adapters.vllm import params as kvparams
 
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
     edge = 2 * 32 + 40 - 1
-    assert s.on_window_edge(edge) and not s.on_window_edge(edge - 1) and not s.on_window_edge(edge + 1) and not s.on_window_edge(39)
-    assert s.matched_tokens(_decode_req("d", n=edge), 0) == (0, False)
-    assert s.matched_tokens(_decode_req("d2", tid="t2", n=edge + 1), 0) == (edge + 1, True)
-    p = SimpleNamespace(request_id="p", num_prompt_tokens=edge, status=FINISHED_OK[0], kv_transfer_params={"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    assert s.backoff == 1 and SchedulerSide(32, "eng", "127.0.0.1").backoff == 0
+    assert s.matched_tokens(_decode_req("d", n=edge), 0) == (edge - 1, True)
+    assert s.matched_tokens(_decode_req("d1", tid="t1b", n=1), 0) == (0, False)
+    p = _prompt_req("p", edge, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    s.on_new_request(p)
     s.after_alloc(p, None, 0)
-    assert s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"p": edge})).send == []
-    assert s.request_finished(p, ([1, 2, 3, 4], [0, 0, 7, 8])) == (False, None)
-    # P-first: the router gets parameters that make the decode compute the prompt
-    q = SimpleNamespace(request_id="q", num_prompt_tokens=edge, status=FINISHED_OK[0], kv_transfer_params={"do_remote_decode": True})
-    s.after_alloc(q, None, 0)
-    assert s.build_meta(_hybrid_output(new=[("q", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"q": edge})).send == []
-    held, params = s.request_finished(q, ([1, 2, 3, 4], [0, 0, 7, 8]))
-    assert not held and params and kvparams.parse(params, "dq") is None
-    assert not SchedulerSide(32, "eng", "127.0.0.1").on_window_edge(edge), "full attention only: every length is handed off"
+    assert p.num_prompt_tokens == edge - 1
+    assert s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"p": edge - 1})).send[0].num_tokens == edge - 1
+    for flow_params in ({"kvbridge": {"transfer_id": "t1", "role": "prefill"}}, {"do_remote_decode": True}):
+        one = _prompt_req("one", 1, flow_params)
+        s.on_new_request(one)
+        s.after_alloc(one, None, 0)
+        assert one.num_prompt_tokens == 1
+        assert s.build_meta(_hybrid_output(new=[("one", 0, ([1], [2]))], scheduled={"one": 1})).send == []
+        held, params = s.request_finished(one, ([1], [2]))
+        assert not held
+        assert (params is None) if "kvbridge" in flow_params else (params and kvparams.parse(params, "d") is None)
 
 
 def test_groups_out_of_step_give_the_transfer_up_not_the_engine(caplog: pytest.LogCaptureFixture) -> None:
@@ -352,7 +357,77 @@ def test_one_sliding_window_group_is_told_apart_too() -> None:
 
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(40,))
     req = _decode_req("d", n=150)
-    assert s.matched_tokens(req, 0) == (150, True)
-    s.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 15, 16],)), 150)
+    assert s.matched_tokens(req, 0) == (149, True)
+    s.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 15, 16],)), 149)
     assert s.build_meta(_output()).recv[0].block_ids == BlockTable.grouped([[NONE, NONE, NONE, 15, 16]])
-    assert s.on_window_edge(2 * 32 + 40 - 1)
+
+
+def _prompt_req(rid: str, n: int, params: dict) -> SimpleNamespace:
+    prompt = random_prompt(n)
+    return SimpleNamespace(
+        request_id=rid, num_prompt_tokens=n, prompt_token_ids=prompt, prompt_embeds=None, _all_token_ids=list(prompt), max_tokens=16,
+        status=FINISHED_OK[0], kv_transfer_params=params,
+    )
+
+
+def test_a_prefill_with_state_space_layers_leaves_the_last_prompt_token_to_the_decode() -> None:
+    """Group 0 a Mamba group (one state block per request), group 1 full attention: the
+    prefill computes 149 of 150 tokens and stops after one output token; the decode
+    loads 149. Prompts of one token, discover requests, plain requests and models of
+    full attention only keep their prompts."""
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups={0: 0})
+    push = _prompt_req("p", 150, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    s.on_new_request(push)
+    assert (push.num_prompt_tokens, len(push.prompt_token_ids), len(push._all_token_ids), push.max_tokens) == (149, 149, 149, 1)
+    pull = _prompt_req("q", 150, {"do_remote_decode": True})
+    s.on_new_request(pull)
+    assert pull.num_prompt_tokens == 149 and pull.prompt_token_ids == pull._all_token_ids
+    for req, sched in (
+        (_prompt_req("one", 1, {"kvbridge": {"transfer_id": "t1", "role": "prefill"}}), s),
+        (_prompt_req("disc", 150, {"kvbridge": {"transfer_id": "t2", "role": "prefill", "flow": "discover"}}), s),
+        (_prompt_req("plain", 150, {}), s),
+        (_prompt_req("attn", 150, {"kvbridge": {"transfer_id": "t3", "role": "prefill"}}), SchedulerSide(32, "eng", "127.0.0.1")),
+    ):
+        before = list(req.prompt_token_ids)
+        sched.on_new_request(req)
+        assert req.prompt_token_ids == before and req.num_prompt_tokens == len(before) and req.max_tokens == 16, req.request_id
+    assert s.matched_tokens(_decode_req("d", n=150), 0) == (149, True)
+    assert s.matched_tokens(_decode_req("d1", tid="t9", n=1), 0) == (0, False), "nothing to load: the decode computes a 1-token prompt"
+
+
+def test_a_state_space_group_s_row_holds_the_state_block_at_the_last_position_only() -> None:
+    """The prefill's steps (chunked: 96 then 53 tokens of 149, blocks of 32), its P-first
+    parameters and the decode's destination: the Mamba group's state block sits at
+    position 4 (tokens 128-148), nothing elsewhere; vLLM lists it once, first step."""
+    from kvbridge.adapters.vllm import params as kvparams
+    from kvbridge.core.blocks import NONE, BlockTable
+
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups={0: 0})
+    s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
+    p = _prompt_req("p", 150, {"do_remote_decode": True})
+    s.on_new_request(p)
+    s.after_alloc(p, None, 0)
+    first = s.build_meta(_hybrid_output(new=[("p", 0, ([9], [1, 2, 3]))], scheduled={"p": 96})).send[0]
+    assert first.new_blocks == BlockTable.grouped([[NONE, NONE, NONE], [1, 2, 3]]) and first.num_tokens == 149
+    second = s.build_meta(_hybrid_output(cached=[("p", 96, ([], [4, 5]))], scheduled={"p": 53})).send[0]
+    assert second.new_blocks == BlockTable.grouped([[NONE, 9], [4, 5]]) and second.last
+    held, params = s.request_finished(p, ([9], [1, 2, 3, 4, 5]))
+    assert held and params["remote_num_tokens"] == 149
+    handoff = kvparams.parse(params, "d2")
+    assert handoff is not None and handoff.remote_table() == BlockTable.grouped([[NONE] * 4 + [9], [1, 2, 3, 4, 5]])
+
+    req = _decode_req("d", n=150)
+    assert s.matched_tokens(req, 0) == (149, True)
+    s.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([7], [10, 11, 12, 13, 14])), 149)
+    task = s.build_meta(_output()).recv[0]
+    assert task.num_tokens == 149 and task.block_ids == BlockTable.grouped([[NONE] * 4 + [7], [10, 11, 12, 13, 14]])
+
+
+def test_a_prefill_given_no_state_block_gives_the_transfer_up(caplog: pytest.LogCaptureFixture) -> None:
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups={0: 0})
+    p = _prompt_req("p", 40, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    s.on_new_request(p)
+    s.after_alloc(p, None, 0)
+    meta = s.build_meta(_hybrid_output(new=[("p", 0, ([], [1, 2]))], scheduled={"p": 39}))
+    assert meta.send == [] and meta.drop_send == {"p": "tp"}
+    assert "no state block" in caplog.text

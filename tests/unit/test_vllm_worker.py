@@ -412,11 +412,40 @@ def test_each_layer_names_its_kv_cache_group_in_the_handshake(monkeypatch: pytes
         _register_groups({}, caches, [groups[0]._replace(layer_names=groups[0].layer_names[:1]), groups[1]], monkeypatch)
 
 
+def test_state_space_layers_register_their_state_and_refuse_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mamba layer beside an attention layer: the geometry moves its state's bytes, the
+    handshake names each group's state (peers must agree), and the packed path, which
+    packs attention heads, is refused naming what to leave as it was."""
+    import torch
+
+    from kvbridge.adapters.vllm.compat import CacheGroup
+    from kvbridge.errors import ConfigError
+
+    buf = torch.zeros(6, 2, 32, 64)
+    state = buf.view(torch.int8).view(6, -1)[:, :4000].view(6, 1, 1, 4000)
+    caches = {"model.layers.0.mixer": state, "model.layers.1.self_attn.attn": buf}
+    groups = [CacheGroup(["model.layers.0.mixer"], 1024, 0, "mamba2 float32(3, 8) conv SD"), CacheGroup(["model.layers.1.self_attn.attn"], 32, 0)]
+    seen = _register_groups({}, caches, groups, monkeypatch)
+    assert seen["geometry"].layer_bytes == (4000, buf[0].numel() * 4)
+    assert seen["compat"].layer_groups == (0, 1) and seen["compat"].group_states == ("mamba2 float32(3, 8) conv SD", "")
+    for config, key in (({"wire_dtype": "fp8"}, "wire_dtype"), ({"data_path": "packed"}, "data_path")):
+        with pytest.raises(ConfigError, match="this model has state-space layers") as err:
+            _register_groups(config, caches, groups, monkeypatch)
+        assert err.value.key == key and "direct, exact" in err.value.fix
+    with pytest.raises(ConfigError, match="transfer_block_size 16: a cache with state-space layers keeps one state per request"):
+        _register_groups({"transfer_block_size": 16}, caches, groups, monkeypatch)
+
+
 def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refused() -> None:
     from types import SimpleNamespace
 
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     from kvbridge.adapters.vllm.compat import cache_groups
     from kvbridge.errors import KVBridgeError
@@ -428,11 +457,20 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)
     got = cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b"), group(full, "a")]))
     assert [(g.layer_names, g.block_size, g.window) for g in got] == [(["b"], 32, 40), (["a"], 32, 0)]
-    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,))
-    with pytest.raises(KVBridgeError, match="group 1 .* is MambaSpec; kvbridge moves full-attention and sliding-window groups only") as err:
-        cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(mamba, "m")]))
+    mamba = MambaSpec(block_size=1024, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32), num_speculative_blocks=1)
+    got = cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m"), group(full, "a")]))
+    assert [(g.layer_names, g.block_size, g.window, g.spec_blocks) for g in got] == [(["m"], 1024, 0, 1), (["a"], 32, 0, 0)]
+    assert got[0].state.startswith("mamba2 float32(3, 8)+float32(2, 4, 4) conv ") and got[1].state == ""
+    aligned = MambaSpec(block_size=32, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    with pytest.raises(KVBridgeError, match="group 1 per block .mamba_cache_mode 'align'") as err:
+        cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(aligned, "m")]))
+    assert err.value.fix == "start both instances with --no-enable-prefix-caching"
+    with pytest.raises(KVBridgeError, match="no attention layers"):
+        cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m")]))
+    cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(KVBridgeError, match="group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and state-space") as err:
+        cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(cross, "x")]))
     assert "--disable-hybrid-kv-cache-manager" in str(err.value)
-    assert cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m")])) == [], "one group that keeps every block: moved whole, as before"
     assert cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a")])) == []
     assert [g.window for g in cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b")]))] == [40], "one sliding group: told apart"
     bigger = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)

@@ -156,8 +156,21 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
     memory: MemoryKind = "host"
     device: int = 0
     """CUDA device index for ``memory="device"``; 0 for host memory."""
+    layer_bytes: tuple[int, ...] = ()
+    """Bytes that move of one block, per layer, where layers differ: a state-space
+    layer (Mamba) keeps one state per request at the start of a page it shares with the
+    attention layers' blocks (vLLM's hybrid manager), smaller than a block. Empty:
+    ``spec.block_bytes`` in every layer. Only for one-plane layouts."""
 
     def __post_init__(self) -> None:
+        if self.layer_bytes:
+            if len(self.layer_bytes) != self.spec.num_layers or self.spec.planes_per_layer != 1:
+                raise ValueError(
+                    f"CacheGeometry.layer_bytes needs one entry per layer ({self.spec.num_layers}) of a one-plane layout, "
+                    f"got {len(self.layer_bytes)} for {self.spec.layout}"
+                )
+            if any(not 0 < n <= self.stride for n in self.layer_bytes):
+                raise ValueError(f"CacheGeometry.layer_bytes must be positive and at most the block stride ({self.stride}): {self.layer_bytes}")
         expected = self.spec.num_layers * self.spec.planes_per_layer
         if len(self.plane_bases) != expected:
             raise ValueError(
@@ -201,9 +214,13 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         offsets = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.stride)
         table = np.empty((self.num_slots, 3), dtype=np.uint64)
         table[:, 0] = (bases[:, None] + offsets[None, :]).reshape(-1)
-        table[:, 1] = self.spec.block_bytes
+        table[:, 1] = np.repeat(np.asarray(self.layer_bytes, dtype=np.uint64), self.num_blocks) if self.layer_bytes else self.spec.block_bytes
         table[:, 2] = self.device
         return table
+
+    def layer_block_bytes(self, layer: int) -> int:
+        """Bytes that move of one block of ``layer`` in one plane (:attr:`layer_bytes`)."""
+        return self.layer_bytes[layer] if self.layer_bytes else self.spec.block_bytes
 
     def part_table(self, parts: int) -> np.ndarray:
         """Like :meth:`slot_table` with every slot cut into ``parts`` equal pieces, each
@@ -218,6 +235,8 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if parts == 1:
             return self.slot_table()
         spec = self.spec
+        if self.layer_bytes:
+            raise PlanError(f"cannot cut the blocks of a cache with state-space layers into {parts} head ranges")
         if not spec.heads_apart or spec.num_kv_heads % parts:
             raise PlanError(f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} head ranges")
         piece = spec.block_bytes // parts
@@ -247,6 +266,8 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             return self
         if tokens <= 0 or spec.block_size % tokens:
             raise PlanError(f"{tokens} does not divide the cache's block size {spec.block_size}")
+        if self.layer_bytes:
+            raise PlanError(f"a cache with state-space layers keeps one state per request: its blocks cannot be moved in blocks of {tokens} tokens")
         if not spec.token_major:
             raise PlanError(f"a {spec.layout} cache does not store a block token by token: its blocks cannot be moved in blocks of {tokens} tokens")
         if self.stride != spec.block_bytes:

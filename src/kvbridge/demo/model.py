@@ -9,7 +9,9 @@ about 3 MB; tests and demo), ``window`` (``tiny`` whose second layer attends to 
 (Llama, 8 layers, hidden 512, 8 heads, 4 KV heads, about 110 MB; enough compute per
 layer for the serving benchmark to show streaming) and ``mla`` (DeepSeek-V2, 2 layers,
 hidden 128, 4 heads, multi-head latent attention with a 512 + 64 latent per token, the
-only size vLLM's CPU MLA kernel takes; dense MLPs; about 5 MB).
+only size vLLM's CPU MLA kernel takes; dense MLPs; about 5 MB) and ``hybrid``
+(GraniteMoeHybrid as in IBM's Granite 4.0-H, 4 layers alternating Mamba2 state-space
+mixers and attention, dense MLPs, hidden 128; about 4 MB).
 
 Contract:
 
@@ -54,9 +56,13 @@ SHAPES: dict[str, dict[str, int]] = {
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
     },
+    # a Mamba2 state (conv 3 x 272 + SSM 8 x 32 x 8 floats, 11456 bytes) fits in an
+    # attention block of 32 tokens (16 KiB), so vLLM keeps --block-size 32
+    "hybrid": {**_TINY, "num_hidden_layers": 4, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 8},
 }  # fmt: skip
 """Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
-(MLA), the others Llama. With ``sliding_window``, every second layer attends to that many
+(MLA), those with ``mamba_n_heads`` GraniteMoeHybrid (Mamba2 layers first, then every
+other layer), the others Llama. With ``sliding_window``, every second layer attends to that many
 past tokens only (``layer_types`` in ``config.json``, which vLLM reads; transformers'
 Llama ignores it)."""
 MAX_POSITIONS = 8192
@@ -75,8 +81,11 @@ _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
 
 
 def architecture(shape: str) -> str:
-    """``"deepseek-v2"`` for the MLA shapes, else ``"llama"``."""
-    return "deepseek-v2" if "kv_lora_rank" in SHAPES[shape] else "llama"
+    """``"deepseek-v2"`` for the MLA shapes, ``"granitemoehybrid"`` for the hybrid ones,
+    else ``"llama"``."""
+    if "kv_lora_rank" in SHAPES[shape]:
+        return "deepseek-v2"
+    return "granitemoehybrid" if "mamba_n_heads" in SHAPES[shape] else "llama"
 
 
 def default_model_dir(shape: str = "tiny") -> Path:
@@ -178,7 +187,14 @@ class _locked:
 
 def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     _build_tokenizer(out)
     common = dict(
@@ -209,6 +225,14 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
             },
         )  # fmt: skip
         model_cls = DeepseekV2ForCausalLM
+    elif "mamba_n_heads" in shape:
+        config = GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba", "attention"] * (shape["num_hidden_layers"] // 2),
+            num_local_experts=0, shared_intermediate_size=shape["intermediate_size"],  # a dense MLP per layer
+            mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
+        )  # fmt: skip
+        model_cls = GraniteMoeHybridForCausalLM
     else:
         if "sliding_window" in shape:
             common["layer_types"] = ["full_attention", "sliding_attention"] * (shape["num_hidden_layers"] // 2)

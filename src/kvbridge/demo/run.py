@@ -63,7 +63,8 @@ def run(
     the near-tied logits of the random-weight demo model). ``tp``: the prefill's and the
     decode's ``--tensor-parallel-size`` (the colocated reference runs TP 1). ``shape``:
     the model (:data:`kvbridge.demo.model.SHAPES`; ``mla`` runs on vLLM's CPU MLA
-    backend: blocks of 16, no chunked prefill)."""
+    backend: blocks of 16, no chunked prefill; ``hybrid``'s Mamba layers keep one
+    state per request: prefix caching off)."""
     console = Console()
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -74,6 +75,8 @@ def run(
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     # MLA on CPU: the only block size of vLLM's CPU MLA kernel, which prefills in one piece
     common = ["--block-size", "16"] if shape == "mla" else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
+    if shape == "hybrid":  # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
+        common.append("--no-enable-prefix-caching")
 
     def kv(role: str) -> list[str]:
         extra = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}

@@ -188,6 +188,16 @@ class Node:
             # the compat hash covers the rest of the spec; a mismatch means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
         split = self._split(msg, prefill)
+        if msg.geometry.layer_bytes != self.geometry.layer_bytes and split is None:
+            # the compat hash covers the state layers' shapes; a mismatch means a hand-made frame
+            raise IncompatiblePeerError(f"peer {msg.peer} sent per-layer block sizes that contradict its compatibility info")
+        if split is not None and (msg.geometry.layer_bytes or self.geometry.layer_bytes):
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} runs another tensor-parallel size ({msg.compat.tp_size} vs {self.codec.compat.tp_size}); "
+                "kvbridge moves the states of state-space (Mamba) layers between equal TP sizes only",
+                differences={"tp_size": (self.codec.compat.tp_size, msg.compat.tp_size)},
+                fix="give prefill and decode the same --tensor-parallel-size for this model",
+            )
         if (self.packed is None) != (msg.staging is None):
             # the compat hash covers data_path; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")

