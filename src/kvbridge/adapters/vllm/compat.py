@@ -139,7 +139,8 @@ def cache_groups(kv_cache_config) -> list[CacheGroup]:
     if kv_cache_config is None:
         return []
     listed = kv_cache_config.kv_cache_groups
-    if len(listed) == 1 and type(listed[0].kv_cache_spec) not in (SlidingWindowSpec,) and not isinstance(listed[0].kv_cache_spec, MambaSpec):
+    only = listed[0].kv_cache_spec
+    if len(listed) == 1 and type(only) is not SlidingWindowSpec and not isinstance(only, MambaSpec):
         return []
     groups = []
     for g, group in enumerate(listed):
