@@ -48,7 +48,7 @@ class Rank:
 
     def __init__(
         self, role: str, tp: int, rank: int, layout: str = "fused", *, seed: int | None = None, wire: str = "exact",
-        total: int = TOTAL, timeout_s: float = 5, staging_mb: int = 64,
+        total: int = TOTAL, timeout_s: float = 5, staging_mb: int = 64, state_bytes: int = 0,
     ) -> None:
         self.heads = max(1, total // tp)
         self.layout, self.wire, self.tp, self.rank = layout, wire, tp, rank
@@ -67,7 +67,9 @@ class Rank:
             bases = tuple(self.cache[l, k].data_ptr() for l in range(L) for k in range(2))
         dim = 2 * HD if layout == "latent" else HD
         spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=self.heads, head_dim=dim, dtype="float32", layout=layout)
-        geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases)
+        # state_bytes: layer 1 a state-space layer whose blocks hold that many bytes
+        layer_bytes = tuple(state_bytes if l == 1 else spec.block_bytes for l in range(L)) if state_bytes else ()
+        geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=bases, layer_bytes=layer_bytes)
         dtype = "fp8" if wire == "fp8" else "exact"
         t = {"receive_s": timeout_s, "transfer_s": timeout_s, "lease_s": timeout_s, "handshake_s": 3}
         path = "packed" if wire == "packed" else "auto"
@@ -388,6 +390,18 @@ def test_pairings_that_cannot_work_are_refused_at_the_handshake(ranks: list[Rank
     with pytest.raises(KVBridgeError, match="refused") as err:
         d.ep.node.connect(p.ep.address)
     assert match in str(err.value) and fix in str(err.value)
+
+
+def test_state_space_layers_between_tp_sizes_are_refused_at_the_handshake(ranks: list[Rank]) -> None:
+    """A state is split across ranks by heads and channels, not as a block's head
+    ranges: a decode of another TP size is refused, naming the flag."""
+    d = Rank("D", 2, 0, state_bytes=100)
+    p = Rank("P", 1, 0, state_bytes=100)
+    ranks += [p, d]
+    with pytest.raises(KVBridgeError, match="refused") as err:
+        d.ep.node.connect(p.ep.address)
+    assert "state-space (Mamba) layers between equal TP sizes only" in str(err.value)
+    assert "same --tensor-parallel-size" in str(err.value)
 
 
 @pytest.mark.parametrize("wire", ["exact", "fp8"])
