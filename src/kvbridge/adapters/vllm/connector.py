@@ -111,7 +111,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._idle_step = False
         if role == KVConnectorRole.SCHEDULER:
             windows = [g.window for g in groups]
-            states = {i: g.spec_blocks for i, g in enumerate(groups) if g.state}
+            states = [i for i, g in enumerate(groups) if g.state]
             self._scheduler = SchedulerSide(
                 block_size, self.engine_id, self.config.host, self.config.transfer_block_size, windows=windows, state_groups=states
             )

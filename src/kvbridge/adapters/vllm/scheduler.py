@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +102,7 @@ class SchedulerSide:
         windows: per KV cache group (vLLM's hybrid manager, module docstring) its
             sliding window in tokens, 0 for full attention; empty: one group that
             keeps every block (no tables).
-        state_groups: the state-space groups among them, each with the number of
-            speculative-decoding scratch blocks vLLM adds after its state block.
+        state_groups: the indices of the state-space groups among them.
     """
 
     def __init__(
@@ -113,7 +112,7 @@ class SchedulerSide:
         host: str,
         transfer_block_size: int = 0,
         windows: Sequence[int] = (),
-        state_groups: Mapping[int, int] | None = None,
+        state_groups: Iterable[int] = (),
     ) -> None:
         self.block_size = block_size
         self.unit = transfer_block_size or block_size
@@ -127,7 +126,7 @@ class SchedulerSide:
         self._grouped = bool(windows)
         """Block lists are tables, vLLM's null block as NONE (every group told apart)."""
         self._windows = sorted({w for w in windows if w})
-        self._states = dict(state_groups or {})
+        self._states = sorted(set(state_groups))
         self.backoff = 1 if self._states or self._windows else 0
         """Prompt tokens at the end that the prefill leaves to the decode (module docstring)."""
         self.engine_id = engine_id
@@ -429,7 +428,7 @@ class SchedulerSide:
         """
         if not per_group or any(not per_group[g] for g in self._states):
             raise PlanError("vLLM allocated no state block for the request's state-space layers")
-        return {g: state_block(per_group[g], spec) for g, spec in self._states.items()}
+        return {g: state_block(per_group[g]) for g in self._states}
 
     def _blocks(
         self, per_group: Sequence[Sequence[int]], limit: int, *, first: int = 0, total: int = 0, state: Mapping[int, int] | None = None
