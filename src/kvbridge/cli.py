@@ -91,9 +91,9 @@ def _demo(args: argparse.Namespace) -> int:
     if min(tp) < 1 or (max(tp) % min(tp)):
         print(f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)", file=sys.stderr)
         return 2
-    if args.model == "hybrid" and (args.engine == "sglang" or config.packed or tp[0] != tp[1]):
+    if args.model in ("hybrid", "shortconv") and (args.engine == "sglang" or config.packed or tp[0] != tp[1]):
         print(
-            "kvbridge demo --model hybrid: Mamba states move between vLLM instances of one TP size on the direct path "
+            f"kvbridge demo --model {args.model}: states move between vLLM instances of one TP size on the direct path "
             "(fix: --engine vllm, leave --wire-dtype exact and --data-path auto, the same --prefill-tp and --decode-tp)",
             file=sys.stderr,
         )
@@ -183,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tp", type=int, default=1, metavar="N", help="the decode's tensor parallel size (default 1)")
     p.add_argument(
         "--model",
-        choices=("tiny", "mla", "hybrid"),
+        choices=("tiny", "mla", "hybrid", "shortconv"),
         default="tiny",
         help="the demo model: tiny (Llama, default), mla (DeepSeek-V2: multi-head latent attention, one latent vector per token) "
-        "or hybrid (GraniteMoeHybrid: Mamba2 layers between attention layers; vLLM only)",
+        "hybrid (GraniteMoeHybrid: Mamba2 layers between attention layers; vLLM only) "
+        "or shortconv (LFM2: short convolutions between attention layers; vLLM only)",
     )
     p.set_defaults(func=_demo)
     p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
