@@ -104,6 +104,12 @@ def architecture(shape: str) -> str:
     return "granitemoehybrid" if "mamba_n_heads" in SHAPES[shape] else "llama"
 
 
+def has_states(shape: str) -> bool:
+    """Whether the model of ``shape`` has state-space layers (Mamba2, Gated DeltaNet,
+    short convolutions), whose states vLLM keeps per request with prefix caching off."""
+    return architecture(shape) in ("granitemoehybrid", "qwen3-next", "lfm2")
+
+
 def default_model_dir(shape: str = "tiny") -> Path:
     """``$KVBRIDGE_CACHE_DIR/<shape>-<architecture>`` (``tiny-llama``), else the same under
     ``~/.cache/kvbridge``."""

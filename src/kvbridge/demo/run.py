@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvbridge.demo.model import build_tiny_model, default_model_dir
+from kvbridge.demo.model import build_tiny_model, default_model_dir, has_states
 from kvbridge.demo.servers import Timing, VllmServer, random_prompt, start_proxy, timed_stream
 
 BLOCK = 32
@@ -75,7 +75,7 @@ def run(
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     # MLA on CPU: the only block size of vLLM's CPU MLA kernel, which prefills in one piece
     common = ["--block-size", "16"] if shape == "mla" else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
-    if shape in ("hybrid", "shortconv"):  # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
+    if has_states(shape):  # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
         common.append("--no-enable-prefix-caching")
 
     def kv(role: str) -> list[str]:
