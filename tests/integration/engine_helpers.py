@@ -117,6 +117,13 @@ def check_first_token_logprobs(p_url: str, d_url: str, reference_url: str, promp
 
 
 RECEIVED = "vllm:kvbridge_bytes_received_total"
+USAGE = "vllm:kv_cache_usage_perc"
+"""vLLM's KV cache usage (0 to 1): back at its idle value once every block is released."""
+FAILURES = "vllm:kvbridge_failures_total"
+SENDS_HELD = "vllm:kvbridge_sends_held"
+SENDS_SENDING = "vllm:kvbridge_sends_sending"
+IN_FLIGHT = [SENDS_HELD, SENDS_SENDING, *(f"vllm:kvbridge_receives_{phase}" for phase in ("allocated", "waiting", "receiving"))]
+"""kvbridge's gauges of requests in flight: all 0 on an idle instance."""
 RECEIVES_WAITING = "vllm:kvbridge_receives_waiting"
 """Decode requests whose destination the prefill has, waiting for their first KV."""
 

@@ -12,16 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import COMMON_ARGS, destination_at_prefill, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import COMMON_ARGS, FAILURES, IN_FLIGHT, SENDS_HELD, SENDS_SENDING, USAGE, destination_at_prefill, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, random_prompt
 
 LEASE_S = 4
-USAGE = "vllm:kv_cache_usage_perc"
-FAILURES = "vllm:kvbridge_failures_total"
-SENDS_HELD = "vllm:kvbridge_sends_held"
-SENDS_SENDING = "vllm:kvbridge_sends_sending"
-IN_FLIGHT = [SENDS_HELD, SENDS_SENDING, *(f"vllm:kvbridge_receives_{phase}" for phase in ("allocated", "waiting", "receiving"))]
 P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
 D_CONFIG = {"timeouts": {"receive_s": 8, "heartbeat_s": 0.5, "handshake_s": 3}}
 

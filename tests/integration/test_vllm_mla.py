@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import TPCluster, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import USAGE, TPCluster, discover, handoff, kv_args, metric, start_all, wait_metric
 from mla_reference import fp8_latent_logprobs
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
@@ -48,7 +48,6 @@ BYTES_PER_BLOCK = BLOCK * BYTES_PER_TOKEN
 UNIT = 8  # transfer_block_size of the Mooncake pairs
 FP8_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)  # a byte a value, a float32 scale per half vector
 RECEIVED = "vllm:kvbridge_bytes_received_total"
-USAGE = "vllm:kv_cache_usage_perc"
 
 _group: list[VllmServer] = []
 """The servers of the group fixture (``pd``, ``tp``, ``packed_pd``) set up last."""

@@ -26,6 +26,7 @@ import pytest
 from engine_helpers import (
     BLOCK,
     COMMON_ARGS,
+    FAILURES,
     RECEIVED,
     check_handoff,
     discover,
@@ -41,7 +42,6 @@ NUM_BLOCKS = 30
 PROMPT = 600  # 19 blocks: two of them do not fit in 30
 MAX_TOKENS = 8
 BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
-FAILURES = "vllm:kvbridge_failures_total"
 
 
 class Pair:

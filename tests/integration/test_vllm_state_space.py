@@ -40,11 +40,12 @@ import math
 import re
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, FAILURES, IN_FLIGHT, RECEIVED, USAGE, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.servers import ServerError, VllmServer, complete, random_prompt
@@ -79,9 +80,6 @@ def expected_bytes(n: int, tp: int = 1) -> int:
     return ATTENTION_LAYERS * math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * state_bytes(tp)
 
 
-USAGE = "vllm:kv_cache_usage_perc"
-FAILURES = "vllm:kvbridge_failures_total"
-IN_FLIGHT = ["vllm:kvbridge_sends_held", "vllm:kvbridge_sends_sending", *(f"vllm:kvbridge_receives_{s}" for s in ("allocated", "waiting", "receiving"))]
 RECEIVE_S = 4
 
 
@@ -105,6 +103,22 @@ class Cluster:
 
     def stop(self) -> None:
         for s in self.servers:
+            s.stop()
+
+
+@contextmanager
+def trio(model: Path, logs: Path, args: list[str], prefill_args: list[str] | None = None) -> Iterator[tuple[VllmServer, VllmServer, VllmServer, dict[str, str]]]:
+    """A prefill, a decode (fail policy) over NIXL and a colocated reference of ``model``,
+    started together with ``args`` (the prefill and the reference with ``prefill_args``
+    where given); yields them and the prefill's address, stops them at the end."""
+    p = VllmServer(model, extra_args=(prefill_args or args) + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
+    d = VllmServer(model, extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "D.log")
+    c = VllmServer(model, extra_args=prefill_args or args, log_path=logs / "C.log")
+    try:
+        start_all([p, d, c])
+        yield p, d, c, discover(p.url)
+    finally:
+        for s in (p, d, c):
             s.stop()
 
 
@@ -142,13 +156,7 @@ def test_states_kept_per_block_drafted_or_sent_as_fp8_are_refused_at_start_up(mo
 def test_tp_2_to_2_decodes_as_a_colocated_tp_2_instance(model: Path, tmp_path: Path) -> None:
     """Each decode rank gets its own shard of every state (heads, conv channels) from the
     prefill rank of its rank. Runs before the cluster starts (file order)."""
-    args = [*ARGS, "--tensor-parallel-size", "2"]
-    p = VllmServer(model, extra_args=args + kv_args("kv_producer", "nixl"), log_path=tmp_path / "P2.log")
-    d = VllmServer(model, extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"), log_path=tmp_path / "D2.log")
-    c = VllmServer(model, extra_args=args, log_path=tmp_path / "C2.log")
-    start_all([p, d, c])
-    try:
-        address = discover(p.url)
+    with trio(model, tmp_path, [*ARGS, "--tensor-parallel-size", "2"]) as (p, d, c, address):
         for n, flow in ((BLOCK + 1, "push"), (CHUNK + 88, "push"), (CHUNK + 88, "pull")):
             prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
             ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
@@ -158,9 +166,6 @@ def test_tp_2_to_2_decodes_as_a_colocated_tp_2_instance(model: Path, tmp_path: P
             got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want) - before
             assert got == want, f"{n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
         check_first_token_logprobs(p.url, d.url, c.url, random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31), address)
-    finally:
-        for s in (p, d, c):
-            s.stop()
 
 
 SPLIT = 32
@@ -179,12 +184,7 @@ def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_sam
     model = build_tiny_model(default_model_dir("gdn"), shape="gdn")
     args = ["--dtype", "bfloat16", "--no-enable-prefix-caching"]
     chunked = [*args, "--max-num-batched-tokens", str(SPLIT)]
-    p = VllmServer(model, extra_args=chunked + kv_args("kv_producer", "nixl"), log_path=tmp_path / "P.log")
-    d = VllmServer(model, extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"), log_path=tmp_path / "D.log")
-    c = VllmServer(model, extra_args=chunked, log_path=tmp_path / "C.log")
-    start_all([p, d, c])
-    try:
-        address = discover(p.url)
+    with trio(model, tmp_path, args, prefill_args=chunked) as (p, d, c, address):
         for n in (SPLIT + 1, 3 * SPLIT + 1):
             for flow in ("push", "pull"):
                 prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
@@ -193,9 +193,6 @@ def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_sam
                 assert wait_metric(d.url, RECEIVED, lambda v: v > before) > before, f"{n} tokens, {flow}: D received nothing"
             for _ in range(2):
                 check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
-    finally:
-        for s in (p, d, c):
-            s.stop()
 
 
 def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_states(tmp_path: Path) -> None:
@@ -207,14 +204,9 @@ def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_state
     short-convolution layer. Runs before the cluster starts (file order)."""
     shape = SHAPES["shortconv"]
     model = build_tiny_model(default_model_dir("shortconv"), shape="shortconv")
-    p = VllmServer(model, extra_args=ARGS + kv_args("kv_producer", "nixl"), log_path=tmp_path / "P.log")
-    d = VllmServer(model, extra_args=ARGS + kv_args("kv_consumer", "nixl", policy="fail"), log_path=tmp_path / "D.log")
-    c = VllmServer(model, extra_args=ARGS, log_path=tmp_path / "C.log")
-    start_all([p, d, c])
     layers = shape["num_hidden_layers"] // 2  # conv, attention, conv, attention (kvbridge.demo.model)
     conv_state = (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4  # float32, conv_dim = hidden_size
-    try:
-        address = discover(p.url)
+    with trio(model, tmp_path, ARGS) as (p, d, c, address):
         for n in (1, BLOCK + 1, 3 * BLOCK + 5, CHUNK + 88):
             for flow in ("push", "pull"):
                 prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
@@ -225,9 +217,6 @@ def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_state
                 assert got == want, f"{n} tokens, {flow}: D received {got} bytes, want {want}"
             if n > 1:
                 check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
-    finally:
-        for s in (p, d, c):
-            s.stop()
 
 
 def test_every_instance_keeps_a_state_space_group(cluster: Cluster) -> None:

@@ -17,13 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, TPCluster, handoff, metric, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, TPCluster, handoff, metric, wait_metric
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads (all ranks) x tokens x head_dim x fp32
 RECEIVED = "vllm:kvbridge_bytes_received_total"
-USAGE = "vllm:kv_cache_usage_perc"
 
 
 @pytest.fixture(scope="module")

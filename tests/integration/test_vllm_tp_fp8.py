@@ -30,14 +30,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 32  # the tiny test model
 FP8_PER_BLOCK = LAYERS * (2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4)  # values + scales, all ranks
 RECEIVED = "vllm:kvbridge_bytes_received_total"
-USAGE = "vllm:kv_cache_usage_perc"
 STAGING, STAGING_USED = "vllm:kvbridge_staging_slots", "vllm:kvbridge_staging_slots_used"
 STAGING_MB = 16
 MAX_TOKENS = 12

@@ -24,14 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 32  # the tiny test model
 BYTES_PER_BLOCK = LAYERS * 2 * HEADS * BLOCK * HEAD_DIM * 4  # float32, all ranks
 RECEIVED = "vllm:kvbridge_bytes_received_total"
-USAGE = "vllm:kv_cache_usage_perc"
 STAGING, STAGING_USED = "vllm:kvbridge_staging_slots", "vllm:kvbridge_staging_slots_used"
 STAGING_MB = 16
 PAIRS = ["2->2", "1->2", "2->1"]  # test_vllm_tp.py's seeds index this list
