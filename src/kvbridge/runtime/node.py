@@ -20,8 +20,11 @@ a multiple of the other) are paired at the handshake
 (:func:`kvbridge.core.tp.pair_split`): both sides then address blocks as head ranges
 (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
 those; on the packed path (``data_path: packed``, implied by ``wire_dtype: fp8``) they
-exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any layout). Pairings that
-cannot work are refused naming the fix.
+exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any layout). A model
+with state-space layers cuts both caches into the segments each pair of ranks shares
+(``Peer.cut``: attention head ranges, and the heads, groups and channels of each state,
+:mod:`kvbridge.core.states`), prepared per peer. Pairings that cannot work are refused
+naming the fix.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ import numpy as np
 from kvbridge.config import KVBridgeConfig
 from kvbridge.core.layout import CacheGeometry
 from kvbridge.core.blocks import BlockTable
-from kvbridge.core.plan import plan_blocks, plan_grouped, plan_parts
+from kvbridge.core.plan import Cut, plan_blocks, plan_grouped, plan_parts
+from kvbridge.core.states import StateLayout, state_prefill_ranks, state_segments
 from kvbridge.core.tp import Split, check_pairing, pair_split, prefill_ranks
 from kvbridge.errors import (
     ConfigError,
@@ -83,6 +87,12 @@ class Peer:
     heads: tuple[int, int] | None = None
     """Packed path: our KV heads ``[first, end)`` that pair with its blocks (all of ours
     unless ``split``); ``staging`` is then cut into chunks of that many heads."""
+    cut: Cut | None = None
+    """With ``split``, for a model with state-space layers: the segments of each block
+    our ranks exchange (``table`` then holds its blocks cut into its segments, ``local``
+    ours into ours); None otherwise."""
+    local: DescTable | None = None
+    """Our blocks cut into ``cut``'s segments, prepared for this peer alone."""
 
     @property
     def fanout(self) -> int:
@@ -191,13 +201,9 @@ class Node:
         if msg.geometry.layer_bytes != self.geometry.layer_bytes and split is None:
             # the compat hash covers the state layers' shapes; a mismatch means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} sent per-layer block sizes that contradict its compatibility info")
-        if split is not None and (msg.geometry.layer_bytes or self.geometry.layer_bytes):
-            raise IncompatiblePeerError(
-                f"peer {msg.peer} runs another tensor-parallel size ({msg.compat.tp_size} vs {self.codec.compat.tp_size}); "
-                "kvbridge moves the states of state-space (Mamba) layers between equal TP sizes only",
-                differences={"tp_size": (self.codec.compat.tp_size, msg.compat.tp_size)},
-                fix="give prefill and decode the same --tensor-parallel-size for this model",
-            )
+        states = bool(msg.geometry.layer_bytes or self.geometry.layer_bytes)
+        # an idle pairing moves nothing; the decode rank's other pairings check its states' sources
+        cut = self._cut(msg, split, prefill) if split is not None and not split.idle and states else None
         if (self.packed is None) != (msg.staging is None):
             # the compat hash covers data_path; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
@@ -210,7 +216,7 @@ class Node:
             # a second handshake in the same role: its tables stay, in use or not
             peer = dataclasses.replace(built[1], address=address)
         else:
-            peer = self._build(msg, address, split, prefill)
+            peer = self._build(msg, address, split, cut, prefill)
         with self._lock:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one
             stale = [k for k in self._peers if k[:2] == key[:2] and k[2] != key[2]]
@@ -230,12 +236,16 @@ class Node:
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 
-    def _build(self, msg: Hello | Welcome, address: str | None, split: Split | None, prefill: bool) -> Peer:
+    def _build(self, msg: Hello | Welcome, address: str | None, split: Split | None, cut: Cut | None, prefill: bool) -> Peer:
         """Add the peer to the transport and prepare its tables. The prefill side adds
         a peer while that peer waits for its ``Welcome`` (the side-channel handler):
         the transport must not wait on the peer then (a Mooncake TCP lane that stalls
         blocks a probe for ``transfer_s``, far past the peer's ``handshake_s``)."""
         agent = self.transport.add_peer(msg.transport_metadata, probe=not prefill)
+        if cut is not None:  # both caches cut into this pair's segments
+            table = self.transport.prepare(msg.geometry.cut_table(cut.remote_pieces), memory=msg.geometry.memory, peer=agent)
+            local = self.transport.prepare(self.geometry.cut_table(cut.local_pieces), memory=self.geometry.memory)
+            return Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, split=split, cut=cut, local=local)
         parts = split is not None and self.packed is None  # the exact path moves head ranges of blocks
         table = self.transport.prepare(msg.geometry.part_table(split.remote_parts if parts else 1), memory=msg.geometry.memory, peer=agent)
         if parts:
@@ -278,6 +288,51 @@ class Node:
             )
         return split
 
+    def _cut(self, msg: Hello | Welcome, split: Split, prefill: bool) -> Cut:
+        """The segments of each block our rank and the peer's exchange when our TP splits
+        differ and the model has state-space layers: head ranges of the attention layers'
+        blocks (``split``), and the parts of each state that the two ranks share
+        (:func:`~kvbridge.core.states.state_segments`); raises when kvbridge cannot
+        tell how the states split, or when the decode rank would need states from a
+        prefill rank that holds none of its attention heads. Once per handshake with
+        such a peer. The tables prepared from it (:meth:`_build`) hold every block of
+        every layer cut so: a state layer's blocks in one piece per segment (with the
+        ``SD`` conv order, rows x sub-projections), so about that many times the
+        descriptors of a head-range table."""
+        ours, theirs = self.codec.compat, msg.compat
+        (p, p_rank), (d, d_rank) = ((ours, self.id.rank), (theirs, msg.peer.rank)) if prefill else ((theirs, msg.peer.rank), (ours, self.id.rank))
+        differences = {"tp_size": (ours.tp_size, theirs.tp_size)}
+        layouts = [StateLayout.decode(text) if text else None for text in ours.group_states]
+        if not any(layouts) or any(text and layout is None for text, layout in zip(ours.group_states, layouts)) or self.geometry.spec.planes_per_layer != 1:
+            kinds = sorted({text.split(" ")[0] for text, layout in zip(ours.group_states, layouts) if text and layout is None})
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} runs another tensor-parallel size ({theirs.tp_size} vs {ours.tp_size}); kvbridge moves the states of "
+                f"{', '.join(kinds) or 'these'} state-space layers between equal TP sizes only",
+                differences=differences,
+                fix="give prefill and decode the same --tensor-parallel-size for this model",
+            )
+        attention_ranks = set(prefill_ranks(p.model_kv_heads, p.tp_size, d.tp_size, d_rank))
+        segments: dict[int, list[tuple[int, int, int]]] = {}
+        for g, layout in enumerate(layouts):
+            if layout is None:
+                continue
+            state_ranks = state_prefill_ranks(layout, p.tp_size, d.tp_size, d_rank)
+            if not state_ranks <= attention_ranks:
+                raise IncompatiblePeerError(
+                    f"prefill TP {p.tp_size}, decode TP {d.tp_size}: decode rank {d_rank} would need state-space states from prefill ranks "
+                    f"{sorted(state_ranks - attention_ranks)}, which hold none of its attention KV heads",
+                    differences=differences,
+                    fix="give prefill and decode the same --tensor-parallel-size for this model",
+                )
+            segs = state_segments(layout, p.tp_size, d.tp_size, p_rank, d_rank)
+            segments[g] = segs if prefill else [(b, a, n) for a, b, n in segs]
+            for geo, tp in ((self.geometry, ours.tp_size), (msg.geometry, theirs.tp_size)):
+                if any(geo.layer_block_bytes(layer) != layout.nbytes(tp) for layer, of in enumerate(ours.layer_groups) if of == g):
+                    raise IncompatiblePeerError(f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its state layout says at TP {tp}")
+        piece = self.geometry.spec.block_bytes // split.local_parts  # the same on both sides (pair_split)
+        heads = tuple((a * piece, b * piece, n * piece) for a, b, n in split.runs)
+        return Cut(tuple(tuple(segments[g]) if g in segments else heads for g in ours.layer_groups))
+
     def local_table(self, parts: int) -> DescTable:
         """Our slot table with every block cut into ``parts`` head ranges (1: whole
         blocks), prepared on first use and kept."""
@@ -311,6 +366,10 @@ class Node:
         if peer.split is not None and self.packed is not None:
             raise KVBridgeError("a peer with another TP split exchanges packed head ranges through staging, not cache blocks")
         local_t, remote_t = BlockTable.of(local_blocks), BlockTable.of(remote_blocks)
+        if peer.cut is not None:
+            groups = self.codec.compat.layer_groups
+            lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, cut=peer.cut, into_local=into_local)
+            return peer.local, lidx, peer.table, ridx
         table = self.table if peer.split is None else self.local_table(peer.split.local_parts)
         groups = self.codec.compat.layer_groups
         if groups or local_t.num_groups > 1 or remote_t.num_groups > 1:

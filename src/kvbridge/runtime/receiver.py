@@ -561,6 +561,8 @@ class Receiver:
             h0, h1 = src.peer.heads
             return self.node.packed.chunk(h1 - h0).nbytes
         geo = self.node.geometry
+        if src.peer is not None and src.peer.cut is not None:
+            return src.peer.cut.layer_bytes(layer) * geo.spec.planes_per_layer
         num, den = src.share
         return geo.layer_block_bytes(layer) * geo.spec.planes_per_layer * num // den
 

@@ -7,6 +7,7 @@ editing this module and the tested range in ``pyproject.toml`` / README.
 
 from __future__ import annotations
 
+import math
 import re
 from importlib import metadata
 from typing import NamedTuple
@@ -116,7 +117,65 @@ def state_description(spec) -> str:
     return f"{str(kind).lower()} {tensors} conv {conv_state_layout()}"
 
 
-def cache_groups(kv_cache_config) -> list[CacheGroup]:
+class _AtOneRank:
+    """A ``VllmConfig`` as an instance of TP size 1 would have it: every attribute the
+    wrapped config's, except ``parallel_config.tensor_parallel_size``."""
+
+    def __init__(self, wrapped, **override) -> None:
+        self._wrapped, self._override = wrapped, override
+
+    def __getattr__(self, name: str):
+        if name in self._override:
+            return self._override[name]
+        value = getattr(self._wrapped, name)
+        return _AtOneRank(value, tensor_parallel_size=1) if name == "parallel_config" else value
+
+
+def state_layout(spec, vllm_config) -> str:
+    """What one state block of a ``MambaSpec`` group holds, as peers must agree on it
+    whatever their TP sizes: a :class:`~kvbridge.core.states.StateLayout` (JSON) for the
+    state kinds whose split over TP ranks kvbridge knows (Mamba2: x by heads, B and C by
+    groups; Gated DeltaNet: q, k by key heads, v by value heads; short convolutions: by
+    channel), derived from the model's state shapes at TP 1 (the model class's own
+    ``get_mamba_state_shape_from_config``) and checked against this rank's; else
+    :func:`state_description`, whose states move between equal TP sizes only.
+    Called once per instance, at start-up."""
+    from kvbridge.core.states import Section, StateLayout, StateTensor
+
+    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type)).lower()
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    dtypes = [str(d).removeprefix("torch.") for d in spec.dtypes]
+    try:
+        from vllm.model_executor.model_loader.utils import get_model_cls
+
+        full = [tuple(shape) for shape in get_model_cls(vllm_config.model_config).get_mamba_state_shape_from_config(_AtOneRank(vllm_config))]
+    except Exception:  # a model class without the hook, or one that reads more of the config
+        return state_description(spec)
+    sd = conv_state_layout() == "SD"
+    rows, channels = full[0] if sd else full[0][::-1]
+    if kind == "mamba2" and len(full) == 2:
+        heads, head_dim, d_state = full[1]
+        groups = (channels - heads * head_dim) // (2 * d_state)
+        conv, temporal = [(heads, head_dim), (groups, d_state), (groups, d_state)], [(heads, head_dim * d_state)]
+    elif kind == "gdn_attn" and len(full) == 2:
+        v_heads, v_dim, k_dim = full[1]
+        k_heads = (channels - v_heads * v_dim) // (2 * k_dim)
+        conv, temporal = [(k_heads, k_dim), (k_heads, k_dim), (v_heads, v_dim)], [(v_heads, v_dim * k_dim)]
+    elif kind == "short_conv" and len(full) == 1:
+        conv, temporal = [(channels, 1)], None
+    else:
+        return state_description(spec)
+    tensors = [StateTensor(dtypes[0], rows, tuple(Section(u, w) for u, w in conv)) if sd else StateTensor(dtypes[0], 1, tuple(Section(u, w * rows) for u, w in conv))]
+    if temporal is not None:
+        tensors.append(StateTensor(dtypes[1], 1, tuple(Section(u, w) for u, w in temporal)))
+    layout = StateLayout(kind=kind, tensors=tuple(tensors))
+    here = [math.prod(shape) for shape in spec.shapes]
+    if sum(u * w for u, w in conv) != channels or not layout.splits_over(tp) or [t.rows * t.row_elements(tp) for t in layout.tensors] != here:
+        return state_description(spec)
+    return layout.encode()
+
+
+def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
     """The KV cache groups of vLLM's ``KVCacheConfig`` that kvbridge must tell apart
     (``kv_cache_groups``, in vLLM's order: their index is the group index of every
     block-id tuple vLLM hands the connector), or ``[]`` when there is one group that
@@ -126,7 +185,8 @@ def cache_groups(kv_cache_config) -> list[CacheGroup]:
     without retained extra tokens (the attention groups all of one block size), or a
     state-space group that keeps one state per request (vLLM's ``mamba_cache_mode``
     ``none``: prefix caching off) beside at least one attention group, all
-    transferable.
+    transferable. ``vllm_config``: the instance's, for a state-space group's layout
+    (:func:`state_layout`; without it, :func:`state_description`).
 
     Raises:
         KVBridgeError: a group kvbridge cannot move, named with the flag that avoids it.
@@ -162,7 +222,8 @@ def cache_groups(kv_cache_config) -> list[CacheGroup]:
                     f"cache group {g} (--speculative-config); kvbridge does not move the states of speculative decoding yet",
                     fix="start both instances of this model without --speculative-config",
                 )
-            groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state_description(spec)))
+            state = state_description(spec) if vllm_config is None else state_layout(spec, vllm_config)
+            groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state))
         else:
             raise KVBridgeError(
                 f"vLLM's KV cache group {g} ({len(group.layer_names)} layers) is {type(spec).__name__}; kvbridge moves "
@@ -224,6 +285,7 @@ __all__ = [
     "drop_prompt_tail",
     "state_block",
     "state_description",
+    "state_layout",
     "KVConnectorBase_V1",
     "KVConnectorFactory",
     "KVConnectorHandshakeMetadata",

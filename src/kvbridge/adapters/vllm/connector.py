@@ -81,8 +81,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     sliding layer keeps and moves only its window (the scheduler side's module
     docstring; docs/vllm-connector-notes.md, section 1), on both data paths. A model
     with state-space layers (Mamba, linear attention) keeps them in groups of their
-    own, one state per request, which moves on the direct path between equal TP sizes
-    (the decode computes the last prompt token from the prefill's state). Other groups
+    own, one state per request, which moves on the direct path, between TP sizes too
+    for Mamba2, Gated DeltaNet and short convolutions (the decode computes the last
+    prompt token from the prefill's state). Other groups
     are refused at start-up; ``--disable-hybrid-kv-cache-manager`` gives such a
     deployment one group again where the model allows it."""
 
@@ -102,7 +103,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         send = kv_role in ("kv_producer", "kv_both")
         receive = kv_role in ("kv_consumer", "kv_both")
         block_size = vllm_config.cache_config.block_size
-        groups = cache_groups(kv_cache_config)
+        groups = cache_groups(kv_cache_config, vllm_config)
         if groups:  # the attention groups' (the manager's, which may differ from --block-size)
             block_size = next(g.block_size for g in groups if not g.state)
         self._groups = len(groups)
