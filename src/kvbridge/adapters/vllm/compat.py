@@ -168,7 +168,10 @@ def state_layout(spec, vllm_config) -> str:
     tensors = [StateTensor(dtypes[0], rows, tuple(Section(u, w) for u, w in conv)) if sd else StateTensor(dtypes[0], 1, tuple(Section(u, w * rows) for u, w in conv))]
     if temporal is not None:
         tensors.append(StateTensor(dtypes[1], 1, tuple(Section(u, w) for u, w in temporal)))
-    layout = StateLayout(kind=kind, tensors=tuple(tensors))
+    try:
+        layout = StateLayout(kind=kind, tensors=tuple(tensors))
+    except ValueError:  # a sub-projection of no channels: not the layout assumed here
+        return state_description(spec)
     here = [math.prod(shape) for shape in spec.shapes]
     if sum(u * w for u, w in conv) != channels or not layout.splits_over(tp) or [t.rows * t.row_elements(tp) for t in layout.tensors] != here:
         return state_description(spec)
