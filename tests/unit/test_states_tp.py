@@ -258,5 +258,5 @@ def test_a_cut_table_refuses_pieces_outside_a_block_or_a_layer_without_pieces() 
     with pytest.raises(PlanError, match="pieces for each of 2 layers"):
         geo.cut_table([[(0, 16)]])
     table = geo.cut_table([[(0, 16)], [(0, 8), (64, 8)]])
-    rows = geo.cut_rows([[(0, 16)], [(0, 8), (64, 8)]], geo.slots([2, 0]))
+    rows = geo.cut_rows([1, 2], geo.slots([2, 0]))
     assert [(int(table[r, 0]) - 0x1000, int(table[r, 1])) for r in rows] == [(256, 16), (0, 16), (0x1000 + 256, 8), (0x1000 + 320, 8), (0x1000, 8), (0x1000 + 64, 8)]

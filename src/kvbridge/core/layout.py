@@ -257,7 +257,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         >>> geo = CacheGeometry(spec=spec, num_blocks=2, plane_bases=(0x1000, 0x2000))
         >>> [(hex(a), n) for a, n, _ in geo.cut_table([[(0, 16)], [(0, 8), (32, 8)]]).tolist()]
         [('0x1000', 16), ('0x1080', 16), ('0x2000', 8), ('0x2020', 8), ('0x2080', 8), ('0x20a0', 8)]
-        >>> geo.cut_rows([[(0, 16)], [(0, 8), (32, 8)]], np.array([3])).tolist()
+        >>> geo.cut_rows([1, 2], np.array([3])).tolist()   # slot 3: layer 1, block 1
         [4, 5]
 
         Raises:
@@ -279,10 +279,12 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             rows.append(part)
         return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
 
-    def cut_rows(self, pieces: Sequence[Sequence[tuple[int, int]]], slots: np.ndarray) -> np.ndarray:
-        """The rows of :meth:`cut_table` (``pieces`` as given there) of every piece of
-        each slot in ``slots``, slot by slot, pieces in order; int64."""
-        counts = np.asarray([len(pieces[plane // self.spec.planes_per_layer]) for plane in range(len(self.plane_bases))], dtype=np.int64)
+    def cut_rows(self, counts: Sequence[int], slots: np.ndarray) -> np.ndarray:
+        """The rows of a :meth:`cut_table` whose layer ``l`` has ``counts[l]`` pieces
+        per block: every piece of each slot in ``slots``, slot by slot, pieces in
+        order; int64. Per transfer plan (the streaming path), so it reads only the counts."""
+        per_layer = np.asarray(counts, dtype=np.int64)
+        counts = np.repeat(per_layer, self.spec.planes_per_layer)
         firsts = np.concatenate([[0], np.cumsum(counts * self.num_blocks)[:-1]])
         plane, block = np.divmod(np.asarray(slots, dtype=np.int64).reshape(-1), self.num_blocks)
         n = counts[plane]

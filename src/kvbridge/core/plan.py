@@ -171,6 +171,11 @@ class Cut(NamedTuple):
     def remote_pieces(self) -> list[list[tuple[int, int]]]:
         return [[(b, n) for _, b, n in layer] for layer in self.segments]
 
+    @property
+    def counts(self) -> list[int]:
+        """Segments per block, per layer: the same on both sides."""
+        return [len(layer) for layer in self.segments]
+
     def layer_bytes(self, layer: int) -> int:
         """Bytes of one block of ``layer`` that move (each plane)."""
         return sum(n for _, _, n in self.segments[layer])
@@ -192,7 +197,8 @@ def plan_cut(
         PlanError: the block lists differ in length, or a block id or layer is out of range.
     """
     lslots, rslots, _ = _paired_slots(local, remote, local_blocks, remote_blocks, layers)
-    return local.cut_rows(cut.local_pieces, lslots).astype(np.int32), remote.cut_rows(cut.remote_pieces, rslots).astype(np.int32)
+    counts = cut.counts
+    return local.cut_rows(counts, lslots).astype(np.int32), remote.cut_rows(counts, rslots).astype(np.int32)
 
 
 def layers_by_group(layer_groups: Sequence[int], layers: Sequence[int]) -> list[tuple[int, list[int]]]:

@@ -366,12 +366,11 @@ class Node:
         if peer.split is not None and self.packed is not None:
             raise KVBridgeError("a peer with another TP split exchanges packed head ranges through staging, not cache blocks")
         local_t, remote_t = BlockTable.of(local_blocks), BlockTable.of(remote_blocks)
+        groups = self.codec.compat.layer_groups
         if peer.cut is not None:
-            groups = self.codec.compat.layer_groups
             lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, cut=peer.cut, into_local=into_local)
             return peer.local, lidx, peer.table, ridx
         table = self.table if peer.split is None else self.local_table(peer.split.local_parts)
-        groups = self.codec.compat.layer_groups
         if groups or local_t.num_groups > 1 or remote_t.num_groups > 1:
             lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, split=peer.split, into_local=into_local)
             return table, lidx, peer.table, ridx
