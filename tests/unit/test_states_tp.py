@@ -247,6 +247,20 @@ def test_the_vllm_adapter_derives_a_mamba2_layout_that_is_the_same_at_every_tp(m
     assert StateLayout.decode(compat.state_layout(spec(tp, odd), _Config(tp))) is None
 
 
+def test_forgetting_a_peer_of_another_tp_size_releases_the_tables_prepared_for_it() -> None:
+    """Each pair prepares our cache cut into its own segments (``Peer.local``): forgetting
+    the peer (it died or restarted) must release that table too, not only the peer's."""
+    p, d = HybridRank("P", 1, 0, model_state(MAMBA2, seed=3)), HybridRank("D", 2, 1)
+    try:
+        peer = d.ep.node.connect(p.ep.address)
+        assert peer.cut is not None and peer.local is not None and not peer.local.released
+        d.ep.node.forget(p.ep.address)
+        assert peer.local.released and peer.table.released
+    finally:
+        d.ep.close()
+        p.ep.close()
+
+
 def test_a_cut_table_refuses_pieces_outside_a_block_or_a_layer_without_pieces() -> None:
     from kvbridge.core.layout import CacheGeometry, CacheSpec
     from kvbridge.errors import PlanError

@@ -224,15 +224,12 @@ class Node:
             for old in gone:
                 if old.address is not None and self._by_address.get(old.address) is old:
                     del self._by_address[old.address]
-            for k in stale:
-                self._built.pop((k, True), None)
-                self._built.pop((k, False), None)
+            tables = [t for k in stale for t in self._unbuild(k)]
             self._peers[key] = peer
             self._built[(key, prefill)] = (msg.transport_metadata, peer)
             if address is not None:
                 self._by_address[address] = peer
-        for old in gone:
-            self.transport.remove_peer(old.agent)
+        self._drop([old.agent for old in gone], tables)
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 
@@ -442,12 +439,26 @@ class Node:
         """Drop the cached handshake with ``address`` (the peer died or restarted)."""
         with self._lock:
             peer = self._by_address.pop(address, None)
-            if peer is not None:
-                self._peers.pop(self._key(peer.id), None)
-                self._built.pop((self._key(peer.id), True), None)
-                self._built.pop((self._key(peer.id), False), None)
-        if peer is not None:
-            self.transport.remove_peer(peer.agent)
+            if peer is None:
+                return
+            self._peers.pop(self._key(peer.id), None)
+            tables = self._unbuild(self._key(peer.id))
+        self._drop([peer.agent], tables)
+
+    def _unbuild(self, key: tuple[str, int, str]) -> list[DescTable]:
+        """Forget the tables built for peer ``key`` in both roles (caller holds
+        ``_lock``); returns the local tables prepared for it alone (``Peer.local``), which
+        :meth:`_drop` releases."""
+        built = [self._built.pop((key, role), None) for role in (True, False)]
+        return [b[1].local for b in built if b is not None and b[1].local is not None]
+
+    def _drop(self, agents: list[str], tables: list[DescTable]) -> None:
+        """Release our tables prepared for dropped peers, and remove the peers from the
+        transport (which releases their tables); outside ``_lock``."""
+        for table in tables:
+            self.transport.release_table(table)
+        for agent in agents:
+            self.transport.remove_peer(agent)
 
     def close(self) -> None:
         with self._lock:
