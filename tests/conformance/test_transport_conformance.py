@@ -74,6 +74,43 @@ def test_many_descriptors_read_byte_for_byte(local: Local, peer: Peer) -> None:
     np.testing.assert_array_equal(local.buf[: n * size], expected)
 
 
+@pytest.mark.parametrize("which", ["both", "local", "remote"])
+def test_one_post_descriptor_lists_of_uneven_lengths_move_byte_for_byte(local: Local, peer: Peer, which: str) -> None:
+    """``adhoc`` lists (not prepared; what a peer of another TP split moves for state
+    segments): scattered pieces of uneven lengths, written then read back, alone or
+    paired with a prepared table on the other side."""
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(1, 40, 500) * 64  # 64 B .. 2.5 KiB pieces
+    step = 4 * KiB
+    src_off = rng.permutation(500) * step  # nothing coalesces on the source side
+    dst_off = np.arange(500) * step
+    local.buf[:] = pattern(55, local.buf.nbytes)
+    peer.call("zero")
+    lt = local.table(src_off, sizes, adhoc=which != "remote")
+    rt = local.table(dst_off, sizes, peer=local.peer_id, base=peer.base, adhoc=which != "local")
+    assert lt.prepared is (which == "remote") and rt.prepared is (which == "local")
+    x = local.t.post("write", lt, np.arange(500), rt, np.arange(500), notify=b"adhoc")
+    local.t.wait(x, 30)
+    local.t.release(x)
+    expected = np.zeros(500 * step, dtype=np.uint8)
+    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+        expected[d : d + n] = local.buf[s : s + n]
+    assert peer.call("digest", 0, 500 * step) == digest(expected)
+    assert x.nbytes == int(sizes.sum())
+    assert (local.t.agent_name, b"adhoc") in peer.call("take", 1, 30)
+    # read the same pieces back into zeroed memory
+    local.buf[:] = 0
+    x = local.t.post("read", lt, np.arange(500), rt, np.arange(500))
+    local.t.wait(x, 30)
+    local.t.release(x)
+    got = np.zeros_like(expected)
+    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+        got[d : d + n] = local.buf[s : s + n]
+    np.testing.assert_array_equal(got, expected)
+    local.t.release_table(lt)  # no-op for a one-post list; a prepared one is freed
+    local.t.release_table(rt)
+
+
 def test_large_transfers_byte_for_byte(local: Local, peer: Peer) -> None:
     local.buf[:] = pattern(33, local.buf.nbytes)
     peer.call("zero")
@@ -158,6 +195,12 @@ def test_bad_descriptors_and_peers_get_clear_errors(local: Local, peer: Peer) ->
         local.t.prepare(np.array([[outside, size]], dtype=np.uint64))
     with pytest.raises(InvalidDescriptorError, match="registered host memory"):
         local.table(np.array([peer.nbytes]), size, peer=local.peer_id, base=peer.base)
+    with pytest.raises(InvalidDescriptorError, match="registered host memory"):
+        local.table(np.array([peer.nbytes]), size, peer=local.peer_id, base=peer.base, adhoc=True)
+    with pytest.raises(InvalidDescriptorError, match="outside our registered host memory"):
+        local.t.adhoc(np.array([[outside, size]], dtype=np.uint64))
+    with pytest.raises(UnknownPeerError, match="add_peer"):
+        local.table(np.array([0]), size, peer="nobody", adhoc=True)
     with pytest.raises(UnknownPeerError, match="add_peer"):
         local.table(np.array([0]), size, peer="nobody")
     lt = local.table(np.arange(4) * size, size)

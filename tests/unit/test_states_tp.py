@@ -247,30 +247,61 @@ def test_the_vllm_adapter_derives_a_mamba2_layout_that_is_the_same_at_every_tp(m
     assert StateLayout.decode(compat.state_layout(spec(tp, odd), _Config(tp))) is None
 
 
-def test_forgetting_a_peer_of_another_tp_size_releases_the_tables_prepared_for_it() -> None:
-    """Each pair prepares our cache cut into its own segments (``Peer.local``): forgetting
-    the peer (it died or restarted) must release that table too, not only the peer's."""
+def test_a_pair_of_other_tp_sizes_prepares_no_table_and_forgetting_it_drops_the_peer() -> None:
+    """Such a pair addresses each transfer's segments alone: shaking hands prepares
+    nothing per peer on either side (a table of every block cut into its segments would
+    be ~10x a slot table per pair), and a transfer still moves exactly the shards."""
     p, d = HybridRank("P", 1, 0, model_state(MAMBA2, seed=3)), HybridRank("D", 2, 1)
+    tables = {r: len(r.ep.node.transport._tables) for r in (p, d)}
     try:
         peer = d.ep.node.connect(p.ep.address)
-        assert peer.cut is not None and peer.local is not None and not peer.local.released
+        assert peer.cut is not None and peer.table is None
+        assert {r: len(r.ep.node.transport._tables) for r in (p, d)} == tables
+        from kvbridge.core.blocks import BlockTable
+
+        local, rows, remote, ridx = d.ep.node.plan(peer, BlockTable.grouped([[1, 2], [5, 6]]), BlockTable.grouped([[3, 4], [7, 0]]))
+        assert not local.prepared and not remote.prepared and remote.peer == peer.agent
+        assert rows.tolist() == ridx.tolist() == list(range(len(local)))
+        assert int(local.descs[:, 1].sum()) == int(remote.descs[:, 1].sum()) == 2 * sum(peer.cut.layer_bytes(l) for l in range(2))
         d.ep.node.forget(p.ep.address)
-        assert peer.local.released and peer.table.released
+        assert peer.agent not in d.ep.node.transport.peers and not d.ep.node.knows(peer.id)
     finally:
         d.ep.close()
         p.ep.close()
 
 
-def test_a_cut_table_refuses_pieces_outside_a_block_or_a_layer_without_pieces() -> None:
+def _geo(num_blocks: int = 3):
     from kvbridge.core.layout import CacheGeometry, CacheSpec
-    from kvbridge.errors import PlanError
 
     spec = CacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused")
-    geo = CacheGeometry(spec=spec, num_blocks=3, plane_bases=(0x1000, 0x2000))
+    return CacheGeometry(spec=spec, num_blocks=num_blocks, plane_bases=(0x1000, 0x2000), device=5)
+
+
+def test_a_cut_addresses_each_segment_of_each_slot_on_both_sides() -> None:
+    from kvbridge.core.plan import Cut
+
+    geo = _geo()
+    cut = Cut([[(0, 32, 16)], [(0, 8, 8), (64, 96, 8)]])
+    slots = geo.slots([2, 0], [0, 1])  # layer 0 blocks 2, 0; layer 1 blocks 2, 0
+    want_local, want_remote = [], []
+    for slot in slots.tolist():  # one slot at a time, from the geometry's own addressing
+        for a, b, n in cut.segments[slot // geo.num_blocks]:
+            want_local.append((geo.slot_address(slot) + a, n, 5))
+            want_remote.append((geo.slot_address(slot) + b, n, 5))
+    assert [tuple(r) for r in cut.descs(geo, slots).tolist()] == want_local
+    assert [tuple(r) for r in cut.descs(geo, slots, remote=True).tolist()] == want_remote
+    assert cut.counts == [1, 2] and cut.layer_bytes(1) == 16
+
+
+def test_a_cut_refuses_segments_outside_a_block_or_of_other_layers() -> None:
+    from kvbridge.core.plan import Cut
+    from kvbridge.errors import PlanError
+
+    geo = _geo()
+    Cut([[(0, 0, 16)], [(120, 0, 8)]]).check(geo, remote=False)
     with pytest.raises(PlanError, match="outside a block of 128 bytes"):
-        geo.cut_table([[(0, 16)], [(120, 16)]])
-    with pytest.raises(PlanError, match="pieces for each of 2 layers"):
-        geo.cut_table([[(0, 16)]])
-    table = geo.cut_table([[(0, 16)], [(0, 8), (64, 8)]])
-    rows = geo.cut_rows([1, 2], geo.slots([2, 0]))
-    assert [(int(table[r, 0]) - 0x1000, int(table[r, 1])) for r in rows] == [(256, 16), (0, 16), (0x1000 + 256, 8), (0x1000 + 320, 8), (0x1000, 8), (0x1000 + 64, 8)]
+        Cut([[(0, 0, 16)], [(120, 0, 16)]]).check(geo, remote=False)
+    with pytest.raises(PlanError, match="outside a block of 128 bytes"):
+        Cut([[(0, 120, 16)], [(0, 0, 8)]]).check(geo, remote=True)
+    with pytest.raises(PlanError, match="a cut of 1 layers for a cache of 2"):
+        Cut([[(0, 0, 16)]]).check(geo, remote=False)

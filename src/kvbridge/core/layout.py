@@ -245,54 +245,6 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         table[:, 1] = piece
         return table
 
-    def cut_table(self, pieces: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
-        """Like :meth:`slot_table` with every block of layer ``l`` (each plane alike) cut
-        into ``pieces[l]``, ``(offset, length)`` byte ranges of the block: rows ordered
-        plane, block, piece (:meth:`cut_rows` finds a slot's). What peers of different
-        tensor-parallel splits address when whole blocks and head ranges do not do
-        (a state-space layer's state: :mod:`kvbridge.core.states`). A layer of no
-        pieces has no rows.
-
-        >>> spec = CacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused")
-        >>> geo = CacheGeometry(spec=spec, num_blocks=2, plane_bases=(0x1000, 0x2000))
-        >>> [(hex(a), n) for a, n, _ in geo.cut_table([[(0, 16)], [(0, 8), (32, 8)]]).tolist()]
-        [('0x1000', 16), ('0x1080', 16), ('0x2000', 8), ('0x2020', 8), ('0x2080', 8), ('0x20a0', 8)]
-        >>> geo.cut_rows([1, 2], np.array([3])).tolist()   # slot 3: layer 1, block 1
-        [4, 5]
-
-        Raises:
-            PlanError: not one list of pieces per layer, or a piece outside the block.
-        """
-        if len(pieces) != self.spec.num_layers:
-            raise PlanError(f"cut_table needs pieces for each of {self.spec.num_layers} layers, got {len(pieces)}")
-        rows = []
-        blocks = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.stride)
-        for plane, base in enumerate(self.plane_bases):
-            cut = pieces[plane // self.spec.planes_per_layer]
-            if any(off < 0 or n <= 0 or off + n > self.stride for off, n in cut):
-                raise PlanError(f"a piece {list(cut)} lies outside a block of {self.stride} bytes")
-            offs = np.asarray([off for off, _ in cut], dtype=np.uint64)
-            part = np.empty((self.num_blocks * len(cut), 3), dtype=np.uint64)
-            part[:, 0] = (np.uint64(base) + blocks[:, None] + offs[None, :]).reshape(-1)
-            part[:, 1] = np.tile(np.asarray([n for _, n in cut], dtype=np.uint64), self.num_blocks)
-            part[:, 2] = self.device
-            rows.append(part)
-        return np.concatenate(rows) if rows else np.empty((0, 3), dtype=np.uint64)
-
-    def cut_rows(self, counts: Sequence[int], slots: np.ndarray) -> np.ndarray:
-        """The rows of a :meth:`cut_table` whose layer ``l`` has ``counts[l]`` pieces
-        per block: every piece of each slot in ``slots``, slot by slot, pieces in
-        order; int64. Per transfer plan (the streaming path), so it reads only the counts."""
-        per_layer = np.asarray(counts, dtype=np.int64)
-        counts = np.repeat(per_layer, self.spec.planes_per_layer)
-        firsts = np.concatenate([[0], np.cumsum(counts * self.num_blocks)[:-1]])
-        plane, block = np.divmod(np.asarray(slots, dtype=np.int64).reshape(-1), self.num_blocks)
-        n = counts[plane]
-        start = firsts[plane] + block * n
-        # every slot's rows start .. start + n - 1, concatenated
-        offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        return np.repeat(start, n) + offsets
-
     def in_blocks_of(self, tokens: int) -> CacheGeometry:
         """The same memory addressed in blocks of ``tokens`` tokens (config
         ``transfer_block_size``): block ``b`` of this geometry is blocks ``b * m`` to

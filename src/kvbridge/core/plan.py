@@ -153,32 +153,69 @@ def plan_parts(
     )
 
 
-class Cut(NamedTuple):
+class Cut:
     """The bytes of each block a rank and a peer rank of another tensor-parallel split
     exchange, per layer: ``(local offset, remote offset, length)`` segments. The node
     builds one per such peer of a model with state-space layers, whose states split by
     heads, groups and channels (:mod:`kvbridge.core.states`), not by equal head ranges
-    (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`); both sides then address
-    their blocks cut so (:meth:`~kvbridge.core.layout.CacheGeometry.cut_table`)."""
+    (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`). A request's blocks are
+    then addressed segment by segment (:meth:`descs`), per transfer: a table of every
+    segment of every block, prepared once, would hold ~10 descriptors per state block
+    (a Mamba2 state with ``SD`` conv order) on each side of each pair.
 
-    segments: tuple[tuple[tuple[int, int, int], ...], ...]
+    >>> cut = Cut((((0, 32, 16),), ((0, 0, 8), (64, 16, 8))))
+    >>> cut.layer_bytes(1), cut.counts
+    (16, [1, 2])
+    """
 
-    @property
-    def local_pieces(self) -> list[list[tuple[int, int]]]:
-        return [[(a, n) for a, _, n in layer] for layer in self.segments]
+    __slots__ = ("_first", "_flat", "counts", "segments")
 
-    @property
-    def remote_pieces(self) -> list[list[tuple[int, int]]]:
-        return [[(b, n) for _, b, n in layer] for layer in self.segments]
-
-    @property
-    def counts(self) -> list[int]:
+    def __init__(self, segments: Sequence[Sequence[tuple[int, int, int]]]) -> None:
+        self.segments = tuple(tuple((int(a), int(b), int(n)) for a, b, n in layer) for layer in segments)
+        self.counts = [len(layer) for layer in self.segments]
         """Segments per block, per layer: the same on both sides."""
-        return [len(layer) for layer in self.segments]
+        self._flat = np.asarray([seg for layer in self.segments for seg in layer], dtype=np.uint64).reshape(-1, 3)
+        self._first = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cut) and other.segments == self.segments
+
+    def __hash__(self) -> int:
+        return hash(self.segments)
+
+    def __repr__(self) -> str:
+        return f"Cut({self.segments!r})"
 
     def layer_bytes(self, layer: int) -> int:
         """Bytes of one block of ``layer`` that move (each plane)."""
         return sum(n for _, _, n in self.segments[layer])
+
+    def check(self, geo: CacheGeometry, remote: bool) -> None:
+        """Raise :class:`PlanError` unless every segment lies inside a block of ``geo``
+        (our cache, or the peer's when ``remote``). Once per pair, at the handshake."""
+        if len(self.segments) != geo.spec.num_layers:
+            raise PlanError(f"a cut of {len(self.segments)} layers for a cache of {geo.spec.num_layers}")
+        side = 1 if remote else 0
+        for layer in self.segments:
+            if any(seg[side] + seg[2] > geo.stride or seg[2] <= 0 for seg in layer):
+                raise PlanError(f"a segment of {list(layer)} lies outside a block of {geo.stride} bytes")
+
+    def descs(self, geo: CacheGeometry, slots: np.ndarray, remote: bool = False) -> np.ndarray:
+        """``(address, length, device)`` of every segment of each slot of ``geo`` (ours,
+        or the peer's when ``remote``): slot by slot, segments in order, so the rows of
+        both sides pair up position by position. Per transfer (once per layer and
+        request when streaming); ``uint64`` ``(N, 3)``."""
+        plane, block = np.divmod(np.asarray(slots, dtype=np.int64).reshape(-1), geo.num_blocks)
+        layer = plane // geo.spec.planes_per_layer
+        n = np.asarray(self.counts, dtype=np.int64)[layer]
+        # every slot's segments first .. first + n - 1, concatenated
+        rows = np.repeat(self._first[layer], n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        starts = np.asarray(geo.plane_bases, dtype=np.uint64)[plane] + block.astype(np.uint64) * np.uint64(geo.stride)
+        out = np.empty((rows.size, 3), dtype=np.uint64)
+        out[:, 0] = np.repeat(starts, n) + self._flat[rows, 1 if remote else 0]
+        out[:, 1] = self._flat[rows, 2]
+        out[:, 2] = geo.device
+        return out
 
 
 def plan_cut(
@@ -189,16 +226,14 @@ def plan_cut(
     cut: Cut,
     layers: Iterable[int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Like :func:`plan_blocks` between caches cut by ``cut``: indices into
-    ``local.cut_table(cut.local_pieces)`` and ``remote.cut_table(cut.remote_pieces)``,
-    every segment of every block and plane paired.
+    """Like :func:`plan_blocks` between caches cut by ``cut``: every segment of every
+    block and plane paired, as descriptor rows (:meth:`Cut.descs`) of both sides.
 
     Raises:
         PlanError: the block lists differ in length, or a block id or layer is out of range.
     """
     lslots, rslots, _ = _paired_slots(local, remote, local_blocks, remote_blocks, layers)
-    counts = cut.counts
-    return local.cut_rows(counts, lslots).astype(np.int32), remote.cut_rows(counts, rslots).astype(np.int32)
+    return cut.descs(local, lslots), cut.descs(remote, rslots, remote=True)
 
 
 def layers_by_group(layer_groups: Sequence[int], layers: Sequence[int]) -> list[tuple[int, list[int]]]:
@@ -241,7 +276,7 @@ def plan_grouped(
     into_local: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`plan_blocks` (or, with ``split``, :func:`plan_parts`; with ``cut``,
-    :func:`plan_cut`) for a request whose
+    :func:`plan_cut`, which returns descriptor rows, not indices) for a request whose
     layers take their blocks from KV cache groups (:mod:`kvbridge.core.blocks`): layer
     ``l`` moves the blocks of group ``layer_groups[l]`` (empty: every layer group 0).
     A position the destination (``remote``, or ``local`` when ``into_local``) holds no
@@ -288,7 +323,8 @@ def plan_grouped(
         lparts.append(plan.local_slots)
         rparts.append(plan.remote_slots)
     if not lparts:
-        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
+        empty = np.empty((0, 3), dtype=np.uint64) if cut is not None else np.empty(0, dtype=np.int32)
+        return empty, empty
     return np.concatenate(lparts), np.concatenate(rparts)
 
 

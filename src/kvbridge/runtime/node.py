@@ -23,8 +23,8 @@ those; on the packed path (``data_path: packed``, implied by ``wire_dtype: fp8``
 exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any layout). A model
 with state-space layers cuts both caches into the segments each pair of ranks shares
 (``Peer.cut``: attention head ranges, and the heads, groups and channels of each state,
-:mod:`kvbridge.core.states`), prepared per peer. Pairings that cannot work are refused
-naming the fix.
+:mod:`kvbridge.core.states`), addressed per transfer (:meth:`Node.plan`). Pairings that
+cannot work are refused naming the fix.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from kvbridge.errors import (
     ConfigError,
     IncompatiblePeerError,
     KVBridgeError,
+    PlanError,
     TransportError,
     WireError,
 )
@@ -73,8 +74,8 @@ class Peer:
     agent: str
     """Its transport peer id."""
     geometry: CacheGeometry
-    table: DescTable
-    """Its slot table, prepared once."""
+    table: DescTable | None
+    """Its slot table, prepared once; None with ``cut``."""
     address: str | None = None
     """Its side-channel address, for peers we connected to."""
     staging: DescTable | None = None
@@ -89,10 +90,8 @@ class Peer:
     unless ``split``); ``staging`` is then cut into chunks of that many heads."""
     cut: Cut | None = None
     """With ``split``, for a model with state-space layers: the segments of each block
-    our ranks exchange (``table`` then holds its blocks cut into its segments, ``local``
-    ours into ours); None otherwise."""
-    local: DescTable | None = None
-    """Our blocks cut into ``cut``'s segments, prepared for this peer alone."""
+    our ranks exchange, addressed per transfer on both sides (no ``table``); None
+    otherwise."""
 
     @property
     def fanout(self) -> int:
@@ -224,12 +223,14 @@ class Node:
             for old in gone:
                 if old.address is not None and self._by_address.get(old.address) is old:
                     del self._by_address[old.address]
-            tables = [t for k in stale for t in self._unbuild(k)]
+            for k in stale:
+                self._unbuild(k)
             self._peers[key] = peer
             self._built[(key, prefill)] = (msg.transport_metadata, peer)
             if address is not None:
                 self._by_address[address] = peer
-        self._drop([old.agent for old in gone], tables)
+        for old in gone:
+            self.transport.remove_peer(old.agent)
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 
@@ -239,10 +240,8 @@ class Node:
         the transport must not wait on the peer then (a Mooncake TCP lane that stalls
         blocks a probe for ``transfer_s``, far past the peer's ``handshake_s``)."""
         agent = self.transport.add_peer(msg.transport_metadata, probe=not prefill)
-        if cut is not None:  # both caches cut into this pair's segments
-            table = self.transport.prepare(msg.geometry.cut_table(cut.remote_pieces), memory=msg.geometry.memory, peer=agent)
-            local = self.transport.prepare(self.geometry.cut_table(cut.local_pieces), memory=self.geometry.memory)
-            return Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, split=split, cut=cut, local=local)
+        if cut is not None:  # both caches addressed segment by segment, per transfer
+            return Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=None, address=address, split=split, cut=cut)
         parts = split is not None and self.packed is None  # the exact path moves head ranges of blocks
         table = self.transport.prepare(msg.geometry.part_table(split.remote_parts if parts else 1), memory=msg.geometry.memory, peer=agent)
         if parts:
@@ -292,10 +291,10 @@ class Node:
         (:func:`~kvbridge.core.states.state_segments`); raises when kvbridge cannot
         tell how the states split, or when the decode rank would need states from a
         prefill rank that holds none of its attention heads. Once per handshake with
-        such a peer. The tables prepared from it (:meth:`_build`) hold every block of
-        every layer cut so: a state layer's blocks in one piece per segment (with the
-        ``SD`` conv order, rows x sub-projections), so about that many times the
-        descriptors of a head-range table."""
+        such a peer. Transfers address the segments of their blocks alone
+        (:meth:`plan`): a table of every block cut so would hold, per state layer, one
+        descriptor per segment (with the ``SD`` conv order, rows x sub-projections) of
+        every block, on both sides of every such pair."""
         ours, theirs = self.codec.compat, msg.compat
         (p, p_rank), (d, d_rank) = ((ours, self.id.rank), (theirs, msg.peer.rank)) if prefill else ((theirs, msg.peer.rank), (ours, self.id.rank))
         differences = {"tp_size": (ours.tp_size, theirs.tp_size)}
@@ -328,7 +327,13 @@ class Node:
                     raise IncompatiblePeerError(f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its state layout says at TP {tp}")
         piece = self.geometry.spec.block_bytes // split.local_parts  # the same on both sides (pair_split)
         heads = tuple((a * piece, b * piece, n * piece) for a, b, n in split.runs)
-        return Cut(tuple(tuple(segments[g]) if g in segments else heads for g in ours.layer_groups))
+        cut = Cut([segments[g] if g in segments else heads for g in ours.layer_groups])
+        try:
+            cut.check(self.geometry, remote=False)
+            cut.check(msg.geometry, remote=True)
+        except PlanError as exc:
+            raise IncompatiblePeerError(f"peer {msg.peer}: {exc}") from None
+        return cut
 
     def local_table(self, parts: int) -> DescTable:
         """Our slot table with every block cut into ``parts`` head ranges (1: whole
@@ -364,9 +369,13 @@ class Node:
             raise KVBridgeError("a peer with another TP split exchanges packed head ranges through staging, not cache blocks")
         local_t, remote_t = BlockTable.of(local_blocks), BlockTable.of(remote_blocks)
         groups = self.codec.compat.layer_groups
-        if peer.cut is not None:
-            lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, cut=peer.cut, into_local=into_local)
-            return peer.local, lidx, peer.table, ridx
+        if peer.cut is not None:  # this transfer's segments, not a prepared table's
+            ldescs, rdescs = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, cut=peer.cut, into_local=into_local)
+            if not len(ldescs):
+                return self.table, np.empty(0, dtype=np.int32), None, np.empty(0, dtype=np.int32)
+            rows = np.arange(len(ldescs), dtype=np.int32)
+            local = self.transport.adhoc(ldescs, memory=self.geometry.memory)
+            return local, rows, self.transport.adhoc(rdescs, memory=peer.geometry.memory, peer=peer.agent), rows
         table = self.table if peer.split is None else self.local_table(peer.split.local_parts)
         if groups or local_t.num_groups > 1 or remote_t.num_groups > 1:
             lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, split=peer.split, into_local=into_local)
@@ -442,23 +451,13 @@ class Node:
             if peer is None:
                 return
             self._peers.pop(self._key(peer.id), None)
-            tables = self._unbuild(self._key(peer.id))
-        self._drop([peer.agent], tables)
+            self._unbuild(self._key(peer.id))
+        self.transport.remove_peer(peer.agent)  # releases its tables
 
-    def _unbuild(self, key: tuple[str, int, str]) -> list[DescTable]:
-        """Forget the tables built for peer ``key`` in both roles (caller holds
-        ``_lock``); returns the local tables prepared for it alone (``Peer.local``), which
-        :meth:`_drop` releases."""
-        built = [self._built.pop((key, role), None) for role in (True, False)]
-        return [b[1].local for b in built if b is not None and b[1].local is not None]
-
-    def _drop(self, agents: list[str], tables: list[DescTable]) -> None:
-        """Release our tables prepared for dropped peers, and remove the peers from the
-        transport (which releases their tables); outside ``_lock``."""
-        for table in tables:
-            self.transport.release_table(table)
-        for agent in agents:
-            self.transport.remove_peer(agent)
+    def _unbuild(self, key: tuple[str, int, str]) -> None:
+        """Forget what was built for peer ``key`` in both roles (caller holds ``_lock``)."""
+        for role in (True, False):
+            self._built.pop((key, role), None)
 
     def close(self) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ Lifecycle (one transport per worker process, owned by the engine adapter)::
     peer = t.add_peer(peer_md)                             # per peer, from the handshake
     local = t.prepare(local_descs)                         # once per cache
     remote = t.prepare(peer_descs, peer=peer)              # once per peer cache
+    once = t.adhoc(descs, peer=peer)     # or: checked, not prepared, for one post
     x = t.post("write", local, idx, remote, idx, notify=b"...")   # per transfer
     t.wait(x, timeout)  # or: poll(x) until True
     t.release(x)
@@ -61,15 +62,18 @@ class DescTable:
     ``descs`` is an ``(N, 3)`` uint64 array of ``(address, length, device)``; ``peer`` is
     ``None`` for our own memory. ``handle`` belongs to the backend. Created by
     :meth:`Transport.prepare`; freed by :meth:`Transport.release_table` or ``close``.
+    ``prepared`` is False for the one-post lists of :meth:`Transport.adhoc`, which hold
+    nothing of the backend's and need no release.
     """
 
-    __slots__ = ("descs", "handle", "memory", "peer", "released", "uniform_length")
+    __slots__ = ("descs", "handle", "memory", "peer", "prepared", "released", "uniform_length")
 
-    def __init__(self, descs: np.ndarray, memory: MemoryKind, peer: str | None, handle: object = None) -> None:
+    def __init__(self, descs: np.ndarray, memory: MemoryKind, peer: str | None, handle: object = None, *, prepared: bool = True) -> None:
         self.descs = descs
         self.memory = memory
         self.peer = peer
         self.handle = handle
+        self.prepared = prepared
         self.released = False
         lengths = descs[:, 1]
         self.uniform_length: int | None = int(lengths[0]) if lengths.size and (lengths == lengths[0]).all() else None
@@ -121,6 +125,7 @@ class Transport(Protocol):
     def add_peer(self, metadata: bytes, *, probe: bool = True) -> str: ...
     def remove_peer(self, peer: str) -> None: ...
     def prepare(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable: ...
+    def adhoc(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable: ...
     def release_table(self, table: DescTable) -> None: ...
     def post(
         self,

@@ -383,6 +383,24 @@ class TransportBase(abc.ABC):
     def prepare(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable:
         """Prepare ``(address, length[, device])`` descriptors of our memory (``peer`` is
         None) or of a peer's, for use by index in :meth:`post`."""
+        arr = self._checked(descs, memory, peer)
+        table = DescTable(arr, memory, peer)
+        with self._lock:
+            self._check_open()
+            table.handle = self._prepare(table)
+            self._tables.add(table)
+        return table
+
+    def adhoc(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable:
+        """Descriptors checked as :meth:`prepare` checks them, for one :meth:`post`, not
+        prepared: for lists that change with every transfer, where a table of every
+        possible descriptor would be too large (the state segments a peer of another
+        tensor-parallel split moves). A backend with prepared lists builds the
+        transfer from the addresses then (NIXL: ``initialize_xfer``); the others take
+        addresses anyway. Holds nothing of the backend's: no release."""
+        return DescTable(self._checked(descs, memory, peer), memory, peer, prepared=False)
+
+    def _checked(self, descs: np.ndarray, memory: MemoryKind, peer: str | None) -> np.ndarray:
         self._check_open()
         arr = as_descs(descs)
         if arr.shape[0] == 0:
@@ -398,12 +416,7 @@ class TransportBase(abc.ABC):
                 fix="register the memory before preparing descriptors for it"
                 + ("" if peer is None else ", then re-send metadata to the peer"),
             )
-        table = DescTable(arr, memory, peer)
-        with self._lock:
-            self._check_open()
-            table.handle = self._prepare(table)
-            self._tables.add(table)
-        return table
+        return arr
 
     def release_table(self, table: DescTable) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ How it uses NIXL:
 - descriptor tables are ``prep_xfer_dlist`` handles prepared once; each transfer is
   ``make_prepped_xfer`` with index arrays (several times cheaper than
   ``initialize_xfer`` for thousands of descriptors; NIXL merges adjacent descriptors);
+  one-post lists (``adhoc``) go through ``initialize_xfer``;
 - NIXL's progress thread is off by default for host memory (it spins a core; on small
   machines that halves throughput) and on for device memory. Either way our pump
   thread calls ``get_new_notifs`` regularly, which also drives UCX progress on the
@@ -186,7 +187,12 @@ class NixlTransport(TransportBase):
         peer = remote.peer
         assert peer is not None
         try:
-            handle = self._agent.make_prepped_xfer(_OPS[op], local.handle, lidx, remote.handle, ridx, notify or b"")
+            if local.prepared and remote.prepared:
+                handle = self._agent.make_prepped_xfer(_OPS[op], local.handle, lidx, remote.handle, ridx, notify or b"")
+            else:  # one-post lists (adhoc): NIXL checks and resolves the addresses now
+                ours = self._agent.get_xfer_descs(local.descs[lidx], _MEM[local.memory])
+                theirs = self._agent.get_xfer_descs(remote.descs[ridx], _MEM[remote.memory])
+                handle = self._agent.initialize_xfer(_OPS[op], ours, theirs, peer, notify or b"")
         except Exception as exc:
             raise self._map(exc, "post", peer) from exc
         xfer = Xfer(peer, nbytes, int(lidx.size), handle)

@@ -227,14 +227,16 @@ class Local:
     def base(self) -> int:
         return self.buf.ctypes.data
 
-    def table(self, offsets: np.ndarray, length: int, peer: str | None = None, base: int | None = None):
-        """Prepare equal-length descriptors at ``offsets`` from ``base`` (default: ours)."""
+    def table(self, offsets: np.ndarray, length: int | np.ndarray, peer: str | None = None, base: int | None = None, *, adhoc: bool = False):
+        """Prepare descriptors at ``offsets`` from ``base`` (default: ours), each
+        ``length`` bytes (one length, or one per offset); ``adhoc``: for one post,
+        not prepared (``Transport.adhoc``)."""
         start = self.base if base is None else base
         descs = np.stack(
-            [np.uint64(start) + np.asarray(offsets).astype(np.uint64), np.full(len(offsets), length, dtype=np.uint64)],
+            [np.uint64(start) + np.asarray(offsets).astype(np.uint64), np.broadcast_to(np.asarray(length, dtype=np.uint64), (len(offsets),))],
             axis=1,
         )
-        return self.t.prepare(descs, peer=peer)
+        return (self.t.adhoc if adhoc else self.t.prepare)(descs, peer=peer)
 
     def connect(self, peer: Peer) -> str:
         """Exchange metadata with ``peer`` both ways; returns its peer id."""
