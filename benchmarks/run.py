@@ -10,6 +10,9 @@
                                       (a CUDA GPU: the pack / unpack kernels)
     python benchmarks/run.py ops-host [--lengths 1024,8192] [--reps 15]
                                       (any machine: host work of one pack / unpack call)
+    python benchmarks/run.py transport-costs [--reps 9]
+                                      (NIXL one-post lists vs prepared tables;
+                                      Mooncake's busy-waiting batch threads by nice value)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
@@ -40,6 +43,7 @@ import ops_host  # noqa: E402
 import serving  # noqa: E402
 import sglang_serving  # noqa: E402
 import transfer  # noqa: E402
+import transport_costs  # noqa: E402
 from rich.console import Console, Group  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -470,12 +474,93 @@ def plot_ops_host(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def transport_costs_routine(args: argparse.Namespace) -> dict:
+    reps = args.reps or (3 if args.quick else 9)
+    results = transport_costs.run(reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    doc = {"routine": "transport-costs", "machine": machine(), "reps": reps, "calls_per_sample": transport_costs.CALLS, **results}
+    console.print(Group(*(_table(title, head, rows) for title, head, rows in _transport_costs_tables(doc))))
+    return doc
+
+
+def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    post = [
+        [str(r["descriptors"]), f"{r['us_per_post']['prepared']:.0f}", f"{r['us_per_post']['adhoc']:.0f}", f"{r['adhoc_vs_prepared']:.2f}"]
+        for r in doc["post"]
+    ]
+    waiter = [[str(r["nice"]), f"{r['cpu_share']:.0%}", f"{r['resume_ms']:.0f}"] for r in doc["waiter"]]
+    stream = doc.get("streaming", [])
+    base = next((r["median_gbps"] for r in stream if r["nice"] == 0), None)
+    streaming = [[str(r["nice"]), f"{r['median_gbps']:.2f}", f"{r['median_gbps'] / base:.2f}" if base else "-"] for r in stream]
+    busy = doc["waiter"][0]["busy_processes"] if doc["waiter"] else 0
+    return [
+        (
+            f"NIXL post, host us (medians of {doc['reps']} samples of {doc['calls_per_sample']} posts)",
+            ["descriptors", "prepared tables", "one-post lists (adhoc)", "adhoc / prepared"],
+            post,
+        ),
+        (
+            f"Mooncake batch waiting on a stopped peer beside {busy} busy processes",
+            ["waiter_nice", "CPU taken (share of one core)", "done after resume (ms)"],
+            waiter,
+        ),
+        (
+            f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one batch each of {transport_costs.BLOCKS} x 64 KiB), medians of {doc['reps']}",
+            ["waiter_nice", "GB/s", "vs nice 0"],
+            streaming,
+        ),
+    ]
+
+
+def markdown_transport_costs(doc: dict) -> str:
+    m = doc["machine"]
+    intro = (
+        f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), nixl {m['versions']['nixl']}, mooncake "
+        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; `benchmarks/transport_costs.py` says what is timed."
+    )
+    return "\n".join(_markdown(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows) for i, (title, head, rows) in enumerate(_transport_costs_tables(doc)))
+
+
+def plot_transport_costs(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.2))
+    ns = [r["descriptors"] for r in doc["post"]]
+    for method in ("prepared", "adhoc"):
+        ax1.plot(ns, [r["us_per_post"][method] for r in doc["post"]], marker="o", label=method)
+    ax1.set_xscale("log")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("descriptors per post")
+    ax1.set_ylabel("host us per post")
+    ax1.set_title("NIXL: prepared tables vs one-post lists", fontsize=10)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    nices = [str(r["nice"]) for r in doc["waiter"]]
+    ax2.bar(nices, [r["cpu_share"] for r in doc["waiter"]])
+    ax2.set_xlabel("mooncake.waiter_nice")
+    ax2.set_ylabel("CPU taken while waiting (share of one core)")
+    ax2.set_title("Mooncake: a batch waiting on a stopped peer, CPUs busy", fontsize=10)
+    ax2.grid(alpha=0.3, axis="y")
+    stream = doc.get("streaming", [])
+    ax3.bar([str(r["nice"]) for r in stream], [r["median_gbps"] for r in stream])
+    ax3.set_xlabel("mooncake.waiter_nice")
+    ax3.set_ylabel("GB/s (median)")
+    ax3.set_title("Mooncake: a request's layers posted at once", fontsize=10)
+    ax3.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"kvbridge transport costs ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
     "ops": (ops_routine, plot_ops, markdown_ops),
     "ops-host": (ops_host_routine, plot_ops_host, markdown_ops_host),
     "sglang": (sglang_routine, plot_sglang, sglang_serving.markdown),
+    "transport-costs": (transport_costs_routine, plot_transport_costs, markdown_transport_costs),
 }
 
 

@@ -112,6 +112,15 @@ class MooncakeOptions(_Section):
     max_pending_admissions_per_peer: MooncakeQueueLimit = 65535
     """Sets ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` unless already set."""
 
+    waiter_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
+    """Nice value of the threads that wait on the engine's batches (Linux, per thread;
+    0: leave them at the process's priority). The engine's ``batch_transfer_sync`` waits
+    for completion in a busy loop, a whole core per batch in flight, also while a peer
+    is slow or frozen. Measured beside one busy process per CPU (``benchmarks/run.py
+    transport-costs``, 2 CPUs): the waiting thread took 68% of a core at 0, 10% at 10,
+    2% at 19; it noticed completion 9-25, 24-35 and 88-140 ms after the peer resumed;
+    a request's layers streamed at 1.73x the bytes per second at 10 than at 0."""
+
     progress_timeout_s: Union[PositiveInt, None] = None
     """Sets ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless already set: how long a TCP lane may
     move no byte before Mooncake drops it and the batch fails, to be retried while the

@@ -134,3 +134,44 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "7")
     Local("mooncake", nbytes=4096, config=config).close()
     assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "7", "the user's setting wins"
+
+
+class _NiceRecorder(_FailingEngine):
+    """The real engine, recording the nice value of each thread that waits on a batch."""
+
+    def __init__(self, engine: object) -> None:
+        super().__init__(engine, 0)
+        self.nice: list[int] = []
+
+    def batch_transfer_sync(self, *args: object) -> int:
+        import os
+        import threading
+
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return super().batch_transfer_sync(*args)
+
+
+@pytest.mark.parametrize("nice", [19, 0])
+def test_the_threads_waiting_on_batches_run_at_the_configured_nice(nice: int) -> None:
+    """``batch_transfer_sync`` busy-waits (a core per batch in flight); the pool threads
+    that call it run at ``mooncake.waiter_nice`` (0: the process's own priority), and
+    the batch still lands."""
+    import os
+
+    from kvbridge.config import load_config
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    with Peer("mooncake", unique("nice-peer"), nbytes=1 << 20) as peer:
+        local = Local("mooncake", nbytes=1 << 20, config=load_config({"mooncake": {"waiter_nice": nice}}))
+        try:
+            pid = local.connect(peer)
+            recorder = _NiceRecorder(local.t._engine)  # type: ignore[attr-defined]
+            local.t._engine = recorder  # type: ignore[attr-defined]
+            local.buf[:4096] = pattern(9, 4096)
+            x = local.t.post("write", local.table(np.array([0]), 4096), [0], local.table(np.array([0]), 4096, peer=pid, base=peer.base), [0])
+            local.t.wait(x, 30)
+            assert peer.call("digest", 0, 4096) == digest(local.buf[:4096])
+            assert recorder.nice == [max(nice, base)]
+            assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the caller's own priority is untouched"
+        finally:
+            local.close()

@@ -164,8 +164,8 @@ def short_conv_expected_bytes(n: int) -> int:
     return layers * (math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4) if n > 1 else 0
 
 
-@pytest.mark.parametrize("shape", ["hybrid", "shortconv"])
-def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(shape: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("shape", "transport"), [("hybrid", "nixl"), ("shortconv", "nixl"), ("hybrid", "mooncake")])
+def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(shape: str, transport: str, tmp_path: Path) -> None:
     """Each decode rank gets its shard of every state: at equal TP sizes from the prefill
     rank of its rank; from TP 1 to 2 its half of a Mamba2 state's SSM heads and x
     channels and the one group's B and C that every rank holds (a short convolution's
@@ -175,7 +175,7 @@ def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(sha
     the states at the decode's TP size; KV usage back to idle. Four instances
     (engine_helpers.TPCluster), stopped before the main cluster starts (file order)."""
     model = build_tiny_model(default_model_dir(shape), shape=shape)
-    cluster = TPCluster(lambda name, args: VllmServer(model, extra_args=ARGS + args, log_path=tmp_path / f"{name}.log"))
+    cluster = TPCluster(lambda name, args: VllmServer(model, extra_args=ARGS + args, log_path=tmp_path / f"{name}.log"), transport=transport)
     try:
         for pair in ("2->2", "1->2", "2->1"):
             p, d, ref_server = cluster.pair(pair)

@@ -263,6 +263,12 @@ def test_a_pair_of_other_tp_sizes_prepares_no_table_and_forgetting_it_drops_the_
         assert not local.prepared and not remote.prepared and remote.peer == peer.agent
         assert rows.tolist() == ridx.tolist() == list(range(len(local)))
         assert int(local.descs[:, 1].sum()) == int(remote.descs[:, 1].sum()) == 2 * sum(peer.cut.layer_bytes(l) for l in range(2))
+        from kvbridge.errors import InvalidDescriptorError
+
+        none = d.ep.node.plan(peer, BlockTable.grouped([[1, 2], [5, 6]]), BlockTable.grouped([[3, 4], [7, 0]]), layers=[])
+        assert len(none[1]) == 0
+        with pytest.raises(InvalidDescriptorError, match="empty transfer"):  # as for any plan that moves nothing
+            d.ep.node.transport.post("read", *none)
         d.ep.node.forget(p.ep.address)
         assert peer.agent not in d.ep.node.transport.peers and not d.ep.node.knows(peer.id)
     finally:

@@ -371,9 +371,9 @@ class Node:
         groups = self.codec.compat.layer_groups
         if peer.cut is not None:  # this transfer's segments, not a prepared table's
             ldescs, rdescs = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, cut=peer.cut, into_local=into_local)
-            if not len(ldescs):
-                return self.table, np.empty(0, dtype=np.int32), None, np.empty(0, dtype=np.int32)
             rows = np.arange(len(ldescs), dtype=np.int32)
+            if not len(ldescs):  # nothing of these layers moves: empty lists (post refuses them)
+                return DescTable(ldescs, self.geometry.memory, None, prepared=False), rows, DescTable(rdescs, peer.geometry.memory, peer.agent, prepared=False), rows
             local = self.transport.adhoc(ldescs, memory=self.geometry.memory)
             return local, rows, self.transport.adhoc(rdescs, memory=peer.geometry.memory, peer=peer.agent), rows
         table = self.table if peer.split is None else self.local_table(peer.split.local_parts)
