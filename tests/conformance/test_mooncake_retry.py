@@ -112,8 +112,8 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
     from kvbridge.config import load_config
     from kvbridge.transports import mooncake
 
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "unset")  # restored after the test
-    monkeypatch.setattr(mooncake, "_USER_PROGRESS", False)
+    monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC", raising=False)  # restored after the test
+    monkeypatch.setenv(mooncake._OWN_ENV, os.environ.get(mooncake._OWN_ENV, ""))
     config = load_config({"transport": "mooncake", "timeouts": {"transfer_s": 9}})
     assert mooncake.progress_timeout_s(load_config({"mooncake": {"progress_timeout_s": 5}}).mooncake, 9) == 5
     assert mooncake.progress_timeout_s(config.mooncake, 3) == 2
@@ -130,8 +130,7 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
             assert rc != 0 and 2.5 < took < 6, f"the stalled lane ended after {took:.1f}s (rc {rc}); the transport set 3s"
         finally:
             local.close()
-    monkeypatch.setattr(mooncake, "_USER_PROGRESS", True)
-    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "7")
+    monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "7")  # not the value kvbridge set: the user's
     Local("mooncake", nbytes=4096, config=config).close()
     assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "7", "the user's setting wins"
 
@@ -175,3 +174,36 @@ def test_the_threads_waiting_on_batches_run_at_the_configured_nice(nice: int) ->
             assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the caller's own priority is untouched"
         finally:
             local.close()
+
+
+def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the_user_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine reads ``MC_*`` variables from the environment, which child processes
+    inherit (a test process, or an engine process, starting servers after making a
+    transport): a child must apply its own config, not the parent's values, and still
+    keep a value the user set. Found in CI: a 2 s lane timeout left by a test with a
+    6 s ``transfer_s`` reached later vLLM servers and dropped their lanes."""
+    import os
+    import subprocess
+    import sys
+
+    from kvbridge.config import load_config
+    from kvbridge.transports import mooncake
+
+    for name in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(mooncake._OWN_ENV, "")
+    Local("mooncake", nbytes=4096, config=load_config({"timeouts": {"transfer_s": 6}})).close()
+    assert (os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"], os.environ["MC_TRANSFER_TIMEOUT"]) == ("2", "6")
+    code = (
+        "import os\nfrom kvbridge.config import load_config\nfrom kvbridge.transports.testing import Local\n"
+        "Local('mooncake', nbytes=4096, config=load_config({})).close()\n"
+        "print(os.environ['MC_TCP_PROGRESS_TIMEOUT_SEC'], os.environ['MC_TRANSFER_TIMEOUT'])\n"
+    )
+
+    def child(**env: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()[-2:]
+
+    assert child() == ["10", "30"], "the child follows its own config (transfer_s 30)"
+    assert child(MC_TCP_PROGRESS_TIMEOUT_SEC="7") == ["7", "30"], "a value the user set wins"

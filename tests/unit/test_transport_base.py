@@ -103,6 +103,10 @@ def test_adjacent_registrations_accept_a_spanning_descriptor() -> None:
     assert idx.first_outside(np.array([[1050, 100, 1]], dtype=np.uint64), "host") == (1050, 100), "devices are separate"
     idx.remove([(1100, 100)], "host", 0)
     assert idx.first_outside(ok, "host") == (1050, 100)
+    idx.add([(5000, 100)], "host", 1)  # rows of two devices in one list: each checked against its own
+    mixed = np.array([[1010, 50, 0], [5010, 50, 1], [1020, 10, 0]], dtype=np.uint64)
+    assert idx.first_outside(mixed, "host") is None
+    assert idx.first_outside(np.array([[5010, 50, 1], [1010, 50, 0], [1010, 50, 1]], dtype=np.uint64), "host") == (1010, 50)
 
 
 def test_dead_peer_and_unreachable_peer(pair) -> None:

@@ -108,11 +108,12 @@ class RegionIndex:
             return None
         snapshot = self._sorted
         ok = np.zeros(descs.shape[0], dtype=bool)
-        for dev in np.unique(descs[:, 2]):
+        devices = descs[:, 2]
+        one = bool((devices == devices[0]).all())  # the usual case: no per-device masks
+        for dev, rows in [(devices[0], slice(None))] if one else [(d, devices == d) for d in np.unique(devices)]:
             starts, ends = snapshot.get((memory, int(dev)), (None, None))
             if starts is None or starts.size == 0:
                 continue
-            rows = descs[:, 2] == dev
             addr, length = descs[rows, 0], descs[rows, 1]
             pos = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
             inside = pos >= 0

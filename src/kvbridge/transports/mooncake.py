@@ -80,10 +80,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_USER_TIMEOUT = "MC_TRANSFER_TIMEOUT" in os.environ
-"""Whether the user set the engine's timeout; if not, each transport sets its own."""
-_USER_PROGRESS = "MC_TCP_PROGRESS_TIMEOUT_SEC" in os.environ
-"""The same for how long a TCP lane may stall (see ``MooncakeOptions.progress_timeout_s``)."""
+_OWN_ENV = "KVBRIDGE_MOONCAKE_ENV"
+"""The engine's ``MC_*`` variables kvbridge set itself in this process, with their
+values (``NAME=value;...``). A child process inherits both; without this record it
+would take kvbridge's values (e.g. a 2 s lane timeout made for a 6 s ``transfer_s``)
+for the user's and keep them whatever its own config says."""
+
+
+def _own_env() -> dict[str, str]:
+    return dict(item.split("=", 1) for item in os.environ.get(_OWN_ENV, "").split(";") if "=" in item)
+
+
+def _user_set(name: str) -> bool:
+    """Whether the user set ``name``: present, and not as kvbridge left it."""
+    return name in os.environ and _own_env().get(name) != os.environ[name]
+
+
+def _set_env(name: str, value: str) -> None:
+    """Set one of the engine's variables unless the user did (read at engine creation)."""
+    if _user_set(name):
+        return
+    own = _own_env()
+    own[name] = os.environ[name] = value
+    os.environ[_OWN_ENV] = ";".join(f"{k}={v}" for k, v in sorted(own.items()))
+
 
 _ENGINE_RE = re.compile(r"^[A-Za-z0-9.\-:\[\]]+:\d{1,5}$")
 _OPCODES = {"write": TransferOpcode.Write, "read": TransferOpcode.Read}
@@ -158,14 +178,12 @@ class MooncakeTransport(TransportBase):
                     f"mooncake.device_name {options.device_name!r} names devices this machine lacks",
                     fix=f"use some of: {', '.join(devices)}",
                 )
-        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(options.max_queued_transfers_per_peer))
-        os.environ.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer))
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # INFO logs every batch
-        if not _USER_TIMEOUT:  # the engine reads it at construction: follow this config
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(transfer_timeout_s))))
+        _set_env("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(options.max_queued_transfers_per_peer))
+        _set_env("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer))
+        _set_env("MC_LOG_LEVEL", "WARNING")  # INFO logs every batch
+        _set_env("MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s)))))  # follow this config
         self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
-        if not _USER_PROGRESS:
-            os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(progress_timeout_s(options, transfer_timeout_s))
+        _set_env("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s(options, transfer_timeout_s)))
         self._engine = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", options.protocol, options.device_name)
         if rc != 0:
