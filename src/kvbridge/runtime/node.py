@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
 
 log = logging.getLogger(__name__)
+
+
+_SLOW_BUILD_S = 5.0
+"""A handshake's transport work (add the peer, prepare its tables) logged as slow past this."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,11 @@ class Node:
             # a second handshake in the same role: its tables stay, in use or not
             peer = dataclasses.replace(built[1], address=address)
         else:
+            start = time.monotonic()
             peer = self._build(msg, address, split, cut, prefill)
+            took = time.monotonic() - start
+            if took > _SLOW_BUILD_S:  # the transport's add_peer / prepare; seen once at 60 s (NIXL, CI)
+                log.warning("kvbridge: adding peer %s to the %s transport and preparing its tables took %.1f s", msg.peer, self.transport.name, took)
         with self._lock:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one
             stale = [k for k in self._peers if k[:2] == key[:2] and k[2] != key[2]]
