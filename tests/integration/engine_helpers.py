@@ -43,21 +43,19 @@ def start_all(servers: Sequence[VllmServer], timeout: float = 400) -> None:
 
 
 class TPCluster:
-    """Instances of TP 2 and TP 1 over ``transport`` (kvbridge config ``extra``), started together: ``p`` a TP 2 prefill,
+    """Instances of TP 2 and TP 1 over ``transport``, started together: ``p`` a TP 2 prefill,
     ``d`` a TP 2 decode, ``c`` the colocated TP 2 reference, and ``x`` a TP 1 instance
     that is a prefill (for ``d``), a decode (for ``p``) and its own colocated reference
     (``x_args`` must keep its own KV from serving a later request: no prefix caching).
     ``make(name, args)`` builds a server (its log ``name``). Pairs: ``1->2`` x to d,
     ``2->1`` p to x, ``2->2`` p to d; :meth:`pair` gives (prefill, decode, reference)."""
 
-    def __init__(
-        self, make: Callable[[str, list[str]], VllmServer], x_args: Sequence[str] = (), transport: str = "nixl", extra: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, make: Callable[[str, list[str]], VllmServer], x_args: Sequence[str] = (), transport: str = "nixl") -> None:
         two = ["--tensor-parallel-size", "2"]
-        self.p = make("P2", two + kv_args("kv_producer", transport, extra))
-        self.d = make("D2", two + kv_args("kv_consumer", transport, extra, policy="fail"))
+        self.p = make("P2", two + kv_args("kv_producer", transport))
+        self.d = make("D2", two + kv_args("kv_consumer", transport, policy="fail"))
         self.c = make("C2", two)
-        self.x = make("X1", [*x_args, *kv_args("kv_both", transport, extra, policy="fail")])
+        self.x = make("X1", [*x_args, *kv_args("kv_both", transport, policy="fail")])
         self.servers = [self.p, self.d, self.c, self.x]
         start_all(self.servers)
         self.address = {self.p.url: discover(self.p.url), self.x.url: discover(self.x.url)}

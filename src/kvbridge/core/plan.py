@@ -168,14 +168,15 @@ class Cut:
     (16, [1, 2])
     """
 
-    __slots__ = ("_first", "_flat", "counts", "segments")
+    __slots__ = ("_counts", "_first", "_flat", "counts", "segments")
 
     def __init__(self, segments: Sequence[Sequence[tuple[int, int, int]]]) -> None:
         self.segments = tuple(tuple((int(a), int(b), int(n)) for a, b, n in layer) for layer in segments)
         self.counts = [len(layer) for layer in self.segments]
         """Segments per block, per layer: the same on both sides."""
+        self._counts = np.asarray(self.counts, dtype=np.int64)
         self._flat = np.asarray([seg for layer in self.segments for seg in layer], dtype=np.uint64).reshape(-1, 3)
-        self._first = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        self._first = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).astype(np.int64)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Cut) and other.segments == self.segments
@@ -207,7 +208,7 @@ class Cut:
         request when streaming); ``uint64`` ``(N, 3)``."""
         plane, block = np.divmod(np.asarray(slots, dtype=np.int64).reshape(-1), geo.num_blocks)
         layer = plane // geo.spec.planes_per_layer
-        n = np.asarray(self.counts, dtype=np.int64)[layer]
+        n = self._counts[layer]
         # every slot's segments first .. first + n - 1, concatenated
         rows = np.repeat(self._first[layer], n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
         starts = np.asarray(geo.plane_bases, dtype=np.uint64)[plane] + block.astype(np.uint64) * np.uint64(geo.stride)
