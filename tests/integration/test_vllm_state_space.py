@@ -164,7 +164,7 @@ def short_conv_expected_bytes(n: int) -> int:
     return layers * (math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4) if n > 1 else 0
 
 
-@pytest.mark.parametrize(("shape", "transport"), [("hybrid", "nixl"), ("shortconv", "nixl")])
+@pytest.mark.parametrize(("shape", "transport"), [("hybrid", "nixl"), ("hybrid", "mooncake"), ("shortconv", "nixl")])
 def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(shape: str, transport: str, tmp_path: Path) -> None:
     """Each decode rank gets its shard of every state: at equal TP sizes from the prefill
     rank of its rank; from TP 1 to 2 its half of a Mamba2 state's SSM heads and x

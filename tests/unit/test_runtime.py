@@ -4,6 +4,7 @@ in-process loopback transport, with real numpy KV caches on both sides
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from runtime_pair import SPEC, DeviceEvent, L, endpoint, eventually, make_cache
 
 from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.lifecycle import RecvPhase
+from kvbridge.runtime import node as node_module
 
 @pytest.fixture
 def pd() -> Iterator[tuple]:
@@ -327,6 +329,19 @@ def test_incompatible_peer_is_refused_naming_what_differs(caplog: pytest.LogCapt
     finally:
         D.close()
         P.close()
+
+
+def test_each_slow_handshake_step_is_logged_by_name(pd, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handshake past the threshold says where its time went: on the decode side the
+    wait for another handshake, the reply and adding the peer, its transport work on
+    either side, the Welcome on the prefill side (all "slow" at a threshold of 0)."""
+    monkeypatch.setattr(node_module, "_SLOW_HANDSHAKE_S", 0.0)
+    P, D, _, _ = pd
+    caplog.set_level(logging.WARNING, logger=node_module.__name__)
+    D.node.connect(P.address)
+    messages = [r.getMessage() for r in caplog.records]
+    for step in (f"the handshake with {P.address} took", f"adding peer {P.node.id} to the loopback transport", f"adding peer {D.node.id} to the loopback transport", f"writing the Welcome for {D.node.id}"):
+        assert any(step in m for m in messages), (step, messages)
 
 
 def test_a_shared_secret_authenticates_the_handshake_and_a_different_one_is_refused(caplog: pytest.LogCaptureFixture) -> None:
