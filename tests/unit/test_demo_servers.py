@@ -4,6 +4,8 @@ command line and environment, and the demo's answer when SGLang is not installed
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -188,6 +190,19 @@ def test_start_all_returns_once_every_server_is_ready(tmp_path) -> None:
     finally:
         for s in group:
             s.stop()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 can only start a session of its own")
+def test_a_server_leads_a_process_group_of_its_own_in_the_caller_s_session(tmp_path) -> None:
+    # a session of its own would be a scheduling group of its own under Linux autogroups
+    server = _Script("mute", tmp_path).start()
+    try:
+        pid = server._proc.pid
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+        assert os.getsid(pid) == os.getsid(0)
+    finally:
+        server.stop()
+    assert not server.alive()
 
 
 def test_start_all_stops_every_server_when_one_exits(tmp_path) -> None:

