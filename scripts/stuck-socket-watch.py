@@ -102,7 +102,10 @@ def dump(path: str, match: str, queued: list[Sock], stuck: dict[str, float]) -> 
             if match not in cmd or proc == f"/proc/{os.getpid()}":
                 continue
             out.write(f"##### {proc} {cmd[:120]}\n")
-            fds = os.listdir(proc + "/fd") if os.path.isdir(proc + "/fd") else []
+            try:
+                fds = os.listdir(proc + "/fd")
+            except OSError:
+                continue  # exited meanwhile
             for fd in sorted(fds, key=int):
                 try:
                     target = os.readlink(f"{proc}/fd/{fd}")
