@@ -87,10 +87,14 @@ def _check_kernels_agree(fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
     from kvbridge.ops import reference
 
     def rows(buf, f):
-        return [reference.region_rows(buf[i * f.nbytes : (i + 1) * f.nbytes], f) for i in range(layers)]
+        return [
+            reference.region_rows(buf[i * f.nbytes : (i + 1) * f.nbytes], f) for i in range(layers)
+        ]
 
     def same(a, b):  # values or scales (None when unscaled), bit for bit
-        return (a is None and b is None) or torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        return (a is None and b is None) or torch.equal(
+            a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        )
 
     for name, buf, f in (("pack", exact, fmt), ("pack_fp8", fp8, qfmt)):
         fns[name]()
@@ -100,7 +104,9 @@ def _check_kernels_agree(fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
             fns[f"{name}_{kernel}"]()
             for i, (got, w) in enumerate(zip(rows(buf, f), want)):
                 if not all(same(a, b) for a, b in zip(got, w)):
-                    raise SystemExit(f"{name} with kernel {kernel!r} differs from 'rows' in layer {i}: fix the kernel first")
+                    raise SystemExit(
+                        f"{name} with kernel {kernel!r} differs from 'rows' in layer {i}: fix the kernel first"
+                    )
 
 
 def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
@@ -118,7 +124,10 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
     # enough layers that one iteration touches >= 1 GiB, at most the model's
     layers = max(2, min(num_layers, -(-(1 << 30) // (4 * layer_bytes))))
     g = torch.Generator().manual_seed(0)
-    caches = [torch.randn(2, cache_blocks, block_size, heads, dim, dtype=dtype, device="cuda") for _ in range(layers)]
+    caches = [
+        torch.randn(2, cache_blocks, block_size, heads, dim, dtype=dtype, device="cuda")
+        for _ in range(layers)
+    ]
     planes = [ops.kv_planes(c, "nhd") for c in caches]
     ids_cpu = torch.randperm(cache_blocks, generator=g)[:nblk]
     ids_dev = ids_cpu.cuda()
@@ -128,7 +137,10 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
     fp8 = torch.empty(layers * qfmt.nbytes, dtype=torch.uint8, device="cuda")
     copy_src = torch.empty(layers * fmt.nbytes, dtype=torch.uint8, device="cuda").random_()
     copy_dst = torch.empty(layers * fmt.nbytes, dtype=torch.uint8, device="cuda")
-    gathered = [torch.empty(2, nblk, block_size, heads, dim, dtype=dtype, device="cuda") for _ in range(layers)]
+    gathered = [
+        torch.empty(2, nblk, block_size, heads, dim, dtype=dtype, device="cuda")
+        for _ in range(layers)
+    ]
 
     # one call per op moves every layer (one kernel launch), as the runtime does per post
     def ops_for(kernel: str) -> dict[str, Callable[[], None]]:
@@ -156,12 +168,18 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
         fns.update({name + suffix: fn for name, fn in ops_for(kernel).items()})
     fns.update(index_select=index_select, index_copy=index_copy)
     fns["pack_fp8"]()
-    fns["unpack_fp8"]()  # the caches now hold dequantized values: the exact ops move them the same way
+    fns[
+        "unpack_fp8"
+    ]()  # the caches now hold dequantized values: the exact ops move them the same way
     _check_kernels_agree(fns, exact, fp8, fmt, qfmt, layers)
     t = {name: _time(fn, reps) for name, fn in fns.items()}
     kv = layer_bytes * layers  # the request's KV over the timed layers
     gathered_bytes = 2 * nblk * block_size * heads * dim * dtype.itemsize * 2 * layers
-    moved = {"copy": 2 * fmt.nbytes * layers, "index_select": gathered_bytes, "index_copy": gathered_bytes}
+    moved = {
+        "copy": 2 * fmt.nbytes * layers,
+        "index_select": gathered_bytes,
+        "index_copy": gathered_bytes,
+    }
     for name in t:
         if name.startswith(("pack", "unpack")):
             moved[name] = kv + qfmt.nbytes * layers if "fp8" in name else 2 * kv
@@ -182,17 +200,28 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
     }
 
 
-def run(geometries: list[str], block_sizes: list[int], token_counts: list[int], reps: int, log: Callable[[str], None]) -> list[dict]:
+def run(
+    geometries: list[str],
+    block_sizes: list[int],
+    token_counts: list[int],
+    reps: int,
+    log: Callable[[str], None],
+) -> list[dict]:
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("the ops benchmark needs a CUDA GPU (the CPU path is the torch reference, not a kernel)")
+        raise SystemExit(
+            "the ops benchmark needs a CUDA GPU (the CPU path is the torch reference, not a kernel)"
+        )
     results = []
     for geo in geometries:
         for bs in block_sizes:
             for n in token_counts:
                 r = measure(geo, bs, n, reps)
-                log(f"{geo} block {bs} tokens {n}: " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in r["gbps"].items()))
+                log(
+                    f"{geo} block {bs} tokens {n}: "
+                    + ", ".join(f"{k} {v:.0f} GB/s" for k, v in r["gbps"].items())
+                )
                 results.append(r)
                 torch.cuda.empty_cache()
     return results
@@ -202,5 +231,10 @@ def device_info() -> dict:
     import torch
 
     p = torch.cuda.get_device_properties(0)
-    return {"gpu": p.name, "sms": p.multi_processor_count, "memory_gib": round(p.total_memory / 2**30, 1),
-            "torch": torch.__version__, "cuda": torch.version.cuda}
+    return {
+        "gpu": p.name,
+        "sms": p.multi_processor_count,
+        "memory_gib": round(p.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }

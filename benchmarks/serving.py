@@ -77,12 +77,44 @@ def configs(storage: Path) -> dict[str, Config]:
         c.name: c
         for c in (
             Config("colocated", "colocated"),
-            Config("kvbridge-nixl", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "nixl"}}, kvbridge=True),
-            Config("kvbridge-mooncake", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "mooncake"}}, kvbridge=True),
+            Config(
+                "kvbridge-nixl",
+                "pd",
+                {
+                    "kv_connector": "KVBridgeConnector",
+                    "kv_connector_extra_config": {"transport": "nixl"},
+                },
+                kvbridge=True,
+            ),
+            Config(
+                "kvbridge-mooncake",
+                "pd",
+                {
+                    "kv_connector": "KVBridgeConnector",
+                    "kv_connector_extra_config": {"transport": "mooncake"},
+                },
+                kvbridge=True,
+            ),
             # the packed path (not in the default set; `--configs` picks them): exact
             # values through staging, and FP8 on the wire
-            Config("kvbridge-nixl-packed", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "nixl", "data_path": "packed"}}, kvbridge=True),
-            Config("kvbridge-nixl-fp8", "pd", {"kv_connector": "KVBridgeConnector", "kv_connector_extra_config": {"transport": "nixl", "wire_dtype": "fp8"}}, kvbridge=True),
+            Config(
+                "kvbridge-nixl-packed",
+                "pd",
+                {
+                    "kv_connector": "KVBridgeConnector",
+                    "kv_connector_extra_config": {"transport": "nixl", "data_path": "packed"},
+                },
+                kvbridge=True,
+            ),
+            Config(
+                "kvbridge-nixl-fp8",
+                "pd",
+                {
+                    "kv_connector": "KVBridgeConnector",
+                    "kv_connector_extra_config": {"transport": "nixl", "wire_dtype": "fp8"},
+                },
+                kvbridge=True,
+            ),
             Config(
                 "vllm-nixl",
                 "pd",
@@ -95,7 +127,10 @@ def configs(storage: Path) -> dict[str, Config]:
             Config(
                 "vllm-example",
                 "pd",
-                {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(storage)}},
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+                },
                 flow="sequential",
                 p_role="kv_both",
                 d_role="kv_both",
@@ -137,14 +172,31 @@ class LengthResult:
 class Deployment:
     """The instances (and proxy) of one configuration; ``url`` is what clients call."""
 
-    def __init__(self, cfg: Config, model: Path, lengths: list[int], logs: Path, cpus: list[list[int]]) -> None:
+    def __init__(
+        self, cfg: Config, model: Path, lengths: list[int], logs: Path, cpus: list[list[int]]
+    ) -> None:
         self.cfg = cfg
         max_len = max(lengths) + 512
-        common = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(max_len), "--max-num-seqs", "8"]
+        common = [
+            "--block-size",
+            str(BLOCK),
+            "--max-num-batched-tokens",
+            str(max_len),
+            "--max-num-seqs",
+            "8",
+        ]
         self.proxy: subprocess.Popen[bytes] | None = None
         self.logs = logs
         if cfg.kind == "colocated":
-            self.servers = {"colocated": VllmServer(model, extra_args=common, log_path=logs / "colocated.log", max_model_len=max_len, cpus=cpus[0])}
+            self.servers = {
+                "colocated": VllmServer(
+                    model,
+                    extra_args=common,
+                    log_path=logs / "colocated.log",
+                    max_model_len=max_len,
+                    cpus=cpus[0],
+                )
+            }
         else:
             assert cfg.connector is not None
 
@@ -152,11 +204,30 @@ class Deployment:
                 return ["--kv-transfer-config", json.dumps({**cfg.connector, "kv_role": role})]
 
             env_p, env_d = dict(cfg.env), dict(cfg.env)
-            if cfg.connector["kv_connector"] == "NixlConnector":  # its side channel has one default port
-                env_p["VLLM_NIXL_SIDE_CHANNEL_PORT"], env_d["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port()), str(free_port())
+            if (
+                cfg.connector["kv_connector"] == "NixlConnector"
+            ):  # its side channel has one default port
+                env_p["VLLM_NIXL_SIDE_CHANNEL_PORT"], env_d["VLLM_NIXL_SIDE_CHANNEL_PORT"] = (
+                    str(free_port()),
+                    str(free_port()),
+                )
             self.servers = {
-                "prefill": VllmServer(model, extra_args=common + kv(cfg.p_role), env=env_p, log_path=logs / "prefill.log", max_model_len=max_len, cpus=cpus[0]),
-                "decode": VllmServer(model, extra_args=common + kv(cfg.d_role), env=env_d, log_path=logs / "decode.log", max_model_len=max_len, cpus=cpus[-1]),
+                "prefill": VllmServer(
+                    model,
+                    extra_args=common + kv(cfg.p_role),
+                    env=env_p,
+                    log_path=logs / "prefill.log",
+                    max_model_len=max_len,
+                    cpus=cpus[0],
+                ),
+                "decode": VllmServer(
+                    model,
+                    extra_args=common + kv(cfg.d_role),
+                    env=env_d,
+                    log_path=logs / "decode.log",
+                    max_model_len=max_len,
+                    cpus=cpus[-1],
+                ),
             }
         self.url = ""
 
@@ -169,7 +240,12 @@ class Deployment:
             if self.cfg.kind == "colocated":
                 self.url = self.servers["colocated"].url
             else:
-                self.proxy, self.url = start_proxy(self.servers["prefill"].url, self.servers["decode"].url, self.cfg.flow, self.logs / "proxy.log")
+                self.proxy, self.url = start_proxy(
+                    self.servers["prefill"].url,
+                    self.servers["decode"].url,
+                    self.cfg.flow,
+                    self.logs / "proxy.log",
+                )
         except BaseException:
             self.__exit__()
             raise
@@ -188,7 +264,9 @@ class Deployment:
         return s.url if s else None
 
 
-def warm_up(url: str, lengths: list[int], output_len: int, log: Callable[[str], None], attempts: int = 6) -> None:
+def warm_up(
+    url: str, lengths: list[int], output_len: int, log: Callable[[str], None], attempts: int = 6
+) -> None:
     """Two requests per length, prompts nobody measures (first contacts, handshakes,
     compilation of new shapes). Retries a failing request: vLLM's NixlConnector fails
     first requests on a 5 s handshake deadline on a busy CPU."""
@@ -196,7 +274,12 @@ def warm_up(url: str, lengths: list[int], output_len: int, log: Callable[[str], 
         for rep in range(2):
             for attempt in range(attempts):
                 try:
-                    stream(url, random_prompt(n, seed=10_000 + 97 * n + 13 * rep + attempt), output_len, timeout=600)
+                    stream(
+                        url,
+                        random_prompt(n, seed=10_000 + 97 * n + 13 * rep + attempt),
+                        output_len,
+                        timeout=600,
+                    )
                     break
                 except (OSError, ServerError) as exc:  # URLError is an OSError
                     log(f"warm-up request of {n} tokens failed ({exc}); retrying")
@@ -204,7 +287,9 @@ def warm_up(url: str, lengths: list[int], output_len: int, log: Callable[[str], 
                         raise
 
 
-def bench_serve(url: str, model: Path, n: int, prompts: int, output_len: int, out: Path, log_path: Path) -> dict[str, Any]:
+def bench_serve(
+    url: str, model: Path, n: int, prompts: int, output_len: int, out: Path, log_path: Path
+) -> dict[str, Any]:
     """One ``vllm bench serve`` run: ``prompts`` requests of ``n`` tokens, one at a time."""
     name = f"bench-{n}.json"
     args = [
@@ -219,7 +304,14 @@ def bench_serve(url: str, model: Path, n: int, prompts: int, output_len: int, ou
     ]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     with open(log_path, "ab") as log:
-        subprocess.run([sys.executable, "-c", BENCH_CLIENT, *args], stdout=log, stderr=subprocess.STDOUT, env=env, check=True, timeout=3600)
+        subprocess.run(
+            [sys.executable, "-c", BENCH_CLIENT, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            check=True,
+            timeout=3600,
+        )
     return json.loads((out / name).read_text())
 
 
@@ -228,7 +320,13 @@ def _metric_delta(before: dict[str, float], after: dict[str, float], key: str) -
 
 
 def run(
-    names: list[str], lengths: list[int], prompts: int, output_len: int, shape: str, out: Path, log: Callable[[str], None]
+    names: list[str],
+    lengths: list[int],
+    prompts: int,
+    output_len: int,
+    shape: str,
+    out: Path,
+    log: Callable[[str], None],
 ) -> tuple[list[LengthResult], dict[str, Any]]:
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     layers = SHAPES[shape]["num_hidden_layers"]
@@ -252,9 +350,16 @@ def run(
                 warm_up(dep.url, lengths, output_len, log)
                 for n in lengths:
                     before = prom(dep.prefill_url) if cfg.kvbridge and dep.prefill_url else {}
-                    doc = bench_serve(dep.url, model, n, prompts, output_len, logs, logs / "client.log")
+                    doc = bench_serve(
+                        dep.url, model, n, prompts, output_len, logs, logs / "client.log"
+                    )
                     r = LengthResult(
-                        name, n, [t * 1e3 for t in doc["ttfts"] if t], _tpots(doc), doc["input_lens"], int(doc.get("failed", 0))
+                        name,
+                        n,
+                        [t * 1e3 for t in doc["ttfts"] if t],
+                        _tpots(doc),
+                        doc["input_lens"],
+                        int(doc.get("failed", 0)),
                     )
                     if cfg.kvbridge and dep.prefill_url:
                         after = wait_requests_sent(dep.prefill_url, before, doc["completed"])
@@ -263,14 +368,28 @@ def run(
                         reqs = d.get("vllm:kvbridge_exposed_transfer_seconds_count", 0.0)
                         # no chunked prefill: each request writes every layer once, in one
                         # write per layer or fewer (layers ready together share a write)
-                        r.per_layer_write_ms = 1e3 * d.get("vllm:kvbridge_transfer_seconds_sum", 0.0) / (reqs * layers) if reqs else None
-                        r.exposed_ms = 1e3 * d.get("vllm:kvbridge_exposed_transfer_seconds_sum", 0.0) / reqs if reqs else None
+                        r.per_layer_write_ms = (
+                            1e3 * d.get("vllm:kvbridge_transfer_seconds_sum", 0.0) / (reqs * layers)
+                            if reqs
+                            else None
+                        )
+                        r.exposed_ms = (
+                            1e3 * d.get("vllm:kvbridge_exposed_transfer_seconds_sum", 0.0) / reqs
+                            if reqs
+                            else None
+                        )
                         r.writes_per_request = writes / reqs if reqs else None
-                        r.bytes_per_request = d.get("vllm:kvbridge_bytes_sent_total", 0.0) / reqs if reqs else None
+                        r.bytes_per_request = (
+                            d.get("vllm:kvbridge_bytes_sent_total", 0.0) / reqs if reqs else None
+                        )
                     s = r.summary()
                     log(
                         f"{name} {n:5d} tokens: TTFT median {s['ttft_median_ms']:.0f} ms, TPOT {s['tpot_median_ms']:.1f} ms"
-                        + (f", layer write {s['per_layer_write_ms']:.2f} ms, exposed {s['exposed_ms']:.2f} ms" if s.get("exposed_ms") is not None else "")
+                        + (
+                            f", layer write {s['per_layer_write_ms']:.2f} ms, exposed {s['exposed_ms']:.2f} ms"
+                            if s.get("exposed_ms") is not None
+                            else ""
+                        )
                         + (f", {r.failed} FAILED" if r.failed else "")
                     )
                     results.append(r)

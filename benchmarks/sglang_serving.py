@@ -78,8 +78,14 @@ CONFIGS: dict[str, Config] = {
     for c in (
         Config("colocated", None),
         Config("sglang-mooncake_cpu", "mooncake_cpu"),
-        Config("kvbridge-mooncake-layer", "kvbridge", {"transport": "mooncake", "layerwise_min_tokens": 0}),
-        Config("kvbridge-mooncake-chunk", "kvbridge", {"transport": "mooncake", "layerwise": False}),
+        Config(
+            "kvbridge-mooncake-layer",
+            "kvbridge",
+            {"transport": "mooncake", "layerwise_min_tokens": 0},
+        ),
+        Config(
+            "kvbridge-mooncake-chunk", "kvbridge", {"transport": "mooncake", "layerwise": False}
+        ),
         Config("sglang-nixl_cpu", "nixl_cpu"),
         Config("kvbridge-nixl-layer", "kvbridge", {"transport": "nixl", "layerwise_min_tokens": 0}),
         Config("kvbridge-nixl-chunk", "kvbridge", {"transport": "nixl", "layerwise": False}),
@@ -128,7 +134,9 @@ def stage_totals(url: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in totals.items()}
 
 
-def stage_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], stage: str) -> float | None:
+def stage_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], stage: str
+) -> float | None:
     """The one observation of ``stage`` between two :func:`stage_totals`, in ms; None
     unless exactly one request went through that stage in between."""
     s0, c0 = before.get(stage, (0.0, 0.0))
@@ -139,10 +147,16 @@ def stage_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[floa
 class Deployment:
     """The servers (and router) of one configuration; ``url`` is what clients call."""
 
-    def __init__(self, cfg: Config, model: Path, engine_args: list[str], logs: Path, cpus: list[list[int]]) -> None:
+    def __init__(
+        self, cfg: Config, model: Path, engine_args: list[str], logs: Path, cpus: list[list[int]]
+    ) -> None:
         self.servers: list[ServerProcess]
         if cfg.backend is None:
-            self.servers = [SglangServer(model, extra_args=engine_args, log_path=logs / "colocated.log", cpus=cpus[0])]
+            self.servers = [
+                SglangServer(
+                    model, extra_args=engine_args, log_path=logs / "colocated.log", cpus=cpus[0]
+                )
+            ]
             return
         prefill = SglangServer(
             model, extra_args=engine_args, log_path=logs / "prefill.log", mode="prefill", backend=cfg.backend,
@@ -153,7 +167,9 @@ class Deployment:
             kvbridge_config=cfg.kvbridge, cpus=cpus[-1],
         )  # fmt: skip
         assert prefill.bootstrap_port is not None
-        router = SglangRouter(prefill.url, prefill.bootstrap_port, decode.url, log_path=logs / "router.log")
+        router = SglangRouter(
+            prefill.url, prefill.bootstrap_port, decode.url, log_path=logs / "router.log"
+        )
         self.servers = [prefill, decode, router]
 
     @property
@@ -193,7 +209,12 @@ def warm_up(url: str, lengths: list[int], output_len: int, log: Callable[[str], 
         for rep in range(2):
             for attempt in range(WARM_UP_ATTEMPTS):
                 try:
-                    stream_generate(url, random_prompt(n, seed=10_000 + 97 * n + 13 * rep + attempt), output_len, timeout=REQUEST_TIMEOUT_S)
+                    stream_generate(
+                        url,
+                        random_prompt(n, seed=10_000 + 97 * n + 13 * rep + attempt),
+                        output_len,
+                        timeout=REQUEST_TIMEOUT_S,
+                    )
                     break
                 except (KVBridgeError, OSError) as exc:
                     log(f"warm-up request of {n} tokens failed ({str(exc)[:300]}); retrying")
@@ -207,14 +228,28 @@ def measured_prompt(n: int, i: int) -> list[int]:
 
 
 def run(
-    names: list[str], lengths: list[int], prompts: int, output_len: int, shape: str, out: Path, log: Callable[[str], None]
+    names: list[str],
+    lengths: list[int],
+    prompts: int,
+    output_len: int,
+    shape: str,
+    out: Path,
+    log: Callable[[str], None],
 ) -> tuple[list[SglangLengthResult], dict[str, Any]]:
     require_sglang()
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise KVBridgeError(f"unknown configurations {unknown}", fix=f"choose from {', '.join(CONFIGS)}")
+        raise KVBridgeError(
+            f"unknown configurations {unknown}", fix=f"choose from {', '.join(CONFIGS)}"
+        )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
-    engine_args = ["--page-size", str(PAGE), "--chunked-prefill-size", str(max(lengths) + 512), "--enable-metrics"]
+    engine_args = [
+        "--page-size",
+        str(PAGE),
+        "--chunked-prefill-size",
+        str(max(lengths) + 512),
+        "--enable-metrics",
+    ]
     cpus = [[0], [1]] if len(os.sched_getaffinity(0)) >= 2 else [[0]]
     raw = out / "sglang-raw"
     raw.mkdir(parents=True, exist_ok=True)
@@ -238,7 +273,11 @@ def run(
                     s = r.summary()
                     log(
                         f"{name} {n:5d} tokens: TTFT median {_ms(s['ttft_median_ms'], 0)} ms, TPOT {_ms(s['tpot_median_ms'], 1)} ms"
-                        + (f", transfer after forward {_ms(s['transfer_median_ms'], 1)} ms" if r.transfer_ms else "")
+                        + (
+                            f", transfer after forward {_ms(s['transfer_median_ms'], 1)} ms"
+                            if r.transfer_ms
+                            else ""
+                        )
                         + (f", same as colocated {r.same}/{prompts}" if r.same is not None else "")
                         + (f", {r.failed} FAILED: {r.errors[0][:300]}" if r.failed else "")
                     )
@@ -251,7 +290,14 @@ def run(
     return results, info
 
 
-def measure(dep: Deployment, name: str, n: int, prompts: int, output_len: int, reference: dict[tuple[int, int], list[int]]) -> SglangLengthResult:
+def measure(
+    dep: Deployment,
+    name: str,
+    n: int,
+    prompts: int,
+    output_len: int,
+    reference: dict[tuple[int, int], list[int]],
+) -> SglangLengthResult:
     """``prompts`` requests of ``n`` tokens, one at a time."""
     r = SglangLengthResult(name, n, [], [], [], 0)
     same = 0
@@ -266,7 +312,9 @@ def measure(dep: Deployment, name: str, n: int, prompts: int, output_len: int, r
             r.errors.append(dep.failure(exc))
             continue
         r.ttft_ms.append(t.ttft_s * 1e3)
-        forward, transfer = (stage_ms(before, after, STAGES[k]) for k in ("forward_ms", "transfer_ms"))
+        forward, transfer = (
+            stage_ms(before, after, STAGES[k]) for k in ("forward_ms", "transfer_ms")
+        )
         if forward is not None and transfer is not None:
             r.forward_ms.append(forward)
             r.transfer_ms.append(transfer)
@@ -290,7 +338,9 @@ def rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """One row per configuration, one column per prompt length: ``TTFT (x colocated) /
     TPOT`` in ms (medians), then how many outputs equal the colocated ones."""
     by = {(s["config"], s["prompt_tokens"]): s for s in doc["summary"]}
-    head = ["configuration"] + [f"{n} tok: TTFT / TPOT ms" for n in doc["lengths"]] + ["same tokens"]
+    head = (
+        ["configuration"] + [f"{n} tok: TTFT / TPOT ms" for n in doc["lengths"]] + ["same tokens"]
+    )
     table = []
     for name in doc["configs"]:
         if name in doc["errors"]:
@@ -304,12 +354,18 @@ def rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 row.append(f"all {s['failed']} failed" if s else "-")
                 continue
             base = by.get(("colocated", n))
-            ratio = f" ({s['ttft_median_ms'] / base['ttft_median_ms']:.2f}x)" if base and base["ttft_median_ms"] and name != "colocated" else ""
+            ratio = (
+                f" ({s['ttft_median_ms'] / base['ttft_median_ms']:.2f}x)"
+                if base and base["ttft_median_ms"] and name != "colocated"
+                else ""
+            )
             fail = f" [{s['failed']} failed]" if s["failed"] else ""
             row.append(f"{s['ttft_median_ms']:.0f}{ratio} / {_ms(s['tpot_median_ms'], 1)}{fail}")
             same += s["same"] or 0
             total += s["requests"] + s["failed"]
-        row.append(f"{same}/{total}" if any(by.get(("colocated", n)) for n in doc["lengths"]) else "-")
+        row.append(
+            f"{same}/{total}" if any(by.get(("colocated", n)) for n in doc["lengths"]) else "-"
+        )
         table.append(row)
     return head, table
 
@@ -324,13 +380,23 @@ def stage_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         stats = [by.get((name, n)) for n in doc["lengths"]]
         if not any(s and s.get("transfer_median_ms") is not None for s in stats):
             continue
-        table.append([name] + [f"{_ms(s.get('transfer_median_ms'), 1)} / {_ms(s.get('overhead_median_ms'), 0)}" if s else "-" for s in stats])
+        table.append(
+            [name]
+            + [
+                f"{_ms(s.get('transfer_median_ms'), 1)} / {_ms(s.get('overhead_median_ms'), 0)}"
+                if s
+                else "-"
+                for s in stats
+            ]
+        )
     return head, table
 
 
 def _md_table(head: list[str], table: list[list[str]]) -> list[str]:
     """A markdown table: first column left-aligned, the others right-aligned."""
-    return ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)] + ["| " + " | ".join(row) + " |" for row in table]
+    return ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)] + [
+        "| " + " | ".join(row) + " |" for row in table
+    ]
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -363,4 +429,14 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["CONFIGS", "STAGES", "Config", "SglangLengthResult", "markdown", "rows", "run", "stage_rows", "stage_totals"]
+__all__ = [
+    "CONFIGS",
+    "STAGES",
+    "Config",
+    "SglangLengthResult",
+    "markdown",
+    "rows",
+    "run",
+    "stage_rows",
+    "stage_totals",
+]

@@ -58,15 +58,29 @@ class Result:
         return self.nbytes / statistics.median(self.times_s) / 1e9
 
     def to_json(self) -> dict:
-        return asdict(self) | {"best_gbps": round(self.best_gbps, 3), "median_gbps": round(self.median_gbps, 3)}
+        return asdict(self) | {
+            "best_gbps": round(self.best_gbps, 3),
+            "median_gbps": round(self.median_gbps, 3),
+        }
 
 
 def _geometry(block_kib: int, base: int) -> CacheGeometry:
     bs, heads, dim = BLOCK_SHAPES[block_kib]
-    spec = CacheSpec(num_layers=LAYERS, block_size=bs, num_kv_heads=heads, head_dim=dim, dtype="float16", layout="fused")
+    spec = CacheSpec(
+        num_layers=LAYERS,
+        block_size=bs,
+        num_kv_heads=heads,
+        head_dim=dim,
+        dtype="float16",
+        layout="fused",
+    )
     assert spec.block_bytes == block_kib * 1024
     layer_bytes = CACHE_BLOCKS * spec.block_bytes
-    return CacheGeometry(spec=spec, num_blocks=CACHE_BLOCKS, plane_bases=tuple(base + i * layer_bytes for i in range(LAYERS)))
+    return CacheGeometry(
+        spec=spec,
+        num_blocks=CACHE_BLOCKS,
+        plane_bases=tuple(base + i * layer_bytes for i in range(LAYERS)),
+    )
 
 
 def _measure(cases: list[tuple[Result, Callable[[], object]]], reps: int) -> None:
@@ -81,14 +95,20 @@ def _measure(cases: list[tuple[Result, Callable[[], object]]], reps: int) -> Non
             result.times_s.append(time.perf_counter() - t0)
 
 
-def _raw(loc: Local, peer_id: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Callable[[], None]:
+def _raw(
+    loc: Local, peer_id: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray
+) -> Callable[[], None]:
     """Write regions ``src[i] -> dst[i]`` through the backend's own API, busy-polled."""
     t = loc.t
     if t.name == "nixl":
         agent = t.agent  # type: ignore[attr-defined]
         zeros = np.zeros_like(length)
-        local = agent.get_xfer_descs(np.stack([src, length, zeros], axis=1).astype(np.uint64), "DRAM")
-        remote = agent.get_xfer_descs(np.stack([dst, length, zeros], axis=1).astype(np.uint64), "DRAM")
+        local = agent.get_xfer_descs(
+            np.stack([src, length, zeros], axis=1).astype(np.uint64), "DRAM"
+        )
+        remote = agent.get_xfer_descs(
+            np.stack([dst, length, zeros], axis=1).astype(np.uint64), "DRAM"
+        )
 
         def run() -> None:
             h = agent.initialize_xfer("WRITE", local, remote, peer_id, b"")
@@ -113,7 +133,9 @@ def _raw(loc: Local, peer_id: str, src: np.ndarray, dst: np.ndarray, length: np.
     raise ValueError(f"no raw baseline for transport {t.name!r}")
 
 
-def _kvbridge(loc: Local, tables, geos, blocks, per_layer: bool, timeout: float) -> Callable[[], None]:
+def _kvbridge(
+    loc: Local, tables, geos, blocks, per_layer: bool, timeout: float
+) -> Callable[[], None]:
     (lt, rt), (lg, rg), (lb, rb) = tables, geos, blocks
     t = loc.t
 
@@ -134,7 +156,9 @@ def _kvbridge(loc: Local, tables, geos, blocks, per_layer: bool, timeout: float)
     return run
 
 
-def run(transports: list[str], block_kibs: list[int], reps: int, log: Callable[[str], None]) -> list[Result]:
+def run(
+    transports: list[str], block_kibs: list[int], reps: int, log: Callable[[str], None]
+) -> list[Result]:
     results: list[Result] = []
     rng = np.random.default_rng(0)
     for name in transports:
@@ -152,7 +176,10 @@ def run(transports: list[str], block_kibs: list[int], reps: int, log: Callable[[
                     rt = loc.t.prepare(rg.slot_table(), peer=peer_id)
                     loc.buf[:] = 1
                     scenarios = {
-                        "contiguous": (np.arange(BLOCKS_PER_REQUEST), np.arange(BLOCKS_PER_REQUEST) + 16),
+                        "contiguous": (
+                            np.arange(BLOCKS_PER_REQUEST),
+                            np.arange(BLOCKS_PER_REQUEST) + 16,
+                        ),
                         "fragmented": (
                             rng.choice(CACHE_BLOCKS, BLOCKS_PER_REQUEST, replace=False),
                             rng.choice(CACHE_BLOCKS, BLOCKS_PER_REQUEST, replace=False),
@@ -162,15 +189,39 @@ def run(transports: list[str], block_kibs: list[int], reps: int, log: Callable[[
                     for scenario, blocks in scenarios.items():
                         plan = plan_blocks(lg, rg, *blocks)
                         regions = plan_regions(plan, lg, rg)
-                        for method, per_layer in (("kvbridge request", False), ("kvbridge per-layer", True)):
+                        for method, per_layer in (
+                            ("kvbridge request", False),
+                            ("kvbridge per-layer", True),
+                        ):
                             fn = _kvbridge(loc, (lt, rt), (lg, rg), blocks, per_layer, timeout=60)
-                            cases.append((Result(name, kib, scenario, method, plan.nbytes, len(regions)), fn))
+                            cases.append(
+                                (Result(name, kib, scenario, method, plan.nbytes, len(regions)), fn)
+                            )
                         raw_regions = _raw(loc, peer_id, *regions)
-                        cases.append((Result(name, kib, scenario, "raw regions", plan.nbytes, len(regions)), raw_regions))
+                        cases.append(
+                            (
+                                Result(
+                                    name, kib, scenario, "raw regions", plan.nbytes, len(regions)
+                                ),
+                                raw_regions,
+                            )
+                        )
                     dst = np.empty(request_bytes, dtype=np.uint8)
-                    one = [np.array([v], dtype=np.uint64) for v in (loc.base, peer.base, request_bytes)]
-                    cases.append((Result(name, kib, "any", "raw large", request_bytes, 1), _raw(loc, peer_id, *one)))
-                    cases.append((Result(name, kib, "any", "memcpy", request_bytes, 1), lambda: np.copyto(dst, loc.buf[:request_bytes])))
+                    one = [
+                        np.array([v], dtype=np.uint64) for v in (loc.base, peer.base, request_bytes)
+                    ]
+                    cases.append(
+                        (
+                            Result(name, kib, "any", "raw large", request_bytes, 1),
+                            _raw(loc, peer_id, *one),
+                        )
+                    )
+                    cases.append(
+                        (
+                            Result(name, kib, "any", "memcpy", request_bytes, 1),
+                            lambda: np.copyto(dst, loc.buf[:request_bytes]),
+                        )
+                    )
                     _measure(cases, reps)
                     results.extend(r for r, _ in cases)
                 finally:
@@ -183,7 +234,11 @@ def summarize(results: list[Result]) -> list[dict]:
     out = []
     keys = sorted({(r.transport, r.block_kib, r.scenario) for r in results if r.scenario != "any"})
     for key in keys:
-        group = {r.method: r for r in results if (r.transport, r.block_kib) == key[:2] and r.scenario in (key[2], "any")}
+        group = {
+            r.method: r
+            for r in results
+            if (r.transport, r.block_kib) == key[:2] and r.scenario in (key[2], "any")
+        }
         raw = group["raw large"].best_gbps
         out.append(
             {
@@ -195,8 +250,12 @@ def summarize(results: list[Result]) -> list[dict]:
                 "request_best_gbps": round(group["kvbridge request"].best_gbps, 3),
                 "per_layer_best_gbps": round(group["kvbridge per-layer"].best_gbps, 3),
                 "raw_regions_best_gbps": round(group["raw regions"].best_gbps, 3),
-                "request_vs_raw_regions": round(group["kvbridge request"].best_gbps / group["raw regions"].best_gbps, 3),
-                "request_vs_raw_median": round(group["kvbridge request"].median_gbps / group["raw large"].median_gbps, 3),
+                "request_vs_raw_regions": round(
+                    group["kvbridge request"].best_gbps / group["raw regions"].best_gbps, 3
+                ),
+                "request_vs_raw_median": round(
+                    group["kvbridge request"].median_gbps / group["raw large"].median_gbps, 3
+                ),
                 "request_vs_raw": round(group["kvbridge request"].best_gbps / raw, 3),
                 "per_layer_vs_raw": round(group["kvbridge per-layer"].best_gbps / raw, 3),
                 "descriptors_after_coalescing": group["kvbridge request"].descriptors,

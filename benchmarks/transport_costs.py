@@ -70,7 +70,10 @@ def post_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
         peer = a.add_peer(b.metadata())
         b.add_peer(a.metadata())
         every = np.arange(TABLE)
-        lt, rt = a.prepare(_descs(src.ctypes.data, every, size)), a.prepare(_descs(dst.ctypes.data, every, size), peer=peer)
+        lt, rt = (
+            a.prepare(_descs(src.ctypes.data, every, size)),
+            a.prepare(_descs(dst.ctypes.data, every, size), peer=peer),
+        )
         rng = np.random.default_rng(0)
 
         def one(method: str, n: int) -> float:
@@ -80,7 +83,10 @@ def post_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
                 x = a.post("write", lt, idx, rt, idx)
             else:
                 rows = np.arange(n, dtype=np.int32)
-                local, remote = a.adhoc(_descs(src.ctypes.data, idx, size)), a.adhoc(_descs(dst.ctypes.data, idx, size), peer=peer)
+                local, remote = (
+                    a.adhoc(_descs(src.ctypes.data, idx, size)),
+                    a.adhoc(_descs(dst.ctypes.data, idx, size), peer=peer),
+                )
                 x = a.post("write", local, rows, remote, rows)
             took = time.perf_counter() - t0
             a.wait(x, 30)
@@ -94,8 +100,17 @@ def post_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
                 for method in samples:
                     samples[method].append(sum(one(method, n) for _ in range(CALLS)) / CALLS * 1e6)
             med = {m: statistics.median(s) for m, s in samples.items()}
-            log(f"post of {n} descriptors: prepared {med['prepared']:.0f} us, adhoc {med['adhoc']:.0f} us")
-            results.append({"descriptors": n, "us_per_post": med, "samples_us": samples, "adhoc_vs_prepared": med["adhoc"] / med["prepared"]})
+            log(
+                f"post of {n} descriptors: prepared {med['prepared']:.0f} us, adhoc {med['adhoc']:.0f} us"
+            )
+            results.append(
+                {
+                    "descriptors": n,
+                    "us_per_post": med,
+                    "samples_us": samples,
+                    "adhoc_vs_prepared": med["adhoc"] / med["prepared"],
+                }
+            )
         return results
     finally:
         a.close()
@@ -106,12 +121,17 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
     from kvbridge.config import load_config
     from kvbridge.transports.testing import Local, Peer, unique
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 1)
+    ]
     samples: dict[int, list[tuple[float, float]]] = {nice: [] for nice in NICES}
     try:
         for _ in range(reps):
             for nice in NICES:
-                cfg = load_config({"timeouts": {"transfer_s": 30}, "mooncake": {"waiter_nice": nice}})
+                cfg = load_config(
+                    {"timeouts": {"transfer_s": 30}, "mooncake": {"waiter_nice": nice}}
+                )
                 with Peer("mooncake", unique("waiter-peer"), nbytes=8 << 20) as peer:
                     local = Local("mooncake", nbytes=8 << 20, config=cfg)
                     try:
@@ -129,7 +149,9 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
                         samples[nice].append((cpu, time.monotonic() - t0))
                     finally:
                         local.close()
-                log(f"waiter nice {nice}: {cpu:.2f} s CPU in {HOLD_S} s, done {samples[nice][-1][1] * 1e3:.0f} ms after the peer resumed")
+                log(
+                    f"waiter nice {nice}: {cpu:.2f} s CPU in {HOLD_S} s, done {samples[nice][-1][1] * 1e3:.0f} ms after the peer resumed"
+                )
     finally:
         for h in hogs:
             h.kill()
@@ -162,14 +184,25 @@ def streaming_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
         sides = {}
         try:
             for nice in STREAM_NICES:
-                local = Local("mooncake", nbytes=slots * size, config=load_config({"mooncake": {"waiter_nice": nice}}))
+                local = Local(
+                    "mooncake",
+                    nbytes=slots * size,
+                    config=load_config({"mooncake": {"waiter_nice": nice}}),
+                )
                 pid = local.connect(peer)
                 every = np.arange(slots)
-                sides[nice] = (local, local.table(every * size, size), local.table(every * size, size, peer=pid, base=peer.base))
+                sides[nice] = (
+                    local,
+                    local.table(every * size, size),
+                    local.table(every * size, size, peer=pid, base=peer.base),
+                )
             times: dict[int, list[float]] = {nice: [] for nice in STREAM_NICES}
             for _ in range(reps):
                 for nice, (local, lt, rt) in sides.items():
-                    picks = [rng.choice(slots, BLOCKS, replace=False).astype(np.int32) for _ in range(LAYERS)]
+                    picks = [
+                        rng.choice(slots, BLOCKS, replace=False).astype(np.int32)
+                        for _ in range(LAYERS)
+                    ]
                     t0 = time.perf_counter()
                     xs = [local.t.post("write", lt, p, rt, p) for p in picks]
                     for x in xs:
@@ -184,10 +217,16 @@ def streaming_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
     out = []
     for nice, ts in times.items():
         gbps = nbytes / statistics.median(ts) / 1e9
-        log(f"streaming {LAYERS} layer batches at waiter_nice {nice}: {gbps:.2f} GB/s (median of {reps})")
+        log(
+            f"streaming {LAYERS} layer batches at waiter_nice {nice}: {gbps:.2f} GB/s (median of {reps})"
+        )
         out.append({"nice": nice, "nbytes": nbytes, "times_s": ts, "median_gbps": gbps})
     return out
 
 
 def run(reps: int, log: Callable[[str], None]) -> dict:
-    return {"post": post_costs(reps, log), "waiter": waiter_costs(max(1, reps // 3), log), "streaming": streaming_costs(reps, log)}
+    return {
+        "post": post_costs(reps, log),
+        "waiter": waiter_costs(max(1, reps // 3), log),
+        "streaming": streaming_costs(reps, log),
+    }

@@ -31,25 +31,48 @@ from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Destination, Done, Hello, LayerDone, PeerId, Welcome
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 64, 32, 2, 64
-SPEC = CacheSpec(num_layers=LAYERS, block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float32", layout="fused")
+SPEC = CacheSpec(
+    num_layers=LAYERS,
+    block_size=BLOCK_SIZE,
+    num_kv_heads=HEADS,
+    head_dim=HEAD_DIM,
+    dtype="float32",
+    layout="fused",
+)
 CODEC = Codec(CompatInfo.from_spec(SPEC, model="example-model"))
 
 
 def make_cache(seed: int | None) -> tuple[np.ndarray, CacheGeometry]:
     """vLLM's CPU layout: per layer (num_blocks, heads, block_size, 2 * head_dim)."""
     shape = (LAYERS, BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
-    cache = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) if seed is not None else np.zeros(shape, np.float32)
-    geo = CacheGeometry(spec=SPEC, num_blocks=BLOCKS, plane_bases=tuple(cache[layer].ctypes.data for layer in range(LAYERS)))
+    cache = (
+        np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        if seed is not None
+        else np.zeros(shape, np.float32)
+    )
+    geo = CacheGeometry(
+        spec=SPEC,
+        num_blocks=BLOCKS,
+        plane_bases=tuple(cache[layer].ctypes.data for layer in range(LAYERS)),
+    )
     return cache, geo
 
 
 def hello(cls, me: PeerId, transport, geo: CacheGeometry):
-    return cls(peer=me, compat=CODEC.compat, transport=transport.name, transport_metadata=transport.metadata(), geometry=geo)
+    return cls(
+        peer=me,
+        compat=CODEC.compat,
+        transport=transport.name,
+        transport_metadata=transport.metadata(),
+        geometry=geo,
+    )
 
 
 def prefill(conn, transport_name: str) -> None:
     me = PeerId(engine_id="prefill", epoch=uuid.uuid4().hex[:8])
-    t = create_transport(transport_name, load_config({"transport": transport_name}), agent_name=str(me))
+    t = create_transport(
+        transport_name, load_config({"transport": transport_name}), agent_name=str(me)
+    )
     cache, geo = make_cache(seed=1)
     t.register(geo.regions())
     local_table = t.prepare(geo.slot_table())
@@ -67,20 +90,35 @@ def prefill(conn, transport_name: str) -> None:
     xfers = []
     for layer in range(LAYERS):  # an engine does this from save_kv_layer, as layers finish
         part = plan.for_layer(layer)
-        note = CODEC.encode(LayerDone(transfer_id=dest.transfer_id, layers=[layer], first_block=0, num_blocks=len(my_blocks)))
-        xfers.append(t.post("write", local_table, part.local_slots, remote_table, part.remote_slots, notify=note))
+        note = CODEC.encode(
+            LayerDone(
+                transfer_id=dest.transfer_id,
+                layers=[layer],
+                first_block=0,
+                num_blocks=len(my_blocks),
+            )
+        )
+        xfers.append(
+            t.post(
+                "write", local_table, part.local_slots, remote_table, part.remote_slots, notify=note
+            )
+        )
     for x in xfers:
         t.wait(x, timeout=30)
         t.release(x)
     t.notify(peer, CODEC.encode(Done(transfer_id=dest.transfer_id)))
-    print(f"prefill: sent {LAYERS} layers x {len(my_blocks)} blocks in {(time.perf_counter() - start) * 1e3:.1f} ms")
+    print(
+        f"prefill: sent {LAYERS} layers x {len(my_blocks)} blocks in {(time.perf_counter() - start) * 1e3:.1f} ms"
+    )
     conn.recv_bytes()  # decode has verified; now it is safe to close
     t.close()
 
 
 def decode(conn, transport_name: str) -> None:
     me = PeerId(engine_id="decode", epoch=uuid.uuid4().hex[:8])
-    t = create_transport(transport_name, load_config({"transport": transport_name}), agent_name=str(me))
+    t = create_transport(
+        transport_name, load_config({"transport": transport_name}), agent_name=str(me)
+    )
     cache, geo = make_cache(seed=None)
     t.register(geo.regions())
     hello_msg = CODEC.decode(conn.recv_bytes())
@@ -89,7 +127,11 @@ def decode(conn, transport_name: str) -> None:
     conn.send_bytes(CODEC.encode(hello(Welcome, me, t, geo)))
 
     blocks = [40, 41, 42, 7, 8]  # whatever the allocator handed out
-    conn.send_bytes(CODEC.encode(Destination(transfer_id="req-1", peer=me, block_ids=blocks, num_tokens=5 * BLOCK_SIZE)))
+    conn.send_bytes(
+        CODEC.encode(
+            Destination(transfer_id="req-1", peer=me, block_ids=blocks, num_tokens=5 * BLOCK_SIZE)
+        )
+    )
     layers_seen, done = set(), False
     deadline = time.monotonic() + 30
     while not done:
@@ -104,7 +146,9 @@ def decode(conn, transport_name: str) -> None:
     expected, _ = make_cache(seed=1)
     for i, b in enumerate(blocks):
         np.testing.assert_array_equal(cache[:, b], expected[:, i])
-    print(f"decode: layers {sorted(layers_seen)} arrived; {len(blocks)} blocks in every layer verified")
+    print(
+        f"decode: layers {sorted(layers_seen)} arrived; {len(blocks)} blocks in every layer verified"
+    )
     conn.send_bytes(b"ok")
     t.close()
 
@@ -113,7 +157,10 @@ def main() -> int:
     transport_name = sys.argv[1] if len(sys.argv) > 1 else "nixl"
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    procs = [ctx.Process(target=prefill, args=(a, transport_name)), ctx.Process(target=decode, args=(b, transport_name))]
+    procs = [
+        ctx.Process(target=prefill, args=(a, transport_name)),
+        ctx.Process(target=decode, args=(b, transport_name)),
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -40,9 +40,21 @@ from typing import NamedTuple
 _STATES = {"01": "ESTAB", "0A": "LISTEN"}
 # x86-64 numbers of the calls a sleeping thread of these processes is usually in.
 _SYSCALLS = {
-    "0": "read", "7": "poll", "23": "select", "24": "sched_yield", "43": "accept", "45": "recvfrom",
-    "47": "recvmsg", "202": "futex", "230": "clock_nanosleep", "232": "epoll_wait", "270": "pselect6",
-    "271": "ppoll", "281": "epoll_pwait", "288": "accept4", "441": "epoll_pwait2",
+    "0": "read",
+    "7": "poll",
+    "23": "select",
+    "24": "sched_yield",
+    "43": "accept",
+    "45": "recvfrom",
+    "47": "recvmsg",
+    "202": "futex",
+    "230": "clock_nanosleep",
+    "232": "epoll_wait",
+    "270": "pselect6",
+    "271": "ppoll",
+    "281": "epoll_pwait",
+    "288": "accept4",
+    "441": "epoll_pwait2",
 }
 
 
@@ -76,7 +88,9 @@ def sockets() -> list[Sock]:
                 if col[3] in _STATES:
                     tx, rx = (int(v, 16) for v in col[4].split(":"))
                     if rx:
-                        found.append(Sock(_STATES[col[3]], _addr(col[1]), _addr(col[2]), tx, rx, col[9]))
+                        found.append(
+                            Sock(_STATES[col[3]], _addr(col[1]), _addr(col[2]), tx, rx, col[9])
+                        )
     return found
 
 
@@ -116,13 +130,19 @@ def dump(path: str, match: str, queued: list[Sock], stuck: dict[str, float]) -> 
                 elif target.startswith("socket:[") and target[8:-1] in by_inode:
                     s = by_inode[target[8:-1]]
                     age = f" STUCK {stuck[s.inode]:.1f} s" if s.inode in stuck else ""
-                    out.write(f"socket fd {fd}: {s.state} {s.local} <- {s.remote} rx={s.rx} tx={s.tx}{age}\n")
+                    out.write(
+                        f"socket fd {fd}: {s.state} {s.local} <- {s.remote} rx={s.rx} tx={s.tx}{age}\n"
+                    )
             for task in sorted(glob.glob(proc + "/task/*")):
                 fields = _read(task + "/stat").rsplit(") ", 1)[-1].split()
                 state, nice = (fields[0], fields[16]) if len(fields) > 16 else ("?", "?")
                 call = _read(task + "/syscall").split()
                 name = _SYSCALLS.get(call[0], call[0]) if call else "?"
-                first = f"({int(call[1], 16)}, ...)" if len(call) > 1 and call[1].startswith("0x") else ""
+                first = (
+                    f"({int(call[1], 16)}, ...)"
+                    if len(call) > 1 and call[1].startswith("0x")
+                    else ""
+                )
                 out.write(
                     f"--- {task} {_read(task + '/comm')} {state} nice={nice} wchan={_read(task + '/wchan')} "
                     f"syscall={name}{first}\n{_read(task + '/stack')}\n"
@@ -148,26 +168,40 @@ def _own_cpu_share() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="folder for the dumps")
-    parser.add_argument("--match", default="VLLM", help="dump processes whose command line contains this")
-    parser.add_argument("--after", type=float, default=1.0, help="seconds a queue must stay without shrinking")
-    parser.add_argument("--ports", help="LO-HI: watch only sockets with a local or remote port in this range")
+    parser.add_argument(
+        "--match", default="VLLM", help="dump processes whose command line contains this"
+    )
+    parser.add_argument(
+        "--after", type=float, default=1.0, help="seconds a queue must stay without shrinking"
+    )
+    parser.add_argument(
+        "--ports", help="LO-HI: watch only sockets with a local or remote port in this range"
+    )
     parser.add_argument("--dumps", type=int, default=3)
     args = parser.parse_args()
     ports = tuple(int(p) for p in args.ports.split("-")) if args.ports else None
     os.makedirs(args.out, exist_ok=True)
     _own_cpu_share()
-    since: dict[str, tuple[float, int]] = {}  # inode -> (non-empty and not shrinking since, last rx)
+    since: dict[
+        str, tuple[float, int]
+    ] = {}  # inode -> (non-empty and not shrinking since, last rx)
     done, quiet_until, last = 0, 0.0, time.monotonic()
     while done < args.dumps:
         start = time.monotonic()
         queued = sockets()
         now = time.monotonic()
         if now - start > 0.5 or start - last > 1.0:  # the watcher itself was held up: say where
-            print(f"{time.strftime('%H%M%S')}: reading the socket tables took {now - start:.1f} s "
-                  f"after a {start - last:.1f} s sleep of 0.1 s", flush=True)
+            print(
+                f"{time.strftime('%H%M%S')}: reading the socket tables took {now - start:.1f} s "
+                f"after a {start - last:.1f} s sleep of 0.1 s",
+                flush=True,
+            )
         watched = [s for s in queued if _in_range(s, ports)]
         since = {
-            s.inode: (since[s.inode][0] if s.inode in since and s.rx >= since[s.inode][1] else now, s.rx)
+            s.inode: (
+                since[s.inode][0] if s.inode in since and s.rx >= since[s.inode][1] else now,
+                s.rx,
+            )
             for s in watched
         }
         stuck = {inode: now - t0 for inode, (t0, _) in since.items() if now - t0 > args.after}
@@ -176,7 +210,10 @@ def main() -> None:
             dump(os.path.join(args.out, f"k{done}.{tag}.txt"), args.match, queued, stuck)
             for s in watched:
                 if s.inode in stuck:
-                    print(f"{tag}: {s.state} {s.local} <- {s.remote} rx={s.rx} for {stuck[s.inode]:.1f} s", flush=True)
+                    print(
+                        f"{tag}: {s.state} {s.local} <- {s.remote} rx={s.rx} for {stuck[s.inode]:.1f} s",
+                        flush=True,
+                    )
             done, quiet_until = done + 1, now + args.after
         last = time.monotonic()
         time.sleep(0.1)

@@ -19,7 +19,9 @@ import time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--report", type=float, default=0.5, help="print seconds whose worst lateness exceeds this")
+    parser.add_argument(
+        "--report", type=float, default=0.5, help="print seconds whose worst lateness exceeds this"
+    )
     args = parser.parse_args()
     try:
         os.setsid()

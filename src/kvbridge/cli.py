@@ -1,11 +1,11 @@
 """The ``kvbridge`` command.
 
-    kvbridge doctor [--json] [--transport NAME ...]   which transports work here, and fixes
-    kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
-    kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull|sequential]
-                                                      OpenAI-compatible prefill/decode proxy
-    kvbridge demo [--engine vllm|sglang] [--transport nixl|mooncake]
-                                                      P/D disaggregation on this machine
+kvbridge doctor [--json] [--transport NAME ...]   which transports work here, and fixes
+kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
+kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull|sequential]
+                                                  OpenAI-compatible prefill/decode proxy
+kvbridge demo [--engine vllm|sglang] [--transport nixl|mooncake]
+                                                  P/D disaggregation on this machine
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
     console = Console(stderr=args.json)
     if not args.json:
-        console.print(f"kvbridge {__version__}: checking transports with a real transfer between two processes ...")
+        console.print(
+            f"kvbridge {__version__}: checking transports with a real transfer between two processes ..."
+        )
     report = doctor.run(args.transport or None)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -41,7 +43,9 @@ def _doctor(args: argparse.Namespace) -> int:
             table.add_column(col)
         for c in report["transports"]:
             mark = lambda ok: "[green]yes[/green]" if ok else "[red]no[/red]"  # noqa: E731
-            table.add_row(c["transport"], mark(c["imports"]), mark(c["works"]), c["detail"], c["fix"] or "")
+            table.add_row(
+                c["transport"], mark(c["imports"]), mark(c["works"]), c["detail"], c["fix"] or ""
+            )
         console.print(table)
     return 0 if all(c["works"] for c in report["transports"]) else 1
 
@@ -68,7 +72,9 @@ def _proxy(args: argparse.Namespace) -> int:
 
     from kvbridge.proxy.app import Proxy, serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     proxy = Proxy(args.prefill, args.decode, flow=args.flow, timeout=args.timeout)
     try:
         asyncio.run(serve(proxy, args.host, args.port))
@@ -83,14 +89,23 @@ def _demo(args: argparse.Namespace) -> int:
     from kvbridge.errors import ConfigError
 
     try:  # before any server starts
-        config = load_config({"transport": args.transport, "wire_dtype": args.wire_dtype, "data_path": args.data_path})
+        config = load_config(
+            {
+                "transport": args.transport,
+                "wire_dtype": args.wire_dtype,
+                "data_path": args.data_path,
+            }
+        )
     except ConfigError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return 2
     mla = args.model == "mla"
     tp = (args.prefill_tp, args.decode_tp)
     if min(tp) < 1 or (max(tp) % min(tp)):
-        print(f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)", file=sys.stderr)
+        print(
+            f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)",
+            file=sys.stderr,
+        )
         return 2
     if has_states(args.model) and (args.engine == "sglang" or config.packed):
         print(
@@ -119,12 +134,34 @@ def _demo(args: argparse.Namespace) -> int:
         from kvbridge.demo.sglang_run import run as run_sglang
 
         if args.flow != "push":
-            print("kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)", file=sys.stderr)
+            print(
+                "kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)",
+                file=sys.stderr,
+            )
             return 2
-        return run_sglang(args.transport, lengths, args.max_tokens, logs, args.wire_dtype, args.data_path, tp, shape=args.model)
+        return run_sglang(
+            args.transport,
+            lengths,
+            args.max_tokens,
+            logs,
+            args.wire_dtype,
+            args.data_path,
+            tp,
+            shape=args.model,
+        )
     from kvbridge.demo.run import run
 
-    return run(args.transport, lengths, args.max_tokens, args.flow, logs, args.wire_dtype, args.data_path, tp, shape=args.model)
+    return run(
+        args.transport,
+        lengths,
+        args.max_tokens,
+        args.flow,
+        logs,
+        args.wire_dtype,
+        args.data_path,
+        tp,
+        shape=args.model,
+    )
 
 
 def _build_ops(args: argparse.Namespace) -> int:
@@ -140,7 +177,9 @@ def _build_ops(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvbridge", description="KV-cache transfer for disaggregated LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="kvbridge", description="KV-cache transfer for disaggregated LLM serving"
+    )
     parser.add_argument("--version", action="version", version=f"kvbridge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="check which transports import and work on this machine")
@@ -148,12 +187,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", action="append", help="check only this transport (repeatable)")
     p.set_defaults(func=_doctor)
     p = sub.add_parser("config", help="validate a kvbridge config and print the effective values")
-    p.add_argument("source", nargs="?", help="JSON text, or @path/to/file.json; omit for the defaults")
+    p.add_argument(
+        "source", nargs="?", help="JSON text, or @path/to/file.json; omit for the defaults"
+    )
     p.add_argument("--json", action="store_true", help="one line of JSON")
     p.set_defaults(func=_config)
-    p = sub.add_parser("proxy", help="OpenAI-compatible proxy in front of prefill and decode instances")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL", help="a prefill instance (repeatable)")
-    p.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode instance (repeatable)")
+    p = sub.add_parser(
+        "proxy", help="OpenAI-compatible proxy in front of prefill and decode instances"
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a prefill instance (repeatable)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a decode instance (repeatable)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -163,9 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         help="push: layer-wise, P and D at once (default); pull: P first, vLLM's kv_transfer_params protocol; "
         "sequential: P first, no kv_transfer_params needed (storage-sharing connectors such as vLLM's ExampleConnector)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take end to end")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds a request may take end to end"
+    )
     p.set_defaults(func=_proxy)
-    p = sub.add_parser("demo", help="run prefill/decode disaggregation on this machine and check it against colocated")
+    p = sub.add_parser(
+        "demo",
+        help="run prefill/decode disaggregation on this machine and check it against colocated",
+    )
     p.add_argument(
         "--engine",
         choices=("vllm", "sglang"),
@@ -175,13 +235,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--transport", choices=("nixl", "mooncake"), default="nixl")
     p.add_argument("--flow", choices=("push", "pull"), default="push", help="vLLM only")
-    p.add_argument("--prompt-tokens", default="64,512,1024,2048", help="comma-separated prompt lengths")
+    p.add_argument(
+        "--prompt-tokens", default="64,512,1024,2048", help="comma-separated prompt lengths"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--logs", help="directory for the instances' logs (default: a temporary one)")
-    p.add_argument("--wire-dtype", choices=("exact", "fp8"), default="exact", help="KV on the wire (config key wire_dtype)")
-    p.add_argument("--data-path", choices=("auto", "direct", "packed"), default="auto", help="cache to cache, or through staging (config key data_path)")
-    p.add_argument("--prefill-tp", type=int, default=1, metavar="N", help="the prefill's tensor parallel size (default 1)")
-    p.add_argument("--decode-tp", type=int, default=1, metavar="N", help="the decode's tensor parallel size (default 1)")
+    p.add_argument(
+        "--wire-dtype",
+        choices=("exact", "fp8"),
+        default="exact",
+        help="KV on the wire (config key wire_dtype)",
+    )
+    p.add_argument(
+        "--data-path",
+        choices=("auto", "direct", "packed"),
+        default="auto",
+        help="cache to cache, or through staging (config key data_path)",
+    )
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the prefill's tensor parallel size (default 1)",
+    )
+    p.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the decode's tensor parallel size (default 1)",
+    )
     p.add_argument(
         "--model",
         choices=("tiny", "mla", "hybrid", "shortconv"),
@@ -191,8 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         "or shortconv (LFM2: short convolutions between attention layers; vLLM only)",
     )
     p.set_defaults(func=_demo)
-    p = sub.add_parser("build-ops", help="build the CUDA pack/unpack kernels ahead of time (else built on first use)")
-    p.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)")
+    p = sub.add_parser(
+        "build-ops",
+        help="build the CUDA pack/unpack kernels ahead of time (else built on first use)",
+    )
+    p.add_argument(
+        "--arch", help="compute capability to build for, e.g. 9.0 (default: the current GPU's)"
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=_build_ops)
     args = parser.parse_args(argv)

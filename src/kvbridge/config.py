@@ -227,12 +227,12 @@ def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBrid
         except json.JSONDecodeError as exc:
             raise ConfigError(
                 f"kvbridge config is not valid JSON: {exc}",
-                fix="pass a JSON object such as '{\"transport\": \"nixl\"}'",
+                fix='pass a JSON object such as \'{"transport": "nixl"}\'',
             ) from exc
     if not isinstance(source, Mapping):
         raise ConfigError(
             f"kvbridge config must be a JSON object / mapping, got {type(source).__name__}",
-            fix="pass a mapping of config keys, e.g. {\"transport\": \"nixl\"}",
+            fix='pass a mapping of config keys, e.g. {"transport": "nixl"}',
         )
     _check_keys(KVBridgeConfig, source, prefix="")
     _check_data_path(source.get("wire_dtype"), source.get("data_path"))  # before msgspec rewords it

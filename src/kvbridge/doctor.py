@@ -64,7 +64,9 @@ def check_transport(name: str, timeout: float = 60.0) -> Check:
             loc.t.release(x)
             expected = loc.buf.reshape(n, BLOCK)[::-1].reshape(-1)
             if peer.call("digest", 0, PROBE_BYTES, timeout=timeout) != digest(expected):
-                raise KVBridgeError("bytes written differ from the source", fix="report this as a kvbridge bug")
+                raise KVBridgeError(
+                    "bytes written differ from the source", fix="report this as a kvbridge bug"
+                )
             result.steps.append(f"wrote {n} x {BLOCK >> 10} KiB, verified")
             got = peer.call("take", 1, timeout, timeout=timeout + 5)
             if got != [(loc.t.agent_name, b"kvbridge-doctor")]:
@@ -79,7 +81,10 @@ def check_transport(name: str, timeout: float = 60.0) -> Check:
             loc.t.wait(x, timeout)
             loc.t.release(x)
             if digest(loc.buf) != digest(pattern(7, PROBE_BYTES)):
-                raise KVBridgeError("bytes read back differ from what was written", fix="report this as a kvbridge bug")
+                raise KVBridgeError(
+                    "bytes read back differ from what was written",
+                    fix="report this as a kvbridge bug",
+                )
             result.steps.append("read back, verified; notifications delivered")
             result.write_gbps = round(PROBE_BYTES / elapsed / 1e9, 2)
             result.works = True
@@ -89,7 +94,10 @@ def check_transport(name: str, timeout: float = 60.0) -> Check:
             )
     except (KVBridgeError, RuntimeError, TimeoutError, OSError) as exc:
         result.detail = f"{type(exc).__name__}: {exc}"
-        result.fix = getattr(exc, "fix", None) or "see the detail; rerun with MC_LOG_LEVEL=INFO / NIXL_LOG_LEVEL=INFO"
+        result.fix = (
+            getattr(exc, "fix", None)
+            or "see the detail; rerun with MC_LOG_LEVEL=INFO / NIXL_LOG_LEVEL=INFO"
+        )
     finally:
         if loc is not None:
             loc.close()

@@ -87,11 +87,16 @@ def test_transient_failures_with_the_peer_alive_are_retried(pair: tuple[Local, P
     assert [p for _, p in peer.call("take", 1, 10)] == [b"seed-5"]
 
 
-def test_a_batch_failing_every_retry_fails_with_the_count_and_the_transport_keeps_working(pair: tuple[Local, Peer]) -> None:
+def test_a_batch_failing_every_retry_fails_with_the_count_and_the_transport_keeps_working(
+    pair: tuple[Local, Peer],
+) -> None:
     from kvbridge.transports.mooncake import RETRY_PAUSES_S
 
     local, peer = pair
-    with pytest.raises(TransferFailedError, match=rf"failed \(rc=-1\) {len(RETRY_PAUSES_S) + 1} times although the peer answers a probe") as info:
+    with pytest.raises(
+        TransferFailedError,
+        match=rf"failed \(rc=-1\) {len(RETRY_PAUSES_S) + 1} times although the peer answers a probe",
+    ) as info:
         _write(local, peer, failures=100, seed=6)
     assert "registered on the peer" in (info.value.fix or "")
     assert peer.call("take", 1, 0.5) == []  # a failed batch sends no notification
@@ -101,7 +106,9 @@ def test_a_batch_failing_every_retry_fails_with_the_count_and_the_transport_keep
     assert peer.call("digest", 0, n) == digest(local.buf[:n])
 
 
-def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Mooncake drops a TCP lane that moved no byte for ``MC_TCP_PROGRESS_TIMEOUT_SEC``
     (30 s by default: a whole default ``transfer_s``, leaving no time for the retry);
     the transport sets it to a third of ``transfer_s`` unless the option or the user
@@ -115,7 +122,12 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
     monkeypatch.delenv("MC_TCP_PROGRESS_TIMEOUT_SEC", raising=False)  # restored after the test
     monkeypatch.setenv(mooncake._OWN_ENV, os.environ.get(mooncake._OWN_ENV, ""))
     config = load_config({"transport": "mooncake", "timeouts": {"transfer_s": 9}})
-    assert mooncake.progress_timeout_s(load_config({"mooncake": {"progress_timeout_s": 5}}).mooncake, 9) == 5
+    assert (
+        mooncake.progress_timeout_s(
+            load_config({"mooncake": {"progress_timeout_s": 5}}).mooncake, 9
+        )
+        == 5
+    )
     assert mooncake.progress_timeout_s(config.mooncake, 3) == 2
     with Peer("mooncake", unique("stalled-peer"), nbytes=1 << 20) as peer:
         local = Local("mooncake", nbytes=1 << 20, config=config)
@@ -125,9 +137,18 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
             engine, endpoint = local.t._engine, local.t._endpoints[pid]  # type: ignore[attr-defined]
             with peer.paused():
                 start = time.monotonic()
-                rc = engine.batch_transfer_sync(endpoint, [local.base], [peer.base], [1 << 20], mooncake.TransferOpcode.Write, None)
+                rc = engine.batch_transfer_sync(
+                    endpoint,
+                    [local.base],
+                    [peer.base],
+                    [1 << 20],
+                    mooncake.TransferOpcode.Write,
+                    None,
+                )
                 took = time.monotonic() - start
-            assert rc != 0 and 2.5 < took < 6, f"the stalled lane ended after {took:.1f}s (rc {rc}); the transport set 3s"
+            assert rc != 0 and 2.5 < took < 6, (
+                f"the stalled lane ended after {took:.1f}s (rc {rc}); the transport set 3s"
+            )
         finally:
             local.close()
     monkeypatch.setenv("MC_TCP_PROGRESS_TIMEOUT_SEC", "7")  # not the value kvbridge set: the user's
@@ -161,22 +182,34 @@ def test_the_threads_waiting_on_batches_run_at_the_configured_nice(nice: int) ->
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
     with Peer("mooncake", unique("nice-peer"), nbytes=1 << 20) as peer:
-        local = Local("mooncake", nbytes=1 << 20, config=load_config({"mooncake": {"waiter_nice": nice}}))
+        local = Local(
+            "mooncake", nbytes=1 << 20, config=load_config({"mooncake": {"waiter_nice": nice}})
+        )
         try:
             pid = local.connect(peer)
             recorder = _NiceRecorder(local.t._engine)  # type: ignore[attr-defined]
             local.t._engine = recorder  # type: ignore[attr-defined]
             local.buf[:4096] = pattern(9, 4096)
-            x = local.t.post("write", local.table(np.array([0]), 4096), [0], local.table(np.array([0]), 4096, peer=pid, base=peer.base), [0])
+            x = local.t.post(
+                "write",
+                local.table(np.array([0]), 4096),
+                [0],
+                local.table(np.array([0]), 4096, peer=pid, base=peer.base),
+                [0],
+            )
             local.t.wait(x, 30)
             assert peer.call("digest", 0, 4096) == digest(local.buf[:4096])
             assert recorder.nice == [max(nice, base)]
-            assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the caller's own priority is untouched"
+            assert os.getpriority(os.PRIO_PROCESS, 0) == base, (
+                "the caller's own priority is untouched"
+            )
         finally:
             local.close()
 
 
-def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the_user_s(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the_user_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The engine reads ``MC_*`` variables from the environment, which child processes
     inherit (a test process, or an engine process, starting servers after making a
     transport): a child must apply its own config, not the parent's values, and still
@@ -193,7 +226,10 @@ def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(mooncake._OWN_ENV, "")
     Local("mooncake", nbytes=4096, config=load_config({"timeouts": {"transfer_s": 6}})).close()
-    assert (os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"], os.environ["MC_TRANSFER_TIMEOUT"]) == ("2", "6")
+    assert (os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"], os.environ["MC_TRANSFER_TIMEOUT"]) == (
+        "2",
+        "6",
+    )
     code = (
         "import os\nfrom kvbridge.config import load_config\nfrom kvbridge.transports.testing import Local\n"
         "Local('mooncake', nbytes=4096, config=load_config({})).close()\n"
@@ -201,7 +237,13 @@ def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the
     )
 
     def child(**env: str) -> list[str]:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.split()[-2:]
 

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.conformance
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def scatter_expected(src: np.ndarray, src_off: np.ndarray, dst_off: np.ndarray, size: int, nbytes: int) -> np.ndarray:
+def scatter_expected(
+    src: np.ndarray, src_off: np.ndarray, dst_off: np.ndarray, size: int, nbytes: int
+) -> np.ndarray:
     out = np.zeros(nbytes, dtype=np.uint8)
     for s, d in zip(src_off.tolist(), dst_off.tolist()):
         out[d : d + size] = src[s : s + size]
@@ -75,7 +77,9 @@ def test_many_descriptors_read_byte_for_byte(local: Local, peer: Peer) -> None:
 
 
 @pytest.mark.parametrize("which", ["both", "local", "remote"])
-def test_one_post_descriptor_lists_of_uneven_lengths_move_byte_for_byte(local: Local, peer: Peer, which: str) -> None:
+def test_one_post_descriptor_lists_of_uneven_lengths_move_byte_for_byte(
+    local: Local, peer: Peer, which: str
+) -> None:
     """``adhoc`` lists (not prepared; what a peer of another TP split moves for state
     segments): scattered pieces of uneven lengths, written then read back, alone or
     paired with a prepared table on the other side."""
@@ -122,12 +126,16 @@ def test_large_transfers_byte_for_byte(local: Local, peer: Peer) -> None:
     assert peer.call("digest", 0, peer.nbytes) == digest(local.buf)
     # 8 x 8 MiB, written in reverse order of the regions
     eight = local.table(np.arange(8) * 8 * MiB, 8 * MiB)
-    reight = local.table(np.arange(8)[::-1].copy() * 8 * MiB, 8 * MiB, peer=local.peer_id, base=peer.base)
+    reight = local.table(
+        np.arange(8)[::-1].copy() * 8 * MiB, 8 * MiB, peer=local.peer_id, base=peer.base
+    )
     local.buf[:] = pattern(34, local.buf.nbytes)
     x = local.t.post("write", eight, np.arange(8), reight, np.arange(8))
     local.t.wait(x, 60)
     local.t.release(x)
-    expected = scatter_expected(local.buf, np.arange(8) * 8 * MiB, np.arange(8)[::-1] * 8 * MiB, 8 * MiB, peer.nbytes)
+    expected = scatter_expected(
+        local.buf, np.arange(8) * 8 * MiB, np.arange(8)[::-1] * 8 * MiB, 8 * MiB, peer.nbytes
+    )
     assert peer.call("digest", 0, peer.nbytes) == digest(expected)
 
 
@@ -185,7 +193,9 @@ def test_concurrent_transfers_from_threads(local: Local, peer: Peer) -> None:
     assert not errors, errors
     assert peer.call("digest", 0, n * size) == digest(local.buf[: n * size])
     got = peer.call("take", n, 30)
-    assert Counter(p for _, p in got) == Counter(f"t{k}-{j}".encode() for k in range(threads) for j in range(per_thread))
+    assert Counter(p for _, p in got) == Counter(
+        f"t{k}-{j}".encode() for k in range(threads) for j in range(per_thread)
+    )
 
 
 def test_bad_descriptors_and_peers_get_clear_errors(local: Local, peer: Peer) -> None:
@@ -300,7 +310,10 @@ def _write_until_failure(loc: Local, lt, rt, deadline: float) -> KVBridgeError |
 
 def test_peer_killed_mid_transfer(transport_name: str) -> None:
     """A SIGKILLed peer yields a kvbridge error within a bound; other peers keep working."""
-    with Peer(transport_name, unique("victim")) as victim, Peer(transport_name, unique("bystander")) as bystander:
+    with (
+        Peer(transport_name, unique("victim")) as victim,
+        Peer(transport_name, unique("bystander")) as bystander,
+    ):
         loc = Local(transport_name)
         try:
             vid, bid = loc.connect(victim), loc.connect(bystander)
@@ -351,7 +364,9 @@ def test_peer_that_never_answers_is_unreachable(transport_name: str) -> None:
         except KVBridgeError as exc:
             err = exc
         assert err is not None, "writes to a stopped peer never failed"
-        print(f"\n{transport_name}: stale peer reported after {time.monotonic() - start:.2f}s as {err!r}")
+        print(
+            f"\n{transport_name}: stale peer reported after {time.monotonic() - start:.2f}s as {err!r}"
+        )
         assert isinstance(err, (PeerUnreachableError, DeadlineExceeded)), repr(err)
         assert "peer" in str(err) and err.fix, f"error should name the peer and a fix: {err}"
         assert time.monotonic() - start < 20
@@ -378,7 +393,9 @@ def test_close_releases_everything_and_stops_threads(transport_name: str) -> Non
         report = other.call("close")
         (base_py, base_os), (after_py, after_os) = report["baseline"], report["after"]
         assert after_py == base_py, "python threads left running after close"
-        assert after_os <= base_os, f"OS threads: {base_os} before the transport, {after_os} after close: {report['os_thread_names']}"
+        assert after_os <= base_os, (
+            f"OS threads: {base_os} before the transport, {after_os} after close: {report['os_thread_names']}"
+        )
 
 
 @pytest.mark.parametrize("close", [True, False], ids=["closed", "not-closed"])
@@ -394,14 +411,19 @@ def test_process_using_the_transport_exits_cleanly(transport_name: str, close: b
         + ("loc.close()\n" if close else "")
     )
     for _ in range(1 if close else 5):
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
         assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-2000:]}"
 
 
 def test_hung_peer_does_not_block_other_peers(transport_name: str) -> None:
     """A SIGSTOPped peer neither answers nor dies. Transfers and notifications to it
     may stall (bounded by their deadlines), but never those to other peers."""
-    with Peer(transport_name, unique("hung")) as hung, Peer(transport_name, unique("healthy")) as healthy:
+    with (
+        Peer(transport_name, unique("hung")) as hung,
+        Peer(transport_name, unique("healthy")) as healthy,
+    ):
         loc = Local(transport_name, config=load_config({"timeouts": {"transfer_s": 5}}))
         try:
             hid, bid = loc.connect(hung), loc.connect(healthy)
@@ -430,10 +452,14 @@ def test_hung_peer_does_not_block_other_peers(transport_name: str) -> None:
                     loc.t.release(y)
                 healthy_s = time.monotonic() - start
                 assert healthy.call("digest", 0, 64 * MiB) == digest(loc.buf)
-                assert healthy_s < 10, f"writes to the healthy peer took {healthy_s:.1f}s while another peer hung"
+                assert healthy_s < 10, (
+                    f"writes to the healthy peer took {healthy_s:.1f}s while another peer hung"
+                )
                 side.join(60)
                 assert not side.is_alive(), "talking to the hung peer never returned"
                 # cma (NIXL) may complete a write into a stopped process; otherwise the wait ends in an error
-                assert outcome["hung"] == "completed" or isinstance(outcome["hung"], (DeadlineExceeded, TransportError)), outcome
+                assert outcome["hung"] == "completed" or isinstance(
+                    outcome["hung"], (DeadlineExceeded, TransportError)
+                ), outcome
         finally:
             loc.close()

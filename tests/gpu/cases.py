@@ -10,7 +10,16 @@ from kvbridge.ops import kv_planes
 LAYOUTS = ("fused", "nhd", "hnd")
 
 
-def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
+def make_cache(
+    layout: str,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    dim: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int,
+) -> torch.Tensor:
     """A cache tensor of ``layout`` filled with random values (never zeros: they would
     hide unwritten outputs); a few large rows make the FP8 scales differ a lot."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -18,13 +27,15 @@ def make_cache(layout: str, num_blocks: int, block_size: int, heads: int, dim: i
         shape = (num_blocks, heads, block_size, 2 * dim)
     elif layout == "nhd":
         shape = (2, num_blocks, block_size, heads, dim)
-    elif layout == "latent":  # MLA: one vector of 2 * dim values per token; its halves are the planes
+    elif (
+        layout == "latent"
+    ):  # MLA: one vector of 2 * dim values per token; its halves are the planes
         assert heads == 1, "a latent cache has one head"
         shape = (num_blocks, block_size, 2 * dim)
     else:
         shape = (2, num_blocks, heads, block_size, dim)
     x = torch.randn(shape, generator=g, dtype=torch.float32)
-    x.view(-1, x.shape[-1])[:: 7] *= 50.0
+    x.view(-1, x.shape[-1])[::7] *= 50.0
     if dtype == torch.float8_e4m3fn:
         x = x.clamp(-400, 400)
     return x.to(dtype).to(device)

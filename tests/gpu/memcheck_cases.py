@@ -26,13 +26,28 @@ def run(kernel: str) -> None:
                 cache = make_cache(layout, 12, 16, 3, dim, dtype, "cuda", seed=dim)
                 k, v = planes(cache, layout)
                 ids = block_ids(12, 5, 1)
-                region, fmt = ops.pack([(k, v), (v, k)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16, kernel=kernel)
+                region, fmt = ops.pack(
+                    [(k, v), (v, k)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16, kernel=kernel
+                )
                 other = torch.zeros_like(cache)
                 other2 = torch.zeros_like(cache)
-                ops.unpack(region, fmt, [planes(other, layout), planes(other2, layout)], ids, head_start=1, kernel=kernel)
+                ops.unpack(
+                    region,
+                    fmt,
+                    [planes(other, layout), planes(other2, layout)],
+                    ids,
+                    head_start=1,
+                    kernel=kernel,
+                )
                 torch.cuda.synchronize()
                 back, _ = ops.pack(
-                    [planes(other, layout), planes(other2, layout)], ids, 77, heads=(1, 3), fp8=fp8, chunk_tokens=16, kernel=kernel
+                    [planes(other, layout), planes(other2, layout)],
+                    ids,
+                    77,
+                    heads=(1, 3),
+                    fp8=fp8,
+                    chunk_tokens=16,
+                    kernel=kernel,
                 )
                 if not fp8:
                     for i in range(2):

@@ -40,8 +40,12 @@ def kernel(request, monkeypatch):
 def _ref_pack(k, v, ids, num_tokens, heads, fp8, chunk=0):
     """The reference on CPU copies: the specification, away from the GPU's torch ops."""
     kc, vc = k.cpu(), v.cpu()
-    out = torch.full((ops.packed_format(kc, num_tokens, heads, fp8, chunk).nbytes,), 0xA5, dtype=torch.uint8)
-    region, fmt = ops.pack((kc, vc), ids, num_tokens, heads=heads, fp8=fp8, chunk_tokens=chunk, out=out)
+    out = torch.full(
+        (ops.packed_format(kc, num_tokens, heads, fp8, chunk).nbytes,), 0xA5, dtype=torch.uint8
+    )
+    region, fmt = ops.pack(
+        (kc, vc), ids, num_tokens, heads=heads, fp8=fp8, chunk_tokens=chunk, out=out
+    )
     return region, fmt
 
 
@@ -49,22 +53,49 @@ def _assert_same_region(got, want, fmt, what=""):
     """Values and scales bit for bit (padding between chunks is unspecified)."""
     gv, gs = reference.region_rows(got.cpu(), fmt)
     wv, ws = reference.region_rows(want.cpu(), fmt)
-    assert torch.equal(gv.contiguous().view(torch.uint8), wv.contiguous().view(torch.uint8)), f"values differ {what}"
+    assert torch.equal(gv.contiguous().view(torch.uint8), wv.contiguous().view(torch.uint8)), (
+        f"values differ {what}"
+    )
     if fmt.scaled:
-        assert torch.equal(gs.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8)), f"scales differ {what}"
+        assert torch.equal(gs.contiguous().view(torch.uint8), ws.contiguous().view(torch.uint8)), (
+            f"scales differ {what}"
+        )
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu())
+    return torch.equal(
+        a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()
+    )
 
 
 PACK_CASES = [
     # layout, dtype, block_size, heads, dim, num_tokens, head range, fp8
-    *[(lay, dt, 16, 8, 128, 1000, None, fp8) for lay, dt, fp8 in itertools.product(LAYOUTS, DTYPES, (False, True))],
+    *[
+        (lay, dt, 16, 8, 128, 1000, None, fp8)
+        for lay, dt, fp8 in itertools.product(LAYOUTS, DTYPES, (False, True))
+    ],
     ("nhd", torch.bfloat16, 64, 8, 128, 4096, None, True),
     ("hnd", torch.bfloat16, 16, 8, 128, 1000, (0, 4), "chunked"),  # chunks of one block, FP8
-    ("nhd", torch.bfloat16, 16, 8, 128, 1000, None, "chunks across blocks"),  # chunks of 24 tokens: tiles of 8, FP8
-    ("nhd", torch.float16, 16, 1, 64, 4000, None, False),  # one head of 64: a lane holds a whole row
+    (
+        "nhd",
+        torch.bfloat16,
+        16,
+        8,
+        128,
+        1000,
+        None,
+        "chunks across blocks",
+    ),  # chunks of 24 tokens: tiles of 8, FP8
+    (
+        "nhd",
+        torch.float16,
+        16,
+        1,
+        64,
+        4000,
+        None,
+        False,
+    ),  # one head of 64: a lane holds a whole row
     ("hnd", torch.float16, 32, 8, 128, 777, (2, 6), True),
     ("nhd", torch.bfloat16, 16, 8, 128, 333, (4, 8), False),
     ("fused", torch.float32, 16, 4, 64, 100, (1, 2), True),
@@ -74,7 +105,16 @@ PACK_CASES = [
     ("nhd", torch.float32, 8, 1, 1, 31, None, False),
     ("nhd", torch.float8_e4m3fn, 16, 8, 128, 500, None, False),  # FP8 cache: bytes as they are
     ("nhd", torch.bfloat16, 16, 8, 128, 0, None, True),
-    ("latent", torch.bfloat16, 64, 1, 288, 1000, None, True),  # MLA: the halves of 576-value vectors
+    (
+        "latent",
+        torch.bfloat16,
+        64,
+        1,
+        288,
+        1000,
+        None,
+        True,
+    ),  # MLA: the halves of 576-value vectors
     ("latent", torch.bfloat16, 64, 1, 288, 1000, None, False),
 ]
 
@@ -98,13 +138,48 @@ def test_pack_equals_reference(kernel, layout, dtype, bs, heads, dim, tokens, hr
 UNPACK_CASES = [
     (("nhd", torch.bfloat16, 16), ("hnd", torch.float16, 32), 8, 8, None, 0, "chunked"),
     # source (layout, dtype, bs), destination (layout, dtype, bs), heads: src, dst, packed range, dst offset; fp8
-    *[((lay, dt, 16), (lay, dt, 16), 8, 8, None, 0, fp8) for lay, dt, fp8 in itertools.product(LAYOUTS, DTYPES, (False, True))],
-    (("nhd", torch.bfloat16, 16), ("hnd", torch.bfloat16, 64), 8, 8, None, 0, True),  # layout + block size
-    (("fused", torch.float32, 16), ("nhd", torch.bfloat16, 32), 4, 4, None, 0, False),  # dtype conversion
+    *[
+        ((lay, dt, 16), (lay, dt, 16), 8, 8, None, 0, fp8)
+        for lay, dt, fp8 in itertools.product(LAYOUTS, DTYPES, (False, True))
+    ],
+    (
+        ("nhd", torch.bfloat16, 16),
+        ("hnd", torch.bfloat16, 64),
+        8,
+        8,
+        None,
+        0,
+        True,
+    ),  # layout + block size
+    (
+        ("fused", torch.float32, 16),
+        ("nhd", torch.bfloat16, 32),
+        4,
+        4,
+        None,
+        0,
+        False,
+    ),  # dtype conversion
     (("nhd", torch.bfloat16, 16), ("nhd", torch.float32, 16), 8, 8, None, 0, False),
     (("hnd", torch.float16, 16), ("nhd", torch.bfloat16, 16), 8, 8, None, 0, False),
-    (("nhd", torch.bfloat16, 16), ("nhd", torch.bfloat16, 16), 8, 4, (4, 8), 0, True),  # TP 1 -> 2, rank 1
-    (("nhd", torch.bfloat16, 16), ("nhd", torch.bfloat16, 32), 4, 8, None, 4, True),  # TP 2 -> 1, rank 1
+    (
+        ("nhd", torch.bfloat16, 16),
+        ("nhd", torch.bfloat16, 16),
+        8,
+        4,
+        (4, 8),
+        0,
+        True,
+    ),  # TP 1 -> 2, rank 1
+    (
+        ("nhd", torch.bfloat16, 16),
+        ("nhd", torch.bfloat16, 32),
+        4,
+        8,
+        None,
+        4,
+        True,
+    ),  # TP 2 -> 1, rank 1
     (("nhd", torch.float8_e4m3fn, 16), ("hnd", torch.float8_e4m3fn, 32), 8, 8, None, 0, False),
     (("nhd", torch.bfloat16, 16), ("nhd", torch.bfloat16, 16), 3, 3, None, 0, True),
     (("latent", torch.bfloat16, 64), ("latent", torch.bfloat16, 16), 1, 1, None, 0, True),
@@ -120,7 +195,14 @@ def test_unpack_equals_reference(kernel, src, dst, src_heads, dst_heads, hr, off
     snb, dnb = 2 * (tokens // sbs + 1), 2 * (tokens // dbs + 1)
     scache = make_cache(sl, snb, sbs, src_heads, dim, sdt, "cuda", seed=1)
     sk, sv = planes(scache, sl)
-    region, fmt = ops.pack((sk, sv), block_ids(snb, -(-tokens // sbs), 2), tokens, heads=hr, fp8=fp8, chunk_tokens=chunk)
+    region, fmt = ops.pack(
+        (sk, sv),
+        block_ids(snb, -(-tokens // sbs), 2),
+        tokens,
+        heads=hr,
+        fp8=fp8,
+        chunk_tokens=chunk,
+    )
     dids = block_ids(dnb, -(-tokens // dbs), 3)
     base = make_cache(dl, dnb, dbs, dst_heads, dim, ddt, "cpu", seed=4)
     want, got = base.clone(), base.clone().cuda()
@@ -132,7 +214,10 @@ def test_unpack_equals_reference(kernel, src, dst, src_heads, dst_heads, hr, off
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_many_layers_in_one_call(kernel, fp8):
-    layers = [planes(make_cache("hnd", 40, 16, 4, 128, torch.bfloat16, "cuda", seed=s), "hnd") for s in range(5)]
+    layers = [
+        planes(make_cache("hnd", 40, 16, 4, 128, torch.bfloat16, "cuda", seed=s), "hnd")
+        for s in range(5)
+    ]
     ids = block_ids(40, 19, 7)
     got, fmt = ops.pack(layers, ids, 300, fp8=fp8, chunk_tokens=16)
     for i, (k, v) in enumerate(layers):
@@ -215,7 +300,9 @@ def test_kernels_reject_bad_input_with_clear_errors():
     with pytest.raises(RuntimeError, match="must be CUDA tensors"):
         call(k.cpu(), v.cpu(), torch.tensor([0]), 16, 0, 4, False, out)
     with pytest.raises(RuntimeError, match="scaled region cannot go into a float8 cache"):
-        torch.ops.kvbridge.unpack(out, torch.float8_e4m3fn, True, 0, [k8], [v8], torch.tensor([0]), 16, 0, 4)
+        torch.ops.kvbridge.unpack(
+            out, torch.float8_e4m3fn, True, 0, [k8], [v8], torch.tensor([0]), 16, 0, 4
+        )
     with pytest.raises(RuntimeError, match=r"kernel must be 0 \(rows\) or 1 \(tiles\)"):
         torch.ops.kvbridge.pack([k], [v], torch.tensor([0]), 16, 0, 4, False, 0, out, 2)
     with pytest.raises(RuntimeError, match="layer 1 planes differ"):
@@ -237,13 +324,28 @@ def test_the_front_raises_the_bindings_checks_as_ops_input_errors():
         ops.unpack(region, fmt, (k, v), [9, 1])
 
 
-@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not installed")
+@pytest.mark.skipif(
+    shutil.which("compute-sanitizer") is None, reason="compute-sanitizer is not installed"
+)
 def test_memcheck_clean():
     script = Path(__file__).with_name("memcheck_cases.py")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(script.parent), *sys.path]))
     proc = subprocess.run(
-        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", "--leak-check", "no", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=900, env=env,
+        [
+            "compute-sanitizer",
+            "--tool",
+            "memcheck",
+            "--error-exitcode",
+            "3",
+            "--leak-check",
+            "no",
+            sys.executable,
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail

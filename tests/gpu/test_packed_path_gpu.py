@@ -32,26 +32,49 @@ def kernels():
 def cache(dtype: torch.dtype) -> tuple[torch.Tensor, CacheGeometry, CacheSpec]:
     """``(L, 2, blocks, block_size, heads, head_dim)`` zeros on the GPU and its geometry."""
     t = torch.zeros((L, 2, NB, BS, H, HD), dtype=dtype, device="cuda")
-    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype=str(dtype).removeprefix("torch."), layout="nhd")
+    spec = CacheSpec(
+        num_layers=L,
+        block_size=BS,
+        num_kv_heads=H,
+        head_dim=HD,
+        dtype=str(dtype).removeprefix("torch."),
+        layout="nhd",
+    )
     bases = tuple(t[l, p].data_ptr() for l in range(L) for p in (0, 1))
-    return t, CacheGeometry(spec=spec, num_blocks=NB, plane_bases=bases, memory="device", device=t.device.index or 0), spec
+    return (
+        t,
+        CacheGeometry(
+            spec=spec, num_blocks=NB, plane_bases=bases, memory="device", device=t.device.index or 0
+        ),
+        spec,
+    )
 
 
 def endpoint(role: str, made, wire_dtype: str) -> Endpoint:
     t, geo, spec = made
     planes = [ops.kv_planes(t[l], "nhd") for l in range(L)]
     timeouts = {"receive_s": 20, "transfer_s": 20}
-    return runtime_pair.endpoint(role, (t, geo), timeouts, spec, planes=planes, wire_dtype=wire_dtype, data_path="packed")
+    return runtime_pair.endpoint(
+        role, (t, geo), timeouts, spec, planes=planes, wire_dtype=wire_dtype, data_path="packed"
+    )
 
 
 @pytest.mark.parametrize("wire_dtype", ["fp8", "exact"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_layers_computed_on_the_gpu_arrive_packed_bit_for_bit(dtype: torch.dtype, wire_dtype: str) -> None:
+def test_layers_computed_on_the_gpu_arrive_packed_bit_for_bit(
+    dtype: torch.dtype, wire_dtype: str
+) -> None:
     p, d = cache(dtype), cache(dtype)
     P, D = endpoint("P", p, wire_dtype), endpoint("D", d, wire_dtype)
     pa, da = p[0], d[0]
-    n, pblocks, dblocks = 200, list(range(3, 16)), list(range(40, 53))  # 13 blocks, the last partial
-    kv = torch.randn((L, 2, len(pblocks), BS, H, HD), generator=torch.Generator().manual_seed(7)).to(dtype)
+    n, pblocks, dblocks = (
+        200,
+        list(range(3, 16)),
+        list(range(40, 53)),
+    )  # 13 blocks, the last partial
+    kv = torch.randn(
+        (L, 2, len(pblocks), BS, H, HD), generator=torch.Generator().manual_seed(7)
+    ).to(dtype)
     try:
         D.receiver.expect_push("g", P.address, dblocks, n)
         P.sender.track("g", pblocks, n)
@@ -70,10 +93,18 @@ def test_layers_computed_on_the_gpu_arrive_packed_bit_for_bit(dtype: torch.dtype
         source = torch.zeros_like(expected)
         source[:, :, pblocks] = kv
         for layer in range(L):  # the specification, on the CPU
-            region, fmt = ops.pack(ops.kv_planes(source[layer], "nhd"), pblocks, len(pblocks) * BS, fp8=wire_dtype == "fp8", chunk_tokens=BS)
+            region, fmt = ops.pack(
+                ops.kv_planes(source[layer], "nhd"),
+                pblocks,
+                len(pblocks) * BS,
+                fp8=wire_dtype == "fp8",
+                chunk_tokens=BS,
+            )
             ops.unpack(region, fmt, ops.kv_planes(expected[layer], "nhd"), dblocks)
         got = da.cpu()
-        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), "the decode cache differs from the reference round trip"
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), (
+            "the decode cache differs from the reference round trip"
+        )
         if wire_dtype == "exact":
             assert torch.equal(got[:, :, dblocks], kv)
         for ep in (P, D):
@@ -92,12 +123,17 @@ def vllm_gpu_views(order: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     page = BS * H * c
     strides = (page, BS * c, c, 1) if order == "LBHNC" else (page, c, H * c, 1)
     raw = torch.zeros(L * NB * page, dtype=dtype, device="cuda")
-    return {f"model.layers.{l}.self_attn.attn": raw.as_strided((NB, H, BS, c), strides, l * NB * page) for l in range(L)}
+    return {
+        f"model.layers.{l}.self_attn.attn": raw.as_strided((NB, H, BS, c), strides, l * NB * page)
+        for l in range(L)
+    }
 
 
 @pytest.mark.parametrize("wire_dtype", ["fp8", "exact"])
 @pytest.mark.parametrize(("p_order", "d_order"), [("LBNHC", "LBHNC"), ("LBHNC", "LBNHC")])
-def test_vllm_gpu_views_of_different_orders_arrive_packed_bit_for_bit(p_order: str, d_order: str, wire_dtype: str) -> None:
+def test_vllm_gpu_views_of_different_orders_arrive_packed_bit_for_bit(
+    p_order: str, d_order: str, wire_dtype: str
+) -> None:
     from kvbridge.adapters.vllm.cache import geometry_from_tensors
 
     dtype = torch.bfloat16
@@ -107,10 +143,20 @@ def test_vllm_gpu_views_of_different_orders_arrive_packed_bit_for_bit(p_order: s
         geo = geometry_from_tensors(views, list(views), BS, cpu_backend=False)
         planes = [ops.kv_planes(v, geo.spec.layout) for v in views.values()]
         timeouts = {"receive_s": 20, "transfer_s": 20}
-        sides[role] = runtime_pair.endpoint(role, (views, geo), timeouts, geo.spec, planes=planes, wire_dtype=wire_dtype, data_path="packed")
+        sides[role] = runtime_pair.endpoint(
+            role,
+            (views, geo),
+            timeouts,
+            geo.spec,
+            planes=planes,
+            wire_dtype=wire_dtype,
+            data_path="packed",
+        )
     P, D = sides["P"], sides["D"]
     n, pblocks, dblocks = 200, list(range(3, 16)), list(range(40, 53))
-    kv = torch.randn((L, len(pblocks), H, BS, 2 * HD), generator=torch.Generator().manual_seed(9)).to(dtype)
+    kv = torch.randn(
+        (L, len(pblocks), H, BS, 2 * HD), generator=torch.Generator().manual_seed(9)
+    ).to(dtype)
     try:
         D.receiver.expect_push("v", P.address, dblocks, n)
         P.sender.track("v", pblocks, n)
@@ -126,9 +172,17 @@ def test_vllm_gpu_views_of_different_orders_arrive_packed_bit_for_bit(p_order: s
             source = torch.zeros((NB, H, BS, 2 * HD), dtype=dtype)
             source[pblocks] = kv[layer]
             expected = torch.zeros_like(source)
-            region, fmt = ops.pack(ops.kv_planes(source, "hnd_kv"), pblocks, len(pblocks) * BS, fp8=wire_dtype == "fp8", chunk_tokens=BS)
+            region, fmt = ops.pack(
+                ops.kv_planes(source, "hnd_kv"),
+                pblocks,
+                len(pblocks) * BS,
+                fp8=wire_dtype == "fp8",
+                chunk_tokens=BS,
+            )
             ops.unpack(region, fmt, ops.kv_planes(expected, "hnd_kv"), dblocks)
-            assert torch.equal(view.cpu().view(torch.int16), expected.view(torch.int16)), f"layer {layer} differs from the reference round trip"
+            assert torch.equal(view.cpu().view(torch.int16), expected.view(torch.int16)), (
+                f"layer {layer} differs from the reference round trip"
+            )
     finally:
         D.close()
         P.close()

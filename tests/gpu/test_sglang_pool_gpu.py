@@ -34,7 +34,13 @@ def pool(device: str, seed: int | None) -> tuple[list[torch.Tensor], object]:
     typed geometry of their addresses."""
     gen = torch.Generator().manual_seed(seed or 0)
     bufs = [
-        (torch.randn(PAGES * PAGE, HEADS, DIM, generator=gen) if seed is not None else torch.zeros(PAGES * PAGE, HEADS, DIM)).to(torch.bfloat16).to(device)
+        (
+            torch.randn(PAGES * PAGE, HEADS, DIM, generator=gen)
+            if seed is not None
+            else torch.zeros(PAGES * PAGE, HEADS, DIM)
+        )
+        .to(torch.bfloat16)
+        .to(device)
         for _ in range(2 * LAYERS)
     ]
     opaque = kv_geometry(
@@ -51,11 +57,15 @@ def round_trip(device: str, fp8: bool) -> list[torch.Tensor]:
     pv = planes[1][1]
     assert pv.device.type == device and pv.data_ptr() == p_bufs[LAYERS + 1].data_ptr()
     prefill = PackedPath(p_geo, planes, 8, LoopbackTransport(f"sg-p-{next(_names)}"), fp8=fp8)
-    decode = PackedPath(d_geo, pool_planes(d_geo), 8, LoopbackTransport(f"sg-d-{next(_names)}"), fp8=fp8)
+    decode = PackedPath(
+        d_geo, pool_planes(d_geo), 8, LoopbackTransport(f"sg-d-{next(_names)}"), fp8=fp8
+    )
     src_pages, dst_pages = np.array([4, 9, 1, 30]), np.array([0, 11, 3, 31])
     first, dfirst = prefill.allocator.alloc(LAYERS * 4), decode.allocator.alloc(LAYERS * 4)
     prefill.pack(list(range(LAYERS)), src_pages, first)
-    decode.view(dfirst, LAYERS * 4).copy_(prefill.view(first, LAYERS * 4))  # what the transport moves
+    decode.view(dfirst, LAYERS * 4).copy_(
+        prefill.view(first, LAYERS * 4)
+    )  # what the transport moves
     for layer in range(LAYERS):
         decode.unpack(layer, dst_pages, dfirst + layer * 4)
     return [b.cpu() for b in d_bufs]

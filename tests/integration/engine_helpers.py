@@ -23,7 +23,14 @@ COMMON_ARGS = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK
 above 256 tokens."""
 
 
-def kv_args(role: str, transport: str, extra: dict[str, Any] | None = None, *, policy: str | None = None, module_path: bool = False) -> list[str]:
+def kv_args(
+    role: str,
+    transport: str,
+    extra: dict[str, Any] | None = None,
+    *,
+    policy: str | None = None,
+    module_path: bool = False,
+) -> list[str]:
     cfg: dict[str, Any] = {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
@@ -50,7 +57,12 @@ class TPCluster:
     ``make(name, args)`` builds a server (its log ``name``). Pairs: ``1->2`` x to d,
     ``2->1`` p to x, ``2->2`` p to d; :meth:`pair` gives (prefill, decode, reference)."""
 
-    def __init__(self, make: Callable[[str, list[str]], VllmServer], x_args: Sequence[str] = (), transport: str = "nixl") -> None:
+    def __init__(
+        self,
+        make: Callable[[str, list[str]], VllmServer],
+        x_args: Sequence[str] = (),
+        transport: str = "nixl",
+    ) -> None:
         two = ["--tensor-parallel-size", "2"]
         self.p = make("P2", two + kv_args("kv_producer", transport))
         self.d = make("D2", two + kv_args("kv_consumer", transport, policy="fail"))
@@ -61,7 +73,11 @@ class TPCluster:
         self.address = {self.p.url: discover(self.p.url), self.x.url: discover(self.x.url)}
 
     def pair(self, name: str) -> tuple[VllmServer, VllmServer, VllmServer]:
-        return {"1->2": (self.x, self.d, self.c), "2->1": (self.p, self.x, self.x), "2->2": (self.p, self.d, self.c)}[name]
+        return {
+            "1->2": (self.x, self.d, self.c),
+            "2->1": (self.p, self.x, self.x),
+            "2->2": (self.p, self.d, self.c),
+        }[name]
 
     def stop(self) -> None:
         for s in self.servers:
@@ -70,23 +86,53 @@ class TPCluster:
 
 def discover(prefill_url: str) -> dict[str, str]:
     """The prefill instance's side-channel address (kvbridge's ``discover`` flow)."""
-    c = complete(prefill_url, [5, 6, 7], max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}})
+    c = complete(
+        prefill_url,
+        [5, 6, 7],
+        max_tokens=1,
+        kv_transfer_params={
+            "kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}
+        },
+    )
     assert c.kv_transfer_params and "kvbridge" in c.kv_transfer_params, c.raw
     return c.kv_transfer_params["kvbridge"]["prefill"]
 
 
-def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens: int, address: dict[str, str] | None = None, **kw: Any) -> Completion:
+def handoff(
+    flow: str,
+    p_url: str,
+    d_url: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    address: dict[str, str] | None = None,
+    **kw: Any,
+) -> Completion:
     """Prefill on P, decode on D, KV through kvbridge. ``push``: both at once (layer-wise);
     ``pull``: P first, its ``kv_transfer_params`` passed to D (vLLM's protocol)."""
     if flow == "pull":
         p = complete(p_url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-        return complete(d_url, prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, **kw)
+        return complete(
+            d_url, prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, **kw
+        )
     assert address is not None
     tid = uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(complete, p_url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        fp = pool.submit(
+            complete,
+            p_url,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+        )
         fd = pool.submit(
-            complete, d_url, prompt, max_tokens=max_tokens, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}}, **kw
+            complete,
+            d_url,
+            prompt,
+            max_tokens=max_tokens,
+            kv_transfer_params={
+                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}
+            },
+            **kw,
         )
         out = fd.result()
         fp.result()
@@ -96,24 +142,43 @@ def handoff(flow: str, p_url: str, d_url: str, prompt: Sequence[int], max_tokens
 def first_token_logprobs(url: str, prompt: Sequence[int], **kw: Any) -> dict[str, float]:
     """The top-5 log-probabilities of the greedy first token ``url`` samples after ``prompt``."""
     body = {"prompt": list(prompt), "max_tokens": 1, "temperature": 0.0, "logprobs": 5, **kw}
-    return post_json(f"{url}/v1/completions", body, 120)["choices"][0]["logprobs"]["top_logprobs"][0]
+    return post_json(f"{url}/v1/completions", body, 120)["choices"][0]["logprobs"]["top_logprobs"][
+        0
+    ]
 
 
-def check_first_token_logprobs(p_url: str, d_url: str, reference_url: str, prompt: Sequence[int], address: dict[str, str], tol: float = 1e-4) -> None:
+def check_first_token_logprobs(
+    p_url: str,
+    d_url: str,
+    reference_url: str,
+    prompt: Sequence[int],
+    address: dict[str, str],
+    tol: float = 1e-4,
+) -> None:
     """Push ``prompt`` from P to D layer by layer and assert D's first-token
     log-probabilities equal the reference instance's to ``tol``: greedy tokens can hide a
     wrong KV block or state (a tiny model's argmax rarely moves), these do not."""
     ref = first_token_logprobs(reference_url, prompt)
     tid = uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(complete, p_url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        fp = pool.submit(
+            complete,
+            p_url,
+            prompt,
+            max_tokens=1,
+            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+        )
         params = {"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}}
         got = pool.submit(first_token_logprobs, d_url, prompt, kv_transfer_params=params).result()
         fp.result()
     n = len(prompt)
-    assert got.keys() == ref.keys(), f"{n} tokens: top tokens {sorted(got)} vs the reference's {sorted(ref)}"
+    assert got.keys() == ref.keys(), (
+        f"{n} tokens: top tokens {sorted(got)} vs the reference's {sorted(ref)}"
+    )
     worst = max(abs(got[k] - ref[k]) for k in ref)
-    assert worst < tol, f"{n} tokens: first-token logprobs differ from the reference's by up to {worst:.2e}"
+    assert worst < tol, (
+        f"{n} tokens: first-token logprobs differ from the reference's by up to {worst:.2e}"
+    )
 
 
 RECEIVED = "vllm:kvbridge_bytes_received_total"
@@ -122,7 +187,11 @@ USAGE = "vllm:kv_cache_usage_perc"
 FAILURES = "vllm:kvbridge_failures_total"
 SENDS_HELD = "vllm:kvbridge_sends_held"
 SENDS_SENDING = "vllm:kvbridge_sends_sending"
-IN_FLIGHT = [SENDS_HELD, SENDS_SENDING, *(f"vllm:kvbridge_receives_{phase}" for phase in ("allocated", "waiting", "receiving"))]
+IN_FLIGHT = [
+    SENDS_HELD,
+    SENDS_SENDING,
+    *(f"vllm:kvbridge_receives_{phase}" for phase in ("allocated", "waiting", "receiving")),
+]
 """kvbridge's gauges of requests in flight: all 0 on an idle instance."""
 RECEIVES_WAITING = "vllm:kvbridge_receives_waiting"
 """Decode requests whose destination the prefill has, waiting for their first KV."""
@@ -131,10 +200,21 @@ RECEIVES_WAITING = "vllm:kvbridge_receives_waiting"
 def destination_at_prefill(d_url: str) -> None:
     """Wait until a decode request of ``d_url`` has its destination at the prefill (the
     test's only one in flight there)."""
-    assert wait_metric(d_url, RECEIVES_WAITING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, "D's destination never reached P"
+    assert wait_metric(d_url, RECEIVES_WAITING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, (
+        "D's destination never reached P"
+    )
 
 
-def check_handoff(flow: str, p_url: str, d_url: str, reference_url: str, prompt: Sequence[int], max_tokens: int, address: dict[str, str] | None, block_bytes: int) -> None:
+def check_handoff(
+    flow: str,
+    p_url: str,
+    d_url: str,
+    reference_url: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    address: dict[str, str] | None,
+    block_bytes: int,
+) -> None:
     """Hand ``prompt`` from P to D (:func:`handoff`) and assert D's output equals the
     reference instance's token for token and D received exactly the prompt's blocks
     (``block_bytes`` each, :data:`BLOCK` tokens per block). The prompt must be new to D's
@@ -154,7 +234,9 @@ def metric(url: str, name: str) -> float:
     return prom(url, prefix=name).get(name, 0.0)
 
 
-def wait_metric(url: str, name: str, done: Callable[[float], bool], timeout: float = 30, interval: float = 0.5) -> float:
+def wait_metric(
+    url: str, name: str, done: Callable[[float], bool], timeout: float = 30, interval: float = 0.5
+) -> float:
     """Poll ``/metrics`` every ``interval`` seconds until ``done(value)`` or ``timeout``
     (metrics are the only view into another process's connector state, so there is no
     event to wait on); returns the last value read."""

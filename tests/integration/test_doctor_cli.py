@@ -16,7 +16,9 @@ KVBRIDGE = [sys.executable, "-m", "kvbridge.cli"]
 
 
 def test_doctor_reports_both_real_transports_working() -> None:
-    proc = subprocess.run([*KVBRIDGE, "doctor", "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*KVBRIDGE, "doctor", "--json"], capture_output=True, text=True, timeout=300
+    )
     report = json.loads(proc.stdout)
     by_name = {c["transport"]: c for c in report["transports"]}
     for name in ("nixl", "mooncake"):
@@ -27,11 +29,21 @@ def test_doctor_reports_both_real_transports_working() -> None:
     assert report["environment"]["cpus"] >= 1
 
 
-def test_doctor_names_the_fix_for_a_transport_that_does_not_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "kvb_doctor_broken.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+def test_doctor_names_the_fix_for_a_transport_that_does_not_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "kvb_doctor_broken.py").write_text(
+        "raise ImportError('libibverbs.so.1: cannot open shared object file')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     register_transport(
-        TransportEntry("broken", "kvb_doctor_broken:T", "test", "pip install x", hints=((r"libibverbs", "apt-get install -y libibverbs1"),))
+        TransportEntry(
+            "broken",
+            "kvb_doctor_broken:T",
+            "test",
+            "pip install x",
+            hints=((r"libibverbs", "apt-get install -y libibverbs1"),),
+        )
     )
     check = doctor.check_transport("broken")
     assert not check.imports and not check.works
@@ -40,10 +52,17 @@ def test_doctor_names_the_fix_for_a_transport_that_does_not_import(tmp_path: Pat
 
 
 def test_config_command_validates_and_prints(tmp_path: Path) -> None:
-    ok = subprocess.run([*KVBRIDGE, "config", '{"transport": "mooncake"}', "--json"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [*KVBRIDGE, "config", '{"transport": "mooncake"}', "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0 and json.loads(ok.stdout)["transport"] == "mooncake"
     cfg = tmp_path / "kv.json"
     cfg.write_text('{"timeouts": {"lease_s": "long"}}')
-    bad = subprocess.run([*KVBRIDGE, "config", f"@{cfg}"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*KVBRIDGE, "config", f"@{cfg}"], capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2
     assert "timeouts.lease_s" in bad.stderr and "takes float > 0" in bad.stderr

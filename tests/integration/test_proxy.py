@@ -16,16 +16,37 @@ from pathlib import Path
 import pytest
 from engine_helpers import COMMON_ARGS, kv_args, start_all
 
-from kvbridge.demo.servers import ServerError, VllmServer, chat, complete, free_port, post_json, random_prompt
+from kvbridge.demo.servers import (
+    ServerError,
+    VllmServer,
+    chat,
+    complete,
+    free_port,
+    post_json,
+    random_prompt,
+)
 
 MAX_TOKENS = 10
 
 
 class ProxyProcess:
-    def __init__(self, prefill: list[str], decode: list[str], flow: str = "push", log: Path | None = None) -> None:
+    def __init__(
+        self, prefill: list[str], decode: list[str], flow: str = "push", log: Path | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "kvbridge.cli", "proxy", "--port", str(self.port), "--flow", flow, "--timeout", "60"]
+        args = [
+            sys.executable,
+            "-m",
+            "kvbridge.cli",
+            "proxy",
+            "--port",
+            str(self.port),
+            "--flow",
+            flow,
+            "--timeout",
+            "60",
+        ]
         for u in prefill:
             args += ["--prefill", u]
         for u in decode:
@@ -51,10 +72,18 @@ class ProxyProcess:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
+def servers(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
     logs = tmp_path_factory.mktemp("proxy")
-    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
-    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", policy="recompute"), log_path=logs / "D.log")
+    p = VllmServer(
+        model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log"
+    )
+    d = VllmServer(
+        model_dir,
+        extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", policy="recompute"),
+        log_path=logs / "D.log",
+    )
     c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
     start_all([p, d, c])
     yield p, d, c
@@ -63,16 +92,24 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="module", params=["push", "pull"])
-def proxy(request: pytest.FixtureRequest, servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+def proxy(
+    request: pytest.FixtureRequest, servers, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProxyProcess]:
     p, d, _ = servers
-    proc = ProxyProcess([p.url], [d.url], flow=request.param, log=tmp_path_factory.mktemp("proxylog") / "proxy.log")
+    proc = ProxyProcess(
+        [p.url], [d.url], flow=request.param, log=tmp_path_factory.mktemp("proxylog") / "proxy.log"
+    )
     yield proc
     proc.stop()
 
 
 def sse_text(url: str, path: str, body: dict) -> tuple[str, list[int]]:
     """Stream from ``url``; concatenated text and token ids of the chunks."""
-    req = urllib.request.Request(f"{url}{path}", data=json.dumps(dict(body, stream=True)).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(dict(body, stream=True)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     text, ids = "", []
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
@@ -99,7 +136,13 @@ def test_streaming_completions_match(proxy: ProxyProcess, servers) -> None:
     _, _, c = servers
     prompt = random_prompt(90, seed=7)
     ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     text, ids = sse_text(proxy.url, "/v1/completions", body)
     assert text == ref.text and ids == ref.token_ids
 
@@ -110,7 +153,11 @@ def test_chat_completions_streaming_and_not(proxy: ProxyProcess, servers) -> Non
     ref = chat(c.url, messages, max_tokens=MAX_TOKENS)
     out = chat(proxy.url, messages, max_tokens=MAX_TOKENS)
     assert out.text == ref.text
-    text, _ = sse_text(proxy.url, "/v1/chat/completions", {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    text, _ = sse_text(
+        proxy.url,
+        "/v1/chat/completions",
+        {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+    )
     assert text == ref.text
 
 
@@ -121,7 +168,10 @@ def test_unknown_fields_and_token_prompts_pass_through(proxy: ProxyProcess, serv
     ref = complete(c.url, prompt, max_tokens=MAX_TOKENS, **extras)
     out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS, **extras)
     assert out.token_ids == ref.token_ids
-    assert out.raw["choices"][0]["logprobs"]["top_logprobs"] == ref.raw["choices"][0]["logprobs"]["top_logprobs"]
+    assert (
+        out.raw["choices"][0]["logprobs"]["top_logprobs"]
+        == ref.raw["choices"][0]["logprobs"]["top_logprobs"]
+    )
 
 
 def test_concurrent_requests_through_the_proxy(proxy: ProxyProcess, servers) -> None:
@@ -129,7 +179,9 @@ def test_concurrent_requests_through_the_proxy(proxy: ProxyProcess, servers) -> 
     prompts = [random_prompt(n, seed=50 + n) for n in (5, 33, 64, 120, 257, 400)]
     refs = [complete(c.url, p, max_tokens=MAX_TOKENS).token_ids for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda p: complete(proxy.url, p, max_tokens=MAX_TOKENS).token_ids, prompts))
+        outs = list(
+            pool.map(lambda p: complete(proxy.url, p, max_tokens=MAX_TOKENS).token_ids, prompts)
+        )
     assert outs == refs
 
 
@@ -143,7 +195,10 @@ def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> Non
         outcomes = []
         for _ in range(4):  # the first requests may be routed to the dead instances
             try:
-                outcomes.append(complete(proxy.url, prompt, max_tokens=MAX_TOKENS, timeout=60).token_ids == ref.token_ids)
+                outcomes.append(
+                    complete(proxy.url, prompt, max_tokens=MAX_TOKENS, timeout=60).token_ids
+                    == ref.token_ids
+                )
             except ServerError as exc:
                 assert exc.status == 502 and dead in str(exc), exc
                 outcomes.append("502")
@@ -151,7 +206,10 @@ def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> Non
         health = json.loads(urllib.request.urlopen(f"{proxy.url}/health", timeout=5).read())
         # reported: its failures and last error (whether it is still "up: false" depends on
         # whether its 5 s back-off has run out, which under load it may have)
-        assert any(i["url"] == dead and i["failures"] >= 1 and i["last_error"] for i in health["prefill"] + health["decode"]), health
+        assert any(
+            i["url"] == dead and i["failures"] >= 1 and i["last_error"]
+            for i in health["prefill"] + health["decode"]
+        ), health
     finally:
         proxy.stop()
 
@@ -164,7 +222,11 @@ def test_unreachable_decode_gives_a_clear_error_quickly(servers, tmp_path: Path)
         start = time.monotonic()
         with pytest.raises(ServerError) as info:
             complete(proxy.url, random_prompt(20, seed=9), max_tokens=4, timeout=60)
-        assert info.value.status == 502 and "decode instance" in str(info.value) and dead in str(info.value)
+        assert (
+            info.value.status == 502
+            and "decode instance" in str(info.value)
+            and dead in str(info.value)
+        )
         assert time.monotonic() - start < 15
     finally:
         proxy.stop()
@@ -176,9 +238,15 @@ def test_prefill_rejecting_the_request_cancels_decode(servers, tmp_path: Path) -
     try:
         start = time.monotonic()
         with pytest.raises(ServerError) as info:  # longer than --max-model-len: P answers 400
-            post_json(f"{proxy.url}/v1/completions", {"prompt": random_prompt(5000, seed=1), "max_tokens": 4}, timeout=60)
+            post_json(
+                f"{proxy.url}/v1/completions",
+                {"prompt": random_prompt(5000, seed=1), "max_tokens": 4},
+                timeout=60,
+            )
         assert info.value.status == 400
-        assert time.monotonic() - start < 15, "the decode request must not wait for KV that never comes"
+        assert time.monotonic() - start < 15, (
+            "the decode request must not wait for KV that never comes"
+        )
         # the decode instance is still fine afterwards
         assert complete(d.url, random_prompt(10, seed=2), max_tokens=2).token_ids
     finally:

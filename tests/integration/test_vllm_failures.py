@@ -12,7 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import COMMON_ARGS, FAILURES, IN_FLIGHT, SENDS_HELD, SENDS_SENDING, USAGE, destination_at_prefill, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    COMMON_ARGS,
+    FAILURES,
+    IN_FLIGHT,
+    SENDS_HELD,
+    SENDS_SENDING,
+    USAGE,
+    destination_at_prefill,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, random_prompt
 
@@ -32,17 +46,27 @@ class Cluster:
         self.d = self._decode()
         self.c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
         x_args = ["--block-size", "64", "--max-num-batched-tokens", "256"]
-        self.x = VllmServer(model_dir, extra_args=x_args + kv_args("kv_consumer", "nixl", D_CONFIG, policy="fail"), log_path=logs / "X.log")
+        self.x = VllmServer(
+            model_dir,
+            extra_args=x_args + kv_args("kv_consumer", "nixl", D_CONFIG, policy="fail"),
+            log_path=logs / "X.log",
+        )
         start_all([self.p, self.d, self.c, self.x])
         self.address = discover(self.p.url)
 
     def _prefill(self) -> VllmServer:
         cfg = dict(P_CONFIG, side_channel_port=self.side_port)
-        return VllmServer(self.model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", cfg), log_path=self.logs / f"P-{time.time():.0f}.log")
+        return VllmServer(
+            self.model_dir,
+            extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", cfg),
+            log_path=self.logs / f"P-{time.time():.0f}.log",
+        )
 
     def _decode(self) -> VllmServer:
         return VllmServer(
-            self.model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", D_CONFIG, policy="recompute"), log_path=self.logs / f"D-{time.time():.0f}.log"
+            self.model_dir,
+            extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", D_CONFIG, policy="recompute"),
+            log_path=self.logs / f"D-{time.time():.0f}.log",
         )
 
     def restart_decode(self) -> None:
@@ -78,19 +102,39 @@ def baseline(cluster: Cluster) -> Iterator[dict[str, float]]:
     for name, s in (("P", cluster.p), ("D", cluster.d)):
         target = before[name] if s is at_start[name] else 0.0  # a restarted instance starts empty
         got = wait_metric(s.url, USAGE, lambda v, t=target: v <= t + 1e-9, timeout=LEASE_S + 20)
-        assert got <= target + 1e-9, f"{name}'s KV cache usage stayed at {got} (was {target}): blocks leaked"
+        assert got <= target + 1e-9, (
+            f"{name}'s KV cache usage stayed at {got} (was {target}): blocks leaked"
+        )
         in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
         assert not any(in_flight.values()), f"{name} still counts requests in flight: {in_flight}"
     prompt = random_prompt(70, seed=uuid.uuid4().int % 2**31)
-    assert handoff("push", cluster.p.url, cluster.d.url, prompt, 4, cluster.address).token_ids == complete(cluster.c.url, prompt, max_tokens=4).token_ids
+    assert (
+        handoff("push", cluster.p.url, cluster.d.url, prompt, 4, cluster.address).token_ids
+        == complete(cluster.c.url, prompt, max_tokens=4).token_ids
+    )
 
 
 def test_lease_frees_prefill_blocks_when_decode_never_comes(cluster: Cluster, baseline) -> None:
     before = metric(cluster.p.url, "vllm:kvbridge_leases_expired_total")
-    complete(cluster.p.url, random_prompt(5 * 32, seed=1), max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-    assert metric(cluster.p.url, USAGE) > baseline["P"], "P must hold the blocks for the decode side"
+    complete(
+        cluster.p.url,
+        random_prompt(5 * 32, seed=1),
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    assert metric(cluster.p.url, USAGE) > baseline["P"], (
+        "P must hold the blocks for the decode side"
+    )
     start = time.monotonic()
-    assert wait_metric(cluster.p.url, "vllm:kvbridge_leases_expired_total", lambda v: v > before, timeout=LEASE_S + 20) > before
+    assert (
+        wait_metric(
+            cluster.p.url,
+            "vllm:kvbridge_leases_expired_total",
+            lambda v: v > before,
+            timeout=LEASE_S + 20,
+        )
+        > before
+    )
     assert time.monotonic() - start < LEASE_S + 20
 
 
@@ -99,19 +143,40 @@ def test_decode_client_abort_releases_both_sides(cluster: Cluster, baseline) -> 
     prompt = random_prompt(3 * 32, seed=2)
     # D waits for a prefill that is never sent; the client gives up after 2 s
     with pytest.raises(Exception):
-        complete(cluster.d.url, prompt, max_tokens=4, timeout=2, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}})
+        complete(
+            cluster.d.url,
+            prompt,
+            max_tokens=4,
+            timeout=2,
+            kv_transfer_params={
+                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}
+            },
+        )
     # the prefill request arrives late: P computes and holds until its lease ends
-    complete(cluster.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+    complete(
+        cluster.p.url,
+        prompt,
+        max_tokens=1,
+        kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+    )
 
 
-def test_killed_prefill_fails_the_load_fast_and_decode_recomputes(cluster: Cluster, baseline) -> None:
+def test_killed_prefill_fails_the_load_fast_and_decode_recomputes(
+    cluster: Cluster, baseline
+) -> None:
     prompt = random_prompt(4 * 32 + 5, seed=3)
     ref = complete(cluster.c.url, prompt, max_tokens=8)
     tid = uuid.uuid4().hex
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(
-            complete, cluster.d.url, prompt, max_tokens=8, timeout=60,
-            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
+            complete,
+            cluster.d.url,
+            prompt,
+            max_tokens=8,
+            timeout=60,
+            kv_transfer_params={
+                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}
+            },
         )
         destination_at_prefill(cluster.d.url)  # D waits; the prefill request never comes
         killed = time.monotonic()
@@ -119,12 +184,16 @@ def test_killed_prefill_fails_the_load_fast_and_decode_recomputes(cluster: Clust
         out = waiting.result()
         elapsed = time.monotonic() - killed
     assert out.token_ids == ref.token_ids, "recompute policy: D computes the prompt itself"
-    assert elapsed < 6, f"D noticed the dead prefill only after {elapsed:.1f}s (heartbeats are 0.5 s)"
+    assert elapsed < 6, (
+        f"D noticed the dead prefill only after {elapsed:.1f}s (heartbeats are 0.5 s)"
+    )
     assert metric(cluster.d.url, FAILURES) >= 1
     cluster.restart_prefill()
 
 
-def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(cluster: Cluster, baseline) -> None:
+def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
+    cluster: Cluster, baseline
+) -> None:
     """D is SIGKILLed while P writes a long prompt's KV into it, layer by layer (P's gauge
     says it is sending): P's next write fails, the transfer fails and P frees the blocks
     at once, neither at the transfer timeout (30 s) nor at the lease; a new decode
@@ -132,35 +201,77 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(cluster: 
     # D's first request (its first forward, its handshake with P) can take longer than
     # P's 4 s lease: a short handoff first, so the transfer below is not the first
     warm = random_prompt(40, seed=9)
-    assert handoff("push", cluster.p.url, cluster.d.url, warm, 2, cluster.address).token_ids == complete(cluster.c.url, warm, max_tokens=2).token_ids
+    assert (
+        handoff("push", cluster.p.url, cluster.d.url, warm, 2, cluster.address).token_ids
+        == complete(cluster.c.url, warm, max_tokens=2).token_ids
+    )
     prompt = random_prompt(4000, seed=8)  # 16 chunks of 256 tokens
     tid = uuid.uuid4().hex
     failures = metric(cluster.p.url, FAILURES)
     try:
         with ThreadPoolExecutor(2) as pool:
             decode = pool.submit(
-                complete, cluster.d.url, prompt, max_tokens=4, timeout=60,
-                kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}},
+                complete,
+                cluster.d.url,
+                prompt,
+                max_tokens=4,
+                timeout=60,
+                kv_transfer_params={
+                    "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}
+                },
             )
             # D's destination first, so P writes each chunk's layers as it computes them for
             # about 2 s (a destination reaching P after its prefill gets one write of
             # everything, and the kill may then come after its last write: seen once, the
             # transfer was counted sent and nothing failed)
             destination_at_prefill(cluster.d.url)
-            prefill = pool.submit(complete, cluster.p.url, prompt, max_tokens=1, timeout=60, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
-            assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v >= 1, timeout=30, interval=0.02) >= 1, "P never wrote to D"
+            prefill = pool.submit(
+                complete,
+                cluster.p.url,
+                prompt,
+                max_tokens=1,
+                timeout=60,
+                kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+            )
+            assert (
+                wait_metric(
+                    cluster.p.url, SENDS_SENDING, lambda v: v >= 1, timeout=30, interval=0.02
+                )
+                >= 1
+            ), "P never wrote to D"
             cluster.d.kill()
             killed = time.monotonic()
-            assert wait_metric(cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05) == failures + 1
-            assert wait_metric(cluster.p.url, SENDS_SENDING, lambda v: v == 0, timeout=30, interval=0.05) == 0
-            assert wait_metric(cluster.p.url, USAGE, lambda v: v <= baseline["P"] + 1e-9, timeout=30, interval=0.05) <= baseline["P"] + 1e-9
+            assert (
+                wait_metric(
+                    cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05
+                )
+                == failures + 1
+            )
+            assert (
+                wait_metric(
+                    cluster.p.url, SENDS_SENDING, lambda v: v == 0, timeout=30, interval=0.05
+                )
+                == 0
+            )
+            assert (
+                wait_metric(
+                    cluster.p.url,
+                    USAGE,
+                    lambda v: v <= baseline["P"] + 1e-9,
+                    timeout=30,
+                    interval=0.05,
+                )
+                <= baseline["P"] + 1e-9
+            )
             elapsed = time.monotonic() - killed
             assert len(prefill.result().token_ids) == 1
             with pytest.raises((ServerError, OSError)):  # D's connection reset, or refused
                 decode.result()
     finally:
         cluster.restart_decode()  # the next tests need a decode instance either way
-    assert elapsed < LEASE_S, f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended the transfer"
+    assert elapsed < LEASE_S, (
+        f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended the transfer"
+    )
     assert metric(cluster.p.url, SENDS_HELD) == 0
 
 
@@ -169,17 +280,35 @@ def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:
     KV promised by the old instance (P-first params) is known to be gone."""
     prompt = random_prompt(2 * 32 + 9, seed=4)
     ref = complete(cluster.c.url, prompt, max_tokens=6)
-    assert handoff("push", cluster.p.url, cluster.d.url, prompt, 6, cluster.address).token_ids == ref.token_ids
-    stale = complete(cluster.p.url, random_prompt(50, seed=5), max_tokens=1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    assert (
+        handoff("push", cluster.p.url, cluster.d.url, prompt, 6, cluster.address).token_ids
+        == ref.token_ids
+    )
+    stale = complete(
+        cluster.p.url,
+        random_prompt(50, seed=5),
+        max_tokens=1,
+        kv_transfer_params={"do_remote_decode": True},
+    ).kv_transfer_params
     old_epoch = cluster.address["epoch"]
     cluster.restart_prefill()
-    assert cluster.address["address"].endswith(f":{cluster.side_port}") and cluster.address["epoch"] != old_epoch
+    assert (
+        cluster.address["address"].endswith(f":{cluster.side_port}")
+        and cluster.address["epoch"] != old_epoch
+    )
     prompt2 = random_prompt(3 * 32, seed=6)
-    assert handoff("push", cluster.p.url, cluster.d.url, prompt2, 6, cluster.address).token_ids == complete(cluster.c.url, prompt2, max_tokens=6).token_ids
+    assert (
+        handoff("push", cluster.p.url, cluster.d.url, prompt2, 6, cluster.address).token_ids
+        == complete(cluster.c.url, prompt2, max_tokens=6).token_ids
+    )
     start = time.monotonic()
     out = complete(cluster.d.url, random_prompt(50, seed=5), max_tokens=6, kv_transfer_params=stale)
-    assert out.token_ids == complete(cluster.c.url, random_prompt(50, seed=5), max_tokens=6).token_ids
-    assert time.monotonic() - start < 5, "a restarted prefill must be recognised at once, not after a timeout"
+    assert (
+        out.token_ids == complete(cluster.c.url, random_prompt(50, seed=5), max_tokens=6).token_ids
+    )
+    assert time.monotonic() - start < 5, (
+        "a restarted prefill must be recognised at once, not after a timeout"
+    )
 
 
 def test_incompatible_decode_is_refused_naming_the_difference(cluster: Cluster, baseline) -> None:
@@ -191,5 +320,7 @@ def test_incompatible_decode_is_refused_naming_the_difference(cluster: Cluster, 
     assert time.monotonic() - start < 10
     log = cluster.x.log_path.read_text(errors="replace")
     assert "block_size: ours=64, peer=32" in log, "the refusal must say what differs"
-    assert complete(cluster.x.url, random_prompt(30, seed=8), max_tokens=2).token_ids  # still serving
+    assert complete(
+        cluster.x.url, random_prompt(30, seed=8), max_tokens=2
+    ).token_ids  # still serving
     assert wait_metric(cluster.x.url, USAGE, lambda v: v <= x_before + 1e-9) <= x_before + 1e-9

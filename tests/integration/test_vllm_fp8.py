@@ -17,7 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, COMMON_ARGS, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    COMMON_ARGS,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
@@ -34,17 +43,27 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    server = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=tmp_path_factory.mktemp("fp8-colocated") / "C.log")
+    server = VllmServer(
+        model_dir,
+        extra_args=COMMON_ARGS,
+        log_path=tmp_path_factory.mktemp("fp8-colocated") / "C.log",
+    )
     start_all([server])
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
-def fp8_pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer, dict]]:
+def fp8_pd(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, VllmServer, dict]]:
     logs = tmp_path_factory.mktemp(f"fp8-{request.param}")
     extra = {"wire_dtype": "fp8", "staging_mb": STAGING_MB}
-    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", request.param, extra), log_path=logs / "P.log")
+    p = VllmServer(
+        model_dir,
+        extra_args=COMMON_ARGS + kv_args("kv_producer", request.param, extra),
+        log_path=logs / "P.log",
+    )
     # no prefix caching on D: a prompt sent twice (push, then P-first) moves all its KV twice
     d_args = ["--no-enable-prefix-caching"] + kv_args("kv_consumer", request.param, extra)
     d = VllmServer(model_dir, extra_args=COMMON_ARGS + d_args, log_path=logs / "D.log")
@@ -58,7 +77,9 @@ def _first_token_logprobs(c) -> dict[str, float]:
     return c.raw["choices"][0]["logprobs"]["top_logprobs"][0]
 
 
-def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes(fp8_pd, colocated: VllmServer, record_property) -> None:
+def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes(
+    fp8_pd, colocated: VllmServer, record_property
+) -> None:
     p, d, address = fp8_pd
     same_tokens = total_tokens = same_first = 0
     worst = 0.0
@@ -71,9 +92,13 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
         common = set(a) & set(b)
         assert len(common) >= 3, f"first-token top-5 barely overlap: {a} vs {b}"
         drift = max(abs(a[t] - b[t]) for t in common)
-        assert drift < 0.6, f"{len(prompt)} tokens: first-token logprobs moved by {drift:.2f} (FP8 noise is < 0.4): {a} vs {b}"
+        assert drift < 0.6, (
+            f"{len(prompt)} tokens: first-token logprobs moved by {drift:.2f} (FP8 noise is < 0.4): {a} vs {b}"
+        )
         worst = max(worst, drift)
-        same_tokens += next((i for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)) if x != y), MAX_TOKENS)
+        same_tokens += next(
+            (i for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)) if x != y), MAX_TOKENS
+        )
         total_tokens += MAX_TOKENS
         same_first += out.token_ids[0] == ref.token_ids[0]
         blocks = math.ceil(len(prompt) / BLOCK)
@@ -82,13 +107,17 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
         assert EXACT_PER_BLOCK * blocks / got > 3.5
     for s in (p, d):  # the staging gauges: the buffer's slots, none held once the requests are done
         assert metric(s.url, STAGING) == (STAGING_MB << 20) // SLOT_BYTES
-        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, (
+            f"{s.log_path.stem} still holds staging slots"
+        )
     agreement = same_tokens / total_tokens
     record_property("fp8_greedy_agreement", agreement)
     record_property("fp8_first_token_logprob_drift", worst)
-    print(f"\nFP8 on the wire: first token equal to the exact colocated run for {same_first}/{len(PROMPTS)} prompts, "
-          f"greedy tokens equal before the first divergence {agreement:.0%}, first-token logprobs within {worst:.2f}; "
-          f"bytes per block {FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} ({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)")
+    print(
+        f"\nFP8 on the wire: first token equal to the exact colocated run for {same_first}/{len(PROMPTS)} prompts, "
+        f"greedy tokens equal before the first divergence {agreement:.0%}, first-token logprobs within {worst:.2f}; "
+        f"bytes per block {FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} ({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)"
+    )
 
 
 def test_fp8_p_first_moves_the_same_kv_as_the_push_flow(fp8_pd) -> None:
@@ -106,7 +135,14 @@ def test_fp8_p_first_moves_the_same_kv_as_the_push_flow(fp8_pd) -> None:
         a, b = _first_token_logprobs(push), _first_token_logprobs(pull)
         assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-6, f"{a} vs {b}"
         blocks = math.ceil(len(prompt) / BLOCK)
-        got = wait_metric(d.url, RECEIVED, lambda v, blocks=blocks: v - before >= blocks * FP8_PER_BLOCK) - before
+        got = (
+            wait_metric(
+                d.url, RECEIVED, lambda v, blocks=blocks: v - before >= blocks * FP8_PER_BLOCK
+            )
+            - before
+        )
         assert got == blocks * FP8_PER_BLOCK, f"{got} bytes for {blocks} blocks"
     for s in (p, d):
-        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, (
+            f"{s.log_path.stem} still holds staging slots"
+        )

@@ -30,7 +30,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import USAGE, TPCluster, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    USAGE,
+    TPCluster,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 from mla_reference import fp8_latent_logprobs
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
@@ -46,7 +55,9 @@ LATENT = _MLA["kv_lora_rank"] + _MLA["qk_rope_head_dim"]
 BYTES_PER_TOKEN = _MLA["num_hidden_layers"] * LATENT * 4  # layers x latent x fp32
 BYTES_PER_BLOCK = BLOCK * BYTES_PER_TOKEN
 UNIT = 8  # transfer_block_size of the Mooncake pairs
-FP8_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)  # a byte a value, a float32 scale per half vector
+FP8_PER_BLOCK = (
+    _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)
+)  # a byte a value, a float32 scale per half vector
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 
 _group: list[VllmServer] = []
@@ -66,7 +77,12 @@ def next_group() -> None:
 
 
 def server(model: Path, logs: Path, name: str, *args: str) -> VllmServer:
-    return VllmServer(model, extra_args=ARGS + list(args), log_path=logs / f"{name}.log", max_model_len=MAX_MODEL_LEN)
+    return VllmServer(
+        model,
+        extra_args=ARGS + list(args),
+        log_path=logs / f"{name}.log",
+        max_model_len=MAX_MODEL_LEN,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +106,14 @@ class PD:
         self.address = discover(p.url)
 
 
-@pytest.fixture(scope="module", params=[("nixl", BLOCK), ("mooncake", UNIT)], ids=["nixl", f"mooncake-blocks-of-{UNIT}"])
-def pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+@pytest.fixture(
+    scope="module",
+    params=[("nixl", BLOCK), ("mooncake", UNIT)],
+    ids=["nixl", f"mooncake-blocks-of-{UNIT}"],
+)
+def pd(
+    request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PD]:
     transport, unit = request.param
     logs = tmp_path_factory.mktemp(f"mla-{transport}")
     extra = {"transfer_block_size": unit} if unit != BLOCK else None
@@ -105,11 +127,15 @@ def pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest
         s.stop()
 
 
-def expect_received(d: VllmServer, before: float, n: int, ranks: int = 1, unit: int = BLOCK) -> None:
+def expect_received(
+    d: VllmServer, before: float, n: int, ranks: int = 1, unit: int = BLOCK
+) -> None:
     blocks = math.ceil(n / unit)
     expected = ranks * blocks * unit * BYTES_PER_TOKEN
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
-    assert got == expected, f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {blocks} latent blocks of {unit} tokens are {expected}"
+    assert got == expected, (
+        f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {blocks} latent blocks of {unit} tokens are {expected}"
+    )
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -143,24 +169,40 @@ def test_mla_between_tp_sizes(tp: TPCluster, pair: str, flow: str, n: int) -> No
     worker 0 and tells worker 1, which holds the same latent cache, to let go at once
     (not at its lease's end: nothing expires). 2 -> 2: rank to rank."""
     p, d, ref = tp.pair(pair)
-    prompt = random_prompt(n, seed=1000 * ["1->2", "2->1", "2->2"].index(pair) + 10 * n + (flow == "pull"))
+    prompt = random_prompt(
+        n, seed=1000 * ["1->2", "2->1", "2->2"].index(pair) + 10 * n + (flow == "pull")
+    )
     want = complete(ref.url, prompt, max_tokens=MAX_TOKENS)
     usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
     before = metric(d.url, RECEIVED)
     out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, tp.address[p.url])
     assert out.token_ids == want.token_ids
-    expect_received(d, before, n, ranks=2 if pair != "2->1" else 1)  # each decode rank holds the whole latent cache
+    expect_received(
+        d, before, n, ranks=2 if pair != "2->1" else 1
+    )  # each decode rank holds the whole latent cache
     for s in (p, d):  # both sides let go of the request's blocks, every prefill worker at once
         idle = usage[s.url] + 1e-9
-        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"
+        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, (
+            f"{s.log_path.stem} still holds the request's KV blocks"
+        )
     assert metric(p.url, "vllm:kvbridge_leases_expired_total") == 0
 
 
-@pytest.fixture(scope="module", params=[("mooncake", "packed"), ("nixl", "fp8")], ids=["packed-mooncake", "fp8-nixl"])
-def packed_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PD, str]]:
+@pytest.fixture(
+    scope="module",
+    params=[("mooncake", "packed"), ("nixl", "fp8")],
+    ids=["packed-mooncake", "fp8-nixl"],
+)
+def packed_pd(
+    request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[PD, str]]:
     transport, wire = request.param
     logs = tmp_path_factory.mktemp(f"mla-{wire}")
-    extra = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed", "transfer_block_size": UNIT}
+    extra = (
+        {"wire_dtype": "fp8"}
+        if wire == "fp8"
+        else {"data_path": "packed", "transfer_block_size": UNIT}
+    )
     p = server(mla_model, logs, "P", *kv_args("kv_producer", transport, extra))
     d = server(mla_model, logs, "D", *kv_args("kv_consumer", transport, extra, policy="fail"))
     next_group()
@@ -178,7 +220,9 @@ def first_token_logprobs(c) -> dict[int, float]:
     return {int(t.removeprefix("token_id:")): v for t, v in top.items()}
 
 
-def test_mla_on_the_packed_path(packed_pd: tuple[PD, str], colocated: VllmServer, mla_model: Path, record_property) -> None:
+def test_mla_on_the_packed_path(
+    packed_pd: tuple[PD, str], colocated: VllmServer, mla_model: Path, record_property
+) -> None:
     """Exact packing: colocated's tokens. FP8: the decode's first-token logprobs are
     what the model gives on the prompt's latent cache rounded to FP8 (computed
     independently in transformers), to 0.01; how far FP8 moved them from the exact run
@@ -196,20 +240,39 @@ def test_mla_on_the_packed_path(packed_pd: tuple[PD, str], colocated: VllmServer
         before = metric(pd.d.url, RECEIVED)
         out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, **ask)
         blocks = math.ceil(n / pd.unit)
-        got = wait_metric(pd.d.url, RECEIVED, lambda v, want=blocks * per_block: v - before >= want) - before
-        assert got == blocks * per_block, f"{n} tokens, {flow}: {got} bytes for {blocks} blocks of {per_block}"
+        got = (
+            wait_metric(pd.d.url, RECEIVED, lambda v, want=blocks * per_block: v - before >= want)
+            - before
+        )
+        assert got == blocks * per_block, (
+            f"{n} tokens, {flow}: {got} bytes for {blocks} blocks of {per_block}"
+        )
         if wire != "fp8":
             assert out.token_ids == ref.token_ids, f"{n} tokens, {flow}"
             continue
-        have, want, exact = first_token_logprobs(out), fp8_latent_logprobs(mla_model, prompt[:-1], prompt[-1]), first_token_logprobs(ref)
-        assert have.keys() == want.keys(), f"{n} tokens, {flow}: top-5 {have} differ from the FP8 reference's {want}"
+        have, want, exact = (
+            first_token_logprobs(out),
+            fp8_latent_logprobs(mla_model, prompt[:-1], prompt[-1]),
+            first_token_logprobs(ref),
+        )
+        assert have.keys() == want.keys(), (
+            f"{n} tokens, {flow}: top-5 {have} differ from the FP8 reference's {want}"
+        )
         off = max(abs(have[t] - want[t]) for t in want)
-        assert off < 0.01, f"{n} tokens, {flow}: first-token logprobs {off:.3f} from the FP8 reference: {have} vs {want}"
+        assert off < 0.01, (
+            f"{n} tokens, {flow}: first-token logprobs {off:.3f} from the FP8 reference: {have} vs {want}"
+        )
         worst_ref = max(worst_ref, off)
-        worst_drift = max([worst_drift, *(abs(exact[t] - have[t]) for t in exact.keys() & have.keys())])
+        worst_drift = max(
+            [worst_drift, *(abs(exact[t] - have[t]) for t in exact.keys() & have.keys())]
+        )
     for s in (pd.p, pd.d):
-        assert wait_metric(s.url, "vllm:kvbridge_staging_slots_used", lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
+        assert wait_metric(s.url, "vllm:kvbridge_staging_slots_used", lambda v: v == 0) == 0, (
+            f"{s.log_path.stem} still holds staging slots"
+        )
     if wire == "fp8":
         record_property("mla_fp8_first_token_logprob_drift", worst_drift)
-        print(f"\nMLA, FP8 on the wire: first-token logprobs within {worst_ref:.4f} of the FP8 reference, {worst_drift:.2f} from "
-              f"the exact run; {BYTES_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer bytes")
+        print(
+            f"\nMLA, FP8 on the wire: first-token logprobs within {worst_ref:.4f} of the FP8 reference, {worst_drift:.2f} from "
+            f"the exact run; {BYTES_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer bytes"
+        )

@@ -19,7 +19,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_handoff, destination_at_prefill, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    RECEIVED,
+    check_handoff,
+    destination_at_prefill,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 from vllm_cpu_async import ENV as ASYNC_SCHEDULING
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
@@ -45,14 +58,26 @@ def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
-def pd(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+def pd(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PD]:
     transport = request.param
     logs = tmp_path_factory.mktemp(f"pd-{transport}")
     extra = {"secret": "shared by prefill and decode"} if transport == "mooncake" else None
     env = {ASYNC_SCHEDULING: "1"} if transport == "mooncake" else {}
-    p = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", transport, extra), log_path=logs / "P.log", env=env)
+    p = VllmServer(
+        model_dir,
+        extra_args=COMMON_ARGS + kv_args("kv_producer", transport, extra),
+        log_path=logs / "P.log",
+        env=env,
+    )
     # the decode side loads the connector by module path: both ways must work
-    d = VllmServer(model_dir, extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, extra, module_path=True), log_path=logs / "D.log", env=env)
+    d = VllmServer(
+        model_dir,
+        extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, extra, module_path=True),
+        log_path=logs / "D.log",
+        env=env,
+    )
     start_all([p, d])
     yield PD(transport, p, d)
     for s in (p, d):
@@ -64,7 +89,9 @@ def test_scheduling_mode(pd: PD) -> None:
     asynchronously (else the tests below would not cover it)."""
     want = "asynchronous" if pd.transport == "mooncake" else "synchronous"
     for s in (pd.p, pd.d):
-        assert f"{want} scheduling" in s.log_path.read_text(), f"{s.log_path} does not say {want} scheduling"
+        assert f"{want} scheduling" in s.log_path.read_text(), (
+            f"{s.log_path} does not say {want} scheduling"
+        )
 
 
 def fresh_prompt(n: int) -> list[int]:
@@ -75,7 +102,16 @@ def fresh_prompt(n: int) -> list[int]:
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("flow", ["push", "pull"])
 def test_decode_equals_colocated(pd: PD, colocated: VllmServer, flow: str, n: int) -> None:
-    check_handoff(flow, pd.p.url, pd.d.url, colocated.url, fresh_prompt(n), MAX_TOKENS, pd.address, BYTES_PER_BLOCK)
+    check_handoff(
+        flow,
+        pd.p.url,
+        pd.d.url,
+        colocated.url,
+        fresh_prompt(n),
+        MAX_TOKENS,
+        pd.address,
+        BYTES_PER_BLOCK,
+    )
 
 
 def test_decode_fetches_only_what_its_prefix_cache_lacks(pd: PD, colocated: VllmServer) -> None:
@@ -91,13 +127,25 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(pd: PD, colocated: Vllm
 
 
 @pytest.mark.parametrize("first", ["decode", "prefill"])
-def test_push_works_whichever_side_sees_the_request_first(pd: PD, colocated: VllmServer, first: str) -> None:
+def test_push_works_whichever_side_sees_the_request_first(
+    pd: PD, colocated: VllmServer, first: str
+) -> None:
     prompt = fresh_prompt(3 * BLOCK + 3)
     ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
     tid = uuid.uuid4().hex
-    p_call = lambda: complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})  # noqa: E731
+    p_call = lambda: complete(
+        pd.p.url,
+        prompt,
+        max_tokens=1,
+        kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+    )  # noqa: E731
     d_call = lambda: complete(  # noqa: E731
-        pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
+        pd.d.url,
+        prompt,
+        max_tokens=MAX_TOKENS,
+        kv_transfer_params={
+            "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}
+        },
     )
     with ThreadPoolExecutor(2) as pool:
         if first == "prefill":
@@ -105,7 +153,9 @@ def test_push_works_whichever_side_sees_the_request_first(pd: PD, colocated: Vll
             out = pool.submit(d_call).result()
         else:
             fd = pool.submit(d_call)
-            destination_at_prefill(pd.d.url)  # deliberately late prefill: D's destination waits at P
+            destination_at_prefill(
+                pd.d.url
+            )  # deliberately late prefill: D's destination waits at P
             p_call()
             out = fd.result()
     assert out.token_ids == ref.token_ids
@@ -126,16 +176,32 @@ def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer)
     for _ in range(3):
         prompt = fresh_prompt(n)
         ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
-        before, before_sent = metric(pd.p.url, "vllm:kvbridge_transfers_total"), metric(pd.p.url, sent)
+        before, before_sent = (
+            metric(pd.p.url, "vllm:kvbridge_transfers_total"),
+            metric(pd.p.url, sent),
+        )
         tid = uuid.uuid4().hex
         with ThreadPoolExecutor(1) as pool:
             fd = pool.submit(
-                complete, pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}}
+                complete,
+                pd.d.url,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                kv_transfer_params={
+                    "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}
+                },
             )
             destination_at_prefill(pd.d.url)  # the destination is at P before its forward starts
-            complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+            complete(
+                pd.p.url,
+                prompt,
+                max_tokens=1,
+                kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+            )
             assert fd.result().token_ids == ref.token_ids
-        assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, "P never reported the request as sent"
+        assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, (
+            "P never reported the request as sent"
+        )
         counts.append(metric(pd.p.url, "vllm:kvbridge_transfers_total") - before)
         if counts[-1] >= 3:
             return
@@ -145,9 +211,24 @@ def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer)
 def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:
     cases = [(flow, n) for flow in ("push", "pull") for n in (BLOCK + 1, 3 * BLOCK, CHUNK + 40, 7)]
     prompts = {case: fresh_prompt(case[1]) for case in cases}
-    refs = {case: complete(colocated.url, prompts[case], max_tokens=MAX_TOKENS).token_ids for case in cases}
+    refs = {
+        case: complete(colocated.url, prompts[case], max_tokens=MAX_TOKENS).token_ids
+        for case in cases
+    }
     with ThreadPoolExecutor(len(cases)) as pool:
-        outs = dict(zip(cases, pool.map(lambda c: handoff(c[0], pd.p.url, pd.d.url, prompts[c], MAX_TOKENS, pd.address).token_ids, cases)))
+        outs = dict(
+            zip(
+                cases,
+                pool.map(
+                    lambda c: (
+                        handoff(
+                            c[0], pd.p.url, pd.d.url, prompts[c], MAX_TOKENS, pd.address
+                        ).token_ids
+                    ),
+                    cases,
+                ),
+            )
+        )
     assert outs == refs
 
 
@@ -169,12 +250,25 @@ def test_parallel_sampling_loads_the_prompt_once(pd: PD, colocated: VllmServer, 
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     assert wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before == expected
     # vLLM submits the samples one by one: each later one waited for the load or came after it
-    assert pd.d.log_path.read_text().count("(n > 1?)") == shared + 2, "D's log does not show two samples reusing the load"
-    check_handoff(flow, pd.p.url, pd.d.url, colocated.url, fresh_prompt(BLOCK + 1), MAX_TOKENS, pd.address, BYTES_PER_BLOCK)
+    assert pd.d.log_path.read_text().count("(n > 1?)") == shared + 2, (
+        "D's log does not show two samples reusing the load"
+    )
+    check_handoff(
+        flow,
+        pd.p.url,
+        pd.d.url,
+        colocated.url,
+        fresh_prompt(BLOCK + 1),
+        MAX_TOKENS,
+        pd.address,
+        BYTES_PER_BLOCK,
+    )
 
 
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_prompt_logprobs_compute_the_prompt_on_the_decode_and_free_the_prefill(pd: PD, colocated: VllmServer, flow: str) -> None:
+def test_prompt_logprobs_compute_the_prompt_on_the_decode_and_free_the_prefill(
+    pd: PD, colocated: VllmServer, flow: str
+) -> None:
     """vLLM computes the prompt of a request that asks for prompt logprobs itself, even
     with ``kv_transfer_params`` (it does not read cached KV for one): D loads nothing,
     answers like the colocated instance, and tells P to let go of the prompt's blocks
@@ -185,8 +279,12 @@ def test_prompt_logprobs_compute_the_prompt_on_the_decode_and_free_the_prefill(p
     out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, prompt_logprobs=1)
     assert out.token_ids == ref.token_ids
     got, want = out.raw["choices"][0]["prompt_logprobs"], ref.raw["choices"][0]["prompt_logprobs"]
-    assert len(got) == len(prompt) and got[1:] == want[1:], "D's prompt logprobs differ from the colocated instance's"
-    assert wait_metric(pd.p.url, "vllm:kvbridge_aborted_total", lambda v: v > aborted) == aborted + 1, "P still holds the prompt"
+    assert len(got) == len(prompt) and got[1:] == want[1:], (
+        "D's prompt logprobs differ from the colocated instance's"
+    )
+    assert (
+        wait_metric(pd.p.url, "vllm:kvbridge_aborted_total", lambda v: v > aborted) == aborted + 1
+    ), "P still holds the prompt"
     assert metric(pd.d.url, RECEIVED) == received
 
 

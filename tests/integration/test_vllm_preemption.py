@@ -46,11 +46,25 @@ BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x h
 
 class Pair:
     def __init__(self, model: Path, logs: Path) -> None:
-        small = ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-model-len", "900", "--no-scheduler-reserve-full-isl"]
-        self.p = VllmServer(model, extra_args=COMMON_ARGS + small + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
+        small = [
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--max-model-len",
+            "900",
+            "--no-scheduler-reserve-full-isl",
+        ]
+        self.p = VllmServer(
+            model,
+            extra_args=COMMON_ARGS + small + kv_args("kv_producer", "nixl"),
+            log_path=logs / "P.log",
+        )
         # no prefix caching: D's own run of a prompt is a plain reference
         self.d = VllmServer(
-            model, extra_args=COMMON_ARGS + ["--no-enable-prefix-caching"] + kv_args("kv_consumer", "nixl", policy="recompute"), log_path=logs / "D.log"
+            model,
+            extra_args=COMMON_ARGS
+            + ["--no-enable-prefix-caching"]
+            + kv_args("kv_consumer", "nixl", policy="recompute"),
+            log_path=logs / "D.log",
         )
         start_all([self.p, self.d])
         self.address = discover(self.p.url)
@@ -71,23 +85,54 @@ def test_a_preempted_prefill_fails_the_load_at_once_and_the_prefill_lives_on(pai
     failures, received = metric(pair.d.url, FAILURES), metric(pair.d.url, RECEIVED)
     tid = uuid.uuid4().hex
     with ThreadPoolExecutor(2) as pool:
-        on_p = pool.submit(complete, pair.p.url, b, max_tokens=1, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        on_p = pool.submit(
+            complete,
+            pair.p.url,
+            b,
+            max_tokens=1,
+            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+        )
         on_d = pool.submit(
-            complete, pair.d.url, b, max_tokens=MAX_TOKENS, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pair.address}}
+            complete,
+            pair.d.url,
+            b,
+            max_tokens=MAX_TOKENS,
+            kv_transfer_params={
+                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pair.address}
+            },
         )
         # B cannot finish on P while A holds its blocks: D is answered without its KV
         out_b = on_d.result(timeout=60)
-        assert not on_p.done(), "B's prefill finished: it was never preempted (the scenario did not happen)"
-        assert wait_metric(pair.d.url, FAILURES, lambda v: v > failures) == failures + 1, "D's load of B did not fail"
-        out_a = complete(pair.d.url, a, max_tokens=MAX_TOKENS, kv_transfer_params=held.kv_transfer_params)  # frees A's blocks on P
+        assert not on_p.done(), (
+            "B's prefill finished: it was never preempted (the scenario did not happen)"
+        )
+        assert wait_metric(pair.d.url, FAILURES, lambda v: v > failures) == failures + 1, (
+            "D's load of B did not fail"
+        )
+        out_a = complete(
+            pair.d.url, a, max_tokens=MAX_TOKENS, kv_transfer_params=held.kv_transfer_params
+        )  # frees A's blocks on P
         resumed = on_p.result(timeout=60)
     # vLLM counts a preemption once the request runs again
     assert wait_metric(pair.p.url, "vllm:num_preemptions_total", lambda v: v >= 1) >= 1
-    assert resumed.kv_transfer_params is None, f"the resumed B offered a handoff again: {resumed.kv_transfer_params}"
+    assert resumed.kv_transfer_params is None, (
+        f"the resumed B offered a handoff again: {resumed.kv_transfer_params}"
+    )
     expected = 19 * BYTES_PER_BLOCK  # A's blocks, nothing of B
-    assert wait_metric(pair.d.url, RECEIVED, lambda v: v - received >= expected) - received == expected
+    assert (
+        wait_metric(pair.d.url, RECEIVED, lambda v: v - received >= expected) - received == expected
+    )
     assert out_b.token_ids == complete(pair.d.url, b, max_tokens=MAX_TOKENS).token_ids
     assert out_a.token_ids == complete(pair.d.url, a, max_tokens=MAX_TOKENS).token_ids
     for s in (pair.p, pair.d):
         assert s.alive(), f"{s.log_path} shows the instance died"
-    check_handoff("push", pair.p.url, pair.d.url, pair.d.url, random_prompt(3 * BLOCK + 5, seed=103), MAX_TOKENS, pair.address, BYTES_PER_BLOCK)
+    check_handoff(
+        "push",
+        pair.p.url,
+        pair.d.url,
+        pair.d.url,
+        random_prompt(3 * BLOCK + 5, seed=103),
+        MAX_TOKENS,
+        pair.address,
+        BYTES_PER_BLOCK,
+    )

@@ -21,7 +21,9 @@ CHUNK = 256  # --max-num-batched-tokens: prompts longer than this are prefilled 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VllmServer(model_dir, extra_args=["--max-num-batched-tokens", str(CHUNK)], log_path=log) as s:
+    with VllmServer(
+        model_dir, extra_args=["--max-num-batched-tokens", str(CHUNK)], log_path=log
+    ) as s:
         yield s
 
 
@@ -74,13 +76,18 @@ def _prefix_cache_hits(server: VllmServer) -> float:
     """Prompt tokens served from the prefix cache so far (vLLM's Prometheus counter)."""
     status, body = get(f"{server.url}/metrics", timeout=5)
     assert status == 200
-    lines = [ln for ln in body.decode().splitlines() if ln.startswith("vllm:prefix_cache_hits_total")]
+    lines = [
+        ln for ln in body.decode().splitlines() if ln.startswith("vllm:prefix_cache_hits_total")
+    ]
     assert lines, "vLLM exports no vllm:prefix_cache_hits_total"
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 def test_chat_completion(server: VllmServer) -> None:
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, who are you?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello, who are you?"},
+    ]
     first = server.chat(messages, max_tokens=8)
     assert first.prompt_token_ids[0] == 1 and len(first.token_ids) == 8
     assert isinstance(first.text, str) and first.finish_reason == "length"

@@ -34,7 +34,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    RECEIVED,
+    check_first_token_logprobs,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
@@ -47,7 +59,9 @@ multiple of the block size; the scheduler side's module docstring)."""
 LENGTHS = [1, WINDOW - 1, WINDOW + 1, EDGE, 3 * BLOCK + 5, CHUNK + 88]
 MAX_TOKENS = 12
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
-LAYER_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # K and V x heads x tokens x dim x fp32
+LAYER_BLOCK_BYTES = (
+    2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4
+)  # K and V x heads x tokens x dim x fp32
 SLIDING_LAYERS = _SHAPE["num_hidden_layers"] // 2  # every second layer (kvbridge.demo.model)
 FULL_LAYERS = _SHAPE["num_hidden_layers"] - SLIDING_LAYERS
 
@@ -70,11 +84,22 @@ class Cluster:
 
     def __init__(self, model: Path, logs: Path) -> None:
         def pair(name: str, extra: dict) -> tuple[VllmServer, VllmServer]:
-            p = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", extra), log_path=logs / f"P-{name}.log")
-            d = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", extra, policy="fail"), log_path=logs / f"D-{name}.log")
+            p = VllmServer(
+                model,
+                extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", extra),
+                log_path=logs / f"P-{name}.log",
+            )
+            d = VllmServer(
+                model,
+                extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", extra, policy="fail"),
+                log_path=logs / f"D-{name}.log",
+            )
             return p, d
 
-        self.pairs = {"direct": pair("direct", {}), "packed": pair("packed", {"data_path": "packed"})}
+        self.pairs = {
+            "direct": pair("direct", {}),
+            "packed": pair("packed", {"data_path": "packed"}),
+        }
         self.p, self.d = self.pairs["direct"]
         self.c = VllmServer(model, extra_args=COMMON_ARGS, log_path=logs / "C.log")
         self.servers = [self.c, *(s for p in self.pairs.values() for s in p)]
@@ -104,14 +129,18 @@ def kv_cache_groups(server: VllmServer) -> int:
 
 def test_every_instance_keeps_the_hybrid_manager(cluster: Cluster) -> None:
     for s in cluster.servers:
-        assert kv_cache_groups(s) == 2, f"{s.log_path.name}: the sliding-window model should run with two KV cache groups"
+        assert kv_cache_groups(s) == 2, (
+            f"{s.log_path.name}: the sliding-window model should run with two KV cache groups"
+        )
         assert "Turning off hybrid kv cache manager" not in s.log_path.read_text()
 
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize("path", ["direct", "packed"])
-def test_decode_equals_colocated_and_moves_the_window_only(cluster: Cluster, path: str, flow: str, n: int) -> None:
+def test_decode_equals_colocated_and_moves_the_window_only(
+    cluster: Cluster, path: str, flow: str, n: int
+) -> None:
     """On the packed path a block of a layer travels as one chunk of exact values of the
     same size as the block here (fp32, no padding), so the bytes expected are the same."""
     p, d = cluster.pairs[path]
@@ -121,19 +150,33 @@ def test_decode_equals_colocated_and_moves_the_window_only(cluster: Cluster, pat
     out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, cluster.address[path])
     assert out.token_ids == ref.token_ids
     want = expected_bytes(n)
-    got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
-    assert got == want, f"D received {got} bytes for {n} tokens; the full layer's blocks and the sliding layer's window are {want}"
+    got = (
+        wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0)
+        - before
+    )
+    assert got == want, (
+        f"D received {got} bytes for {n} tokens; the full layer's blocks and the sliding layer's window are {want}"
+    )
 
 
 @pytest.mark.parametrize("n", [EDGE - 1, EDGE, EDGE + BLOCK, EDGE + BLOCK + 1])
-def test_first_token_logprobs_equal_the_reference_at_window_boundaries(cluster: Cluster, n: int) -> None:
+def test_first_token_logprobs_equal_the_reference_at_window_boundaries(
+    cluster: Cluster, n: int
+) -> None:
     """Two prompts per length, layer-wise push."""
     for seed in range(2):
         prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31 + seed)
         before = metric(cluster.d.url, RECEIVED)
-        check_first_token_logprobs(cluster.p.url, cluster.d.url, cluster.c.url, prompt, cluster.address["direct"])
+        check_first_token_logprobs(
+            cluster.p.url, cluster.d.url, cluster.c.url, prompt, cluster.address["direct"]
+        )
         want = expected_bytes(n)
-        got_bytes = wait_metric(cluster.d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
+        got_bytes = (
+            wait_metric(
+                cluster.d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0
+            )
+            - before
+        )
         assert got_bytes == want, f"{n} tokens: D received {got_bytes} bytes, expected {want}"
 
 
@@ -146,5 +189,7 @@ def test_prompts_sharing_a_prefix_decode_as_the_reference(cluster: Cluster, flow
     for tail in ([], random_prompt(7, seed=1), random_prompt(70, seed=2)):
         prompt = stem + tail
         ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
-        out = handoff(flow, cluster.p.url, cluster.d.url, prompt, MAX_TOKENS, cluster.address["direct"])
+        out = handoff(
+            flow, cluster.p.url, cluster.d.url, prompt, MAX_TOKENS, cluster.address["direct"]
+        )
         assert out.token_ids == ref.token_ids, f"{len(prompt)} tokens"

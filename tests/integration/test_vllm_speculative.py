@@ -23,11 +23,33 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, RECEIVED, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    RECEIVED,
+    check_first_token_logprobs,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
-SPECULATIVE = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
+SPECULATIVE = [
+    "--speculative-config",
+    json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    ),
+]
 DRAFTS = "vllm:spec_decode_num_draft_tokens_total"
 MAX_TOKENS = 24
 
@@ -40,8 +62,14 @@ def repetitive_prompt(n: int) -> list[int]:
 
 class Cluster:
     def __init__(self, model: Path, logs: Path) -> None:
-        self.p = VllmServer(model, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
-        self.d = VllmServer(model, extra_args=COMMON_ARGS + SPECULATIVE + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "D.log")
+        self.p = VllmServer(
+            model, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log"
+        )
+        self.d = VllmServer(
+            model,
+            extra_args=COMMON_ARGS + SPECULATIVE + kv_args("kv_consumer", "nixl", policy="fail"),
+            log_path=logs / "D.log",
+        )
         self.c = VllmServer(model, extra_args=COMMON_ARGS + SPECULATIVE, log_path=logs / "C.log")
         start_all([self.p, self.d, self.c])
         self.address = discover(self.p.url)
@@ -60,16 +88,24 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 3 * BLOCK + 5, CHUNK + 88])
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_a_drafting_decode_equals_a_colocated_drafting_instance(cluster: Cluster, flow: str, n: int) -> None:
+def test_a_drafting_decode_equals_a_colocated_drafting_instance(
+    cluster: Cluster, flow: str, n: int
+) -> None:
     prompt = repetitive_prompt(n)
     ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
     received, drafts = metric(cluster.d.url, RECEIVED), metric(cluster.d.url, DRAFTS)
     out = handoff(flow, cluster.p.url, cluster.d.url, prompt, MAX_TOKENS, cluster.address)
     assert out.token_ids == ref.token_ids
-    assert wait_metric(cluster.d.url, RECEIVED, lambda v: v > received, timeout=30) > received, "D received no KV"
-    assert metric(cluster.d.url, DRAFTS) > drafts, "the decode proposed no drafts: the case is not the one claimed"
+    assert wait_metric(cluster.d.url, RECEIVED, lambda v: v > received, timeout=30) > received, (
+        "D received no KV"
+    )
+    assert metric(cluster.d.url, DRAFTS) > drafts, (
+        "the decode proposed no drafts: the case is not the one claimed"
+    )
 
 
 @pytest.mark.parametrize("n", [BLOCK + 1, CHUNK + 88])
 def test_first_token_logprobs_equal_the_colocated_instance_s(cluster: Cluster, n: int) -> None:
-    check_first_token_logprobs(cluster.p.url, cluster.d.url, cluster.c.url, repetitive_prompt(n), cluster.address)
+    check_first_token_logprobs(
+        cluster.p.url, cluster.d.url, cluster.c.url, repetitive_prompt(n), cluster.address
+    )

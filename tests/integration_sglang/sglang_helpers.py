@@ -29,12 +29,15 @@ START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
 MAX_NEW_TOKENS = 16
 
+
 def prompt_ids(num_tokens: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(4, 2000) for _ in range(num_tokens)]
 
 
-def http(url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
+def http(
+    url: str, body: dict | None = None, timeout: float = REQUEST_TIMEOUT_S
+) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -51,13 +54,20 @@ def server_env(config: dict | None = None) -> dict[str, str]:
     return {} if config is None else {"KVBRIDGE_CONFIG": json.dumps(config)}
 
 
-def start_server(name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str]) -> SglangServer:
+def start_server(
+    name: str, model: Path, log_dir: Path, extra: list[str], env: dict[str, str]
+) -> SglangServer:
     log = log_dir / f"{name}.log"
-    return SglangServer(model, extra_args=ENGINE_FLAGS + extra, env=env, log_path=log, nice=19).start()
+    return SglangServer(
+        model, extra_args=ENGINE_FLAGS + extra, env=env, log_path=log, nice=19
+    ).start()
 
 
 def generate_ids(url: str, input_ids: list[int]) -> list[int]:
-    body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+    }
     status, data = http(f"{url}/generate", body)
     assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
     out = json.loads(data)
@@ -77,7 +87,11 @@ LOG_LINE_TIMEOUT_S = 30.0
 
 
 def pd_config(transport: str, layerwise: bool) -> dict:
-    return {"transport": transport, "layerwise_min_tokens": 0} if layerwise else {"transport": transport, "layerwise": False}
+    return (
+        {"transport": transport, "layerwise_min_tokens": 0}
+        if layerwise
+        else {"transport": transport, "layerwise": False}
+    )
 
 
 def start_pd(
@@ -98,22 +112,44 @@ def start_pd(
     procs: list[Proc] = []
     try:
         prefill = start_server(
-            "prefill", model, log_dir,
-            ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvbridge",
-             "--disaggregation-bootstrap-port", str(bootstrap), *PD_FLAGS, *prefill_args],
+            "prefill",
+            model,
+            log_dir,
+            [
+                "--disaggregation-mode",
+                "prefill",
+                "--disaggregation-transfer-backend",
+                "kvbridge",
+                "--disaggregation-bootstrap-port",
+                str(bootstrap),
+                *PD_FLAGS,
+                *prefill_args,
+            ],
             env if prefill_env is None else prefill_env,
         )
         procs.append(prefill)
         decode = start_server(
-            "decode", model, log_dir,
-            ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "kvbridge",
-             "--disaggregation-decode-retraction-backup", "cpu_tensor", *PD_FLAGS, *decode_args],
+            "decode",
+            model,
+            log_dir,
+            [
+                "--disaggregation-mode",
+                "decode",
+                "--disaggregation-transfer-backend",
+                "kvbridge",
+                "--disaggregation-decode-retraction-backup",
+                "cpu_tensor",
+                *PD_FLAGS,
+                *decode_args,
+            ],
             env if decode_env is None else decode_env,
         )
         procs.append(decode)
         # The mini load balancer does not contact the servers until a request comes:
         # started beside them, its import overlaps theirs.
-        router = SglangRouter(prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19).start()
+        router = SglangRouter(
+            prefill.url, bootstrap, decode.url, env=env, log_path=log_dir / "router.log", nice=19
+        ).start()
         procs.append(router)
         start_all(procs, START_TIMEOUT_S)
         yield PD(router, prefill, decode, layerwise)
@@ -135,7 +171,9 @@ def expect_refused(pd: PD, what: str) -> str:
     started = time.monotonic()
     body_in = {"input_ids": prompt_ids(40, seed=5), "sampling_params": {"max_new_tokens": 4}}
     status, body = http(f"{pd.router.url}/generate", body_in, timeout=REFUSAL_ANSWER_S)
-    assert status != 0, f"no answer within {REFUSAL_ANSWER_S:.0f} s (both sides must fail the request): {body[:300]!r}\n{pd.prefill.log_tail()}"
+    assert status != 0, (
+        f"no answer within {REFUSAL_ANSWER_S:.0f} s (both sides must fail the request): {body[:300]!r}\n{pd.prefill.log_tail()}"
+    )
     assert status != 200, f"{what}: a request was served: {body[:300]!r}"
     print(f"\n{what}: refused request answered {status} after {time.monotonic() - started:.1f} s")
     return body.decode(errors="replace") + pd.decode.log_path.read_text(errors="replace")
@@ -157,7 +195,9 @@ def wait_sent_lines(prefill: Proc, offset: int, count: int = 1) -> list[tuple[in
         if len(lines) >= count or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    assert len(lines) == count, f"expected {count} 'room R sent' lines in the prefill log, got {lines}:\n{prefill.log_tail()}"
+    assert len(lines) == count, (
+        f"expected {count} 'room R sent' lines in the prefill log, got {lines}:\n{prefill.log_tail()}"
+    )
     return lines
 
 
@@ -181,7 +221,13 @@ def kv_rows(model: Path, num_tokens: int) -> tuple[int, int]:
     cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
-    rows = math.ceil(num_tokens / page) * page * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+    rows = (
+        math.ceil(num_tokens / page)
+        * page
+        * 2
+        * cfg["num_hidden_layers"]
+        * cfg["num_key_value_heads"]
+    )
     return rows, head_dim
 
 
@@ -204,7 +250,9 @@ def latent_rows(model: Path, num_tokens: int) -> tuple[int, int]:
     counts whole."""
     cfg = json.loads((model / "config.json").read_text())
     page = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
-    return math.ceil(num_tokens / page) * page * cfg["num_hidden_layers"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    return math.ceil(num_tokens / page) * page * cfg["num_hidden_layers"], cfg[
+        "kv_lora_rank"
+    ] + cfg["qk_rope_head_dim"]
 
 
 def latent_bytes(model: Path, server: Proc, num_tokens: int) -> int:
@@ -248,7 +296,10 @@ def generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[d
     status, data = http(f"{url}/generate", body)
     assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
     out = json.loads(data)
-    tops = [{int(tok): float(lp) for lp, tok, *_ in step} for step in out["meta_info"]["output_top_logprobs"]]
+    tops = [
+        {int(tok): float(lp) for lp, tok, *_ in step}
+        for step in out["meta_info"]["output_top_logprobs"]
+    ]
     return list(out["output_ids"]), tops
 
 
@@ -264,7 +315,9 @@ def generate_through(pd: PD, input_ids: list[int]) -> list[int]:
     try:
         return generate_ids(pd.router.url, input_ids)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- prefill ---\n{pd.prefill.log_tail()}\n--- decode ---\n{pd.decode.log_tail()}") from None
+        raise AssertionError(
+            f"{exc}\n--- prefill ---\n{pd.prefill.log_tail()}\n--- decode ---\n{pd.decode.log_tail()}"
+        ) from None
 
 
 FP8_MAX_DRIFT = 0.6
@@ -319,4 +372,10 @@ def tp_sides(config: dict, p_tp: int, d_tp: int) -> dict:
         return (["--tp", str(tp)], {**env, **TWO_RANKS}) if tp == 2 else ([], env)
 
     (p_args, p_env), (d_args, d_env) = side(p_tp), side(d_tp)
-    return {"env": env, "prefill_env": p_env, "decode_env": d_env, "prefill_args": p_args, "decode_args": d_args}
+    return {
+        "env": env,
+        "prefill_env": p_env,
+        "decode_env": d_env,
+        "prefill_args": p_args,
+        "decode_args": d_args,
+    }

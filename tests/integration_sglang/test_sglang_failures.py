@@ -46,7 +46,12 @@ CONFIGS = {
     "mooncake": {"transport": "mooncake"},
     # a decode's staging run outlives an aborted room by timeouts.transfer_s (late writes
     # may still land): 10 s keeps the wait for the slots short
-    "nixl-fp8": {"transport": "nixl", "wire_dtype": "fp8", "staging_mb": 64, "timeouts": {"transfer_s": 10.0}},
+    "nixl-fp8": {
+        "transport": "nixl",
+        "wire_dtype": "fp8",
+        "staging_mb": 64,
+        "timeouts": {"transfer_s": 10.0},
+    },
 }
 LONG_PROMPT = 2000  # 63 chunks: seconds of prefill on 2 cores
 MAX_NEW_TOKENS = 8
@@ -69,7 +74,12 @@ def _loads(url: str) -> dict:
 def _busy(load: dict) -> dict:
     """What must be zero (or at baseline) when a server is idle."""
     queues = {k: v for k, v in load.get("disaggregation", {}).items() if k.endswith("_reqs")}
-    return {"num_used_tokens": load["num_used_tokens"], "num_running_reqs": load["num_running_reqs"], "num_waiting_reqs": load["num_waiting_reqs"], **queues}
+    return {
+        "num_used_tokens": load["num_used_tokens"],
+        "num_running_reqs": load["num_running_reqs"],
+        "num_waiting_reqs": load["num_waiting_reqs"],
+        **queues,
+    }
 
 
 def _wait(pred, timeout: float, what: str, poll: float = 0.05):
@@ -94,15 +104,32 @@ class Pair:
         self.starts = {"prefill": 0, "decode": 0}
         self.prefill = self._start("prefill")
         self.decode = self._start("decode")
-        self.router = SglangRouter(self.prefill.url, self.bootstrap, self.decode.url, log_path=log_dir / "router.log", nice=19).start()
-        start_all(self.servers(), START_TIMEOUT_S)  # or none left running: the fixture never gets this pair
-        self.idle = {"prefill": _busy(_loads(self.prefill.url)), "decode": _busy(_loads(self.decode.url))}
+        self.router = SglangRouter(
+            self.prefill.url,
+            self.bootstrap,
+            self.decode.url,
+            log_path=log_dir / "router.log",
+            nice=19,
+        ).start()
+        start_all(
+            self.servers(), START_TIMEOUT_S
+        )  # or none left running: the fixture never gets this pair
+        self.idle = {
+            "prefill": _busy(_loads(self.prefill.url)),
+            "decode": _busy(_loads(self.decode.url)),
+        }
 
     def _start(self, mode: str) -> SglangServer:
         self.starts[mode] += 1  # the same ports at every start: a restart, not a new address
         return SglangServer(  # a decode ignores the bootstrap port
-            self.model, self.ports[mode], FLAGS, log_path=self.log_dir / f"{mode}-{self.starts[mode]}.log",
-            mode=mode, kvbridge_config=self.config, bootstrap_port=self.bootstrap, nice=19,
+            self.model,
+            self.ports[mode],
+            FLAGS,
+            log_path=self.log_dir / f"{mode}-{self.starts[mode]}.log",
+            mode=mode,
+            kvbridge_config=self.config,
+            bootstrap_port=self.bootstrap,
+            nice=19,
         ).start()
 
     def restart_prefill(self) -> None:
@@ -118,13 +145,20 @@ class Pair:
     def servers(self) -> list:
         return [self.router, self.decode, self.prefill]
 
-    def generate(self, input_ids: list[int], timeout: float = 120, server=None, room: int | None = None) -> tuple[int, dict | bytes]:
+    def generate(
+        self, input_ids: list[int], timeout: float = 120, server=None, room: int | None = None
+    ) -> tuple[int, dict | bytes]:
         """Through the router; or straight to ``server`` with bootstrap ``room`` (the
         fields the router adds to both halves of a request)."""
-        body = {"input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        }
         url = self.router.url
         if server is not None:
-            body.update(bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap, bootstrap_room=room)
+            body.update(
+                bootstrap_host="127.0.0.1", bootstrap_port=self.bootstrap, bootstrap_room=room
+            )
             url = server.url
         status, data = http(f"{url}/generate", body, timeout=timeout)
         try:
@@ -139,7 +173,9 @@ class Pair:
 
         def run():
             t0 = time.monotonic()
-            out["status"], out["body"] = self.generate(input_ids, timeout=FAIL_WITHIN_S + 60, server=server, room=room)
+            out["status"], out["body"] = self.generate(
+                input_ids, timeout=FAIL_WITHIN_S + 60, server=server, room=room
+            )
             out["seconds"] = time.monotonic() - t0
 
         out["thread"] = threading.Thread(target=run, daemon=True)
@@ -151,7 +187,9 @@ class Pair:
 
         def mid():
             if not request["thread"].is_alive():
-                raise AssertionError(f"the request ended before it was mid-transfer: {request.get('status')} {str(request.get('body'))[:300]}")
+                raise AssertionError(
+                    f"the request ended before it was mid-transfer: {request.get('status')} {str(request.get('body'))[:300]}"
+                )
             d, p = _loads(self.decode.url), _loads(self.prefill.url)
             waiting = d.get("disaggregation", {}).get("decode_transfer_queue_reqs", 0) >= 1
             return waiting and p["num_used_tokens"] > self.idle["prefill"]["num_used_tokens"]
@@ -159,7 +197,11 @@ class Pair:
         _wait(mid, 60, "mid-transfer")
         if self.fp8:  # the request holds staging slots on both sides (the gauge is live)
             for server in (self.prefill, self.decode):
-                _wait(lambda server=server: self.staging_used(server) > 0, 30, f"staging slots held on {server.log_path.stem}")
+                _wait(
+                    lambda server=server: self.staging_used(server) > 0,
+                    30,
+                    f"staging slots held on {server.log_path.stem}",
+                )
 
     def staging_used(self, server) -> float:
         return kvbridge_metrics(server.url).get(STAGING_USED, 0.0)
@@ -177,19 +219,32 @@ class Pair:
             try:
                 _wait(idle, SETTLE_S, f"{side} back at its idle baseline", poll=0.5)
             except AssertionError as exc:
-                raise AssertionError(f"{exc}: {last} != {self.idle[side]}\n{self.tails()}") from None
+                raise AssertionError(
+                    f"{exc}: {last} != {self.idle[side]}\n{self.tails()}"
+                ) from None
         if self.fp8:  # every staging slot back (a decode's aborted run after its hold)
             for server in (self.prefill if side == "prefill" else self.decode for side in sides):
                 try:
-                    _wait(lambda server=server: self.staging_used(server) == 0, SETTLE_S, "staging slots released", poll=0.5)
+                    _wait(
+                        lambda server=server: self.staging_used(server) == 0,
+                        SETTLE_S,
+                        "staging slots released",
+                        poll=0.5,
+                    )
                 except AssertionError as exc:
-                    raise AssertionError(f"{exc} on {server.log_path.stem}: {self.staging_used(server)} used\n{self.tails()}") from None
+                    raise AssertionError(
+                        f"{exc} on {server.log_path.stem}: {self.staging_used(server)} used\n{self.tails()}"
+                    ) from None
         for server in (self.prefill, self.decode):
             text = server.log_path.read_text(errors="replace")
-            assert "memory leak detected" not in text and "double free" not in text, server.log_tail(80)
+            assert "memory leak detected" not in text and "double free" not in text, (
+                server.log_tail(80)
+            )
 
     def tails(self) -> str:
-        return "\n".join(f"--- {s.log_path.name} ---\n{s.log_tail(30)}" for s in (self.prefill, self.decode))
+        return "\n".join(
+            f"--- {s.log_path.name} ---\n{s.log_tail(30)}" for s in (self.prefill, self.decode)
+        )
 
 
 def _failed(request: dict) -> bool:
@@ -205,7 +260,9 @@ def _failed(request: dict) -> bool:
 def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory):
     p = None
     try:
-        p = Pair(model, tmp_path_factory.mktemp(f"failures-{request.param}"), CONFIGS[request.param])
+        p = Pair(
+            model, tmp_path_factory.mktemp(f"failures-{request.param}"), CONFIGS[request.param]
+        )
         # the reference for "the next request works": this pair's output before any failure
         status, body = p.generate(prompt_ids(40, seed=7))
         assert status == 200, body
@@ -230,7 +287,9 @@ def test_abort_mid_transfer(pair: Pair, side: str) -> None:
     server = pair.decode if side == "decode" else pair.prefill
     assert http(f"{server.url}/abort_request", {"abort_all": True})[0] == 200
     req["thread"].join(FAIL_WITHIN_S)
-    assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the {side} aborted\n{pair.tails()}"
+    assert not req["thread"].is_alive(), (
+        f"no answer {FAIL_WITHIN_S:.0f} s after the {side} aborted\n{pair.tails()}"
+    )
     assert _failed(req), req
     pair.assert_settles()
     _next_request_works(pair)
@@ -248,7 +307,10 @@ def test_parallel_sampling_is_refused_at_once_naming_the_fix(pair: Pair) -> None
     and the other may see the room aborted by its peer before its own second sample
     arrives (a fresh-clone CI run: the decode refused, the prefill's samples failed as
     "aborted by decode-side abort notification"). Either way nothing stays held."""
-    body = {"input_ids": prompt_ids(40, seed=14), "sampling_params": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "n": 2}}
+    body = {
+        "input_ids": prompt_ids(40, seed=14),
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS, "n": 2},
+    }
     started = time.monotonic()
     status, data = http(f"{pair.router.url}/generate", body, timeout=REFUSED_WITHIN_S)
     took = time.monotonic() - started
@@ -259,7 +321,8 @@ def test_parallel_sampling_is_refused_at_once_naming_the_fix(pair: Pair) -> None
     refused = [
         side
         for server, side in ((pair.prefill, "prefill"), (pair.decode, "decode"))
-        if f"already carries another request on this {side}" in server.log_path.read_text(errors="replace")
+        if f"already carries another request on this {side}"
+        in server.log_path.read_text(errors="replace")
     ]
     assert refused, f"neither server refused the second sample\n{pair.tails()}"
     print(f"\nn = 2 refused with {status} after {took:.2f} s (by the {' and the '.join(refused)})")
@@ -272,11 +335,15 @@ def test_prefill_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair)
     pair.wait_mid_transfer(req)
     pair.prefill.kill()
     req["thread"].join(FAIL_WITHIN_S)
-    assert not req["thread"].is_alive(), f"no answer {FAIL_WITHIN_S:.0f} s after the prefill died\n{pair.tails()}"
+    assert not req["thread"].is_alive(), (
+        f"no answer {FAIL_WITHIN_S:.0f} s after the prefill died\n{pair.tails()}"
+    )
     assert _failed(req), req
     pair.assert_settles(sides=("decode",))
     decode_log = pair.decode.log_path.read_text(errors="replace")
-    assert "kvbridge: the prefill at" in decode_log, pair.decode.log_tail(60)  # kvbridge's own detection
+    assert "kvbridge: the prefill at" in decode_log, pair.decode.log_tail(
+        60
+    )  # kvbridge's own detection
 
     pair.restart_prefill()  # same HTTP and bootstrap ports, new instance
     _next_request_works(pair)
@@ -298,20 +365,31 @@ def test_decode_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) 
     killed = time.monotonic()
     pair.decode.kill()
     prefill_req["thread"].join(FAIL_WITHIN_S)
-    assert not prefill_req["thread"].is_alive(), f"the prefill's request had no answer {FAIL_WITHIN_S:.0f} s after the decode died\n{pair.tails()}"
+    assert not prefill_req["thread"].is_alive(), (
+        f"the prefill's request had no answer {FAIL_WITHIN_S:.0f} s after the decode died\n{pair.tails()}"
+    )
     took = time.monotonic() - killed
     assert _failed(prefill_req), prefill_req
     answer = str(prefill_req["body"])
-    assert "kvbridge: peer" in answer and "disconnected" in answer, answer[:800]  # kvbridge's own detection
+    assert "kvbridge: peer" in answer and "disconnected" in answer, answer[
+        :800
+    ]  # kvbridge's own detection
     print(f"\nthe prefill's request failed {took:.1f} s after the decode died")
     pair.assert_settles(sides=("prefill",))
 
     def decode_epochs() -> set[str]:  # the prefill logs each decode peer it registers
-        return set(re.findall(r"registered decode peer \S+ \(epoch (\w+)\)", pair.prefill.log_path.read_text(errors="replace")))
+        return set(
+            re.findall(
+                r"registered decode peer \S+ \(epoch (\w+)\)",
+                pair.prefill.log_path.read_text(errors="replace"),
+            )
+        )
 
     epochs = decode_epochs()
     pair.restart_decode()
     _next_request_works(pair)
     pair.assert_settles()
     after = decode_epochs()
-    assert after - epochs, f"the prefill never registered the restarted decode as a new peer: {sorted(after)}"
+    assert after - epochs, (
+        f"the prefill never registered the restarted decode as a new peer: {sorted(after)}"
+    )

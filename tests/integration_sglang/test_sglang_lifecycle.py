@@ -17,7 +17,9 @@ import requests
 try:
     import sglang  # noqa: F401
 except ImportError as exc:  # pragma: no cover
-    raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh") from exc
+    raise RuntimeError(
+        "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
+    ) from exc
 
 from kvbridge.adapters.sglang.lifecycle import EpochWatcher, Verdict
 
@@ -31,10 +33,21 @@ def _free_port() -> int:
 def _registration(rank_port: int, epoch: str, tp_rank: int = 0, tp_size: int = 1) -> dict:
     """What a prefill rank PUTs to /route (SGLang's fields, plus kvbridge's epoch)."""
     return {
-        "attn_tp_size": tp_size, "attn_tp_rank": tp_rank, "attn_cp_size": 1, "attn_cp_rank": 0,
-        "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
-        "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": rank_port,
-        "page_size": 16, "kv_cache_dtype": "auto", "kvbridge_epoch": epoch,
+        "attn_tp_size": tp_size,
+        "attn_tp_rank": tp_rank,
+        "attn_cp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_dp_size": 1,
+        "attn_dp_rank": 0,
+        "pp_size": 1,
+        "pp_rank": 0,
+        "system_dp_size": 1,
+        "system_dp_rank": 0,
+        "rank_ip": "127.0.0.1",
+        "rank_port": rank_port,
+        "page_size": 16,
+        "kv_cache_dtype": "auto",
+        "kvbridge_epoch": epoch,
     }
 
 
@@ -66,13 +79,20 @@ def test_restart_on_the_same_port_is_a_new_instance() -> None:
         assert epoch is not None and not refused
         assert not epoch.ready and epoch.ranks == {}  # no rank registered yet
         for tp in (0, 1):
-            r = requests.put(f"http://{addr}/route", json=_registration(7000 + tp, f"rank{tp}-a", tp, 2), timeout=5)
+            r = requests.put(
+                f"http://{addr}/route",
+                json=_registration(7000 + tp, f"rank{tp}-a", tp, 2),
+                timeout=5,
+            )
             assert r.status_code == 200, r.text
         epoch, _ = fetch_epoch(addr, timeout=2)
         assert epoch.ready
         assert epoch.ranks == {"dp0/cp0/tp0/pp0": "rank0-a", "dp0/cp0/tp1/pp0": "rank1-a"}
         # SGLang's own /route answers are unchanged (the decode builds PrefillServerInfo(**json))
-        info = requests.get(f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1", timeout=5)
+        info = requests.get(
+            f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+            timeout=5,
+        )
         assert info.status_code == 200 and "kvbridge" not in info.text
         watcher.remember(addr, epoch)
         assert watcher.observe(addr, fetch_epoch(addr, timeout=2)[0]) is Verdict.SAME
@@ -80,12 +100,18 @@ def test_restart_on_the_same_port_is_a_new_instance() -> None:
         first.close()
 
     assert fetch_epoch(addr, timeout=2) == (None, True)  # down: connection refused
-    assert watcher.observe(addr, None, refused=True) is Verdict.UNANSWERED  # one refusal is not death
+    assert (
+        watcher.observe(addr, None, refused=True) is Verdict.UNANSWERED
+    )  # one refusal is not death
 
     second = _start(port)  # the restarted prefill, same port, registering the same way
     try:
         for tp in (0, 1):
-            requests.put(f"http://{addr}/route", json=_registration(7100 + tp, f"rank{tp}-b", tp, 2), timeout=5).raise_for_status()
+            requests.put(
+                f"http://{addr}/route",
+                json=_registration(7100 + tp, f"rank{tp}-b", tp, 2),
+                timeout=5,
+            ).raise_for_status()
         epoch, _ = fetch_epoch(addr, timeout=2)
         assert epoch.instance != watcher.known(addr).instance
         assert watcher.observe(addr, epoch) is Verdict.RESTARTED

@@ -49,15 +49,23 @@ def colocated_mla(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 PD_CONFIGS = [("nixl", True), ("mooncake", False)]
 
 
-@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS])
-def mla_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+@pytest.fixture(
+    scope="module",
+    params=PD_CONFIGS,
+    ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS],
+)
+def mla_pd(
+    request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PD]:
     transport, layerwise = request.param
     log_dir = tmp_path_factory.mktemp(f"mla-{transport}")
     yield from start_pd(mla_model, log_dir, server_env(pd_config(transport, layerwise)), layerwise)
 
 
 @pytest.mark.parametrize("n", PROMPTS)
-def test_mla_greedy_output_equals_colocated(mla_pd: PD, colocated_mla: Proc, mla_model: Path, n: int) -> None:
+def test_mla_greedy_output_equals_colocated(
+    mla_pd: PD, colocated_mla: Proc, mla_model: Path, n: int
+) -> None:
     input_ids = prompt_ids(n, seed=700 + n)
     want = generate_ids(colocated_mla.url, input_ids)
     assert len(want) == MAX_NEW_TOKENS
@@ -67,28 +75,50 @@ def test_mla_greedy_output_equals_colocated(mla_pd: PD, colocated_mla: Proc, mla
     assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
     room, layer_writes, chunk_writes = wait_sent_line(mla_pd.prefill, offset)
     if mla_pd.layerwise:
-        assert layer_writes > 0 and chunk_writes == 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        assert layer_writes > 0 and chunk_writes == 0, (
+            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        )
     else:
-        assert layer_writes == 0 and chunk_writes > 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        assert layer_writes == 0 and chunk_writes > 0, (
+            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        )
     expected = latent_bytes(mla_model, mla_pd.decode, n)
     got_bytes = wait_received_bytes(mla_pd.decode.url, before, expected)
-    assert got_bytes == expected, f"the decode received {got_bytes} bytes, the prompt's latent pages are {expected}"
+    assert got_bytes == expected, (
+        f"the decode received {got_bytes} bytes, the prompt's latent pages are {expected}"
+    )
 
 
 PACKED_CONFIGS = [("mooncake", False, "packed"), ("nixl", True, "fp8")]
 
 
-@pytest.fixture(scope="module", params=PACKED_CONFIGS, ids=[f"{w}-{t}" for t, _, w in PACKED_CONFIGS])
-def mla_packed_pd(request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PD, str]]:
+@pytest.fixture(
+    scope="module", params=PACKED_CONFIGS, ids=[f"{w}-{t}" for t, _, w in PACKED_CONFIGS]
+)
+def mla_packed_pd(
+    request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[PD, str]]:
     transport, layerwise, wire = request.param
-    config = {**pd_config(transport, layerwise), **({"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"})}
+    config = {
+        **pd_config(transport, layerwise),
+        **({"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"}),
+    }
     # FP8 is checked against a float32 transformers run: SGLang runs this model in float32 too (it picks float16 otherwise)
     dtype = ["--dtype", "float32"] if wire == "fp8" else []
-    for pd in start_pd(mla_model, tmp_path_factory.mktemp(f"mla-{wire}"), server_env(config), layerwise, prefill_args=dtype, decode_args=dtype):
+    for pd in start_pd(
+        mla_model,
+        tmp_path_factory.mktemp(f"mla-{wire}"),
+        server_env(config),
+        layerwise,
+        prefill_args=dtype,
+        decode_args=dtype,
+    ):
         yield pd, wire
 
 
-def test_mla_on_the_packed_path(mla_packed_pd: tuple[PD, str], colocated_mla: Proc, mla_model: Path, record_property) -> None:
+def test_mla_on_the_packed_path(
+    mla_packed_pd: tuple[PD, str], colocated_mla: Proc, mla_model: Path, record_property
+) -> None:
     pd, wire = mla_packed_pd
     worst = 0.0
     for n in (32, 200):
@@ -98,9 +128,13 @@ def test_mla_on_the_packed_path(mla_packed_pd: tuple[PD, str], colocated_mla: Pr
         if wire == "fp8":
             # SGLang's first output token comes from the prefill; the decode computes the second on the FP8 latent pages
             ref = fp8_latent_logprobs(mla_model, input_ids, got[0])
-            assert got_tops[1].keys() == ref.keys(), f"{n} tokens: top-5 {got_tops[1]} differ from the FP8 reference's {ref}"
+            assert got_tops[1].keys() == ref.keys(), (
+                f"{n} tokens: top-5 {got_tops[1]} differ from the FP8 reference's {ref}"
+            )
             off = max(abs(got_tops[1][t] - ref[t]) for t in ref)
-            assert off < 0.01, f"{n} tokens: logprobs {off:.3f} from the FP8 reference: {got_tops[1]} vs {ref}"
+            assert off < 0.01, (
+                f"{n} tokens: logprobs {off:.3f} from the FP8 reference: {got_tops[1]} vs {ref}"
+            )
             worst = max(worst, off)
             rows, latent = latent_rows(mla_model, n)
             expected = rows * (latent + 2 * 4)  # a byte a value, a float32 scale per half vector
@@ -109,9 +143,13 @@ def test_mla_on_the_packed_path(mla_packed_pd: tuple[PD, str], colocated_mla: Pr
             assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
             expected = latent_bytes(mla_model, pd.decode, n)
         received = wait_received_bytes(pd.decode.url, before, expected)
-        assert received == expected, f"{n} tokens: the decode received {received} bytes, expected {expected}"
+        assert received == expected, (
+            f"{n} tokens: the decode received {received} bytes, expected {expected}"
+        )
     for server in (pd.prefill, pd.decode):
         wait_staging_idle(server)
     if wire == "fp8":
         record_property("sglang_mla_fp8_reference_distance", worst)
-        print(f"\nSGLang MLA, FP8 on the wire: the decode's logprobs within {worst:.4f} of the FP8 reference")
+        print(
+            f"\nSGLang MLA, FP8 on the wire: the decode's logprobs within {worst:.4f} of the FP8 reference"
+        )

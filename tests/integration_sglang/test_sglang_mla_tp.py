@@ -39,7 +39,10 @@ from sglang_helpers import (
 PROMPTS = [40, 200]  # three pages in one chunk; four chunks with a partial page
 
 pytestmark = pytest.mark.timeout(900)
-colocated, pd_pair = contextmanager(start_colocated), contextmanager(start_pd)  # servers killed on any exit
+colocated, pd_pair = (
+    contextmanager(start_colocated),
+    contextmanager(start_pd),
+)  # servers killed on any exit
 
 
 @pytest.mark.parametrize("data_path", ["direct", "packed"])
@@ -55,7 +58,7 @@ def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(
             offset = pd.prefill.log_path.stat().st_size
             before = kvbridge_metrics(pd.decode.url)
             assert generate_through(pd, prompt_ids(n, seed=800 + n)) == want[n], f"{n} tokens"
-            (room, layer_writes, _), = wait_sent_lines(pd.prefill, offset)
+            ((room, layer_writes, _),) = wait_sent_lines(pd.prefill, offset)
             assert layer_writes > 0, f"room {room} was not streamed"
             expected = 2 * latent_bytes(mla_model, pd.decode, n)  # each decode rank holds all of it
             assert wait_received_bytes(pd.decode.url, before, expected) == expected
@@ -77,10 +80,14 @@ def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(
             for attempt in range(2):  # the second request finds both prefill ranks free again
                 offset = pd.prefill.log_path.stat().st_size
                 before = kvbridge_metrics(pd.decode.url)
-                assert generate_through(pd, prompt_ids(n, seed=900 + n)) == want[n], f"{n} tokens, request {attempt}"
+                assert generate_through(pd, prompt_ids(n, seed=900 + n)) == want[n], (
+                    f"{n} tokens, request {attempt}"
+                )
                 lines = wait_sent_lines(pd.prefill, offset, count=2)  # both ranks finish the room
                 writes = sorted(layer + chunk for _, layer, chunk in lines)
-                assert writes[0] == 0 and writes[1] > 0, f"exactly one prefill rank writes, the dummy one nothing: {lines}"
+                assert writes[0] == 0 and writes[1] > 0, (
+                    f"exactly one prefill rank writes, the dummy one nothing: {lines}"
+                )
                 expected = latent_bytes(mla_model, pd.decode, n)
                 assert wait_received_bytes(pd.decode.url, before, expected) == expected
         if data_path == "packed":  # every room's staging run came back, the dummy rank's included

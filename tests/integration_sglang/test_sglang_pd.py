@@ -31,7 +31,9 @@ try:  # this directory runs in .venv-sglang only (make test); elsewhere: a clear
     import sglang  # noqa: F401
     import sglang_router  # noqa: F401
 except ImportError as exc:  # pragma: no cover
-    raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh, then .venv-sglang/bin/python -m pytest tests/integration_sglang") from exc
+    raise RuntimeError(
+        "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh, then .venv-sglang/bin/python -m pytest tests/integration_sglang"
+    ) from exc
 
 from sglang_helpers import (
     FP8_MAX_DRIFT,
@@ -88,23 +90,48 @@ PD_CONFIGS = [
 ]
 
 
-def _pd_id(transport: str, layerwise: bool, path: str, secret: bool, p_page: int, d_page: int, radix: bool) -> str:
+def _pd_id(
+    transport: str, layerwise: bool, path: str, secret: bool, p_page: int, d_page: int, radix: bool
+) -> str:
     return (
-        f"{transport}-{'layer' if layerwise else 'chunk'}" + ("-packed" if path == "packed" else "") + ("-secret" if secret else "")
-        + (f"-prefill-pages-{p_page}" if p_page != PAGE else "") + (f"-decode-pages-{d_page}" if d_page != PAGE else "")
+        f"{transport}-{'layer' if layerwise else 'chunk'}"
+        + ("-packed" if path == "packed" else "")
+        + ("-secret" if secret else "")
+        + (f"-prefill-pages-{p_page}" if p_page != PAGE else "")
+        + (f"-decode-pages-{d_page}" if d_page != PAGE else "")
         + ("-decode-radix" if radix else "")
     )
 
 
 @pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
-def pd_router(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
+def pd_router(
+    request: pytest.FixtureRequest,
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    colocated: Proc,
+):
     transport, layerwise, path, secret, p_page, d_page, radix = request.param
     log_dir = tmp_path_factory.mktemp(f"pd-{_pd_id(*request.param)}")
-    config = {**pd_config(transport, layerwise), "data_path": path, **({"secret": "shared by prefill and decode"} if secret else {})}
+    config = {
+        **pd_config(transport, layerwise),
+        "data_path": path,
+        **({"secret": "shared by prefill and decode"} if secret else {}),
+    }
     if p_page != d_page:
         config["transfer_block_size"] = min(p_page, d_page)
-    decode_args = ["--page-size", str(d_page), *(["--disaggregation-decode-enable-radix-cache"] if radix else [])]
-    yield from start_pd(model, log_dir, server_env(config), layerwise, prefill_args=["--page-size", str(p_page)], decode_args=decode_args)
+    decode_args = [
+        "--page-size",
+        str(d_page),
+        *(["--disaggregation-decode-enable-radix-cache"] if radix else []),
+    ]
+    yield from start_pd(
+        model,
+        log_dir,
+        server_env(config),
+        layerwise,
+        prefill_args=["--page-size", str(p_page)],
+        decode_args=decode_args,
+    )
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
@@ -115,14 +142,20 @@ def test_greedy_output_equals_colocated(pd_router: PD, colocated: Proc, prompt: 
     offset = prefill.log_path.stat().st_size
     got = generate_through(pd_router, input_ids)
     assert len(want) == MAX_NEW_TOKENS
-    assert got == want, f"{prompt} ({PROMPTS[prompt]} tokens): disaggregated {got} != colocated {want}"
+    assert got == want, (
+        f"{prompt} ({PROMPTS[prompt]} tokens): disaggregated {got} != colocated {want}"
+    )
     room, layer_writes, chunk_writes = wait_sent_line(prefill, offset)
     if layerwise:
         # Every page went out from the attention hook; the chunk sends found nothing left
         # (random prompts: no radix-cache hits on the prefill).
-        assert layer_writes > 0 and chunk_writes == 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        assert layer_writes > 0 and chunk_writes == 0, (
+            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        )
     else:
-        assert layer_writes == 0 and chunk_writes > 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        assert layer_writes == 0 and chunk_writes > 0, (
+            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+        )
 
 
 def test_plugin_registers_backend() -> None:
@@ -133,7 +166,9 @@ def test_plugin_registers_backend() -> None:
     assert eps.get("kvbridge") == "kvbridge.adapters.sglang:register"
 
 
-def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path, request: pytest.FixtureRequest) -> None:
+def test_metrics_count_each_request_and_its_bytes(
+    pd_router: PD, model: Path, request: pytest.FixtureRequest
+) -> None:
     router, prefill, decode, _ = pd_router
     packed = request.node.callspec.params["pd_router"][2] == "packed"
     input_ids = prompt_ids(PROMPTS["chunked"], seed=4242)  # not sent before: no radix-cache hit
@@ -158,7 +193,9 @@ def test_metrics_count_each_request_and_its_bytes(pd_router: PD, model: Path, re
         assert (now.get("sglang:kvbridge_staging_slots", 0.0) > 0) == packed, now
 
 
-def test_decode_fetches_only_what_its_prefix_cache_lacks(pd_router: PD, colocated: Proc, model: Path, request: pytest.FixtureRequest) -> None:
+def test_decode_fetches_only_what_its_prefix_cache_lacks(
+    pd_router: PD, colocated: Proc, model: Path, request: pytest.FixtureRequest
+) -> None:
     """A decode with its own radix cache keeps a finished request's pages; a prompt that
     shares their first tokens is served from the first page past the hit (SGLang aligns
     a hit to the decode's page size), so the decode receives only the rest, and decodes
@@ -174,7 +211,9 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(pd_router: PD, colocate
     hit = len(shared) // d_page * d_page if radix else 0
     want = kv_bytes(model, pd_router.prefill, len(second)) - kv_bytes(model, pd_router.prefill, hit)
     received = wait_received_bytes(pd_router.decode.url, before, want)
-    assert received == want, f"the decode received {received} bytes; the {len(second) - hit} tokens past a {hit}-token hit are {want}"
+    assert received == want, (
+        f"the decode received {received} bytes; the {len(second) - hit} tokens past a {hit}-token hit are {want}"
+    )
 
 
 # --- wire_dtype fp8 ---------------------------------------------------------------------
@@ -195,8 +234,17 @@ DECODE_STAGING_MB = 1
 LONG_PROMPTS = [prompt_ids(2000, seed=950 + i) for i in range(3)]
 
 
-@pytest.fixture(scope="module", params=FP8_CONFIGS, ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in FP8_CONFIGS])
-def fp8_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
+@pytest.fixture(
+    scope="module",
+    params=FP8_CONFIGS,
+    ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in FP8_CONFIGS],
+)
+def fp8_pd(
+    request: pytest.FixtureRequest,
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    colocated: Proc,
+):
     transport, layerwise = request.param
     log_dir = tmp_path_factory.mktemp(f"fp8-{transport}")
     config = {**pd_config(transport, layerwise), "wire_dtype": "fp8", "staging_mb": 64}
@@ -204,7 +252,9 @@ def fp8_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest
     yield from start_pd(model, log_dir, server_env(config), layerwise, decode_env)
 
 
-def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(fp8_pd: PD, colocated: Proc, model: Path, record_property) -> None:
+def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
+    fp8_pd: PD, colocated: Proc, model: Path, record_property
+) -> None:
     router, prefill, decode, layerwise = fp8_pd
     worst, same = 0.0, 0
     for input_ids in FP8_PROMPTS:
@@ -212,20 +262,34 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(fp8_pd: PD
         d0 = kvbridge_metrics(decode.url)
         offset = prefill.log_path.stat().st_size
         got, got_tops = generate_logprobs(router.url, input_ids)
-        assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], f"the prefill's token differs: {got} vs {want}"
-        drift = fp8_drift(want_tops[1], got_tops[1])  # the decode's first token from the transferred KV
-        assert drift < FP8_MAX_DRIFT, f"{len(input_ids)} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
+        assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
+            f"the prefill's token differs: {got} vs {want}"
+        )
+        drift = fp8_drift(
+            want_tops[1], got_tops[1]
+        )  # the decode's first token from the transferred KV
+        assert drift < FP8_MAX_DRIFT, (
+            f"{len(input_ids)} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
+        )
         worst, same = max(worst, drift), same + (got == want)
         room, layer_writes, chunk_writes = wait_sent_line(prefill, offset)
         assert (layer_writes > 0) == layerwise and chunk_writes + layer_writes > 0
         d1 = wait_counted(decode.url, d0, "bytes_received_total")
-        received = d1.get("sglang:kvbridge_bytes_received_total", 0.0) - d0.get("sglang:kvbridge_bytes_received_total", 0.0)
+        received = d1.get("sglang:kvbridge_bytes_received_total", 0.0) - d0.get(
+            "sglang:kvbridge_bytes_received_total", 0.0
+        )
         want_bytes = fp8_bytes(model, len(input_ids))
-        assert received == want_bytes, f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is {want_bytes}"
+        assert received == want_bytes, (
+            f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is {want_bytes}"
+        )
         exact = kv_bytes(model, prefill, len(input_ids))
-        assert exact / received > 1.7  # the test model: float16, head_dim 32: 64 bytes per row vs 36
+        assert (
+            exact / received > 1.7
+        )  # the test model: float16, head_dim 32: 64 bytes per row vs 36
     record_property("fp8_max_logprob_drift", worst)
-    print(f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} prompts; logprobs within {worst:.2f}")
+    print(
+        f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} prompts; logprobs within {worst:.2f}"
+    )
 
 
 def test_fp8_requests_wait_for_room_in_the_decode_staging_buffer(fp8_pd: PD) -> None:
@@ -245,14 +309,18 @@ def test_fp8_requests_wait_for_room_in_the_decode_staging_buffer(fp8_pd: PD) -> 
         except BaseException as exc:  # noqa: BLE001 - reported below
             results[i] = exc
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(LONG_PROMPTS))]
+    threads = [
+        threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(LONG_PROMPTS))
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(REQUEST_TIMEOUT_S + 30)
     for i, want in enumerate(alone):
         got = results.get(i)
-        assert not isinstance(got, BaseException) and got is not None, f"prompt {i}: {got!r}\n{decode.log_tail()}"
+        assert not isinstance(got, BaseException) and got is not None, (
+            f"prompt {i}: {got!r}\n{decode.log_tail()}"
+        )
         assert got == want, f"prompt {i}: {got} concurrently vs {want} alone"
     with open(decode.log_path, "rb") as f:
         f.seek(offset)

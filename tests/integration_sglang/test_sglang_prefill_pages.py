@@ -15,7 +15,9 @@ try:
     from kvbridge.adapters.sglang import messages as wire
     from kvbridge.adapters.sglang.prefill import PrefillSide, _Chunk
 except ImportError as exc:  # pragma: no cover
-    raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh") from exc
+    raise RuntimeError(
+        "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
+    ) from exc
 
 from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.config import load_config
@@ -26,7 +28,14 @@ UNIT = 16
 
 
 def _chunk(pages: list[int], start: int) -> _Chunk:
-    return _Chunk(room=1, pages=np.array(pages, dtype=np.int64), index_slice=slice(start, start + len(pages)), is_last=False, aux_index=None, queued_at=0.0)
+    return _Chunk(
+        room=1,
+        pages=np.array(pages, dtype=np.int64),
+        index_slice=slice(start, start + len(pages)),
+        is_last=False,
+        aux_index=None,
+        queued_at=0.0,
+    )
 
 
 def _dest(num_pages: int) -> SimpleNamespace:
@@ -39,31 +48,59 @@ def test_a_chunk_of_larger_pages_is_sent_as_transfer_pages_cut_at_the_decode_s_l
     first = PrefillSide._in_transfer_pages(prefill, _chunk([7, 3], 0), [_dest(5)])
     assert (first.pages.tolist(), first.index_slice) == ([14, 15, 6, 7], slice(0, 4))
     last = PrefillSide._in_transfer_pages(prefill, _chunk([9], 2), [_dest(5)])
-    assert (last.pages.tolist(), last.index_slice) == ([18], slice(4, 5)), "the half of page 9 past the prompt is not the decode's"
+    assert (last.pages.tolist(), last.index_slice) == ([18], slice(4, 5)), (
+        "the half of page 9 past the prompt is not the decode's"
+    )
     # a decode with pages of 64 lists whole pages of its own: 8 transfer pages for 70 tokens
-    assert PrefillSide._in_transfer_pages(prefill, _chunk([9], 2), [_dest(8)]).pages.tolist() == [18, 19]
+    assert PrefillSide._in_transfer_pages(prefill, _chunk([9], 2), [_dest(8)]).pages.tolist() == [
+        18,
+        19,
+    ]
 
 
 def _registration(prefix_cache: bool, page_size: int) -> wire.Registration:
-    spec = CacheSpec(num_layers=2, block_size=UNIT, num_kv_heads=1, head_dim=64, dtype="uint8", layout="nhd")
-    geometry = CacheGeometry(spec=spec, num_blocks=8, plane_bases=(4096,) * (spec.num_layers * spec.planes_per_layer))
+    spec = CacheSpec(
+        num_layers=2, block_size=UNIT, num_kv_heads=1, head_dim=64, dtype="uint8", layout="nhd"
+    )
+    geometry = CacheGeometry(
+        spec=spec, num_blocks=8, plane_bases=(4096,) * (spec.num_layers * spec.planes_per_layer)
+    )
     return wire.Registration(
-        agent="sglang-decode-r0-e", epoch="e", transport="nixl", transport_md=b"", geometry=geometry,
-        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3), ip="127.0.0.1", port=5, prefix_cache=prefix_cache, page_size=page_size,
+        agent="sglang-decode-r0-e",
+        epoch="e",
+        transport="nixl",
+        transport_md=b"",
+        geometry=geometry,
+        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3),
+        ip="127.0.0.1",
+        port=5,
+        prefix_cache=prefix_cache,
+        page_size=page_size,
     )
 
 
 def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -> None:
     prefill = SimpleNamespace(  # pages of 32 tokens, moved as transfer pages of 16
-        config=load_config({"transfer_block_size": UNIT}), kv_args=SimpleNamespace(page_size=2 * UNIT), geometry=_registration(False, UNIT).geometry,
-        packed=None, attn_tp_size=1,
+        config=load_config({"transfer_block_size": UNIT}),
+        kv_args=SimpleNamespace(page_size=2 * UNIT),
+        geometry=_registration(False, UNIT).geometry,
+        packed=None,
+        attn_tp_size=1,
     )
-    with pytest.raises(IncompatiblePeerError, match="radix cache.*pages of 16 tokens.*hold 32") as err:
+    with pytest.raises(
+        IncompatiblePeerError, match="radix cache.*pages of 16 tokens.*hold 32"
+    ) as err:
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=16))
     assert "--disaggregation-decode-enable-radix-cache" in (err.value.fix or "")
-    assert PrefillSide._pairing(prefill, _registration(prefix_cache=False, page_size=16)) is None, "every room starts at 0"
-    assert PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=64)) is None, "its hits end on the prefill's pages too"
-    with pytest.raises(IncompatiblePeerError, match="radix cache"):  # a decode that does not say its page size
+    assert PrefillSide._pairing(prefill, _registration(prefix_cache=False, page_size=16)) is None, (
+        "every room starts at 0"
+    )
+    assert PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=64)) is None, (
+        "its hits end on the prefill's pages too"
+    )
+    with pytest.raises(
+        IncompatiblePeerError, match="radix cache"
+    ):  # a decode that does not say its page size
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=0))
     same_pages = SimpleNamespace(**{**vars(prefill), "kv_args": SimpleNamespace(page_size=UNIT)})
     assert PrefillSide._pairing(same_pages, _registration(prefix_cache=True, page_size=16)) is None

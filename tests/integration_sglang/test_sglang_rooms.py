@@ -15,7 +15,9 @@ import pytest
 try:
     from kvbridge.adapters.sglang.rooms import KVPoll, SoleHolder, _c
 except ImportError as exc:  # pragma: no cover
-    raise RuntimeError("tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh") from exc
+    raise RuntimeError(
+        "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
+    ) from exc
 
 ROOM = 12345
 
@@ -32,7 +34,11 @@ class Manager:
         self.failure_records[room] = reason
 
     def update_status(self, room: int, status: KVPoll) -> None:
-        self.request_status[room] = status if status == KVPoll.Failed else max(self.request_status.get(room, status), status)
+        self.request_status[room] = (
+            status
+            if status == KVPoll.Failed
+            else max(self.request_status.get(room, status), status)
+        )
 
 
 class SGLangEndpoint:
@@ -49,7 +55,9 @@ class SGLangEndpoint:
             self.kv_mgr.request_status.pop(self.bootstrap_room, None)
 
     def failure_exception(self):
-        raise _c.KVTransferError(self.bootstrap_room, self.kv_mgr.failure_records.pop(self.bootstrap_room, "unknown"))
+        raise _c.KVTransferError(
+            self.bootstrap_room, self.kv_mgr.failure_records.pop(self.bootstrap_room, "unknown")
+        )
 
 
 class Endpoint(SoleHolder, SGLangEndpoint):
@@ -65,13 +73,19 @@ class Endpoint(SoleHolder, SGLangEndpoint):
         super().clear()
 
 
-def test_a_second_request_on_a_held_room_fails_and_so_does_the_holder(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_second_request_on_a_held_room_fails_and_so_does_the_holder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     mgr = Manager()
     first = Endpoint(mgr, ROOM)
     assert first.refused is None and mgr.room_holders[ROOM] is first
     with caplog.at_level(logging.WARNING):
         second = Endpoint(mgr, ROOM)
-    assert second.refused is not None and "n > 1" in second.refused and "on this decode" in second.refused
+    assert (
+        second.refused is not None
+        and "n > 1" in second.refused
+        and "on this decode" in second.refused
+    )
     assert second.refused in caplog.text
     assert second.conclude_state == KVPoll.Failed and not second._owns_bootstrap_room
     assert mgr.request_status[ROOM] == KVPoll.Failed  # the holder polls Failed ...

@@ -16,7 +16,9 @@ from sglang_helpers import expect_refused, server_env, start_pd
 pytestmark = pytest.mark.timeout(600)  # starts its servers (a minute or two on 2 cores)
 
 
-def test_a_decode_without_the_prefills_secret_is_refused_naming_the_fix(model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_decode_without_the_prefills_secret_is_refused_naming_the_fix(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     config = {"transport": "nixl", "layerwise": False}
     pairs = start_pd(
         model, tmp_path_factory.mktemp("secret"), server_env(config), False,
@@ -27,7 +29,11 @@ def test_a_decode_without_the_prefills_secret_is_refused_naming_the_fix(model: P
         text = expect_refused(pd, "a decode without the prefill's secret")
         logs = pd.prefill.log_path.read_text(errors="replace")
         assert "failed authentication: it carries no MAC" in logs, pd.prefill.log_tail()
-        assert "refused a decode's Registration" in logs and "refused a decode's Destination" in logs, pd.prefill.log_tail()
-        assert "set the same 'secret'" in text, f"the failed request does not name the fix: {text[-2000:]}"
+        assert (
+            "refused a decode's Registration" in logs and "refused a decode's Destination" in logs
+        ), pd.prefill.log_tail()
+        assert "set the same 'secret'" in text, (
+            f"the failed request does not name the fix: {text[-2000:]}"
+        )
     finally:
         pairs.close()

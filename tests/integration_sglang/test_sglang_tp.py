@@ -53,7 +53,12 @@ SEED = 31
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"p{p}-d{d}-{path}" for p, d, path in PAIRS])
-def tp_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory, colocated: Proc):
+def tp_pd(
+    request: pytest.FixtureRequest,
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    colocated: Proc,
+):
     p_tp, d_tp, path = request.param
     log_dir = tmp_path_factory.mktemp(f"tp-p{p_tp}-d{d_tp}-{path}")
     sides = tp_sides({**CONFIG, "data_path": path}, p_tp, d_tp)
@@ -63,7 +68,9 @@ def tp_pd(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
-def test_greedy_output_between_tp_sizes_equals_colocated(tp_pd: tuple[PD, int, int, str], colocated: Proc, model: Path, prompt: str) -> None:
+def test_greedy_output_between_tp_sizes_equals_colocated(
+    tp_pd: tuple[PD, int, int, str], colocated: Proc, model: Path, prompt: str
+) -> None:
     (router, prefill, decode, _), p_tp, d_tp, path = tp_pd
     input_ids = prompt_ids(PROMPTS[prompt], seed=SEED + PROMPTS[prompt])
     want = generate_ids(colocated.url, input_ids)
@@ -71,11 +78,17 @@ def test_greedy_output_between_tp_sizes_equals_colocated(tp_pd: tuple[PD, int, i
     offset = prefill.log_path.stat().st_size
     got = generate_through(tp_pd[0], input_ids)
     assert len(want) == MAX_NEW_TOKENS
-    assert got == want, f"{prompt} ({PROMPTS[prompt]} tokens), prefill TP {p_tp} -> decode TP {d_tp}: {got} != colocated {want}"
+    assert got == want, (
+        f"{prompt} ({PROMPTS[prompt]} tokens), prefill TP {p_tp} -> decode TP {d_tp}: {got} != colocated {want}"
+    )
     lines = wait_sent_lines(prefill, offset, count=p_tp)  # one per prefill rank
-    assert len({room for room, _, _ in lines}) == 1 and all(layer > 0 for _, layer, _ in lines), lines
+    assert len({room for room, _, _ in lines}) == 1 and all(layer > 0 for _, layer, _ in lines), (
+        lines
+    )
     expected = kv_bytes(model, prefill, len(input_ids))
     received = wait_received_bytes(decode.url, d0, expected)
-    assert received == expected, "the decode ranks together must receive every head of every page once"
+    assert received == expected, (
+        "the decode ranks together must receive every head of every page once"
+    )
     for s in (prefill, decode) if path == "packed" else ():
         wait_staging_idle(s)

@@ -34,8 +34,13 @@ from sglang_helpers import (
 SEED = 31
 pytestmark = pytest.mark.timeout(600)  # each test starts its servers (a minute or two on 2 cores)
 
-def test_fp8_between_tp_sizes_stays_within_fp8_noise(model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory) -> None:
-    sides = tp_sides({"transport": "mooncake", "layerwise": False, "wire_dtype": "fp8", "staging_mb": 16}, 1, 2)
+
+def test_fp8_between_tp_sizes_stays_within_fp8_noise(
+    model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    sides = tp_sides(
+        {"transport": "mooncake", "layerwise": False, "wire_dtype": "fp8", "staging_mb": 16}, 1, 2
+    )
     env = sides.pop("env")
     pairs = start_pd(model, tmp_path_factory.mktemp("tp-fp8"), env, False, **sides)
     router, prefill, decode, _ = next(pairs)
@@ -45,16 +50,26 @@ def test_fp8_between_tp_sizes_stays_within_fp8_noise(model: Path, colocated: Pro
             want, want_tops = generate_logprobs(colocated.url, input_ids)
             d0 = kvbridge_metrics(decode.url)
             got, got_tops = generate_logprobs(router.url, input_ids)
-            assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], f"the prefill's token differs: {got} vs {want}"
-            drift = fp8_drift(want_tops[1], got_tops[1])  # the decode's first token from the transferred KV
-            assert drift < FP8_MAX_DRIFT, f"{n} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
+            assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
+                f"the prefill's token differs: {got} vs {want}"
+            )
+            drift = fp8_drift(
+                want_tops[1], got_tops[1]
+            )  # the decode's first token from the transferred KV
+            assert drift < FP8_MAX_DRIFT, (
+                f"{n} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
+            )
             received = wait_received_bytes(decode.url, d0, fp8_bytes(model, n))
-            assert received == fp8_bytes(model, n), f"{n} tokens: {received} bytes, not the FP8 bytes of every head of every page"
+            assert received == fp8_bytes(model, n), (
+                f"{n} tokens: {received} bytes, not the FP8 bytes of every head of every page"
+            )
     finally:
         pairs.close()
 
 
-def test_direct_path_between_tp_sizes_is_refused_naming_the_fix(model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_direct_path_between_tp_sizes_is_refused_naming_the_fix(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     sides = tp_sides({"transport": "nixl"}, 2, 1)
     env = sides.pop("env")
     log_dir = tmp_path_factory.mktemp("tp-direct")
@@ -64,6 +79,8 @@ def test_direct_path_between_tp_sizes_is_refused_naming_the_fix(model: Path, tmp
         text = expect_refused(pd, "the direct path between TP 2 and TP 1")
         logs = pd.prefill.log_path.read_bytes()
         assert b"refused decode" in logs and b"data_path 'packed'" in logs, pd.prefill.log_tail()
-        assert "data_path 'packed'" in text, f"the failed request does not name the fix: {text[-2000:]}"
+        assert "data_path 'packed'" in text, (
+            f"the failed request does not name the fix: {text[-2000:]}"
+        )
     finally:
         pairs.close()

@@ -25,7 +25,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         attach_engine_logs(item, report, since=call.start)
 
 
-def attach_engine_logs(item: pytest.Item, report: pytest.TestReport, since: float, reasons: int = 4) -> None:
+def attach_engine_logs(
+    item: pytest.Item, report: pytest.TestReport, since: float, reasons: int = 4
+) -> None:
     """For a failed report: attaches the recent errors of every engine log as report
     sections, and appends the last ``reasons`` kvbridge failure lines of the logs
     written since ``since`` (the failed phase's start, epoch seconds), each with its
@@ -34,10 +36,19 @@ def attach_engine_logs(item: pytest.Item, report: pytest.TestReport, since: floa
     found: list[str] = []
     for log in sorted(base.rglob("*.log")):
         lines = log.read_text(errors="replace").splitlines()
-        hits = [i for i, line in enumerate(lines) if "Traceback" in line or "ERROR" in line or "kvbridge" in line and "WARNING" in line]
+        hits = [
+            i
+            for i, line in enumerate(lines)
+            if "Traceback" in line or "ERROR" in line or "kvbridge" in line and "WARNING" in line
+        ]
         if hits:
             last = hits[-1]
-            report.sections.append((f"engine log {log.relative_to(base)}", "\n".join(lines[max(0, last - 120) : last + 30])))
+            report.sections.append(
+                (
+                    f"engine log {log.relative_to(base)}",
+                    "\n".join(lines[max(0, last - 120) : last + 30]),
+                )
+            )
         if log.stat().st_mtime >= since:
             found += [f"{log.stem}: {m.group(0)}" for line in lines if (m := _FAILED.search(line))]
     crash = getattr(report.longrepr, "reprcrash", None)

@@ -30,7 +30,9 @@ def _model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def fp8_latent_logprobs(model_dir: Path, cached: list[int], next_token: int, top: int = 5) -> dict[int, float]:
+def fp8_latent_logprobs(
+    model_dir: Path, cached: list[int], next_token: int, top: int = 5
+) -> dict[int, float]:
     """Top ``top`` logprobs after ``next_token``, given the tokens ``cached`` held in a
     latent cache rounded by :func:`fp8_halves`: what a decode instance computes on KV
     that crossed the wire as FP8 (``cached``: what it received; ``next_token``: the first
@@ -38,10 +40,14 @@ def fp8_latent_logprobs(model_dir: Path, cached: list[int], next_token: int, top
     model = _model(Path(model_dir))
     with torch.no_grad():
         kv = model(torch.tensor([cached]), use_cache=True).past_key_values
-        for layer in kv.layers:  # DeepSeek-V2 caches the normalised latent (keys) and its rope part (values)
+        for layer in (
+            kv.layers
+        ):  # DeepSeek-V2 caches the normalised latent (keys) and its rope part (values)
             latent = fp8_halves(torch.cat([layer.keys, layer.values], dim=-1))
             layer.keys.copy_(latent[..., : layer.keys.shape[-1]])
             layer.values.copy_(latent[..., layer.keys.shape[-1] :])
-        logits = model(torch.tensor([[next_token]]), past_key_values=kv, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([[next_token]]), past_key_values=kv, use_cache=True).logits[
+            0, -1
+        ]
     values, ids = torch.log_softmax(logits, dim=-1).topk(top)
     return {int(i): float(v) for v, i in zip(values, ids, strict=True)}

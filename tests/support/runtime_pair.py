@@ -18,19 +18,35 @@ from kvbridge.transports.loopback import LoopbackTransport
 from kvbridge.wire.compat import CompatInfo
 
 L, N, BS, H, HD = 4, 48, 16, 2, 32
-SPEC = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused")
+SPEC = CacheSpec(
+    num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused"
+)
 _names = itertools.count()
 
 
 def make_cache(seed: int | None, spec: CacheSpec = SPEC) -> tuple[np.ndarray, CacheGeometry]:
     shape = (spec.num_layers, N, spec.num_kv_heads, spec.block_size, 2 * spec.head_dim)
-    arr = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) if seed is not None else np.zeros(shape, np.float32)
-    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(arr[i].ctypes.data for i in range(spec.num_layers)))
+    arr = (
+        np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+        if seed is not None
+        else np.zeros(shape, np.float32)
+    )
+    geo = CacheGeometry(
+        spec=spec,
+        num_blocks=N,
+        plane_bases=tuple(arr[i].ctypes.data for i in range(spec.num_layers)),
+    )
     return arr, geo
 
 
 def endpoint(
-    role: str, arr_geo, timeouts: dict | None = None, spec: CacheSpec = SPEC, planes=None, groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), **cfg  # noqa: ANN001
+    role: str,
+    arr_geo,
+    timeouts: dict | None = None,
+    spec: CacheSpec = SPEC,
+    planes=None,
+    groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+    **cfg,  # noqa: ANN001
 ) -> Endpoint:
     """A prefill (``role`` "P"), decode ("D") or both ("PD") endpoint over ``arr_geo``'s cache (the
     array and its geometry) with the config keys ``cfg``; ``planes``: the cache's K and
@@ -39,10 +55,24 @@ def endpoint(
     config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, **(timeouts or {})}, **cfg})
     _, geo = arr_geo
     compat = CompatInfo.from_spec(
-        spec, model="m", wire_dtype=config.wire_dtype, data_path=config.resolved_data_path, layer_groups=groups[0], group_windows=groups[1]
+        spec,
+        model="m",
+        wire_dtype=config.wire_dtype,
+        data_path=config.resolved_data_path,
+        layer_groups=groups[0],
+        group_windows=groups[1],
     )
     name = f"{role}-{next(_names)}"
-    return Endpoint(config, geo, compat, role, send="P" in role, receive="D" in role, transport=LoopbackTransport(name), planes=planes)
+    return Endpoint(
+        config,
+        geo,
+        compat,
+        role,
+        send="P" in role,
+        receive="D" in role,
+        transport=LoopbackTransport(name),
+        planes=planes,
+    )
 
 
 def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -52,7 +82,6 @@ def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.002)
-
 
 
 class DeviceEvent:

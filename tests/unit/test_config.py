@@ -8,9 +8,14 @@ from kvbridge.errors import ConfigError
 
 def test_defaults_and_overrides() -> None:
     assert load_config(None) == KVBridgeConfig() == load_config({}) == load_config("{}")
-    cfg = load_config({"transport": "mooncake", "timeouts": {"lease_s": 7}, "nixl": {"backends": ["UCX", "GDS"]}})
+    cfg = load_config(
+        {"transport": "mooncake", "timeouts": {"lease_s": 7}, "nixl": {"backends": ["UCX", "GDS"]}}
+    )
     assert cfg.transport == "mooncake"
-    assert cfg.timeouts.lease_s == 7.0 and cfg.timeouts.transfer_s == KVBridgeConfig().timeouts.transfer_s
+    assert (
+        cfg.timeouts.lease_s == 7.0
+        and cfg.timeouts.transfer_s == KVBridgeConfig().timeouts.transfer_s
+    )
     assert cfg.nixl.backends == ("UCX", "GDS")
 
 
@@ -19,12 +24,20 @@ def test_defaults_and_overrides() -> None:
     [
         ({"transprot": "nixl"}, "transprot", "did you mean 'transport'"),
         ({"timeouts": {"lease": 3}}, "timeouts.lease", "did you mean 'timeouts.lease_s'"),
-        ({"nixl": {"bogus": 1}}, "nixl.bogus", "valid keys: backends, num_threads, progress_thread"),
+        (
+            {"nixl": {"bogus": 1}},
+            "nixl.bogus",
+            "valid keys: backends, num_threads, progress_thread",
+        ),
         ({"transport": "tcp"}, "transport", "valid choices: 'nixl', 'mooncake'"),
         ({"mooncake": {"protocol": "ib"}}, "mooncake.protocol", "valid choices: 'tcp', 'rdma'"),
         ({"timeouts": {"lease_s": -1}}, "timeouts.lease_s", "takes float > 0"),
         ({"timeouts": {"lease_s": "30"}}, "timeouts.lease_s", "expected `float`, got `str`"),
-        ({"mooncake": {"max_queued_transfers_per_peer": 70000}}, "mooncake.max_queued_transfers_per_peer", "<= 65535"),
+        (
+            {"mooncake": {"max_queued_transfers_per_peer": 70000}},
+            "mooncake.max_queued_transfers_per_peer",
+            "<= 65535",
+        ),
         ({"nixl": {"backends": "UCX"}}, "nixl.backends", "takes a list of str"),
         ({"timeouts": 5}, "timeouts", "an object with keys handshake_s"),
         ({"wire_dtype": "fp8", "data_path": "direct"}, "data_path", "set it to 'packed'"),
@@ -47,7 +60,13 @@ def test_documents_that_are_not_objects(doc: object) -> None:
 
 @pytest.mark.parametrize(
     ("doc", "packed"),
-    [({}, False), ({"wire_dtype": "fp8"}, True), ({"data_path": "packed"}, True), ({"wire_dtype": "fp8", "data_path": "packed"}, True), ({"data_path": "direct"}, False)],
+    [
+        ({}, False),
+        ({"wire_dtype": "fp8"}, True),
+        ({"data_path": "packed"}, True),
+        ({"wire_dtype": "fp8", "data_path": "packed"}, True),
+        ({"data_path": "direct"}, False),
+    ],
 )
 def test_data_path_resolves_auto_by_wire_dtype(doc: dict, packed: bool) -> None:
     assert load_config(doc).packed is packed

@@ -58,11 +58,17 @@ def sse() -> Iterator[tuple[str, list[list[str]]]]:
 
 def test_timed_stream_cumulative_and_incremental(sse: tuple[str, list[list[str]]]) -> None:
     url, scripts = sse
-    scripts.append([json.dumps({"output_ids": ids}) for ids in ([5], [5, 6], [5, 6, 7])] + ["[DONE]"])
+    scripts.append(
+        [json.dumps({"output_ids": ids}) for ids in ([5], [5, 6], [5, 6, 7])] + ["[DONE]"]
+    )
     t = timed_stream(url, {}, lambda e: e.get("output_ids"), cumulative=True, timeout=10)
     assert t.token_ids == [5, 6, 7] and t.ttft_s >= 0 and t.tpot_s >= 0
-    scripts.append([json.dumps({"choices": [{"token_ids": ids}]}) for ids in ([5], [6, 7])] + ["[DONE]"])
-    t = timed_stream(url, {}, lambda e: e["choices"][0].get("token_ids"), cumulative=False, timeout=10)
+    scripts.append(
+        [json.dumps({"choices": [{"token_ids": ids}]}) for ids in ([5], [6, 7])] + ["[DONE]"]
+    )
+    t = timed_stream(
+        url, {}, lambda e: e["choices"][0].get("token_ids"), cumulative=False, timeout=10
+    )
     assert t.token_ids == [5, 6, 7]
 
 
@@ -78,14 +84,28 @@ def test_timed_stream_reports_errors_and_empty_streams(sse: tuple[str, list[list
 
 def test_sglang_command_line_and_environment(tmp_path) -> None:
     cfg = {"transport": "mooncake", "layerwise": False}
-    p = SglangServer(tmp_path, mode="prefill", kvbridge_config=cfg, log_path=tmp_path / "p.log", extra_args=["--page-size", "16"])
+    p = SglangServer(
+        tmp_path,
+        mode="prefill",
+        kvbridge_config=cfg,
+        log_path=tmp_path / "p.log",
+        extra_args=["--page-size", "16"],
+    )
     d = SglangServer(tmp_path, mode="decode", backend="nixl_cpu", log_path=tmp_path / "d.log")
     c = SglangServer(tmp_path, log_path=tmp_path / "c.log", env={"MC_LOG_LEVEL": "INFO"})
     pc, dc, cc = p.command(), d.command(), c.command()
-    assert pc[1:3] == ["-m", "sglang.launch_server"] and "--device" in pc and pc[-2:] == ["--page-size", "16"]
+    assert (
+        pc[1:3] == ["-m", "sglang.launch_server"]
+        and "--device" in pc
+        and pc[-2:] == ["--page-size", "16"]
+    )
     assert pc[pc.index("--disaggregation-bootstrap-port") + 1] == str(p.bootstrap_port)
     assert pc[pc.index("--disaggregation-transfer-backend") + 1] == "kvbridge"
-    assert dc[dc.index("--disaggregation-mode") + 1] == "decode" and "cpu_tensor" in dc and d.bootstrap_port is None
+    assert (
+        dc[dc.index("--disaggregation-mode") + 1] == "decode"
+        and "cpu_tensor" in dc
+        and d.bootstrap_port is None
+    )
     assert dc[dc.index("--disaggregation-transfer-backend") + 1] == "nixl_cpu"
     assert "--disaggregation-mode" not in cc
     assert json.loads(p.environment()["KVBRIDGE_CONFIG"]) == cfg
@@ -93,13 +113,18 @@ def test_sglang_command_line_and_environment(tmp_path) -> None:
     assert c.environment()["MC_LOG_LEVEL"] == "INFO"  # the caller's env wins
     r = SglangRouter(p.url, p.bootstrap_port, d.url, log_path=tmp_path / "r.log")
     rc = r.command()
-    assert rc[rc.index("--prefill") + 1 : rc.index("--prefill") + 3] == [p.url, str(p.bootstrap_port)]
+    assert rc[rc.index("--prefill") + 1 : rc.index("--prefill") + 3] == [
+        p.url,
+        str(p.bootstrap_port),
+    ]
     assert "--mini-lb" in rc and rc[rc.index("--decode") + 1] == d.url
     with pytest.raises(KVBridgeError):
         SglangServer(tmp_path, mode="both")
 
 
-def test_demo_without_sglang_names_the_fix(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_without_sglang_names_the_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(sglang_servers.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(KVBridgeError) as err:
         require_sglang()
@@ -109,7 +134,9 @@ def test_demo_without_sglang_names_the_fix(monkeypatch: pytest.MonkeyPatch, caps
     assert "make setup-sglang" in out and ".venv-sglang/bin/kvbridge demo --engine sglang" in out
 
 
-def test_demo_refuses_a_contradictory_data_path_before_starting_anything(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_refuses_a_contradictory_data_path_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def started(*_a, **_k):  # pragma: no cover - reached only on failure
         raise AssertionError("a server started")
 
@@ -125,14 +152,26 @@ def test_demo_refuses_a_contradictory_data_path_before_starting_anything(monkeyp
         (["--prefill-tp", "2", "--decode-tp", "3"], "multiple of the other"),
         (["--decode-tp", "0"], "multiple of the other"),
         (["--engine", "sglang", "--prefill-tp", "2"], "--data-path packed"),
-        (["--model", "mla", "--engine", "sglang", "--data-path", "packed", "--prefill-tp", "2"], "a decode of at least the prefill's TP size"),
-        (["--model", "hybrid", "--wire-dtype", "fp8"], "--model hybrid: states move between vLLM instances on the direct path"),
-        (["--model", "shortconv", "--data-path", "packed"], "--model shortconv: states move between vLLM instances"),
+        (
+            ["--model", "mla", "--engine", "sglang", "--data-path", "packed", "--prefill-tp", "2"],
+            "a decode of at least the prefill's TP size",
+        ),
+        (
+            ["--model", "hybrid", "--wire-dtype", "fp8"],
+            "--model hybrid: states move between vLLM instances on the direct path",
+        ),
+        (
+            ["--model", "shortconv", "--data-path", "packed"],
+            "--model shortconv: states move between vLLM instances",
+        ),
         (["--model", "hybrid", "--engine", "sglang"], "--engine vllm"),
     ],
 )
 def test_demo_refuses_what_it_cannot_run_before_starting_anything(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], in_err: str
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    in_err: str,
 ) -> None:
     def started(*_a, **_k):  # pragma: no cover - reached only on failure
         raise AssertionError("a server started")
@@ -171,7 +210,11 @@ class _Script(servers.ServerProcess):
 
     name = "stand-in"
     stop_grace_s = 5.0
-    SCRIPTS = {"healthy": _HEALTHY, "exits": "raise SystemExit(3)", "mute": "import time; time.sleep(600)"}
+    SCRIPTS = {
+        "healthy": _HEALTHY,
+        "exits": "raise SystemExit(3)",
+        "mute": "import time; time.sleep(600)",
+    }
 
     def __init__(self, kind: str, tmp_path) -> None:
         super().__init__(log_path=tmp_path / f"{kind}-{free_port()}.log")
@@ -192,7 +235,9 @@ def test_start_all_returns_once_every_server_is_ready(tmp_path) -> None:
             s.stop()
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 can only start a session of its own")
+@pytest.mark.skipif(
+    sys.version_info < (3, 11), reason="Python 3.10 can only start a session of its own"
+)
 def test_a_server_leads_a_process_group_of_its_own_in_the_caller_s_session(tmp_path) -> None:
     # a session of its own would be a scheduling group of its own under Linux autogroups
     server = _Script("mute", tmp_path).start()

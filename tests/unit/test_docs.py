@@ -20,4 +20,6 @@ def test_readme_documents_every_config_key_with_its_default() -> None:
         row = next((line for line in README.splitlines() if line.startswith(f"| `{key}` |")), None)
         assert row is not None, f"README's config table lacks {key}"
         shown = row.split("|")[2].strip().strip("`")
-        assert msgspec.json.decode(shown) == value, f"README shows {key} = {shown}, code default is {value!r}"
+        assert msgspec.json.decode(shown) == value, (
+            f"README shows {key} = {shown}, code default is {value!r}"
+        )

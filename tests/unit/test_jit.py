@@ -40,7 +40,14 @@ def fake_load(calls: list, fail: str | None = None):
     the build directory (or raises like a compiler error)."""
 
     def load(*, name, sources, build_directory, **kwargs):
-        calls.append({"name": name, "sources": sources, "arch": os.environ.get("TORCH_CUDA_ARCH_LIST"), **kwargs})
+        calls.append(
+            {
+                "name": name,
+                "sources": sources,
+                "arch": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                **kwargs,
+            }
+        )
         if fail:
             raise RuntimeError(fail)
         (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
@@ -85,17 +92,23 @@ def test_build_installs_once_and_reuses(cache, monkeypatch):
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "7.5"  # restored
     assert jit.build() == path and len(calls) == 1  # cached: no second compile
     # nothing but the build and its lock file is left in the cache
-    assert sorted(p.name for p in cache.iterdir()) == sorted([path.parent.name, path.parent.name + ".lock"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [path.parent.name, path.parent.name + ".lock"]
+    )
 
 
 def test_failed_build_raises_with_fix_and_leaves_nothing(cache, monkeypatch):
-    monkeypatch.setattr(cpp_extension, "load", fake_load([], fail="nvcc fatal: unsupported gpu architecture"))
+    monkeypatch.setattr(
+        cpp_extension, "load", fake_load([], fail="nvcc fatal: unsupported gpu architecture")
+    )
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     with pytest.raises(jit.KernelBuildError, match="unsupported gpu architecture") as err:
         jit.build()
     assert "check nvcc" in str(err.value) and "KVBRIDGE_DISABLE_JIT" in str(err.value)
     assert not jit.library_path().parent.exists()
-    assert [p.name for p in cache.iterdir()] == [jit.library_path().parent.name + ".lock"]  # no half-built directory
+    assert [p.name for p in cache.iterdir()] == [
+        jit.library_path().parent.name + ".lock"
+    ]  # no half-built directory
     assert "TORCH_CUDA_ARCH_LIST" not in os.environ
 
 
@@ -108,7 +121,11 @@ def test_try_load_falls_back_once_when_jit_is_disabled(cache, monkeypatch, caplo
         assert jit.try_load() is False
     assert calls == []
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "KVBRIDGE_DISABLE_JIT" in warnings[0] and "kvbridge build-ops" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and "KVBRIDGE_DISABLE_JIT" in warnings[0]
+        and "kvbridge build-ops" in warnings[0]
+    )
 
 
 def test_a_wrong_csrc_dir_is_an_error_not_a_fallback(cache, tmp_path, monkeypatch):
@@ -154,8 +171,13 @@ def test_concurrent_processes_build_once(cache, tmp_path):
     script.write_text(CHILD)
     n = 3
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(log), str(gates), str(i), str(n)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+        subprocess.Popen(
+            [sys.executable, str(script), str(log), str(gates), str(i), str(n)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
         for i in range(n)
     ]
     results = [p.communicate(timeout=120) for p in procs]

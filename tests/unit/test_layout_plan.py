@@ -26,7 +26,14 @@ def make_cache(layout: str, seed: int, dtype=np.float32, cross_layer: bool = Fal
     returning the exact bytes of (layer, plane, block) by numpy indexing."""
     rng = np.random.default_rng(seed)
     heads = 1 if layout == "latent" else H
-    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=heads, head_dim=D, dtype=np.dtype(dtype).name, layout=layout)
+    spec = CacheSpec(
+        num_layers=L,
+        block_size=BS,
+        num_kv_heads=heads,
+        head_dim=D,
+        dtype=np.dtype(dtype).name,
+        layout=layout,
+    )
     if cross_layer:  # blocks of all layers interleaved: (N, L, 2, BS, H, D)
         arr = rng.standard_normal((N, L, 2, BS, H, D)).astype(dtype)
         bases = tuple(arr[0, l, p].ctypes.data for l in range(L) for p in range(2))
@@ -109,19 +116,36 @@ def test_slots_order_and_bounds() -> None:
     ],
 )
 def test_geometry_rejects_inconsistent_input(kwargs: dict, message: str) -> None:
-    spec = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="nhd")
-    args = {"spec": spec, "num_blocks": N, "plane_bases": tuple(range(4096, 4096 * 7, 4096))} | kwargs
+    spec = CacheSpec(
+        num_layers=L, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="nhd"
+    )
+    args = {
+        "spec": spec,
+        "num_blocks": N,
+        "plane_bases": tuple(range(4096, 4096 * 7, 4096)),
+    } | kwargs
     with pytest.raises(ValueError, match=message):
         CacheGeometry(**args)
 
 
 def test_spec_rejects_unknown_dtype_and_layout() -> None:
     with pytest.raises(ValueError, match="dtype 'complex64' is not supported"):
-        CacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="complex64", layout="nhd")
+        CacheSpec(
+            num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="complex64", layout="nhd"
+        )
     with pytest.raises(ValueError, match="layout 'nhwc'"):
-        CacheSpec(num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32", layout="nhwc")  # type: ignore[arg-type]
+        CacheSpec(
+            num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32", layout="nhwc"
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="a latent .MLA. cache has one KV head, got 2"):
-        CacheSpec(num_layers=1, block_size=16, num_kv_heads=2, head_dim=576, dtype="float32", layout="latent")
+        CacheSpec(
+            num_layers=1,
+            block_size=16,
+            num_kv_heads=2,
+            head_dim=576,
+            dtype="float32",
+            layout="latent",
+        )
 
 
 def naive_coalesce(src, dst, length):
@@ -139,14 +163,20 @@ def naive_coalesce(src, dst, length):
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.sampled_from([0, 4, 8])), max_size=30, unique_by=lambda t: t[0])
+    st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 40), st.sampled_from([0, 4, 8])),
+        max_size=30,
+        unique_by=lambda t: t[0],
+    )
 )
 def test_coalesce_matches_reference(triples) -> None:
     src = [t[0] * 8 for t in triples]
     dst = [t[1] * 8 for t in triples]
     lens = [t[2] for t in triples]
     r = coalesce(np.array(src), np.array(dst), np.array(lens))
-    assert [list(x) for x in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist())] == naive_coalesce(src, dst, lens)
+    assert [
+        list(x) for x in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist())
+    ] == naive_coalesce(src, dst, lens)
     assert r.nbytes == sum(lens)
 
 
@@ -168,14 +198,27 @@ def test_plan_moves_the_right_bytes(layout, src_perm, dst_perm, count, layers) -
     _, src_geo, src_block = make_cache(layout, 10)
     dst_keep, dst_geo, dst_block = make_cache(layout, 11)
     src_blocks, dst_blocks = list(src_perm[:count]), list(dst_perm[:count])
-    before = {(l, p, b): dst_block(l, p, b) for l in range(L) for p in range(src_geo.spec.planes_per_layer) for b in range(N)}
+    before = {
+        (l, p, b): dst_block(l, p, b)
+        for l in range(L)
+        for p in range(src_geo.spec.planes_per_layer)
+        for b in range(N)
+    }
     plan = plan_blocks(src_geo, dst_geo, src_blocks, dst_blocks, layers=sorted(layers))
-    assert plan.nbytes == count * len(layers) * src_geo.spec.planes_per_layer * src_geo.spec.block_bytes
+    assert (
+        plan.nbytes
+        == count * len(layers) * src_geo.spec.planes_per_layer * src_geo.spec.block_bytes
+    )
     regions = plan_regions(plan, src_geo, dst_geo)
     assert regions.nbytes == plan.nbytes and len(regions) <= plan.num_descriptors
     for s, d, n in zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist()):
         ctypes.memmove(d, s, n)
-    moved = {(l, p, db): sb for sb, db in zip(src_blocks, dst_blocks) for l in layers for p in range(src_geo.spec.planes_per_layer)}
+    moved = {
+        (l, p, db): sb
+        for sb, db in zip(src_blocks, dst_blocks)
+        for l in layers
+        for p in range(src_geo.spec.planes_per_layer)
+    }
     for key, old in before.items():
         want = src_block(key[0], key[1], moved[key]) if key in moved else old
         assert dst_block(*key) == want, key
@@ -209,20 +252,34 @@ def test_layer_slices_equal_single_layer_plans() -> None:
         np.testing.assert_array_equal(part.local_slots, single.local_slots)
         np.testing.assert_array_equal(part.remote_slots, single.remote_slots)
     partial = plan_blocks(a, b, [1], [1], layers=[2, 0])
-    np.testing.assert_array_equal(partial.for_layer(0).local_slots, plan_blocks(a, b, [1], [1], layers=[0]).local_slots)
+    np.testing.assert_array_equal(
+        partial.for_layer(0).local_slots, plan_blocks(a, b, [1], [1], layers=[0]).local_slots
+    )
     with pytest.raises(PlanError, match="layer 1 is not part of this plan"):
         partial.for_layer(1)
 
 
-def _run_slots(src_geo: CacheGeometry, dst_geo: CacheGeometry, lidx: np.ndarray, ridx: np.ndarray, into_local: bool = False) -> None:
+def _run_slots(
+    src_geo: CacheGeometry,
+    dst_geo: CacheGeometry,
+    lidx: np.ndarray,
+    ridx: np.ndarray,
+    into_local: bool = False,
+) -> None:
     """Execute paired slot indices with memmove (a write local -> remote, or a read)."""
     for ls, rs in zip(lidx.tolist(), ridx.tolist()):
-        src, dst = (dst_geo.slot_address(rs), src_geo.slot_address(ls)) if into_local else (src_geo.slot_address(ls), dst_geo.slot_address(rs))
+        src, dst = (
+            (dst_geo.slot_address(rs), src_geo.slot_address(ls))
+            if into_local
+            else (src_geo.slot_address(ls), dst_geo.slot_address(rs))
+        )
         ctypes.memmove(dst, src, src_geo.spec.block_bytes)
 
 
 @pytest.mark.parametrize("layout", ["fused", "nhd"])
-def test_grouped_plan_moves_each_layer_s_group_and_skips_what_the_destination_lacks(layout: str) -> None:
+def test_grouped_plan_moves_each_layer_s_group_and_skips_what_the_destination_lacks(
+    layout: str,
+) -> None:
     """Layers 0 and 2 in group 0 (full attention), layer 1 in group 1 (a sliding window
     whose first two positions the destination does not hold): every block of group 0,
     group 1's last two only; nothing else of the destination changes."""
@@ -234,10 +291,17 @@ def test_grouped_plan_moves_each_layer_s_group_and_skips_what_the_destination_la
     planes = src_geo.spec.planes_per_layer
     src = BlockTable.grouped([[0, 1, 2, 3], [4, 5, 1, 0]])  # the groups' ids are unrelated
     dst = BlockTable.grouped([[5, 4, 3, 2], [NONE, NONE, 0, 1]])
-    before = {(l, p, b): dst_block(l, p, b) for l in range(L) for p in range(planes) for b in range(N)}
+    before = {
+        (l, p, b): dst_block(l, p, b) for l in range(L) for p in range(planes) for b in range(N)
+    }
     lidx, ridx = plan_grouped(src_geo, dst_geo, src, dst, layer_groups=(0, 1, 0))
     _run_slots(src_geo, dst_geo, lidx, ridx)
-    moved = {(l, p, d): s for l in (0, 2) for p in range(planes) for s, d in zip([0, 1, 2, 3], [5, 4, 3, 2])}
+    moved = {
+        (l, p, d): s
+        for l in (0, 2)
+        for p in range(planes)
+        for s, d in zip([0, 1, 2, 3], [5, 4, 3, 2])
+    }
     moved |= {(1, p, d): s for p in range(planes) for s, d in ((1, 0), (0, 1))}
     for key, old in before.items():
         want = src_block(key[0], key[1], moved[key]) if key in moved else old
@@ -245,7 +309,9 @@ def test_grouped_plan_moves_each_layer_s_group_and_skips_what_the_destination_la
     assert lidx.size == (2 * 4 + 2) * planes
 
     # the other direction: a read into local blocks; only the layers asked for
-    lidx, ridx = plan_grouped(dst_geo, src_geo, dst, src, layer_groups=(0, 1, 0), layers=[1], into_local=True)
+    lidx, ridx = plan_grouped(
+        dst_geo, src_geo, dst, src, layer_groups=(0, 1, 0), layers=[1], into_local=True
+    )
     assert lidx.size == 2 * planes
 
 
@@ -257,11 +323,19 @@ def test_grouped_plan_refuses_lost_blocks_and_tables_that_do_not_fit() -> None:
     _, b, _ = make_cache("nhd", 61)
     src = BlockTable.grouped([[0, 1], [NONE, 2]])
     dst = BlockTable.grouped([[3, 4], [5, 0]])
-    with pytest.raises(PlanError, match="group 1: the destination expects position 0 .* which the source no longer holds"):
+    with pytest.raises(
+        PlanError,
+        match="group 1: the destination expects position 0 .* which the source no longer holds",
+    ):
         plan_grouped(a, b, src, dst, layer_groups=(0, 1, 0))
-    lidx, _ = plan_grouped(b, a, dst, src, layer_groups=(0, 1, 0), into_local=False)  # the other way nothing is lost
+    lidx, _ = plan_grouped(
+        b, a, dst, src, layer_groups=(0, 1, 0), into_local=False
+    )  # the other way nothing is lost
     assert lidx.size == (2 * 2 + 1) * 2
-    with pytest.raises(PlanError, match="2 \\(local\\) and 1 \\(remote\\) KV cache groups for a cache whose layers form 2"):
+    with pytest.raises(
+        PlanError,
+        match="2 \\(local\\) and 1 \\(remote\\) KV cache groups for a cache whose layers form 2",
+    ):
         plan_grouped(a, b, src, BlockTable.flat([3, 4]), layer_groups=(0, 1, 0))
     with pytest.raises(PlanError, match="2 local vs 1 remote"):
         plan_grouped(a, b, src, dst[:1], layer_groups=(0, 1, 0))
@@ -276,8 +350,13 @@ def test_block_tables_slice_join_and_cross_the_wire() -> None:
     assert len(t) == 3 and t.num_groups == 2 and list(t) == [(1, NONE), (2, 5), (3, 6)]
     assert t[1:] + t[:1] == BlockTable.grouped([[2, 3, 1], [5, 6, NONE]])
     assert BlockTable.from_wire(*t.to_wire()) == t
-    assert BlockTable.from_wire([7, 8]) == [7, 8] and BlockTable.of([7, 8]).to_wire() == ([7, 8], [])
-    with pytest.raises(PlanError, match="one block list per request; the request has 2 KV cache groups"):
+    assert BlockTable.from_wire([7, 8]) == [7, 8] and BlockTable.of([7, 8]).to_wire() == (
+        [7, 8],
+        [],
+    )
+    with pytest.raises(
+        PlanError, match="one block list per request; the request has 2 KV cache groups"
+    ):
         t.flat_ids()
     with pytest.raises(PlanError, match="cannot join block tables of 2 and 1"):
         t + BlockTable.flat([1])  # noqa: B018 - the join raises
@@ -291,10 +370,17 @@ def test_grouped_plan_between_tp_splits_pairs_each_group_s_head_ranges() -> None
     from kvbridge.core.tp import pair_split
 
     _, src, _ = make_cache("hnd", 70)
-    half = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=1, head_dim=D, dtype="float32", layout="hnd")
-    dst = CacheGeometry(spec=half, num_blocks=N, plane_bases=tuple(0x100000 * (i + 1) for i in range(2 * L)))
+    half = CacheSpec(
+        num_layers=L, block_size=BS, num_kv_heads=1, head_dim=D, dtype="float32", layout="hnd"
+    )
+    dst = CacheGeometry(
+        spec=half, num_blocks=N, plane_bases=tuple(0x100000 * (i + 1) for i in range(2 * L))
+    )
     split = pair_split(2, 1, 2, 0, 1, prefill=True)
-    ours, theirs = BlockTable.grouped([[0, 1, 2], [3, 4, 5]]), BlockTable.grouped([[2, 3, 4], [NONE, NONE, 0]])
+    ours, theirs = (
+        BlockTable.grouped([[0, 1, 2], [3, 4, 5]]),
+        BlockTable.grouped([[2, 3, 4], [NONE, NONE, 0]]),
+    )
     lidx, ridx = plan_grouped(src, dst, ours, theirs, layer_groups=(0, 1, 0), split=split)
     full = plan_parts(src, dst, [0, 1, 2], [2, 3, 4], split, layers=[0, 2])
     window = plan_parts(src, dst, [5], [0], split, layers=[1])
@@ -306,13 +392,29 @@ def test_state_layers_move_only_their_state_and_refuse_head_and_token_cuts() -> 
     """A state-space layer's block holds its state at the start of a page the size of an
     attention block (vLLM's hybrid manager): its slots are that many bytes, at the same
     addresses; head ranges (another TP split) and smaller transfer blocks cannot cut it."""
-    spec = CacheSpec(num_layers=3, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="fused")
+    spec = CacheSpec(
+        num_layers=3, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="fused"
+    )
     pages = [np.arange(N * spec.block_bytes, dtype=np.uint8).reshape(N, -1) for _ in range(3)]
-    geo = CacheGeometry(spec=spec, num_blocks=N, plane_bases=tuple(p.ctypes.data for p in pages), layer_bytes=(spec.block_bytes, 100, spec.block_bytes))
+    geo = CacheGeometry(
+        spec=spec,
+        num_blocks=N,
+        plane_bases=tuple(p.ctypes.data for p in pages),
+        layer_bytes=(spec.block_bytes, 100, spec.block_bytes),
+    )
     table = geo.slot_table()
-    assert table[:, 0].tolist() == CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases).slot_table()[:, 0].tolist()
+    assert (
+        table[:, 0].tolist()
+        == CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases)
+        .slot_table()[:, 0]
+        .tolist()
+    )
     assert table[:, 1].tolist() == [spec.block_bytes] * N + [100] * N + [spec.block_bytes] * N
-    assert [geo.layer_block_bytes(layer) for layer in range(3)] == [spec.block_bytes, 100, spec.block_bytes]
+    assert [geo.layer_block_bytes(layer) for layer in range(3)] == [
+        spec.block_bytes,
+        100,
+        spec.block_bytes,
+    ]
     with pytest.raises(PlanError, match="state-space layers into 2 head ranges"):
         geo.part_table(2)
     with pytest.raises(PlanError, match="cannot be moved in blocks of 2 tokens"):
@@ -320,7 +422,14 @@ def test_state_layers_move_only_their_state_and_refuse_head_and_token_cuts() -> 
     with pytest.raises(ValueError, match="one entry per layer"):
         CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases, layer_bytes=(100,))
     with pytest.raises(ValueError, match="at most the block stride"):
-        CacheGeometry(spec=spec, num_blocks=N, plane_bases=geo.plane_bases, layer_bytes=(100, spec.block_bytes + 1, 100))
-    nhd = CacheSpec(num_layers=1, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="nhd")
+        CacheGeometry(
+            spec=spec,
+            num_blocks=N,
+            plane_bases=geo.plane_bases,
+            layer_bytes=(100, spec.block_bytes + 1, 100),
+        )
+    nhd = CacheSpec(
+        num_layers=1, block_size=BS, num_kv_heads=H, head_dim=D, dtype="float32", layout="nhd"
+    )
     with pytest.raises(ValueError, match="one-plane layout"):
         CacheGeometry(spec=nhd, num_blocks=N, plane_bases=(0x1000, 0x9000), layer_bytes=(100,))

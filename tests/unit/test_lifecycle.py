@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.config import Timeouts
-from kvbridge.core.lifecycle import EndedTransfers, RecvPhase, RecvRequest, RequestTable, SendPhase, SendRequest
+from kvbridge.core.lifecycle import (
+    EndedTransfers,
+    RecvPhase,
+    RecvRequest,
+    RequestTable,
+    SendPhase,
+    SendRequest,
+)
 from kvbridge.errors import StateError
 
 T = Timeouts(handshake_s=1, transfer_s=2, lease_s=10, receive_s=20, abort_ack_s=3)
@@ -20,7 +27,9 @@ def test_send_happy_path_with_chunks_and_layers() -> None:
     r.settled(0, now=2.5)
     assert r.deadline == 4.5, "progress refreshes the transfer deadline"
     r.finish(now=2.6)
-    assert r.phase is SendPhase.SENDING and not r.releasable, "not done while transfers are in flight"
+    assert r.phase is SendPhase.SENDING and not r.releasable, (
+        "not done while transfers are in flight"
+    )
     for layer in (1, 2, 3):
         r.settled(layer, now=3)
     assert r.phase is SendPhase.DONE and r.releasable
@@ -85,7 +94,9 @@ def test_illegal_send_transitions() -> None:
 
 def test_recv_happy_path_and_deadlines() -> None:
     r = RecvRequest("b", [4, 5], T, now=0)
-    assert r.phase is RecvPhase.ALLOCATED and r.deadline == 20  # receive_s: may wait for staging room
+    assert (
+        r.phase is RecvPhase.ALLOCATED and r.deadline == 20
+    )  # receive_s: may wait for staging room
     r.destination_sent(now=0.5)
     assert r.deadline == 20.5
     r.layer_arrived(now=3)

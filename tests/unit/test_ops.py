@@ -20,7 +20,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def cache(layout, blocks, bs, heads, dim, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shape = {"fused": (blocks, heads, bs, 2 * dim), "nhd": (2, blocks, bs, heads, dim), "hnd": (2, blocks, heads, bs, dim)}[layout]
+    shape = {
+        "fused": (blocks, heads, bs, 2 * dim),
+        "nhd": (2, blocks, bs, heads, dim),
+        "hnd": (2, blocks, heads, bs, dim),
+    }[layout]
     x = torch.randn(shape, generator=g)
     x.view(-1, x.shape[-1])[::5] *= 30.0  # rows of very different magnitude
     return x.to(dtype)
@@ -45,23 +49,35 @@ def test_kv_planes_match_the_documented_layouts():
             assert v[b, t, h, d] == element(c, layout, 1, b, t, h, d)
 
 
-@pytest.mark.parametrize("layout,fp8,chunk", [(lay, f, ch) for lay in LAYOUTS for f in (False, True) for ch in (0, 4)])
+@pytest.mark.parametrize(
+    "layout,fp8,chunk", [(lay, f, ch) for lay in LAYOUTS for f in (False, True) for ch in (0, 4)]
+)
 def test_pack_equals_a_per_element_loop(layout, fp8, chunk):
     bs, heads, dim, tokens, (h0, h1) = 4, 3, 8, 10, (1, 3)
     c = cache(layout, 6, bs, heads, dim, seed=1)
     ids = [4, 0, 5]
-    region, fmt = ops.pack(ops.kv_planes(c, layout), ids, tokens, heads=(h0, h1), fp8=fp8, chunk_tokens=chunk)
+    region, fmt = ops.pack(
+        ops.kv_planes(c, layout), ids, tokens, heads=(h0, h1), fp8=fp8, chunk_tokens=chunk
+    )
     raw = region.numpy().tobytes()
     ct = chunk or tokens
     for plane, t, h in itertools.product(range(2), range(tokens), range(h1 - h0)):
-        row = [float(element(c, layout, plane, ids[t // bs], t % bs, h0 + h, d)) for d in range(dim)]
+        row = [
+            float(element(c, layout, plane, ids[t // bs], t % bs, h0 + h, d)) for d in range(dim)
+        ]
         j, ti = divmod(t, ct)
         index = (plane * ct + ti) * (h1 - h0) + h
         base = j * fmt.chunk_stride
         if fp8:
             amax = max(abs(x) for x in row)
             inv = torch.tensor(448.0) / torch.tensor(amax)
-            want = [torch.tensor(x * float(inv), dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).item() for x in row]
+            want = [
+                torch.tensor(x * float(inv), dtype=torch.float32)
+                .to(torch.float8_e4m3fn)
+                .view(torch.uint8)
+                .item()
+                for x in row
+            ]
             got = list(raw[base + index * dim : base + (index + 1) * dim])
             assert got == want, (plane, t, h)
             (scale,) = struct.unpack_from("<f", raw, base + fmt.scales_offset + 4 * index)
@@ -80,8 +96,12 @@ def test_unpack_equals_a_per_element_loop():
     for plane, t, h, d in itertools.product(range(2), range(9), range(2), range(8)):
         j, ti = divmod(t, 4)
         index = (plane * 4 + ti) * 2 + h
-        q = torch.tensor(raw[j * fmt.chunk_stride + index * 8 + d], dtype=torch.uint8).view(torch.float8_e4m3fn)
-        (scale,) = struct.unpack_from("<f", raw, j * fmt.chunk_stride + fmt.scales_offset + 4 * index)
+        q = torch.tensor(raw[j * fmt.chunk_stride + index * 8 + d], dtype=torch.uint8).view(
+            torch.float8_e4m3fn
+        )
+        (scale,) = struct.unpack_from(
+            "<f", raw, j * fmt.chunk_stride + fmt.scales_offset + 4 * index
+        )
         want = (q.float() * torch.tensor(scale)).to(torch.bfloat16)
         assert dst[plane, [5, 2][t // 8], t % 8, 2 + h, d] == want
     untouched = dst.clone()
@@ -90,7 +110,9 @@ def test_unpack_equals_a_per_element_loop():
     assert not untouched.any(), "unpack wrote outside its tokens and heads"
 
 
-@pytest.mark.parametrize("src_layout,dst_layout,dtype", list(itertools.product(LAYOUTS, LAYOUTS, DTYPES)))
+@pytest.mark.parametrize(
+    "src_layout,dst_layout,dtype", list(itertools.product(LAYOUTS, LAYOUTS, DTYPES))
+)
 def test_exact_round_trip_across_layouts_and_block_sizes(src_layout, dst_layout, dtype):
     src = cache(src_layout, 10, 16, 4, 32, dtype, seed=3)
     region, fmt = ops.pack(ops.kv_planes(src, src_layout), [7, 2, 9, 0], 50)
@@ -109,12 +131,17 @@ def test_head_split_for_a_different_tp():
     for r, d in enumerate(ranks):
         part, fmt = ops.pack(ops.kv_planes(whole, "nhd"), ids, 40, heads=(4 * r, 4 * r + 4))
         ops.unpack(part, fmt, ops.kv_planes(d, "nhd"), ids)
-        assert torch.equal(d[:, ids, :, :][:, :, :].reshape(2, -1, 4, 64)[:, :40], whole[:, ids][..., 4 * r : 4 * r + 4, :].reshape(2, -1, 4, 64)[:, :40])
+        assert torch.equal(
+            d[:, ids, :, :][:, :, :].reshape(2, -1, 4, 64)[:, :40],
+            whole[:, ids][..., 4 * r : 4 * r + 4, :].reshape(2, -1, 4, 64)[:, :40],
+        )
     rebuilt = torch.zeros_like(whole)
     for r, d in enumerate(ranks):
         part, fmt = ops.pack(ops.kv_planes(d, "nhd"), ids, 40)
         ops.unpack(part, fmt, ops.kv_planes(rebuilt, "nhd"), ids, head_start=4 * r)
-    assert torch.equal(rebuilt[:, ids].reshape(2, -1, 8, 64)[:, :40], whole[:, ids].reshape(2, -1, 8, 64)[:, :40])
+    assert torch.equal(
+        rebuilt[:, ids].reshape(2, -1, 8, 64)[:, :40], whole[:, ids].reshape(2, -1, 8, 64)[:, :40]
+    )
 
 
 # relative error of FP8 e4m3 with one scale per (plane, token, head): 3 mantissa bits
@@ -144,11 +171,18 @@ def test_chunks_are_self_contained():
     """A chunk (one sender block) unpacks on its own, as the runtime does per arrival."""
     src = cache("nhd", 6, 8, 2, 16, seed=6)
     region, fmt = ops.pack(ops.kv_planes(src, "nhd"), [2, 4, 1], 20, fp8=True, chunk_tokens=8)
-    one = PackedFormat(num_tokens=8, num_heads=2, head_dim=16, dtype=fmt.dtype, scaled=True, chunk_tokens=8)
+    one = PackedFormat(
+        num_tokens=8, num_heads=2, head_dim=16, dtype=fmt.dtype, scaled=True, chunk_tokens=8
+    )
     assert one.nbytes == fmt.chunk_stride
     whole, part = torch.zeros_like(src), torch.zeros_like(src)
     ops.unpack(region, fmt, ops.kv_planes(whole, "nhd"), [0, 1, 2])
-    ops.unpack(region[fmt.chunk_stride : 2 * fmt.chunk_stride].clone(), one, ops.kv_planes(part, "nhd"), [1])
+    ops.unpack(
+        region[fmt.chunk_stride : 2 * fmt.chunk_stride].clone(),
+        one,
+        ops.kv_planes(part, "nhd"),
+        [1],
+    )
     assert torch.equal(part[:, 1], whole[:, 1])
 
 
@@ -254,7 +288,10 @@ def test_default_kernel_follows_the_measured_choice(binding, heads, bs, head_ran
     k, v = ops.kv_planes(cache("nhd", 4, bs, heads, 16), "nhd")
     region, fmt = ops.pack((k, v), [2, 0], bs + 1, heads=head_range, fp8=fp8)
     ops.unpack(region, fmt, (k, v), [1, 3], head_start=0)
-    assert [(op, ops.KERNELS[args[-1]]) for op, args in binding.calls] == [("pack", expected), ("unpack", expected)]
+    assert [(op, ops.KERNELS[args[-1]]) for op, args in binding.calls] == [
+        ("pack", expected),
+        ("unpack", expected),
+    ]
 
 
 def test_kernel_from_the_environment_or_the_call_wins_over_the_default(binding, monkeypatch):
@@ -266,7 +303,9 @@ def test_kernel_from_the_environment_or_the_call_wins_over_the_default(binding, 
     assert [ops.KERNELS[args[-1]] for _, args in binding.calls] == ["tiles", "rows", "tiles"]
 
 
-def test_the_bindings_input_errors_are_raised_as_ours_and_launch_failures_as_they_came(binding, monkeypatch):
+def test_the_bindings_input_errors_are_raised_as_ours_and_launch_failures_as_they_came(
+    binding, monkeypatch
+):
     """On the kernels' path host block ids reach the binding unchecked (it bounds-checks
     them in C++; the front skips its own pass) and the binding's refusals, RuntimeErrors
     starting "kvbridge: ", come out as OpsInputError with the binding's words."""
@@ -275,12 +314,18 @@ def test_the_bindings_input_errors_are_raised_as_ours_and_launch_failures_as_the
     assert binding.calls[-1][1][2].tolist() == [0, 9]
 
     def refuse(*args):
-        raise RuntimeError("kvbridge: block id 9 is out of range [0, 4)\nException raised from check_planes at csrc/api.cpp:130")
+        raise RuntimeError(
+            "kvbridge: block id 9 is out of range [0, 4)\nException raised from check_planes at csrc/api.cpp:130"
+        )
 
     monkeypatch.setattr(binding, "pack", refuse)
     with pytest.raises(OpsInputError, match=r"^block id 9 is out of range \[0, 4\)$"):
         ops.pack((k, v), [0, 9], 20)
-    for message in ("kvbridge: pack kernel launch failed: an illegal memory access", "CUDA error: out of memory"):
+    for message in (
+        "kvbridge: pack kernel launch failed: an illegal memory access",
+        "CUDA error: out of memory",
+    ):
+
         def fail(*args, message=message):
             raise RuntimeError(message)
 
@@ -296,16 +341,32 @@ def test_paged_kv_packs_and_unpacks_the_same_bytes_as_the_free_functions():
     layers = [ops.kv_planes(cache("hnd", 6, 16, 4, 32, seed=i), "hnd") for i in range(4)]
     kv = ops.PagedKV(layers)
     assert kv.num_layers == 4
-    for pick, fp8, heads in [((2, 0), False, None), ((3,), True, (1, 3)), ((0, 1, 2, 3), True, None)]:
+    for pick, fp8, heads in [
+        ((2, 0), False, None),
+        ((3,), True, (1, 3)),
+        ((0, 1, 2, 3), True, None),
+    ]:
         zeros = lambda: torch.zeros(1 << 18, dtype=torch.uint8)  # noqa: E731 - padding between chunks is left as it was
-        got, fmt = kv.pack([5, 1, 2], 40, layers=pick, heads=heads, fp8=fp8, chunk_tokens=16, out=zeros())
-        want, want_fmt = ops.pack([layers[i] for i in pick], [5, 1, 2], 40, heads=heads, fp8=fp8, chunk_tokens=16, out=zeros())
+        got, fmt = kv.pack(
+            [5, 1, 2], 40, layers=pick, heads=heads, fp8=fp8, chunk_tokens=16, out=zeros()
+        )
+        want, want_fmt = ops.pack(
+            [layers[i] for i in pick],
+            [5, 1, 2],
+            40,
+            heads=heads,
+            fp8=fp8,
+            chunk_tokens=16,
+            out=zeros(),
+        )
         assert fmt == want_fmt and torch.equal(got, want)
         dst = [ops.kv_planes(torch.zeros(2, 6, 4, 16, 32), "hnd") for _ in range(4)]
         into = ops.PagedKV(dst)
         into.unpack(got, fmt, [0, 3, 4], layers=pick, head_start=0 if heads is None else 1)
         ref = [ops.kv_planes(torch.zeros(2, 6, 4, 16, 32), "hnd") for _ in range(4)]
-        ops.unpack(want, want_fmt, [ref[i] for i in pick], [0, 3, 4], head_start=0 if heads is None else 1)
+        ops.unpack(
+            want, want_fmt, [ref[i] for i in pick], [0, 3, 4], head_start=0 if heads is None else 1
+        )
         for (a, b), (c, d) in zip(dst, ref, strict=True):
             assert torch.equal(a, c) and torch.equal(b, d)
     whole, _ = kv.pack([0], 16)
@@ -318,7 +379,9 @@ def test_paged_kv_rejects_bad_layers_at_construction_and_bad_selections_per_call
         ops.PagedKV([(k, v), (k, v[:2])])
     kv = ops.PagedKV([(k, v), (k, v)])
     for bad in ((), (2,), (0, -1)):
-        with pytest.raises(OpsInputError, match="not a non-empty selection of this cache's 2 layers"):
+        with pytest.raises(
+            OpsInputError, match="not a non-empty selection of this cache's 2 layers"
+        ):
             kv.pack([0], 10, layers=bad)
     with pytest.raises(OpsInputError, match="out of range"):
         kv.pack([0, 4], 20)
@@ -334,7 +397,12 @@ def test_block_ids_are_checked_the_same_way_whatever_their_type():
 
     k, v = ops.kv_planes(cache("nhd", 4, 16, 2, 32), "nhd")
     want, _ = ops.pack((k, v), [3, 1], 20)
-    for ids in ([3, 1, 9], np.array([3, 1], dtype=np.int32), torch.tensor([3, 1, -5]), torch.tensor([3, 1], dtype=torch.int32)):
+    for ids in (
+        [3, 1, 9],
+        np.array([3, 1], dtype=np.int32),
+        torch.tensor([3, 1, -5]),
+        torch.tensor([3, 1], dtype=torch.int32),
+    ):
         assert torch.equal(ops.pack((k, v), ids, 20)[0], want)
     for ids in ([3, 4], np.array([-1, 0]), torch.tensor([3, 4])):
         with pytest.raises(OpsInputError, match="out of range"):
@@ -415,7 +483,9 @@ def test_latent_round_trip_between_engines_and_block_sizes_is_exact(dtype):
     got = dst.view(12, 8, LATENT)[dst_pages].reshape(-1, LATENT)[:n]
     assert torch.equal(got, want)
     pages = dst.view(12, 8, LATENT)
-    assert not pages[[p for p in range(12) if p not in dst_pages]].any(), "unpack wrote outside the destination pages"
+    assert not pages[[p for p in range(12) if p not in dst_pages]].any(), (
+        "unpack wrote outside the destination pages"
+    )
     assert not pages[3, n - 32 :].any(), "unpack wrote past the last token"
 
 
@@ -424,13 +494,18 @@ def test_latent_fp8_error_is_bounded_per_half_vector(dtype):
     src = latent_cache((8, 16, LATENT), dtype, seed=4)
     ids = [1, 3, 6]
     region, fmt = ops.pack(ops.kv_planes(src, "latent", 16), ids, 40, fp8=True, chunk_tokens=16)
-    assert fmt.num_chunks * fmt.chunk_stride == region.numel() == 3 * (16 * LATENT + 2 * 16 * 4)  # 1 byte a value, 2 scales a token
+    assert (
+        fmt.num_chunks * fmt.chunk_stride == region.numel() == 3 * (16 * LATENT + 2 * 16 * 4)
+    )  # 1 byte a value, 2 scales a token
     dst = torch.zeros_like(src)
     ops.unpack(region, fmt, ops.kv_planes(dst, "latent", 16), ids)
     a, b = src[ids].reshape(-1, LATENT)[:40].float(), dst[ids].reshape(-1, LATENT)[:40].float()
     rel = ((a - b).norm() / a.norm()).item()
     assert 0 < rel < FP8_BOUND[dtype], rel
-    for half in (slice(0, LATENT // 2), slice(LATENT // 2, LATENT)):  # one scale per half: each keeps its precision
+    for half in (
+        slice(0, LATENT // 2),
+        slice(LATENT // 2, LATENT),
+    ):  # one scale per half: each keeps its precision
         row_rel = ((a[:, half] - b[:, half]).norm(dim=-1) / a[:, half].norm(dim=-1)).max().item()
         assert row_rel < 0.07, row_rel
 
@@ -441,6 +516,10 @@ def test_bad_latent_caches_are_rejected_with_a_clear_error():
     with pytest.raises(OpsInputError, match="an even size"):
         ops.kv_planes(torch.zeros(4, 16, 575), "latent", block_size=16)
     with pytest.raises(OpsInputError, match="an even size"):
-        ops.kv_planes(torch.zeros(4, 10, LATENT), "latent", block_size=16)  # 40 tokens are not blocks of 16
+        ops.kv_planes(
+            torch.zeros(4, 10, LATENT), "latent", block_size=16
+        )  # 40 tokens are not blocks of 16
     with pytest.raises(OpsInputError, match="not blocks of 16 vectors"):
-        ops.kv_planes(torch.zeros(4, 8, 2, LATENT).transpose(1, 2), "latent", block_size=16)  # tokens of a block not evenly strided
+        ops.kv_planes(
+            torch.zeros(4, 8, 2, LATENT).transpose(1, 2), "latent", block_size=16
+        )  # tokens of a block not evenly strided

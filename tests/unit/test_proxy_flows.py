@@ -30,7 +30,9 @@ async def _upstream(seen: list[dict[str, Any]], reply: dict[str, Any]) -> tuple[
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def _through_proxy(flow: str, prefill_reply: dict[str, Any]) -> tuple[int, dict[str, Any], list[dict], list[dict]]:
+async def _through_proxy(
+    flow: str, prefill_reply: dict[str, Any]
+) -> tuple[int, dict[str, Any], list[dict], list[dict]]:
     p_seen: list[dict] = []
     d_seen: list[dict] = []
     p_runner, p_url = await _upstream(p_seen, prefill_reply)
@@ -53,11 +55,17 @@ async def _through_proxy(flow: str, prefill_reply: dict[str, Any]) -> tuple[int,
 
 def test_pull_passes_the_prefill_params_to_decode() -> None:
     params = {"do_remote_prefill": True, "remote_block_ids": [3, 4]}
-    status, out, p_seen, d_seen = asyncio.run(_through_proxy("pull", {"choices": [{"text": "x"}], "kv_transfer_params": params}))
+    status, out, p_seen, d_seen = asyncio.run(
+        _through_proxy("pull", {"choices": [{"text": "x"}], "kv_transfer_params": params})
+    )
     assert status == 200 and out["choices"][0]["text"] == "decoded"
-    assert p_seen[0]["max_tokens"] == 1 and p_seen[0]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert p_seen[0]["max_tokens"] == 1 and p_seen[0]["kv_transfer_params"] == {
+        "do_remote_decode": True
+    }
     assert d_seen[0]["kv_transfer_params"] == params
-    assert d_seen[0]["max_tokens"] == 9 and d_seen[0]["repetition_penalty"] == 1.1, "fields pass through"
+    assert d_seen[0]["max_tokens"] == 9 and d_seen[0]["repetition_penalty"] == 1.1, (
+        "fields pass through"
+    )
 
 
 def test_pull_without_prefill_params_names_the_sequential_flow() -> None:

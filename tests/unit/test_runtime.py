@@ -17,6 +17,7 @@ from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.lifecycle import RecvPhase
 from kvbridge.runtime import node as node_module
 
+
 @pytest.fixture
 def pd() -> Iterator[tuple]:
     p_cache, d_cache = make_cache(1), make_cache(None)
@@ -107,7 +108,9 @@ def test_pull_flow_reads_then_releases(pd) -> None:
     P.sender.track("q", [7, 8, 9], 40, pull=True)
     P.sender.prefill_done("q")
     assert P.sender.wait_released(0.2) == [], "held until the decode side read them"
-    D.receiver.expect_pull("q", P.address, P.epoch, [7, 8, 9], [8, 9], 40, skip_tokens=16)  # D has block 0 cached
+    D.receiver.expect_pull(
+        "q", P.address, P.epoch, [7, 8, 9], [8, 9], 40, skip_tokens=16
+    )  # D has block 0 cached
     assert D.receiver.wait_finished(5) == (["q"], [])
     np.testing.assert_array_equal(da[:, [8, 9]], pa[:, [8, 9]])
     assert P.sender.wait_released(5) == ["q"]
@@ -129,7 +132,11 @@ def test_a_layer_queued_on_a_device_is_sent_only_once_its_event_completed(pd) ->
     """On a GPU the host reports a layer when it has queued its kernels: nothing of it
     may be written before its compute event completes, layer by layer."""
     P, D, pa, da = pd
-    n, pblocks, dblocks = 128, list(range(3, 11)), list(range(20, 28))  # streamed: >= layerwise_min_tokens
+    n, pblocks, dblocks = (
+        128,
+        list(range(3, 11)),
+        list(range(20, 28)),
+    )  # streamed: >= layerwise_min_tokens
     D.receiver.expect_push("g", P.address, dblocks, n)
     P.sender.track("g", pblocks, n)
     eventually(lambda: P.sender.phase("g").value == "sending")  # the destination came
@@ -138,7 +145,9 @@ def test_a_layer_queued_on_a_device_is_sent_only_once_its_event_completed(pd) ->
         P.sender.layer_done("g", layer, n, ready=events[layer])
     for layer in range(L):
         assert events[layer].polled.wait(5), "the sender stopped polling the layer's event"
-        assert not da[layer:].any(), f"layer {layer} or a later one was written before its compute finished"
+        assert not da[layer:].any(), (
+            f"layer {layer} or a later one was written before its compute finished"
+        )
         events[layer].complete()
         eventually(lambda: np.array_equal(da[layer, dblocks], pa[layer, pblocks]))
     P.sender.prefill_done("g", ready=DeviceEvent())  # its event does not hold back what was sent
@@ -178,12 +187,16 @@ def test_a_prompt_sent_after_its_prefill_waits_for_the_forward_s_device_event(pd
     P.sender.prefill_done("f", ready=done)
     eventually(lambda: P.sender.phase("f").value == "sending")  # the destination came
     assert done.polled_again()
-    assert not da.any() and P.sender.wait_released(0) == [], "sent before the forward's kernels finished"
+    assert not da.any() and P.sender.wait_released(0) == [], (
+        "sent before the forward's kernels finished"
+    )
     done.complete()
     assert D.receiver.wait_finished(5) == (["f"], [])
     np.testing.assert_array_equal(da[:, [1, 2]], pa[:, [5, 6]])
     assert P.sender.wait_released(5) == ["f"]
-    assert all(e.queries == 0 for e in layer_events), "a prompt sent after its prefill needs no per-layer events"
+    assert all(e.queries == 0 for e in layer_events), (
+        "a prompt sent after its prefill needs no per-layer events"
+    )
 
 
 def test_a_device_event_that_never_completes_fails_the_request_at_transfer_s() -> None:
@@ -194,7 +207,9 @@ def test_a_device_event_that_never_completes_fails_the_request_at_transfer_s() -
         stuck = DeviceEvent()
         P.sender.prefill_done("w", ready=stuck)
         start = time.monotonic()
-        assert P.sender.wait_released(5) == ["w"], "the prefill kept the blocks of a request it cannot send"
+        assert P.sender.wait_released(5) == ["w"], (
+            "the prefill kept the blocks of a request it cannot send"
+        )
         assert time.monotonic() - start < 3
         assert D.receiver.wait_finished(5) == ([], ["w"])
         assert P.stats.take().failures == 1
@@ -228,7 +243,10 @@ def test_silent_prefill_fails_the_load_at_receive_s() -> None:
 
 
 def test_dead_prefill_is_detected_by_heartbeats_long_before_receive_s() -> None:
-    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 60, "heartbeat_s": 0.2})
+    P, D = (
+        endpoint("P", make_cache(1)),
+        endpoint("D", make_cache(None), {"receive_s": 60, "heartbeat_s": 0.2}),
+    )
     try:
         D.receiver.expect_push("h", P.address, [1], 10)
         eventually(lambda: D.receiver.phase("h").value == "waiting")
@@ -301,7 +319,9 @@ def test_destination_that_does_not_fit_fails_both_sides(pd) -> None:
     assert P.sender.wait_released(5) == ["m"]
 
 
-def test_a_destination_for_a_p_first_request_is_refused_on_the_direct_path(pd, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_destination_for_a_p_first_request_is_refused_on_the_direct_path(
+    pd, caplog: pytest.LogCaptureFixture
+) -> None:
     """On the direct path the decode side reads P-first requests itself: a destination
     for one is a confused decode, refused on both sides (the packed path accepts it)."""
     P, D, _, _ = pd
@@ -331,7 +351,9 @@ def test_incompatible_peer_is_refused_naming_what_differs(caplog: pytest.LogCapt
         P.close()
 
 
-def test_each_slow_handshake_step_is_logged_by_name(pd, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_slow_handshake_step_is_logged_by_name(
+    pd, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A handshake past the threshold says where its time went: on the decode side the
     wait for another handshake, the reply and adding the peer, its transport work on
     either side, the Welcome on the prefill side (all "slow" at a threshold of 0)."""
@@ -340,11 +362,18 @@ def test_each_slow_handshake_step_is_logged_by_name(pd, caplog: pytest.LogCaptur
     caplog.set_level(logging.WARNING, logger=node_module.__name__)
     D.node.connect(P.address)
     messages = [r.getMessage() for r in caplog.records]
-    for step in (f"the handshake with {P.address} took", f"adding peer {P.node.id} to the loopback transport", f"adding peer {D.node.id} to the loopback transport", f"writing the Welcome for {D.node.id}"):
+    for step in (
+        f"the handshake with {P.address} took",
+        f"adding peer {P.node.id} to the loopback transport",
+        f"adding peer {D.node.id} to the loopback transport",
+        f"writing the Welcome for {D.node.id}",
+    ):
         assert any(step in m for m in messages), (step, messages)
 
 
-def test_a_shared_secret_authenticates_the_handshake_and_a_different_one_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_shared_secret_authenticates_the_handshake_and_a_different_one_is_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     p_cache, d_cache = make_cache(1), make_cache(None)
     P = endpoint("P", p_cache, secret="ours")
     D, E = endpoint("D", d_cache, secret="ours"), endpoint("D", make_cache(None), secret="not ours")
@@ -352,17 +381,25 @@ def test_a_shared_secret_authenticates_the_handshake_and_a_different_one_is_refu
         D.receiver.expect_push("a", P.address, [3, 4], 20)
         P.sender.track("a", [7, 8], 20)
         P.sender.prefill_done("a")
-        assert D.receiver.wait_finished(5) == (["a"], [])  # MACs on requests, replies and notifications
+        assert D.receiver.wait_finished(5) == (
+            ["a"],
+            [],
+        )  # MACs on requests, replies and notifications
         np.testing.assert_array_equal(d_cache[0][:, [3, 4]], p_cache[0][:, [7, 8]])
         E.receiver.expect_push("b", P.address, [3], 10)
         assert E.receiver.wait_finished(5) == ([], ["b"])
-        assert any("failed authentication" in r.getMessage() and "same 'secret'" in r.getMessage() for r in caplog.records)
+        assert any(
+            "failed authentication" in r.getMessage() and "same 'secret'" in r.getMessage()
+            for r in caplog.records
+        )
     finally:
         for e in (E, D, P):
             e.close()
 
 
-def test_with_a_secret_a_notification_without_its_mac_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+def test_with_a_secret_a_notification_without_its_mac_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A forged ``LayerDone`` would make the decode take blocks nobody wrote as received."""
     from kvbridge.wire.messages import LayerDone
 
@@ -384,7 +421,17 @@ def test_with_a_secret_a_notification_without_its_mac_is_dropped(caplog: pytest.
         P.close()
 
 
-@pytest.mark.parametrize("field", ["bytes_received", "requests_sent", "descriptors", "exposed_s", "request_transfer_s", "transfer_s"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "bytes_received",
+        "requests_sent",
+        "descriptors",
+        "exposed_s",
+        "request_transfer_s",
+        "transfer_s",
+    ],
+)
 def test_a_snapshot_with_any_single_record_is_not_empty(field: str) -> None:
     """Workers drop empty snapshots after taking them: nothing recorded may be dropped."""
     from kvbridge.runtime.stats import TransferStats
@@ -439,7 +486,10 @@ def test_heartbeats_to_a_slow_prefill_do_not_pile_up() -> None:
     CI: a destination never left in 120 s). One beat in flight per prefill at a time."""
     import threading
 
-    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.1})
+    P, D = (
+        endpoint("P", make_cache(1)),
+        endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.1}),
+    )
     stuck = threading.Event()
     slow = _heartbeats_held_until(stuck, P)
     lock, running, most, beats = threading.Lock(), [0], [0], [0]
@@ -476,14 +526,19 @@ def test_busy_prefill_is_not_declared_dead_while_it_still_listens() -> None:
     own deadlines) instead of failing as if it were dead."""
     import threading
 
-    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.2})
+    P, D = (
+        endpoint("P", make_cache(1)),
+        endpoint("D", make_cache(None), {"receive_s": 30, "heartbeat_s": 0.2}),
+    )
     stuck = threading.Event()
     slow = _heartbeats_held_until(stuck, P)
     try:
         D.receiver.expect_push("b", P.address, [1], 10)
         eventually(lambda: D.receiver.phase("b").value == "waiting")
         P.server._handler = slow  # type: ignore[union-attr]
-        assert D.receiver.wait_finished(2.0) == ([], []), "a busy but listening prefill was declared dead"
+        assert D.receiver.wait_finished(2.0) == ([], []), (
+            "a busy but listening prefill was declared dead"
+        )
         P.sender.track("b", [4], 10)
         for layer in range(L):
             P.sender.layer_done("b", layer, 10)
@@ -519,7 +574,9 @@ def test_sliding_layers_move_only_the_blocks_the_decode_holds(hybrid) -> None:
     P.sender.track("h", BlockTable.grouped([full[:4], sliding[:4]]), n)
     for layer in (1, 3):  # the sliding layers first: a post of their own, all before the window
         P.sender.layer_done("h", layer, 64)
-    eventually(lambda: D.receiver.phase("h") is RecvPhase.RECEIVING)  # its notification arrived, with nothing written
+    eventually(
+        lambda: D.receiver.phase("h") is RecvPhase.RECEIVING
+    )  # its notification arrived, with nothing written
     assert not da.any()
     for layer in (0, 2):
         P.sender.layer_done("h", layer, 64)
@@ -543,9 +600,18 @@ def test_sliding_layers_move_only_the_blocks_the_decode_holds(hybrid) -> None:
 
 def test_pull_reads_each_group_s_blocks_into_the_decode_s(hybrid) -> None:
     P, D, pa, da = hybrid
-    P.sender.track("g", BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), 40, pull=True)  # the prefill freed its first sliding block
+    P.sender.track(
+        "g", BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), 40, pull=True
+    )  # the prefill freed its first sliding block
     P.sender.prefill_done("g")
-    D.receiver.expect_pull("g", P.address, P.epoch, BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), BlockTable.grouped([[1, 2, 3], [NONE, 4, 5]]), 40)
+    D.receiver.expect_pull(
+        "g",
+        P.address,
+        P.epoch,
+        BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]),
+        BlockTable.grouped([[1, 2, 3], [NONE, 4, 5]]),
+        40,
+    )
     assert D.receiver.wait_finished(5) == (["g"], [])
     for layer in (0, 2):
         np.testing.assert_array_equal(da[layer, [1, 2, 3]], pa[layer, [7, 8, 9]])
@@ -555,7 +621,9 @@ def test_pull_reads_each_group_s_blocks_into_the_decode_s(hybrid) -> None:
     assert P.sender.wait_released(5) == ["g"]
 
 
-def test_a_decode_expecting_blocks_the_prefill_freed_fails_cleanly(hybrid, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_decode_expecting_blocks_the_prefill_freed_fails_cleanly(
+    hybrid, caplog: pytest.LogCaptureFixture
+) -> None:
     """The decode holds a sliding block the prefill no longer has: the write fails with
     the reason, on both sides; nothing is read from a freed block."""
     P, D, pa, da = hybrid
@@ -567,25 +635,39 @@ def test_a_decode_expecting_blocks_the_prefill_freed_fails_cleanly(hybrid, caplo
     assert D.receiver.wait_finished(5) == ([], ["f"])
     assert P.sender.wait_released(5) == ["f"]
     assert not da[[1, 3]][:, [32]].any()
-    assert any("expects position 0 of the request's blocks, which the source no longer holds" in r.getMessage() for r in caplog.records)
+    assert any(
+        "expects position 0 of the request's blocks, which the source no longer holds"
+        in r.getMessage()
+        for r in caplog.records
+    )
 
 
-def test_a_destination_with_other_kv_cache_groups_is_refused(hybrid, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_destination_with_other_kv_cache_groups_is_refused(
+    hybrid, caplog: pytest.LogCaptureFixture
+) -> None:
     P, D, _, _ = hybrid
     P.sender.track("x", BlockTable.grouped([[1, 2], [3, 4]]), 20)
     D.receiver.expect_push("x", P.address, [30, 31], 20)  # one group, where the prefill has two
     assert D.receiver.wait_finished(5) == ([], ["x"])
     assert P.sender.wait_released(5) == ["x"]
-    assert any("blocks of 1 KV cache groups, this prefill's request 2" in r.getMessage() for r in caplog.records)
+    assert any(
+        "blocks of 1 KV cache groups, this prefill's request 2" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_one_sliding_group_moves_only_its_window() -> None:
     """Every layer in one sliding-window group (a model whose layers all slide)."""
     p_cache, d_cache = make_cache(1), make_cache(None)
-    P, D = endpoint("P", p_cache, groups=((0,) * L, (40,))), endpoint("D", d_cache, groups=((0,) * L, (40,)))
+    P, D = (
+        endpoint("P", p_cache, groups=((0,) * L, (40,))),
+        endpoint("D", d_cache, groups=((0,) * L, (40,))),
+    )
     pa, da = p_cache[0], d_cache[0]
     try:
-        D.receiver.expect_push("o", P.address, BlockTable.grouped([[NONE] * 10 + [40, 41, 42]]), 200)
+        D.receiver.expect_push(
+            "o", P.address, BlockTable.grouped([[NONE] * 10 + [40, 41, 42]]), 200
+        )
         P.sender.track("o", BlockTable.grouped([list(range(13))]), 200)
         for layer in range(L):
             P.sender.layer_done("o", layer, 200)
@@ -612,8 +694,12 @@ def test_state_layers_write_their_state_block_once_the_prompt_is_computed() -> N
     p_cache, d_cache = make_cache(1), make_cache(None)
     lb = tuple(STATE if layer % 2 else SPEC.block_bytes for layer in range(L))
     groups = ((1, 0, 1, 0), (0, 0))
-    P = endpoint("P", (p_cache[0], msgspec.structs.replace(p_cache[1], layer_bytes=lb)), groups=groups)
-    D = endpoint("D", (d_cache[0], msgspec.structs.replace(d_cache[1], layer_bytes=lb)), groups=groups)
+    P = endpoint(
+        "P", (p_cache[0], msgspec.structs.replace(p_cache[1], layer_bytes=lb)), groups=groups
+    )
+    D = endpoint(
+        "D", (d_cache[0], msgspec.structs.replace(d_cache[1], layer_bytes=lb)), groups=groups
+    )
     pa, da = p_cache[0], d_cache[0]
 
     def raw(a: np.ndarray, layer: int, block: int) -> np.ndarray:
@@ -635,7 +721,9 @@ def test_state_layers_write_their_state_block_once_the_prompt_is_computed() -> N
         assert D.receiver.wait_finished(5) == (["s"], [])
         for layer in (1, 3):
             np.testing.assert_array_equal(raw(da, layer, 44)[:STATE], raw(pa, layer, 20)[:STATE])
-            assert not raw(da, layer, 44)[STATE:].any() and not np.delete(da[layer], 44, axis=0).any(), "bytes beyond the state moved"
+            assert (
+                not raw(da, layer, 44)[STATE:].any() and not np.delete(da[layer], 44, axis=0).any()
+            ), "bytes beyond the state moved"
         assert P.sender.wait_released(5) == ["s"]
         moved = 2 * 13 * SPEC.block_bytes + 2 * STATE
         assert P.stats.take().bytes_sent == moved

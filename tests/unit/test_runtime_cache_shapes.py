@@ -31,9 +31,24 @@ def nhd_cache(block_size: int, seed: int | None) -> tuple[torch.Tensor, CacheGeo
     addressed in blocks of ``UNIT`` tokens."""
     n = TOKENS // block_size
     shape = (L, 2, n, block_size, H, HD)
-    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
-    spec = CacheSpec(num_layers=L, block_size=block_size, num_kv_heads=H, head_dim=HD, dtype="float32", layout="nhd")
-    geo = CacheGeometry(spec=spec, num_blocks=n, plane_bases=tuple(t[l, p].data_ptr() for l in range(L) for p in range(2)))
+    t = (
+        torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        if seed is not None
+        else torch.zeros(shape)
+    )
+    spec = CacheSpec(
+        num_layers=L,
+        block_size=block_size,
+        num_kv_heads=H,
+        head_dim=HD,
+        dtype="float32",
+        layout="nhd",
+    )
+    geo = CacheGeometry(
+        spec=spec,
+        num_blocks=n,
+        plane_bases=tuple(t[l, p].data_ptr() for l in range(L) for p in range(2)),
+    )
     return t, geo.in_blocks_of(UNIT)
 
 
@@ -47,7 +62,9 @@ def tokens(t: torch.Tensor, engine_blocks: list[int]) -> torch.Tensor:
     return t[:, :, engine_blocks].flatten(2, 3)
 
 
-def transfer(P, D, flow: str, p_blocks: list[int], d_blocks: list[int], n: int, skip: int = 0) -> None:
+def transfer(
+    P, D, flow: str, p_blocks: list[int], d_blocks: list[int], n: int, skip: int = 0
+) -> None:
     """One prompt of ``n`` tokens from ``p_blocks`` into ``d_blocks`` (tokens from
     ``skip``), push (the destination first) or P-first; returns once D received it."""
     if flow == "push":
@@ -61,14 +78,18 @@ def transfer(P, D, flow: str, p_blocks: list[int], d_blocks: list[int], n: int, 
     assert D.receiver.wait_finished(5) == (["r"], [])
 
 
-SPEC = CacheSpec(num_layers=L, block_size=UNIT, num_kv_heads=H, head_dim=HD, dtype="float32", layout="nhd")
+SPEC = CacheSpec(
+    num_layers=L, block_size=UNIT, num_kv_heads=H, head_dim=HD, dtype="float32", layout="nhd"
+)
 PATHS = {"direct": {}, "packed": {"data_path": "packed"}, "fp8": {"wire_dtype": "fp8"}}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 64), (64, 32)], ids=["P16-D64", "P64-D32"])
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_decode_holds_the_prefill_tokens_in_its_own_blocks(p_bs: int, d_bs: int, path: str, flow: str) -> None:
+def test_decode_holds_the_prefill_tokens_in_its_own_blocks(
+    p_bs: int, d_bs: int, path: str, flow: str
+) -> None:
     p, d = nhd_cache(p_bs, 1), nhd_cache(d_bs, None)
     cfg = {**PATHS[path], "transfer_block_size": UNIT}
     packed = path != "direct"
@@ -102,7 +123,9 @@ def test_decode_holds_the_prefill_tokens_in_its_own_blocks(p_bs: int, d_bs: int,
 
 
 def test_latent_caches_split_into_smaller_blocks() -> None:
-    spec = CacheSpec(num_layers=1, block_size=64, num_kv_heads=1, head_dim=576, dtype="bfloat16", layout="latent")
+    spec = CacheSpec(
+        num_layers=1, block_size=64, num_kv_heads=1, head_dim=576, dtype="bfloat16", layout="latent"
+    )
     t = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
     geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(t.data_ptr(),)).in_blocks_of(16)
     # block 5 of 16 tokens is tokens 16..31 of engine block 1
@@ -112,31 +135,54 @@ def test_latent_caches_split_into_smaller_blocks() -> None:
 
 @pytest.mark.parametrize("layout", ["fused", "hnd"])
 def test_layouts_that_keep_a_block_s_tokens_apart_cannot_be_split(layout: str) -> None:
-    spec = CacheSpec(num_layers=1, block_size=32, num_kv_heads=2, head_dim=8, dtype="float16", layout=layout)
+    spec = CacheSpec(
+        num_layers=1, block_size=32, num_kv_heads=2, head_dim=8, dtype="float16", layout=layout
+    )
     geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000,) * spec.planes_per_layer)
     with pytest.raises(PlanError, match="token by token"):
         geo.in_blocks_of(16)
 
 
 def test_a_size_that_does_not_divide_the_block_or_interleaved_blocks_are_refused() -> None:
-    spec = CacheSpec(num_layers=1, block_size=32, num_kv_heads=2, head_dim=8, dtype="float16", layout="nhd")
+    spec = CacheSpec(
+        num_layers=1, block_size=32, num_kv_heads=2, head_dim=8, dtype="float16", layout="nhd"
+    )
     geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000))
     with pytest.raises(PlanError, match="does not divide"):
         geo.in_blocks_of(12)
     with pytest.raises(PlanError, match="back to back"):
-        CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000), block_stride=2 * spec.block_bytes).in_blocks_of(16)
+        CacheGeometry(
+            spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000), block_stride=2 * spec.block_bytes
+        ).in_blocks_of(16)
 
 
-def cache(layout: str, seed: int | None, block_size: int = UNIT) -> tuple[torch.Tensor, CacheGeometry, list]:
+def cache(
+    layout: str, seed: int | None, block_size: int = UNIT
+) -> tuple[torch.Tensor, CacheGeometry, list]:
     """Per layer a ``(2, blocks, ...)`` tensor of ``layout`` (NHD or HND), its geometry
     and its K and V planes (what the vLLM worker makes of a FlashAttention or a
     FlashInfer HND cache)."""
     n = TOKENS // block_size
     inner = (block_size, H, HD) if layout == "nhd" else (H, block_size, HD)
     shape = (L, 2, n, *inner)
-    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
-    spec = CacheSpec(num_layers=L, block_size=block_size, num_kv_heads=H, head_dim=HD, dtype="float32", layout=layout)
-    geo = CacheGeometry(spec=spec, num_blocks=n, plane_bases=tuple(t[l, p].data_ptr() for l in range(L) for p in range(2)))
+    t = (
+        torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        if seed is not None
+        else torch.zeros(shape)
+    )
+    spec = CacheSpec(
+        num_layers=L,
+        block_size=block_size,
+        num_kv_heads=H,
+        head_dim=HD,
+        dtype="float32",
+        layout=layout,
+    )
+    geo = CacheGeometry(
+        spec=spec,
+        num_blocks=n,
+        plane_bases=tuple(t[l, p].data_ptr() for l in range(L) for p in range(2)),
+    )
     return t, geo, [ops.kv_planes(t[l], layout) for l in range(L)]
 
 
@@ -149,7 +195,9 @@ def token_rows(t: torch.Tensor, layout: str, blocks: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("wire", ["exact", "fp8"])
 @pytest.mark.parametrize(("p_layout", "d_layout"), [("nhd", "hnd"), ("hnd", "nhd")])
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_nhd_and_hnd_caches_pair_on_the_packed_path(p_layout: str, d_layout: str, wire: str, flow: str) -> None:
+def test_nhd_and_hnd_caches_pair_on_the_packed_path(
+    p_layout: str, d_layout: str, wire: str, flow: str
+) -> None:
     (pt, pg, pp), (dt, dg, dp) = cache(p_layout, 1), cache(d_layout, None)
     cfg = {"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"}
     P = runtime_pair.endpoint("P", (pt, pg), spec=pg.spec, planes=pp, **cfg)
@@ -186,16 +234,29 @@ def test_nhd_and_hnd_caches_are_refused_on_the_direct_path() -> None:
 # --- vLLM 0.32's GPU attention views (built by vLLM's own create_kv_cache_views) -------------
 
 
-def vllm_cache(name: str, block_size: int, seed: int | None) -> tuple[dict[str, torch.Tensor], CacheGeometry, list]:
+def vllm_cache(
+    name: str, block_size: int, seed: int | None
+) -> tuple[dict[str, torch.Tensor], CacheGeometry, list]:
     """vLLM's views of a ``name`` (``VLLM_KV_CACHE_LAYOUT``) cache, described by the vLLM
     adapter in blocks of ``UNIT`` tokens, with the planes its worker hands the packed path."""
     from vllm_views import vllm_views
 
     from kvbridge.adapters.vllm.cache import geometry_from_tensors
 
-    views = vllm_views(name, layers=L, blocks=TOKENS // block_size, block_size=block_size, heads=H, head_size=HD, seed=seed)
+    views = vllm_views(
+        name,
+        layers=L,
+        blocks=TOKENS // block_size,
+        block_size=block_size,
+        heads=H,
+        head_size=HD,
+        seed=seed,
+    )
     geo = geometry_from_tensors(views, list(views), block_size, cpu_backend=False)
-    planes = [tuple(p.view(-1, UNIT, H, HD) for p in ops.kv_planes(v, geo.spec.layout)) for v in views.values()]
+    planes = [
+        tuple(p.view(-1, UNIT, H, HD) for p in ops.kv_planes(v, geo.spec.layout))
+        for v in views.values()
+    ]
     return views, geo.in_blocks_of(UNIT), planes
 
 
@@ -209,14 +270,21 @@ def view_tokens(views: dict[str, torch.Tensor], blocks: list[int]) -> torch.Tens
     [
         ("BLNHC", "BLNHC", UNIT, {}),  # direct: every layer's block interleaved in one allocation
         ("LBHNC", "LBHNC", UNIT, {}),
-        ("LBNHC", "LBNHC", 2 * UNIT, {"transfer_block_size": UNIT}),  # direct, different block sizes
+        (
+            "LBNHC",
+            "LBNHC",
+            2 * UNIT,
+            {"transfer_block_size": UNIT},
+        ),  # direct, different block sizes
         ("LBNHC", "LBHNC", UNIT, {"data_path": "packed"}),  # tokens-first into heads-first
         ("LBHNC", "LBNHC", 2 * UNIT, {"wire_dtype": "fp8", "transfer_block_size": UNIT}),
         ("BLHNC", "BLNHC", UNIT, {"wire_dtype": "fp8"}),
     ],
 )
 @pytest.mark.parametrize("flow", ["push", "pull"])
-def test_vllm_gpu_views_move_each_token_into_the_decode_s_view(p_name: str, d_name: str, d_bs: int, cfg: dict, flow: str) -> None:
+def test_vllm_gpu_views_move_each_token_into_the_decode_s_view(
+    p_name: str, d_name: str, d_bs: int, cfg: dict, flow: str
+) -> None:
     (pv, pg, pp), (dv, dg, dp) = vllm_cache(p_name, UNIT, 1), vllm_cache(d_name, d_bs, None)
     packed = bool(cfg.get("data_path") or cfg.get("wire_dtype"))
     P = runtime_pair.endpoint("P", (pv, pg), spec=pg.spec, planes=pp if packed else None, **cfg)
@@ -227,7 +295,10 @@ def test_vllm_gpu_views_move_each_token_into_the_decode_s_view(p_name: str, d_na
         d_engine = [6, 2, 9, 4, 0] if d_bs == UNIT * 2 else [12, 3, 8, 1, 15, 6, 10, 0, 4, 13]
         d_blocks = sub_block_ids(d_engine, d_bs // UNIT, math.ceil(n / UNIT))
         transfer(P, D, flow, p_blocks, d_blocks, n)
-        want, got = view_tokens(pv, p_blocks)[:, :n].float(), view_tokens(dv, d_engine)[:, :n].float()
+        want, got = (
+            view_tokens(pv, p_blocks)[:, :n].float(),
+            view_tokens(dv, d_engine)[:, :n].float(),
+        )
         if cfg.get("wire_dtype") == "fp8":
             assert 0 < ((got - want).norm() / want.norm()).item() < 0.04
         else:

@@ -17,20 +17,30 @@ from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.transports.loopback import LoopbackTransport
 
 L, N, BS, H, HD = 4, 48, 16, 2, 32
-SPEC = CacheSpec(num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused")
+SPEC = CacheSpec(
+    num_layers=L, block_size=BS, num_kv_heads=H, head_dim=HD, dtype="float32", layout="fused"
+)
 
 
 def make_cache(seed: int | None, num_blocks: int = N) -> tuple[torch.Tensor, CacheGeometry]:
     """vLLM-CPU-shaped layers (num_blocks, heads, block_size, 2 * head_dim)."""
     shape = (L, num_blocks, H, BS, 2 * HD)
-    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) if seed is not None else torch.zeros(shape)
-    geo = CacheGeometry(spec=SPEC, num_blocks=num_blocks, plane_bases=tuple(t[i].data_ptr() for i in range(L)))
+    t = (
+        torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        if seed is not None
+        else torch.zeros(shape)
+    )
+    geo = CacheGeometry(
+        spec=SPEC, num_blocks=num_blocks, plane_bases=tuple(t[i].data_ptr() for i in range(L))
+    )
     return t, geo
 
 
 def endpoint(role: str, cache, wire_dtype: str = "fp8", **cfg) -> Endpoint:
     planes = [ops.kv_planes(cache[0][i], "fused") for i in range(L)]
-    return runtime_pair.endpoint(role, cache, spec=SPEC, planes=planes, wire_dtype=wire_dtype, **cfg)
+    return runtime_pair.endpoint(
+        role, cache, spec=SPEC, planes=planes, wire_dtype=wire_dtype, **cfg
+    )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,7 +56,15 @@ def pd() -> Iterator[tuple]:
     P.close()
 
 
-def _prefill(P: Endpoint, tid: str, blocks: list[int], n: int, chunks: tuple[int, ...], cache: torch.Tensor | None = None, pull: bool = False) -> None:
+def _prefill(
+    P: Endpoint,
+    tid: str,
+    blocks: list[int],
+    n: int,
+    chunks: tuple[int, ...],
+    cache: torch.Tensor | None = None,
+    pull: bool = False,
+) -> None:
     """Track, then compute: ``cache``'s contents stand for the KV the engine writes
     after ``track`` (which may clear the partial last block first)."""
     written = None if cache is None else cache[:, blocks].clone()
@@ -69,8 +87,12 @@ def test_fp8_push_lands_every_layer_with_bounded_error_and_a_quarter_of_the_byte
     k_src, v_src = zip(*(ops.kv_planes(pa[i], "fused") for i in range(L)))
     k_dst, v_dst = zip(*(ops.kv_planes(da[i], "fused") for i in range(L)))
     for layer in range(L):
-        src = torch.cat([k_src[layer][pblocks].flatten(0, 1)[:n], v_src[layer][pblocks].flatten(0, 1)[:n]])
-        dst = torch.cat([k_dst[layer][dblocks].flatten(0, 1)[:n], v_dst[layer][dblocks].flatten(0, 1)[:n]])
+        src = torch.cat(
+            [k_src[layer][pblocks].flatten(0, 1)[:n], v_src[layer][pblocks].flatten(0, 1)[:n]]
+        )
+        dst = torch.cat(
+            [k_dst[layer][dblocks].flatten(0, 1)[:n], v_dst[layer][dblocks].flatten(0, 1)[:n]]
+        )
         assert 0 < rel_err(src, dst) < 0.04, layer
     assert not da[:, :30].any() and not da[:, 43:].any(), "unpack wrote outside the destination"
     sent = P.stats.take().bytes_sent
@@ -84,7 +106,9 @@ def test_fp8_push_lands_every_layer_with_bounded_error_and_a_quarter_of_the_byte
 def test_requests_wait_for_staging_slots_and_all_complete() -> None:
     # 4 layers x 13 blocks = 52 slots per request; the decode buffer holds fewer than two
     p, d = make_cache(1), make_cache(None)
-    slot = ops.PackedFormat(num_tokens=BS, num_heads=H, head_dim=HD, dtype="float8_e4m3fn", scaled=True, chunk_tokens=BS).nbytes
+    slot = ops.PackedFormat(
+        num_tokens=BS, num_heads=H, head_dim=HD, dtype="float8_e4m3fn", scaled=True, chunk_tokens=BS
+    ).nbytes
     mb = -(-(60 * slot) // (1 << 20))
     P, D = endpoint("P", p), endpoint("D", d, staging_mb=mb)
     D.node.packed.allocator.alloc(D.node.packed.allocator.num_slots - 60)  # leave 60 slots
@@ -107,14 +131,19 @@ def test_requests_wait_for_staging_slots_and_all_complete() -> None:
         P.close()
 
 
-def test_a_request_larger_than_the_staging_buffer_fails_naming_staging_mb(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_request_larger_than_the_staging_buffer_fails_naming_staging_mb(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     p, d = make_cache(1, 160), make_cache(None, 160)
     P, D = endpoint("P", p), endpoint("D", d, staging_mb=1)  # 455 slots of 2304 bytes
     try:
         assert D.node.packed.allocator.num_slots < 4 * 120
         D.receiver.expect_push("big", P.address, list(range(120)), 120 * BS)
         assert D.receiver.wait_finished(5) == ([], ["big"])
-        assert any("exceeds the staging buffer" in r.getMessage() and "raise staging_mb" in r.getMessage() for r in caplog.records)
+        assert any(
+            "exceeds the staging buffer" in r.getMessage() and "raise staging_mb" in r.getMessage()
+            for r in caplog.records
+        )
         assert D.node.packed.allocator.free_slots == D.node.packed.allocator.num_slots
     finally:
         D.close()
@@ -127,7 +156,11 @@ def test_p_first_requests_are_written_like_pushed_ones(pd) -> None:
     for the tokens it lacks (here all but the first block), and the prefill writes every
     layer at once and lets go by itself."""
     P, D, pa, da = pd
-    n, pblocks, dblocks = 90, [5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24]  # 6 blocks, the first cached on D
+    n, pblocks, dblocks = (
+        90,
+        [5, 6, 7, 8, 9, 10],
+        [20, 21, 22, 23, 24],
+    )  # 6 blocks, the first cached on D
     _prefill(P, "q", pblocks, n, (n,), pa, pull=True)
     assert P.sender.phase("q") is SendPhase.HELD
     D.receiver.expect_pull("q", P.address, P.epoch, pblocks, dblocks, n, skip_tokens=BS)
@@ -139,7 +172,11 @@ def test_p_first_requests_are_written_like_pushed_ones(pd) -> None:
         dst = torch.cat([kd[dblocks], vd[dblocks]])
         assert 0 < rel_err(src, dst) < 0.04, layer
     assert not da[:, :20].any() and not da[:, 25:].any(), "unpack wrote outside the destination"
-    assert D.stats.take().bytes_received == P.stats.take().bytes_sent == L * len(dblocks) * D.node.packed.slot.nbytes
+    assert (
+        D.stats.take().bytes_received
+        == P.stats.take().bytes_sent
+        == L * len(dblocks) * D.node.packed.slot.nbytes
+    )
     for ep in (P, D):
         assert ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
 
@@ -149,7 +186,10 @@ def test_a_p_first_request_larger_than_the_prefill_staging_goes_out_in_parts() -
     than all of them: the request goes out in posts of a quarter of the buffer (here
     one layer each) instead of failing."""
     p, d = make_cache(1, 160), make_cache(None, 160)
-    P, D = endpoint("P", p, staging_mb=1), endpoint("D", d, staging_mb=2)  # 455 and 910 slots of 2304 bytes
+    P, D = (
+        endpoint("P", p, staging_mb=1),
+        endpoint("D", d, staging_mb=2),
+    )  # 455 and 910 slots of 2304 bytes
     try:
         n, blocks = 120 * BS, list(range(120))
         assert L * len(blocks) > P.node.packed.allocator.num_slots
@@ -179,12 +219,16 @@ def test_p_first_from_a_restarted_prefill_is_refused(caplog: pytest.LogCaptureFi
     assert D.node.packed.allocator.free_slots == D.node.packed.allocator.num_slots
 
 
-def test_fp8_prefill_and_exact_decode_are_refused_naming_wire_dtype(caplog: pytest.LogCaptureFixture) -> None:
+def test_fp8_prefill_and_exact_decode_are_refused_naming_wire_dtype(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), wire_dtype="exact")
     try:
         D.receiver.expect_push("i", P.address, [1], 10)
         assert D.receiver.wait_finished(5) == ([], ["i"])
-        assert any("wire_dtype: ours='exact', peer='fp8'" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        assert any(
+            "wire_dtype: ours='exact', peer='fp8'" in r.getMessage() for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
     finally:
         D.close()
         P.close()
@@ -199,7 +243,11 @@ def test_fp8_refuses_what_it_cannot_pack_with_the_fix() -> None:
     t, geo = make_cache(1)
     planes = [ops.kv_planes(t[i], "fused") for i in range(L)]
     with LoopbackTransport("refusals") as tr:
-        fp8_cache = CacheGeometry(spec=msgspec.structs.replace(SPEC, dtype="float8_e4m3fn"), num_blocks=N, plane_bases=geo.plane_bases)
+        fp8_cache = CacheGeometry(
+            spec=msgspec.structs.replace(SPEC, dtype="float8_e4m3fn"),
+            num_blocks=N,
+            plane_bases=geo.plane_bases,
+        )
         with pytest.raises(ConfigError, match="float16, bfloat16 or float32 caches"):
             PackedPath(fp8_cache, planes, 1, tr)
 
@@ -227,7 +275,9 @@ def test_packed_sliding_layers_move_only_the_blocks_the_decode_holds(flow: str) 
             P.sender.track("h", theirs, n)
             for layer in (1, 3):  # nothing of the sliding layers is in the first 64 tokens' window
                 P.sender.layer_done("h", layer, 64)
-            runtime_pair.eventually(lambda: D.receiver.phase("h") is RecvPhase.RECEIVING)  # its notification came, nothing written
+            runtime_pair.eventually(
+                lambda: D.receiver.phase("h") is RecvPhase.RECEIVING
+            )  # its notification came, nothing written
             assert P.node.packed.allocator.free_slots == P.node.packed.allocator.num_slots
         else:
             P.sender.track("h", theirs, n, pull=True)
@@ -242,10 +292,20 @@ def test_packed_sliding_layers_move_only_the_blocks_the_decode_holds(flow: str) 
             assert torch.equal(da[layer, 30:43], pa[layer, :13])
         for layer in (1, 3):
             assert torch.equal(da[layer, 43:46], pa[layer, 23:26])
-            assert not da[layer, :43].any() and not da[layer, 46:].any(), "a sliding layer got blocks outside its window"
-        assert D.stats.take().bytes_received == P.stats.take().bytes_sent == (2 * 13 + 2 * 3) * P.node.packed.slot.nbytes
+            assert not da[layer, :43].any() and not da[layer, 46:].any(), (
+                "a sliding layer got blocks outside its window"
+            )
+        assert (
+            D.stats.take().bytes_received
+            == P.stats.take().bytes_sent
+            == (2 * 13 + 2 * 3) * P.node.packed.slot.nbytes
+        )
         for ep in (P, D):
-            runtime_pair.eventually(lambda ep=ep: ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots)
+            runtime_pair.eventually(
+                lambda ep=ep: (
+                    ep.node.packed.allocator.free_slots == ep.node.packed.allocator.num_slots
+                )
+            )
     finally:
         D.close()
         P.close()
@@ -264,7 +324,9 @@ def test_fp8_with_kv_cache_groups_clears_each_group_s_partial_block_and_lands_th
     try:
         n = 200  # 13 blocks, the last holding 8 tokens
         theirs = BlockTable.grouped([list(range(13)), list(range(13, 26))])
-        D.receiver.expect_push("q", P.address, BlockTable.grouped([list(range(30, 43)), [NONE] * 10 + [43, 44, 45]]), n)
+        D.receiver.expect_push(
+            "q", P.address, BlockTable.grouped([list(range(30, 43)), [NONE] * 10 + [43, 44, 45]]), n
+        )
         written = pa[:, [12, 25]].clone()
         P.sender.track("q", theirs, n)
         assert not pa[:, [12, 25]].any(), "the partial last block of each group is cleared at track"
@@ -274,7 +336,12 @@ def test_fp8_with_kv_cache_groups_clears_each_group_s_partial_block_and_lands_th
         P.sender.prefill_done("q")
         assert D.receiver.wait_finished(5) == (["q"], [])
         assert P.sender.wait_released(5) == ["q"]
-        for layer, src, dst in [(0, range(13), range(30, 43)), (2, range(13), range(30, 43)), (1, range(23, 26), range(43, 46)), (3, range(23, 26), range(43, 46))]:
+        for layer, src, dst in [
+            (0, range(13), range(30, 43)),
+            (2, range(13), range(30, 43)),
+            (1, range(23, 26), range(43, 46)),
+            (3, range(23, 26), range(43, 46)),
+        ]:
             assert 0 < rel_err(pa[layer, list(src)], da[layer, list(dst)]) < 0.04, layer
         for layer in (1, 3):
             assert not da[layer, :43].any() and not da[layer, 46:].any()

@@ -12,7 +12,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pages_differ, paired_count, refuse_pool_state, transfer_pages
+from kvbridge.adapters.sglang.layout import (
+    AuxLayout,
+    kv_geometry,
+    pages_differ,
+    paired_count,
+    refuse_pool_state,
+    transfer_pages,
+)
 from kvbridge.adapters.sglang.lifecycle import (
     EpochWatcher,
     InstanceEpoch,
@@ -67,15 +74,28 @@ def test_an_mla_pool_is_one_latent_buffer_per_layer() -> None:
     layer; its pages are addressed as numpy indexing gives them."""
     rng = np.random.default_rng(5)
     latent = 576
-    bufs = [rng.standard_normal((PAGES * PAGE, 1, latent)).astype(np.float32) for _ in range(LAYERS)]
+    bufs = [
+        rng.standard_normal((PAGES * PAGE, 1, latent)).astype(np.float32) for _ in range(LAYERS)
+    ]
     geo = kv_geometry(
-        page_size=PAGE, ptrs=[b.ctypes.data for b in bufs], lens=[b.nbytes for b in bufs], item_lens=[PAGE * latent * 4] * LAYERS, mla=True
+        page_size=PAGE,
+        ptrs=[b.ctypes.data for b in bufs],
+        lens=[b.nbytes for b in bufs],
+        item_lens=[PAGE * latent * 4] * LAYERS,
+        mla=True,
     )
-    assert (geo.spec.layout, geo.spec.planes_per_layer, geo.spec.num_layers, geo.num_blocks) == ("latent", 1, LAYERS, PAGES)
+    assert (geo.spec.layout, geo.spec.planes_per_layer, geo.spec.num_layers, geo.num_blocks) == (
+        "latent",
+        1,
+        LAYERS,
+        PAGES,
+    )
     table = geo.slot_table()
     pages = [8, 0, 3]
     got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in geo.slots(pages)]
-    assert got == [bufs[layer][p * PAGE : (p + 1) * PAGE].tobytes() for layer in range(LAYERS) for p in pages]
+    assert got == [
+        bufs[layer][p * PAGE : (p + 1) * PAGE].tobytes() for layer in range(LAYERS) for p in pages
+    ]
     # an MHA pool's two buffers per layer are not an MLA pool's one: the spec differs, so
     # a peer of the other kind is refused at registration
     _, _, ptrs, lens, item = sglang_pool(6)
@@ -86,12 +106,16 @@ def test_two_pools_pair_position_by_position() -> None:
     """Slots of a source and a destination pool of different sizes pair up page for page."""
     _, _, ptrs, lens, item = sglang_pool(1)
     src = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
-    dst = kv_geometry(page_size=PAGE, ptrs=[p + 10**6 for p in ptrs], lens=[n * 2 for n in lens], item_lens=item)
+    dst = kv_geometry(
+        page_size=PAGE, ptrs=[p + 10**6 for p in ptrs], lens=[n * 2 for n in lens], item_lens=item
+    )
     assert src.spec == dst.spec and dst.num_blocks == 2 * PAGES
     a, b = src.slots([1, 2]), dst.slots([7, 3])
     assert len(a) == len(b) == LAYERS * 2 * 2
     for i, j in zip(a, b):
-        assert divmod(int(i), src.num_blocks)[0] == divmod(int(j), dst.num_blocks)[0]  # same (layer, plane)
+        assert (
+            divmod(int(i), src.num_blocks)[0] == divmod(int(j), dst.num_blocks)[0]
+        )  # same (layer, plane)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +140,9 @@ def test_a_pool_with_state_is_refused_at_start_naming_sglangs_own_backends() -> 
 
     refuse_pool_state([])  # an MHA or MLA pool: SGLang registers no state component
     refuse_pool_state(None)
-    with pytest.raises(PlanError, match=r"state that kvbridge does not move yet \(SWA, MAMBA\)") as info:
+    with pytest.raises(
+        PlanError, match=r"state that kvbridge does not move yet \(SWA, MAMBA\)"
+    ) as info:
         refuse_pool_state([StateType.SWA, StateType.MAMBA])
     assert "--disaggregation-transfer-backend mooncake or nixl" in str(info.value)
 
@@ -124,7 +150,9 @@ def test_a_pool_with_state_is_refused_at_start_naming_sglangs_own_backends() -> 
 def test_aux_rows() -> None:
     ids = np.zeros((6, 16), dtype=np.int32)
     room = np.zeros((6, 8), dtype=np.uint64)
-    aux = AuxLayout.build(ptrs=[ids.ctypes.data, room.ctypes.data], lens=[ids.nbytes, room.nbytes], item_lens=[64, 64])
+    aux = AuxLayout.build(
+        ptrs=[ids.ctypes.data, room.ctypes.data], lens=[ids.nbytes, room.nbytes], item_lens=[64, 64]
+    )
     ids[4, 0], room[4, 0] = 123, 99
     table = aux.table()
     got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in aux.slots(4)]
@@ -144,8 +172,14 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
     _, _, ptrs, lens, item = sglang_pool(2)
     geo = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
     reg = wire.Registration(
-        agent="sglang-decode-r0-abc", epoch="abc", transport="nixl", transport_md=b"\x00md", geometry=geo,
-        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3), ip="127.0.0.1", port=5555,
+        agent="sglang-decode-r0-abc",
+        epoch="abc",
+        transport="nixl",
+        transport_md=b"\x00md",
+        geometry=geo,
+        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3),
+        ip="127.0.0.1",
+        port=5555,
     )
     assert wire.decode(wire.encode(reg)) == reg
     done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20, pages=9)
@@ -153,7 +187,9 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
     # a Done from a sender without the byte or page count still decodes (metrics count
     # 0 bytes, the decode unpacks every page)
     old = msgspec.msgpack.encode({"type": "done", "room": 7, "prefill_rank": 1, "epoch": "e"})
-    assert wire.decode_payload(old) == wire.Done(room=7, prefill_rank=1, epoch="e", bytes=0, pages=-1)
+    assert wire.decode_payload(old) == wire.Done(
+        room=7, prefill_rank=1, epoch="e", bytes=0, pages=-1
+    )
     with pytest.raises(WireError, match="same kvbridge version"):
         wire.decode([b"KVBRIDGE/999", wire.encode_payload(done)])
     with pytest.raises(WireError):
@@ -164,22 +200,39 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         wire.decode_pages(b"\x01\x02\x03")
 
 
-def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_what_they_said() -> None:
+def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_what_they_said() -> (
+    None
+):
     a, b = b"prefill-and-decode", b"another"
-    dst = wire.Destination(room=2**62 + 5, agent="d", ip="127.0.0.1", port=5, pages=wire.encode_pages([3, 4]), aux_index=1, required_dst_info_num=1)
+    dst = wire.Destination(
+        room=2**62 + 5,
+        agent="d",
+        ip="127.0.0.1",
+        port=5,
+        pages=wire.encode_pages([3, 4]),
+        aux_index=1,
+        required_dst_info_num=1,
+    )
     frames = wire.encode(dst, a)
     assert len(frames) == 3 and wire.decode(frames, a) == dst
     refusals = {
         "other secret": (frames, b),
         "no MAC": (wire.encode(dst), a),
         "MAC but no secret here": (frames, None),
-        "tampered": ([frames[0], wire.encode(msgspec.structs.replace(dst, room=1))[1], frames[2]], a),
+        "tampered": (
+            [frames[0], wire.encode(msgspec.structs.replace(dst, room=1))[1], frames[2]],
+            a,
+        ),
     }
     for what, (got, secret) in refusals.items():
-        with pytest.raises(wire.AuthenticationError, match="failed authentication|no 'secret'") as info:
+        with pytest.raises(
+            wire.AuthenticationError, match="failed authentication|no 'secret'"
+        ) as info:
             wire.decode(got, secret)
         assert "set the same 'secret'" in str(info.value), what
-        assert isinstance(info.value.unverified, wire.Destination), what  # for the refusal, untrusted
+        assert isinstance(info.value.unverified, wire.Destination), (
+            what
+        )  # for the refusal, untrusted
     assert issubclass(wire.AuthenticationError, WireError)  # control loops log and go on
     # Done notifications: the MAC follows the payload
     done = wire.Done(room=7, prefill_rank=1, epoch="e", bytes=10)
@@ -205,14 +258,18 @@ def test_config_from_env(tmp_path) -> None:
         config_from_env({CONFIG_ENV: '{"transprot": "nixl"}'})
     with pytest.raises(ConfigError, match="cannot read"):
         config_from_env({CONFIG_ENV: f"@{tmp_path / 'missing.json'}"})
-    assert config_from_env({CONFIG_ENV: '{"wire_dtype": "fp8", "staging_mb": 64}'}).wire_dtype == "fp8"
+    assert (
+        config_from_env({CONFIG_ENV: '{"wire_dtype": "fp8", "staging_mb": 64}'}).wire_dtype == "fp8"
+    )
 
 
 def test_transfer_pages_divide_the_server_s_pages() -> None:
     cfg = config_from_env({CONFIG_ENV: '{"transfer_block_size": 16}'})
     assert transfer_page_size(config_from_env({}), 32) == 32
     assert transfer_page_size(cfg, 16) == 16
-    assert transfer_page_size(cfg, 64) == 16  # either side's larger pages, as several transfer pages
+    assert (
+        transfer_page_size(cfg, 64) == 16
+    )  # either side's larger pages, as several transfer pages
     with pytest.raises(ConfigError, match="transfer_block_size 16 must divide") as err:
         transfer_page_size(cfg, 24)
     assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)
@@ -225,15 +282,24 @@ def test_a_decode_addresses_each_of_its_pages_as_several_transfer_pages() -> Non
     _, _, ptrs, lens, item = sglang_pool(2)
     pages = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
     halves = pages.in_blocks_of(PAGE // 2)
-    assert halves.slot_address(halves.slot(0, 1, int(transfer_pages([1], 2)[1]))) == pages.slot_address(pages.slot(0, 1, 1)) + pages.spec.block_bytes // 2
+    assert (
+        halves.slot_address(halves.slot(0, 1, int(transfer_pages([1], 2)[1])))
+        == pages.slot_address(pages.slot(0, 1, 1)) + pages.spec.block_bytes // 2
+    )
 
 
 def test_a_decode_with_other_pages_is_refused_naming_transfer_block_size() -> None:
-    mine = CacheSpec(num_layers=2, block_size=16, num_kv_heads=1, head_dim=256, dtype="uint8", layout="nhd")
+    mine = CacheSpec(
+        num_layers=2, block_size=16, num_kv_heads=1, head_dim=256, dtype="uint8", layout="nhd"
+    )
     err = pages_differ(msgspec.structs.replace(mine, block_size=32), mine)
     assert "set transfer_block_size 16" in str(err)
-    assert "set transfer_block_size 8" in str(pages_differ(msgspec.structs.replace(mine, block_size=8), mine)), "the smaller of the two"
-    assert "transfer_block_size" not in str(pages_differ(msgspec.structs.replace(mine, head_dim=128), mine))
+    assert "set transfer_block_size 8" in str(
+        pages_differ(msgspec.structs.replace(mine, block_size=8), mine)
+    ), "the smaller of the two"
+    assert "transfer_block_size" not in str(
+        pages_differ(msgspec.structs.replace(mine, head_dim=128), mine)
+    )
 
 
 def test_importing_the_adapter_imports_no_sglang() -> None:
@@ -241,7 +307,9 @@ def test_importing_the_adapter_imports_no_sglang() -> None:
     import sys
 
     code = "import sys, kvbridge.adapters.sglang, kvbridge.adapters.sglang.messages; print('sglang' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "False"
 
 
@@ -312,7 +380,9 @@ def test_prometheus_export_accumulates_snapshots_under_sglang_names() -> None:
     registry = CollectorRegistry()
     labels = {"engine_type": "prefill", "tp_rank": "0", "transport": "mooncake"}
     export = PrometheusExport(labels, registry=registry)
-    export.export(StatsSnapshot(bytes_sent=4096, transfers=2, exposed_s=[0.003], request_transfer_s=[0.2]))
+    export.export(
+        StatsSnapshot(bytes_sent=4096, transfers=2, exposed_s=[0.003], request_transfer_s=[0.2])
+    )
     export.export(StatsSnapshot(bytes_sent=1024, requests_sent=1, failures=1))
 
     def value(name: str, **extra: str) -> float | None:

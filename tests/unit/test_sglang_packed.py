@@ -35,7 +35,11 @@ LAYERS, PAGES, PAGE, HEADS, DIM = 4, 12, 4, 2, 16
 def sglang_pool(seed: int | None, dtype: torch.dtype = torch.bfloat16):
     """K and V buffers per layer and the opaque geometry SGLang's KVArgs give for them."""
     gen = torch.Generator().manual_seed(seed or 0)
-    make = (lambda: torch.randn(PAGES * PAGE, HEADS, DIM, generator=gen).to(dtype)) if seed is not None else (lambda: torch.zeros(PAGES * PAGE, HEADS, DIM, dtype=dtype))
+    make = (
+        (lambda: torch.randn(PAGES * PAGE, HEADS, DIM, generator=gen).to(dtype))
+        if seed is not None
+        else (lambda: torch.zeros(PAGES * PAGE, HEADS, DIM, dtype=dtype))
+    )
     k = [make() for _ in range(LAYERS)]
     v = [make() for _ in range(LAYERS)]
     bufs = k + v
@@ -49,11 +53,17 @@ def sglang_pool(seed: int | None, dtype: torch.dtype = torch.bfloat16):
 def test_typed_geometry_finds_the_heads_and_refuses_rows_that_do_not_split() -> None:
     _, _, opaque = sglang_pool(1)
     typed = typed_geometry(opaque, dtype="bfloat16", head_dim=DIM)
-    assert (typed.spec.num_kv_heads, typed.spec.head_dim, typed.spec.dtype) == (HEADS, DIM, "bfloat16")
+    assert (typed.spec.num_kv_heads, typed.spec.head_dim, typed.spec.dtype) == (
+        HEADS,
+        DIM,
+        "bfloat16",
+    )
     assert typed.plane_bases == opaque.plane_bases and typed.num_blocks == opaque.num_blocks
     assert typed.spec.block_bytes == opaque.spec.block_bytes
     with pytest.raises(ConfigError, match="wire_dtype"):
-        typed_geometry(opaque, dtype="float32", head_dim=3 * DIM)  # 64 bytes per token: no whole heads
+        typed_geometry(
+            opaque, dtype="float32", head_dim=3 * DIM
+        )  # 64 bytes per token: no whole heads
     with pytest.raises(ConfigError, match="wire_dtype"):
         typed_geometry(opaque, dtype="int4", head_dim=DIM)
 
@@ -72,7 +82,12 @@ def test_pool_planes_are_views_of_sglangs_buffers() -> None:
 def mla_pool(seed: int | None, latent: int = 576, dtype: torch.dtype = torch.bfloat16):
     """An SGLang MLA pool: one ``(pages * page_size, 1, latent)`` buffer per layer."""
     gen = torch.Generator().manual_seed(seed or 0)
-    bufs = [torch.randn(PAGES * PAGE, 1, latent, generator=gen).to(dtype) if seed is not None else torch.zeros(PAGES * PAGE, 1, latent, dtype=dtype) for _ in range(LAYERS)]
+    bufs = [
+        torch.randn(PAGES * PAGE, 1, latent, generator=gen).to(dtype)
+        if seed is not None
+        else torch.zeros(PAGES * PAGE, 1, latent, dtype=dtype)
+        for _ in range(LAYERS)
+    ]
     geo = kv_geometry(
         page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
         item_lens=[PAGE * latent * bufs[0].element_size()] * LAYERS, mla=True,
@@ -88,18 +103,24 @@ def test_an_mla_pool_packs_as_its_vectors_halves_into_the_decode_pages(fp8: bool
     FP8 error, the other pages untouched."""
     p_bufs, p_opaque = mla_pool(5)
     d_bufs, d_opaque = mla_pool(None)
-    p_geo, d_geo = (typed_geometry(g, dtype="bfloat16", head_dim=64) for g in (p_opaque, d_opaque))  # the model's head_dim: ignored
+    p_geo, d_geo = (
+        typed_geometry(g, dtype="bfloat16", head_dim=64) for g in (p_opaque, d_opaque)
+    )  # the model's head_dim: ignored
     assert (p_geo.spec.layout, p_geo.spec.num_kv_heads, p_geo.spec.head_dim) == ("latent", 1, 576)
     planes = pool_planes(p_geo)
     k, v = planes[2]
     assert tuple(k.shape) == (PAGES, PAGE, 1, 288)
-    assert torch.equal(k[5, 1, 0], p_bufs[2][5 * PAGE + 1, 0, :288]) and torch.equal(v[5, 1, 0], p_bufs[2][5 * PAGE + 1, 0, 288:])
+    assert torch.equal(k[5, 1, 0], p_bufs[2][5 * PAGE + 1, 0, :288]) and torch.equal(
+        v[5, 1, 0], p_bufs[2][5 * PAGE + 1, 0, 288:]
+    )
     prefill = PackedPath(p_geo, planes, 1, LoopbackTransport("p"), fp8=fp8)
     decode = PackedPath(d_geo, pool_planes(d_geo), 1, LoopbackTransport("d"), fp8=fp8)
     src_pages, dst_pages = np.array([4, 9, 1]), np.array([0, 11, 3])
     first, dfirst = prefill.allocator.alloc(LAYERS * 3), decode.allocator.alloc(LAYERS * 3)
     prefill.pack(list(range(LAYERS)), src_pages, first)
-    decode.view(dfirst, LAYERS * 3).copy_(prefill.view(first, LAYERS * 3))  # what the transport moves
+    decode.view(dfirst, LAYERS * 3).copy_(
+        prefill.view(first, LAYERS * 3)
+    )  # what the transport moves
     for layer in range(LAYERS):
         decode.unpack(layer, dst_pages, dfirst + layer * 3)
         src = p_bufs[layer].view(PAGES, PAGE, 576)[torch.as_tensor(src_pages)]
@@ -134,10 +155,15 @@ def test_mla_pools_pair_on_the_packed_path_as_sglang_maps_their_ranks(p_tp: int,
         for p_rank in range(p_tp):
             part = room_part(1, p_tp, d_tp, p_rank, d_rank, latent=True)
             if p_rank in targets:
-                assert part == Part(index=0, sources=1, heads=1, p_heads=(0, 1), d_heads=(0, 1)), (p_rank, d_rank)
+                assert part == Part(index=0, sources=1, heads=1, p_heads=(0, 1), d_heads=(0, 1)), (
+                    p_rank,
+                    d_rank,
+                )
             else:
                 assert part is None, (p_rank, d_rank)
-        assert decode_parts(1, p_tp, d_tp, d_rank, latent=True) == (room_part(1, p_tp, d_tp, targets[0], d_rank, latent=True),)
+        assert decode_parts(1, p_tp, d_tp, d_rank, latent=True) == (
+            room_part(1, p_tp, d_tp, targets[0], d_rank, latent=True),
+        )
 
 
 def test_mla_pools_of_tp_sizes_that_do_not_divide_are_refused() -> None:
@@ -158,7 +184,9 @@ SGLANG_MHA_TARGETS = {
 
 
 @pytest.mark.parametrize(("total", "p_tp", "d_tp"), list(SGLANG_MHA_TARGETS))
-def test_mha_parts_come_from_the_prefill_ranks_sglang_connects(total: int, p_tp: int, d_tp: int) -> None:
+def test_mha_parts_come_from_the_prefill_ranks_sglang_connects(
+    total: int, p_tp: int, d_tp: int
+) -> None:
     """The packed parts of an MHA pool use kvbridge's own head split: for the pairings it
     accepts, each decode rank's sources must be exactly the ranks SGLang sends real
     destinations to, or a part would wait on a rank that never writes."""
@@ -166,7 +194,9 @@ def test_mha_parts_come_from_the_prefill_ranks_sglang_connects(total: int, p_tp:
         sources = [p for p in range(p_tp) if room_part(total, p_tp, d_tp, p, d_rank) is not None]
         assert sources == targets, f"decode rank {d_rank}"
         parts = decode_parts(total, p_tp, d_tp, d_rank)
-        assert [p.index for p in parts] == list(range(len(targets))) and {p.sources for p in parts} == {len(targets)}
+        assert [p.index for p in parts] == list(range(len(targets))) and {
+            p.sources for p in parts
+        } == {len(targets)}
 
 
 def test_room_slots_are_layer_major_and_bounded() -> None:
@@ -187,7 +217,10 @@ def tp_pools(tp: int, seed: int | None) -> list:
     """One SGLang pool per rank of a TP-``tp`` instance: rank ``r`` holds heads
     ``[r * TOTAL / tp, ...)`` of the same random model KV (zeros: ``seed`` None)."""
     gen = torch.Generator().manual_seed(seed or 0)
-    model = [torch.randn(PAGES * PAGE, TOTAL, DIM, generator=gen).to(torch.bfloat16) for _ in range(2 * LAYERS)]
+    model = [
+        torch.randn(PAGES * PAGE, TOTAL, DIM, generator=gen).to(torch.bfloat16)
+        for _ in range(2 * LAYERS)
+    ]
     if seed is None:
         model = [torch.zeros_like(b) for b in model]
     n = TOTAL // tp
@@ -202,7 +235,9 @@ def tp_pools(tp: int, seed: int | None) -> list:
     return pools
 
 
-def _copy_chunks(src: PackedPath, src_chunks: np.ndarray, dst: PackedPath, dst_chunks: np.ndarray, heads: int) -> None:
+def _copy_chunks(
+    src: PackedPath, src_chunks: np.ndarray, dst: PackedPath, dst_chunks: np.ndarray, heads: int
+) -> None:
     """What a transport's write does: descriptor for descriptor, through both buffers'
     chunk tables (:func:`staging_descs` cut at the pairing's chunk size)."""
     size = src.chunk(heads).nbytes
@@ -214,22 +249,32 @@ def _copy_chunks(src: PackedPath, src_chunks: np.ndarray, dst: PackedPath, dst_c
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["exact", "fp8"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (1, 2), (2, 1), (1, 4), (4, 2)])
-def test_a_room_moves_between_tp_sizes_through_staging_chunks(p_tp: int, d_tp: int, fp8: bool) -> None:
+def test_a_room_moves_between_tp_sizes_through_staging_chunks(
+    p_tp: int, d_tp: int, fp8: bool
+) -> None:
     """What the manager does for one room, rank by rank: each decode rank reserves one
     part per source (:func:`decode_parts`); each prefill rank packs, per decode rank it
     feeds (:func:`room_part`), that rank's heads of the room's pages into chunks and
     writes them into the source's part of the run; each decode rank unpacks a part as
     its ``Done`` arrives and frees the run after the last. Exact: bit for bit; FP8:
     within FP8 error. Other pages stay untouched, every staging chunk comes back."""
-    prefill = [(bufs, PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"p{r}"), fp8=fp8)) for r, (bufs, g) in enumerate(tp_pools(p_tp, 5))]
-    decode = [(bufs, PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"d{r}"), fp8=fp8)) for r, (bufs, g) in enumerate(tp_pools(d_tp, None))]
+    prefill = [
+        (bufs, PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"p{r}"), fp8=fp8))
+        for r, (bufs, g) in enumerate(tp_pools(p_tp, 5))
+    ]
+    decode = [
+        (bufs, PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"d{r}"), fp8=fp8))
+        for r, (bufs, g) in enumerate(tp_pools(d_tp, None))
+    ]
     model = tp_pools(1, 5)[0][0]
     src_pages, dst_pages = np.array([4, 9, 1, 6, 2]), np.array([0, 11, 3, 8, 5])
     P = dst_pages.size
     rooms = []
     for d, (_, path) in enumerate(decode):
         parts = decode_parts(TOTAL, p_tp, d_tp, d)
-        assert [p.d_heads for p in parts] == sorted(p.d_heads for p in parts) and parts[-1].d_heads[1] == TOTAL // d_tp
+        assert [p.d_heads for p in parts] == sorted(p.d_heads for p in parts) and parts[-1].d_heads[
+            1
+        ] == TOTAL // d_tp
         r = RoomReservations(path, num_layers=LAYERS, hold_s=5.0)
         res = r.reserve(77, dst_pages, parts)
         assert res is not None
@@ -238,15 +283,23 @@ def test_a_room_moves_between_tp_sizes_through_staging_chunks(p_tp: int, d_tp: i
         fed = [(d, room_part(TOTAL, p_tp, d_tp, p, d)) for d in range(d_tp)]
         fed = [(d, part) for d, part in fed if part is not None]
         assert fed, f"prefill rank {p} feeds no decode rank"
-        for layers, positions in (([0, 1], np.arange(P)), ([2, 3], np.array([0, 1, 2])), ([2, 3], np.array([3, 4]))):
+        for layers, positions in (
+            ([0, 1], np.arange(P)),
+            ([2, 3], np.array([0, 1, 2])),
+            ([2, 3], np.array([3, 4])),
+        ):
             for d, part in fed:  # as _post: one pack per head range
                 count = len(layers) * positions.size
                 run = path.reserve(count, part.heads)
                 whole = part.heads == path.slot.num_heads
-                path.pack(layers, src_pages[positions], run.first, heads=None if whole else part.p_heads)
+                path.pack(
+                    layers, src_pages[positions], run.first, heads=None if whole else part.p_heads
+                )
                 res = rooms[d][1]
                 dst = room_slots(res.part_first(part.index, LAYERS), P, layers, positions)
-                _copy_chunks(path, np.arange(run.first, run.first + count), decode[d][1], dst, part.heads)
+                _copy_chunks(
+                    path, np.arange(run.first, run.first + count), decode[d][1], dst, part.heads
+                )
                 path.release(run)
         assert path.allocator.free_slots == path.allocator.num_slots
     for d, (bufs, path) in enumerate(decode):  # every source's Done, last one first
@@ -257,13 +310,20 @@ def test_a_room_moves_between_tp_sizes_through_staging_chunks(p_tp: int, d_tp: i
             part = res.parts[index]
             whole = part.heads == path.slot.num_heads
             for layer in range(LAYERS):
-                path.unpack(layer, res.pages, res.part_first(index, LAYERS) + layer * P, heads=None if whole else part.d_heads)
+                path.unpack(
+                    layer,
+                    res.pages,
+                    res.part_first(index, LAYERS) + layer * P,
+                    heads=None if whole else part.d_heads,
+                )
         assert r.arrive(77, 0) == (None, False), "a repeated Done must not unpack twice"
         r.free(res)
         assert path.allocator.free_slots == path.allocator.num_slots
         n = TOTAL // d_tp
         for i, buf in enumerate(bufs):
-            want = model[i].view(PAGES, PAGE, TOTAL, DIM)[torch.as_tensor(src_pages), :, d * n : (d + 1) * n]
+            want = model[i].view(PAGES, PAGE, TOTAL, DIM)[
+                torch.as_tensor(src_pages), :, d * n : (d + 1) * n
+            ]
             got = buf.view(PAGES, PAGE, n, DIM)[torch.as_tensor(dst_pages)]
             if fp8:
                 assert rows_rel_err(want, got) < 0.07, f"decode rank {d}, buffer {i}"
@@ -323,7 +383,14 @@ def test_a_room_goes_through_packed_slots_into_the_decode_pages(fp8: bool) -> No
             else:
                 assert torch.equal(src, got), f"layer {layer}"
             others = np.setdiff1d(np.arange(PAGES), dst_pages)
-            assert buf_d[layer].view(PAGES, PAGE, HEADS, DIM)[torch.as_tensor(others)].abs().sum().item() == 0
+            assert (
+                buf_d[layer]
+                .view(PAGES, PAGE, HEADS, DIM)[torch.as_tensor(others)]
+                .abs()
+                .sum()
+                .item()
+                == 0
+            )
 
 
 def test_reservations_end_once_and_retired_runs_wait_out_their_hold() -> None:
@@ -354,6 +421,10 @@ def test_reservations_end_once_and_retired_runs_wait_out_their_hold() -> None:
     two = decode_parts(2 * HEADS, 2, 1, 0)  # two sources of HEADS // ... heads each
     c = r.reserve(4, np.arange(2), two)
     assert c is not None and c.part_first(1, 3) == c.first + 3 * 2
-    assert r.arrive(4, 1) == (c, False) and r.arrive(4, 1) == (None, False) and r.arrive(4, 2) == (None, False)
+    assert (
+        r.arrive(4, 1) == (c, False)
+        and r.arrive(4, 1) == (None, False)
+        and r.arrive(4, 2) == (None, False)
+    )
     r.retire(4, now=0.0)  # cleared with one part in: held, then freed once
     assert r.arrive(4, 0) == (None, False) and r.reap(now=10.0) == 1 and alloc.free_slots == total

@@ -24,7 +24,9 @@ from kvbridge.adapters.sglang.streaming import (
 from kvbridge.errors import PlanError
 
 
-def sglang_request(prompt: int, page: int, chunk: int, radix_hit: int, decode_prefix: int) -> list[tuple]:
+def sglang_request(
+    prompt: int, page: int, chunk: int, radix_hit: int, decode_prefix: int
+) -> list[tuple]:
     """What the prefill does for one request, in order: ``("forward", prefix_len,
     extend_len)`` and ``("send", index_slice)`` (decode page-list positions)."""
     events: list[tuple] = []
@@ -56,7 +58,11 @@ def replay(prompt, page, chunk, radix_hit, decode_prefix, layers, hook_fires=lam
     for event in sglang_request(prompt, page, chunk, radix_hit, decode_prefix):
         if event[0] == "forward":
             lo, hi = completed_span(
-                prefix_len=event[1], extend_len=event[2], prompt_len=prompt, decode_prefix_len=decode_prefix, page_size=page
+                prefix_len=event[1],
+                extend_len=event[2],
+                prompt_len=prompt,
+                decode_prefix_len=decode_prefix,
+                page_size=page,
             )
             if hook_fires(forward) and hi > lo:
                 for layer in range(layers):
@@ -88,7 +94,9 @@ def test_chunked_prompt_streams_every_page_once_and_chunks_post_nothing() -> Non
     decode_pages=st.integers(0, 30),
     layers=st.integers(1, 4),
 )
-def test_every_pair_is_posted_exactly_once(prompt, page, chunk, hit_pages, decode_pages, layers) -> None:
+def test_every_pair_is_posted_exactly_once(
+    prompt, page, chunk, hit_pages, decode_pages, layers
+) -> None:
     # SGLang leaves at least one token to compute, and its cache hits are page-aligned
     radix_hit = min(hit_pages * page, (prompt - 1) // page * page)
     decode_prefix = min(decode_pages * page, (prompt - 1) // page * page)
@@ -96,20 +104,28 @@ def test_every_pair_is_posted_exactly_once(prompt, page, chunk, hit_pages, decod
     assert (count == 1).all(), count
     assert progress.complete()
     # chunk sends only filled the pages of the radix-cache hit that the decode lacks
-    gap = {(layer, p) for layer in range(layers) for p in range(max(0, (radix_hit - decode_prefix) // page))}
+    gap = {
+        (layer, p)
+        for layer in range(layers)
+        for p in range(max(0, (radix_hit - decode_prefix) // page))
+    }
     assert chunk_pairs == gap
 
 
 @settings(max_examples=100, deadline=None)
 @given(prompt=st.integers(1, 300), chunk=st.integers(1, 100), missed=st.sets(st.integers(0, 10)))
 def test_forwards_the_hook_missed_are_covered_by_chunk_sends(prompt, chunk, missed) -> None:
-    progress, count, _ = replay(prompt, 16, chunk, 0, 0, layers=3, hook_fires=lambda i: i not in missed)
+    progress, count, _ = replay(
+        prompt, 16, chunk, 0, 0, layers=3, hook_fires=lambda i: i not in missed
+    )
     assert (count == 1).all() and progress.complete()
 
 
 def test_spans_of_one_prompt_tile_its_pages() -> None:
     spans = [
-        completed_span(prefix_len=p, extend_len=e, prompt_len=100, decode_prefix_len=0, page_size=16)
+        completed_span(
+            prefix_len=p, extend_len=e, prompt_len=100, decode_prefix_len=0, page_size=16
+        )
         for p, e in [(0, 30), (30, 30), (60, 30), (90, 10)]
     ]
     assert spans == [(0, 1), (1, 3), (3, 5), (5, 7)]
@@ -121,10 +137,14 @@ def test_span_errors_and_empty_spans() -> None:
     with pytest.raises(PlanError):
         completed_span(prefix_len=0, extend_len=8, prompt_len=8, decode_prefix_len=0, page_size=0)
     # a forward inside one page that does not end the prompt completes nothing
-    lo, hi = completed_span(prefix_len=0, extend_len=10, prompt_len=100, decode_prefix_len=0, page_size=16)
+    lo, hi = completed_span(
+        prefix_len=0, extend_len=10, prompt_len=100, decode_prefix_len=0, page_size=16
+    )
     assert hi <= lo
     # the decode already holds everything this forward computes
-    lo, hi = completed_span(prefix_len=0, extend_len=32, prompt_len=64, decode_prefix_len=48, page_size=16)
+    lo, hi = completed_span(
+        prefix_len=0, extend_len=32, prompt_len=64, decode_prefix_len=48, page_size=16
+    )
     assert hi <= lo
 
 
@@ -157,7 +177,14 @@ def test_threshold() -> None:
 
 def test_coalesce_merges_one_forward_only_and_keeps_order() -> None:
     a, b = ForwardPlan((), lambda p, layer: None), ForwardPlan((), lambda p, layer: None)
-    items = [LayerReady(a, (0,), "e0"), LayerReady(a, (1,), "e1"), LayerReady(b, (0,)), "chunk", LayerReady(b, (1,)), LayerReady(b, (2,), "e2")]
+    items = [
+        LayerReady(a, (0,), "e0"),
+        LayerReady(a, (1,), "e1"),
+        LayerReady(b, (0,)),
+        "chunk",
+        LayerReady(b, (1,)),
+        LayerReady(b, (2,), "e2"),
+    ]
     out = coalesce(items)
     assert out[0] == LayerReady(a, (0, 1), "e1")
     assert out[1] == LayerReady(b, (0,)) and out[2] == "chunk"

@@ -14,7 +14,13 @@ import itertools
 import numpy as np
 import pytest
 
-from kvbridge.core.states import Section, StateLayout, StateTensor, state_prefill_ranks, state_segments
+from kvbridge.core.states import (
+    Section,
+    StateLayout,
+    StateTensor,
+    state_prefill_ranks,
+    state_segments,
+)
 from kvbridge.errors import IncompatiblePeerError
 
 MAMBA2 = StateLayout(kind="mamba2", tensors=(
@@ -30,7 +36,12 @@ GDN = StateLayout(kind="gdn_attn", tensors=(
     StateTensor("float32", 1, (Section(4, 16),)),
 ))  # fmt: skip
 SHORT_CONV = StateLayout(kind="short_conv", tensors=(StateTensor("float32", 2, (Section(16, 1),)),))
-LAYOUTS = {"mamba2": MAMBA2, "mamba2-groups-ds": MAMBA2_GROUPS_DS, "gdn": GDN, "short_conv": SHORT_CONV}
+LAYOUTS = {
+    "mamba2": MAMBA2,
+    "mamba2-groups-ds": MAMBA2_GROUPS_DS,
+    "gdn": GDN,
+    "short_conv": SHORT_CONV,
+}
 TP_PAIRS = [(1, 2), (2, 1), (1, 4), (4, 1), (2, 4), (4, 2), (2, 2), (1, 1)]
 
 
@@ -41,7 +52,11 @@ def model_state(layout: StateLayout, seed: int) -> list[np.ndarray]:
     out = []
     for t in layout.tensors:
         es = np.dtype(np.float32).itemsize if t.dtype == "float32" else 2
-        out.append(rng.integers(0, 256, (t.rows, sum(s.units * s.width for s in t.sections) * es), dtype=np.uint8))
+        out.append(
+            rng.integers(
+                0, 256, (t.rows, sum(s.units * s.width for s in t.sections) * es), dtype=np.uint8
+            )
+        )
     return out
 
 
@@ -82,14 +97,18 @@ def test_segments_assemble_each_decode_rank_s_shard(name: str, p_tp: int, d_tp: 
                 got[d_off : d_off + n] = src[p_off : p_off + n]
                 written[d_off : d_off + n] += 1
         np.testing.assert_array_equal(got, want, err_msg=f"decode rank {d}")
-        assert (written == 1).all(), f"decode rank {d}: bytes written {sorted(set(written.tolist()))} times"
+        assert (written == 1).all(), (
+            f"decode rank {d}: bytes written {sorted(set(written.tolist()))} times"
+        )
 
 
 def test_segments_are_merged_where_both_sides_are_contiguous() -> None:
     # equal TP: one segment, the whole block; DS conv and one-section tensors: one per section run
     assert state_segments(MAMBA2, 2, 2, 1, 1) == [(0, 0, MAMBA2.nbytes(2))]
     assert state_segments(SHORT_CONV, 1, 2, 0, 1) == [(32, 0, 32), (96, 32, 32)]
-    assert state_prefill_ranks(MAMBA2, 2, 1, 0) == {0, 1} and state_prefill_ranks(MAMBA2, 1, 2, 1) == {0}
+    assert state_prefill_ranks(MAMBA2, 2, 1, 0) == {0, 1} and state_prefill_ranks(
+        MAMBA2, 1, 2, 1
+    ) == {0}
 
 
 def test_a_layout_that_does_not_split_is_refused_naming_the_fix() -> None:
@@ -102,7 +121,9 @@ def test_layouts_round_trip_and_other_descriptions_have_none() -> None:
     for layout in LAYOUTS.values():
         assert StateLayout.decode(layout.encode()) == layout
     assert StateLayout.decode("mamba2 float32(3, 8) conv SD") is None
-    assert StateLayout.decode('{"kind": "m", "tensors": [["float32", 0, [[1, 1]]]]}') is None, "zero rows"
+    assert StateLayout.decode('{"kind": "m", "tensors": [["float32", 0, [[1, 1]]]]}') is None, (
+        "zero rows"
+    )
     assert len({layout.encode() for layout in LAYOUTS.values()}) == len(LAYOUTS)
 
 
@@ -126,7 +147,9 @@ class HybridRank:
     (group 0) whose state sits at the start of its blocks. A prefill rank's cache is
     random, its state blocks hold its shard of ``state``; a decode rank's is zeros."""
 
-    def __init__(self, role: str, tp: int, rank: int, state: list[np.ndarray] | None = None) -> None:
+    def __init__(
+        self, role: str, tp: int, rank: int, state: list[np.ndarray] | None = None
+    ) -> None:
         from kvbridge.config import load_config
         from kvbridge.core.layout import CacheGeometry, CacheSpec
         from kvbridge.runtime.endpoint import Endpoint
@@ -136,20 +159,51 @@ class HybridRank:
         self.tp, self.rank, self.heads = tp, rank, KV_HEADS // tp
         shape = (2, N, self.heads, BS, 2 * HD)
         rng = np.random.default_rng(100 * tp + rank)
-        self.cache = rng.standard_normal(shape, dtype=np.float32) if state is not None else np.zeros(shape, np.float32)
+        self.cache = (
+            rng.standard_normal(shape, dtype=np.float32)
+            if state is not None
+            else np.zeros(shape, np.float32)
+        )
         if state is not None:
             mine = shard(MAMBA2, state, tp, rank)
             for b in range(N):
                 self.state(b)[: mine.size] = mine
-        spec = CacheSpec(num_layers=2, block_size=BS, num_kv_heads=self.heads, head_dim=HD, dtype="float32", layout="fused")
+        spec = CacheSpec(
+            num_layers=2,
+            block_size=BS,
+            num_kv_heads=self.heads,
+            head_dim=HD,
+            dtype="float32",
+            layout="fused",
+        )
         geo = CacheGeometry(
-            spec=spec, num_blocks=N, plane_bases=(self.cache[0].ctypes.data, self.cache[1].ctypes.data), layer_bytes=(spec.block_bytes, MAMBA2.nbytes(tp))
+            spec=spec,
+            num_blocks=N,
+            plane_bases=(self.cache[0].ctypes.data, self.cache[1].ctypes.data),
+            layer_bytes=(spec.block_bytes, MAMBA2.nbytes(tp)),
         )
-        config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, "lease_s": 5, "handshake_s": 3}})
+        config = load_config(
+            {"timeouts": {"receive_s": 5, "transfer_s": 5, "lease_s": 5, "handshake_s": 3}}
+        )
         compat = CompatInfo.from_spec(
-            spec, model="m", tp_size=tp, total_kv_heads=KV_HEADS, layer_groups=(1, 0), group_windows=(0, 0), group_states=(MAMBA2.encode(), "")
+            spec,
+            model="m",
+            tp_size=tp,
+            total_kv_heads=KV_HEADS,
+            layer_groups=(1, 0),
+            group_windows=(0, 0),
+            group_states=(MAMBA2.encode(), ""),
         )
-        self.ep = Endpoint(config, geo, compat, role, rank, send=role == "P", receive=role == "D", transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"))
+        self.ep = Endpoint(
+            config,
+            geo,
+            compat,
+            role,
+            rank,
+            send=role == "P",
+            receive=role == "D",
+            transport=LoopbackTransport(f"{role}{rank}-{next(_names)}"),
+        )
 
     def state(self, block: int) -> np.ndarray:
         """The bytes of ``block`` of the state layer (a view)."""
@@ -158,18 +212,30 @@ class HybridRank:
 
 @pytest.mark.parametrize("flow", ["push", "pull"])
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
-def test_a_decode_rank_of_another_tp_size_gets_its_heads_and_its_shard_of_the_state(p_tp: int, d_tp: int, flow: str) -> None:
+def test_a_decode_rank_of_another_tp_size_gets_its_heads_and_its_shard_of_the_state(
+    p_tp: int, d_tp: int, flow: str
+) -> None:
     from kvbridge.core.blocks import NONE, BlockTable
 
     state = model_state(MAMBA2, seed=7)
     ps = [HybridRank("P", p_tp, r, state) for r in range(p_tp)]
     ds = [HybridRank("D", d_tp, r) for r in range(d_tp)]
     try:
-        n, p_attn, d_attn, p_state, d_state = 40, [1, 2, 3], [5, 6, 7], 9, 10  # 40 tokens: 3 blocks, the state at the last
+        n, p_attn, d_attn, p_state, d_state = (
+            40,
+            [1, 2, 3],
+            [5, 6, 7],
+            9,
+            10,
+        )  # 40 tokens: 3 blocks, the state at the last
         p_blocks = BlockTable.grouped([[NONE, NONE, p_state], p_attn])
         d_blocks = BlockTable.grouped([[NONE, NONE, d_state], d_attn])
         for d in ds:
-            sources = [p.ep.address for p in ps if p.rank in state_prefill_ranks(MAMBA2, p_tp, d_tp, d.rank)]
+            sources = [
+                p.ep.address
+                for p in ps
+                if p.rank in state_prefill_ranks(MAMBA2, p_tp, d_tp, d.rank)
+            ]
             assert len(sources) == max(1, p_tp // d_tp)
         for p in ps:
             p.ep.sender.track("s", p_blocks, n, pull=flow == "pull")
@@ -179,20 +245,32 @@ def test_a_decode_rank_of_another_tp_size_gets_its_heads_and_its_shard_of_the_st
             if flow == "push":
                 d.ep.receiver.expect_push("s", [p.ep.address for p in ps], d_blocks, n)
             else:
-                d.ep.receiver.expect_pull("s", [p.ep.address for p in ps], [p.ep.epoch for p in ps], p_blocks, d_blocks, n)
+                d.ep.receiver.expect_pull(
+                    "s", [p.ep.address for p in ps], [p.ep.epoch for p in ps], p_blocks, d_blocks, n
+                )
         for d in ds:
             assert d.ep.receiver.wait_finished(5) == (["s"], [])
         for p in ps:
             assert p.ep.sender.wait_released(5) == ["s"]
         per = KV_HEADS // d_tp
-        whole = np.concatenate([p.cache[0, p_attn] for p in ps], axis=1)  # (blocks, all heads, tokens, 2 x dim)
+        whole = np.concatenate(
+            [p.cache[0, p_attn] for p in ps], axis=1
+        )  # (blocks, all heads, tokens, 2 x dim)
         for d in ds:
-            np.testing.assert_array_equal(d.cache[0, d_attn], whole[:, d.rank * per : (d.rank + 1) * per], err_msg=f"decode rank {d.rank}: attention")
+            np.testing.assert_array_equal(
+                d.cache[0, d_attn],
+                whole[:, d.rank * per : (d.rank + 1) * per],
+                err_msg=f"decode rank {d.rank}: attention",
+            )
             mine = shard(MAMBA2, state, d_tp, d.rank)
-            np.testing.assert_array_equal(d.state(d_state)[: mine.size], mine, err_msg=f"decode rank {d.rank}: state")
+            np.testing.assert_array_equal(
+                d.state(d_state)[: mine.size], mine, err_msg=f"decode rank {d.rank}: state"
+            )
             assert not d.state(d_state)[mine.size :].any(), "bytes beyond the state moved"
             others = [b for b in range(N) if b not in d_attn]
-            assert not d.cache[0, others].any() and not np.delete(d.cache[1], d_state, axis=0).any(), "bytes outside the destination blocks"
+            assert (
+                not d.cache[0, others].any() and not np.delete(d.cache[1], d_state, axis=0).any()
+            ), "bytes outside the destination blocks"
             expected = 3 * per * BS * 2 * HD * 4 + MAMBA2.nbytes(d_tp)
             assert d.ep.stats.take().bytes_received == expected
     finally:
@@ -214,7 +292,9 @@ class _Config:
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_the_vllm_adapter_derives_a_mamba2_layout_that_is_the_same_at_every_tp(monkeypatch: pytest.MonkeyPatch, tp: int, groups: int) -> None:
+def test_the_vllm_adapter_derives_a_mamba2_layout_that_is_the_same_at_every_tp(
+    monkeypatch: pytest.MonkeyPatch, tp: int, groups: int
+) -> None:
     """vLLM's own shape calculator gives the rank's shapes at ``tp``; the adapter asks
     the model class again at TP 1 and finds x, B and C; the layout's shard sizes at
     ``tp`` are the rank's shapes, and it does not depend on ``tp``."""
@@ -228,14 +308,27 @@ def test_the_vllm_adapter_derives_a_mamba2_layout_that_is_the_same_at_every_tp(m
         @classmethod
         def get_mamba_state_shape_from_config(cls, vllm_config):
             return MambaStateShapeCalculator.mamba2_state_shape(
-                tp_world_size=vllm_config.parallel_config.tensor_parallel_size, intermediate_size=256, n_groups=groups,
-                num_heads=8, head_dim=32, state_size=16, conv_kernel=4,
+                tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
+                intermediate_size=256,
+                n_groups=groups,
+                num_heads=8,
+                head_dim=32,
+                state_size=16,
+                conv_kernel=4,
             )
 
     monkeypatch.setattr(loader_utils, "get_model_cls", lambda model_config: Model)
 
     def spec(tp: int, shapes=None):
-        return type("Spec", (), {"mamba_type": "mamba2", "dtypes": (torch.float32, torch.float32), "shapes": shapes or Model.get_mamba_state_shape_from_config(_Config(tp))})()
+        return type(
+            "Spec",
+            (),
+            {
+                "mamba_type": "mamba2",
+                "dtypes": (torch.float32, torch.float32),
+                "shapes": shapes or Model.get_mamba_state_shape_from_config(_Config(tp)),
+            },
+        )()
 
     text = compat.state_layout(spec(tp), _Config(tp))
     layout = StateLayout.decode(text)
@@ -259,15 +352,28 @@ def test_a_pair_of_other_tp_sizes_prepares_no_table_and_forgetting_it_drops_the_
         assert {r: len(r.ep.node.transport._tables) for r in (p, d)} == tables
         from kvbridge.core.blocks import BlockTable
 
-        local, rows, remote, ridx = d.ep.node.plan(peer, BlockTable.grouped([[1, 2], [5, 6]]), BlockTable.grouped([[3, 4], [7, 0]]))
+        local, rows, remote, ridx = d.ep.node.plan(
+            peer, BlockTable.grouped([[1, 2], [5, 6]]), BlockTable.grouped([[3, 4], [7, 0]])
+        )
         assert not local.prepared and not remote.prepared and remote.peer == peer.agent
         assert rows.tolist() == ridx.tolist() == list(range(len(local)))
-        assert int(local.descs[:, 1].sum()) == int(remote.descs[:, 1].sum()) == 2 * sum(peer.cut.layer_bytes(l) for l in range(2))
+        assert (
+            int(local.descs[:, 1].sum())
+            == int(remote.descs[:, 1].sum())
+            == 2 * sum(peer.cut.layer_bytes(l) for l in range(2))
+        )
         from kvbridge.errors import InvalidDescriptorError
 
-        none = d.ep.node.plan(peer, BlockTable.grouped([[1, 2], [5, 6]]), BlockTable.grouped([[3, 4], [7, 0]]), layers=[])
+        none = d.ep.node.plan(
+            peer,
+            BlockTable.grouped([[1, 2], [5, 6]]),
+            BlockTable.grouped([[3, 4], [7, 0]]),
+            layers=[],
+        )
         assert len(none[1]) == 0
-        with pytest.raises(InvalidDescriptorError, match="empty transfer"):  # as for any plan that moves nothing
+        with pytest.raises(
+            InvalidDescriptorError, match="empty transfer"
+        ):  # as for any plan that moves nothing
             d.ep.node.transport.post("read", *none)
         d.ep.node.forget(p.ep.address)
         assert peer.agent not in d.ep.node.transport.peers and not d.ep.node.knows(peer.id)
@@ -279,7 +385,9 @@ def test_a_pair_of_other_tp_sizes_prepares_no_table_and_forgetting_it_drops_the_
 def _geo(num_blocks: int = 3):
     from kvbridge.core.layout import CacheGeometry, CacheSpec
 
-    spec = CacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused")
+    spec = CacheSpec(
+        num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused"
+    )
     return CacheGeometry(spec=spec, num_blocks=num_blocks, plane_bases=(0x1000, 0x2000), device=5)
 
 

@@ -29,9 +29,23 @@ def shim(tmp_path_factory) -> ctypes.CDLL:
         pytest.skip("no C++ compiler on PATH (apt-get install g++)")
     lib = tmp_path_factory.mktemp("tile_map") / "tile_map_shim.so"
     subprocess.run(
-        [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", f"-I{ROOT / 'csrc'}",
-         str(ROOT / "tests/unit/native/tile_map_shim.cpp"), "-o", str(lib)],
-        check=True, capture_output=True, text=True,
+        [
+            cxx,
+            "-O2",
+            "-std=c++17",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "tests/unit/native/tile_map_shim.cpp"),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     so = ctypes.CDLL(str(lib))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -46,9 +60,16 @@ def shim(tmp_path_factory) -> ctypes.CDLL:
 
 def test_fastdiv_divides_exactly(shim):
     rng = np.random.default_rng(0)
-    divisors = {*range(1, 300), *(1 << k for k in range(31)), *((1 << k) + 1 for k in range(31)),
-                *((1 << k) - 1 for k in range(2, 32)), *rng.integers(1, 1 << 31, 200).tolist()}
-    n = np.concatenate([np.arange(0, 5000), (1 << 31) - 1 - np.arange(0, 5000), rng.integers(0, 1 << 31, 20000)]).astype(np.uint32)
+    divisors = {
+        *range(1, 300),
+        *(1 << k for k in range(31)),
+        *((1 << k) + 1 for k in range(31)),
+        *((1 << k) - 1 for k in range(2, 32)),
+        *rng.integers(1, 1 << 31, 200).tolist(),
+    }
+    n = np.concatenate(
+        [np.arange(0, 5000), (1 << 31) - 1 - np.arange(0, 5000), rng.integers(0, 1 << 31, 20000)]
+    ).astype(np.uint32)
     q = np.empty_like(n)
     for d in sorted(divisors):
         shim.kvb_fastdiv(d, n.ctypes.data, q.ctypes.data, n.size)
@@ -57,18 +78,29 @@ def test_fastdiv_divides_exactly(shim):
         assert bad.size == 0, f"{n[bad[0]]} / {d}: got {q[bad[0]]}, expected {expected[bad[0]]}"
 
 
-def _spec_rows(fmt: PackedFormat, layers: int, k: torch.Tensor, ids: list[int], head_start: int) -> np.ndarray:
+def _spec_rows(
+    fmt: PackedFormat, layers: int, k: torch.Tensor, ids: list[int], head_start: int
+) -> np.ndarray:
     """(layer, plane, paged element offset, values byte, scale byte) of every row, from
     the format and the planes' strides (scale column 0 for unscaled regions)."""
     sb, st, sh = k.stride(0), k.stride(1), k.stride(2)
     bs, ct, nh = k.shape[1], max(fmt.ct, 1), fmt.num_heads
     rows = []
-    for layer, p, t, h in itertools.product(range(layers), range(2), range(fmt.num_tokens), range(nh)):
+    for layer, p, t, h in itertools.product(
+        range(layers), range(2), range(fmt.num_tokens), range(nh)
+    ):
         c, u = divmod(t, ct)
         r = (p * ct + u) * nh + h
         chunk = layer * fmt.nbytes + c * fmt.chunk_stride
-        rows.append((layer, p, ids[t // bs] * sb + (t % bs) * st + (head_start + h) * sh,
-                     chunk + r * fmt.head_dim * fmt.element_size, chunk + fmt.scales_offset + 4 * r if fmt.scaled else 0))
+        rows.append(
+            (
+                layer,
+                p,
+                ids[t // bs] * sb + (t % bs) * st + (head_start + h) * sh,
+                chunk + r * fmt.head_dim * fmt.element_size,
+                chunk + fmt.scales_offset + 4 * r if fmt.scaled else 0,
+            )
+        )
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
@@ -83,15 +115,43 @@ CASES = [
     ("nhd", 40, 1, 2, 4, 33, None, False, 4, 1),
     ("nhd", 8, 16, 8, 4, 1, (7, 8), True, 16, 1),
     ("nhd", 8, 16, 8, 4, 0, None, True, 16, 2),
-    ("nhd", 6, 64, 8, 4, 256, None, True, 0, 2),  # 64-token tiles of 8 heads: split into 16-token tiles
+    (
+        "nhd",
+        6,
+        64,
+        8,
+        4,
+        256,
+        None,
+        True,
+        0,
+        2,
+    ),  # 64-token tiles of 8 heads: split into 16-token tiles
     ("hnd", 6, 64, 3, 4, 300, None, False, 48, 1),  # gcd 16 x 3 heads: within the cap
-    ("nhd", 8, 16, 4, 8, 101, None, False, 0, 1),  # one chunk: tiles of a block whatever the token count
+    (
+        "nhd",
+        8,
+        16,
+        4,
+        8,
+        101,
+        None,
+        False,
+        0,
+        1,
+    ),  # one chunk: tiles of a block whatever the token count
 ]
 
 
 @pytest.mark.parametrize("layout,nb,bs,heads,dim,tokens,hr,fp8,chunk,layers", CASES)
-def test_tiles_visit_every_row_once_at_its_format_address(shim, layout, nb, bs, heads, dim, tokens, hr, fp8, chunk, layers):
-    shape = {"nhd": (2, nb, bs, heads, dim), "hnd": (2, nb, heads, bs, dim), "fused": (nb, heads, bs, 2 * dim)}[layout]
+def test_tiles_visit_every_row_once_at_its_format_address(
+    shim, layout, nb, bs, heads, dim, tokens, hr, fp8, chunk, layers
+):
+    shape = {
+        "nhd": (2, nb, bs, heads, dim),
+        "hnd": (2, nb, heads, bs, dim),
+        "fused": (nb, heads, bs, 2 * dim),
+    }[layout]
     k, _ = ops.kv_planes(torch.zeros(shape, dtype=torch.bfloat16), layout)
     h0, h1 = hr or (0, heads)
     fmt = ops.packed_format(k, tokens, (h0, h1), fp8, chunk)
@@ -100,9 +160,22 @@ def test_tiles_visit_every_row_once_at_its_format_address(shim, layout, nb, bs, 
     capacity = max(len(want), 1) + 8
     out = np.full((capacity, 5), -7, dtype=np.int64)
     n = shim.kvb_tile_rows(
-        layers, tokens, h1 - h0, h0, bs, max(fmt.ct, 1), fmt.head_dim * fmt.element_size, k.stride(0), k.stride(1),
-        k.stride(2), fmt.nbytes, fmt.chunk_stride, fmt.scales_offset if fmt.scaled else -1, ids.ctypes.data,
-        out.ctypes.data, capacity,
+        layers,
+        tokens,
+        h1 - h0,
+        h0,
+        bs,
+        max(fmt.ct, 1),
+        fmt.head_dim * fmt.element_size,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        fmt.nbytes,
+        fmt.chunk_stride,
+        fmt.scales_offset if fmt.scaled else -1,
+        ids.ctypes.data,
+        out.ctypes.data,
+        capacity,
     )
     assert n == len(want), f"visited {n} rows, the call has {len(want)}"
     got = out[:n].copy()
@@ -136,5 +209,7 @@ def test_tile_size(shim, tokens, heads, block, chunk, tile):
 def test_tile_map_refuses_rows_beyond_31_bits_in_a_block(shim):
     out = np.zeros((4, 5), dtype=np.int64)
     ids = np.zeros(1, dtype=np.int64)
-    n = shim.kvb_tile_rows(1, 2, 1, 0, 2, 2, 16, 1 << 40, 1 << 31, 8, 64, 64, -1, ids.ctypes.data, out.ctypes.data, 4)
+    n = shim.kvb_tile_rows(
+        1, 2, 1, 0, 2, 2, 16, 1 << 40, 1 << 31, 8, 64, 64, -1, ids.ctypes.data, out.ctypes.data, 4
+    )
     assert n == -1

@@ -67,7 +67,10 @@ def test_write_read_and_notify(pair) -> None:
     assert (a.buf[8192:12288] == 7).all()
     a.t.notify(a.t_peer, b"bare")
     got = b.t.take_notifications(1)
-    assert [(n.peer, n.payload) for n in got] == [(a.t.agent_name, b"n1"), (a.t.agent_name, b"bare")]
+    assert [(n.peer, n.payload) for n in got] == [
+        (a.t.agent_name, b"n1"),
+        (a.t.agent_name, b"bare"),
+    ]
     assert b.t.take_notifications(0) == [], "each notification is handed out once"
 
 
@@ -100,13 +103,19 @@ def test_adjacent_registrations_accept_a_spanning_descriptor() -> None:
     assert idx.first_outside(ok, "host") is None
     assert idx.first_outside(np.array([[1150, 100, 0]], dtype=np.uint64), "host") == (1150, 100)
     assert idx.first_outside(ok, "device") == (1050, 100), "memory kinds are separate"
-    assert idx.first_outside(np.array([[1050, 100, 1]], dtype=np.uint64), "host") == (1050, 100), "devices are separate"
+    assert idx.first_outside(np.array([[1050, 100, 1]], dtype=np.uint64), "host") == (1050, 100), (
+        "devices are separate"
+    )
     idx.remove([(1100, 100)], "host", 0)
     assert idx.first_outside(ok, "host") == (1050, 100)
-    idx.add([(5000, 100)], "host", 1)  # rows of two devices in one list: each checked against its own
+    idx.add(
+        [(5000, 100)], "host", 1
+    )  # rows of two devices in one list: each checked against its own
     mixed = np.array([[1010, 50, 0], [5010, 50, 1], [1020, 10, 0]], dtype=np.uint64)
     assert idx.first_outside(mixed, "host") is None
-    assert idx.first_outside(np.array([[5010, 50, 1], [1010, 50, 0], [1010, 50, 1]], dtype=np.uint64), "host") == (1010, 50)
+    assert idx.first_outside(
+        np.array([[5010, 50, 1], [1010, 50, 0], [1010, 50, 1]], dtype=np.uint64), "host"
+    ) == (1010, 50)
 
 
 def test_dead_peer_and_unreachable_peer(pair) -> None:
@@ -189,15 +198,27 @@ def test_unknown_transport_suggests_the_name() -> None:
     assert info.value.key == "transport"
 
 
-def test_missing_dependency_gives_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_dependency_gives_install_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "kvb_fake_rdma.py").write_text(
         "raise ImportError('libibverbs.so.1: cannot open shared object file: No such file or directory')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     register_transport(
-        TransportEntry("fake-rdma", "kvb_fake_rdma:T", "test", "pip install fake", hints=((r"libibverbs", "apt-get install -y libibverbs1"),))
+        TransportEntry(
+            "fake-rdma",
+            "kvb_fake_rdma:T",
+            "test",
+            "pip install fake",
+            hints=((r"libibverbs", "apt-get install -y libibverbs1"),),
+        )
     )
-    register_transport(TransportEntry("fake-absent", "kvb_not_installed_anywhere:T", "test", "pip install 'kvbridge[absent]'"))
+    register_transport(
+        TransportEntry(
+            "fake-absent", "kvb_not_installed_anywhere:T", "test", "pip install 'kvbridge[absent]'"
+        )
+    )
     with pytest.raises(TransportUnavailableError, match=r"fix: apt-get install -y libibverbs1"):
         load("fake-rdma")
     with pytest.raises(TransportUnavailableError, match=r"fix: pip install 'kvbridge\[absent\]'"):

@@ -28,7 +28,9 @@ def loggers() -> Iterator[tuple[logging.Logger, logging.Logger]]:
         lg.propagate = propagate
 
 
-def test_kvbridge_info_lines_go_to_vllms_handler(loggers: tuple[logging.Logger, logging.Logger]) -> None:
+def test_kvbridge_info_lines_go_to_vllms_handler(
+    loggers: tuple[logging.Logger, logging.Logger],
+) -> None:
     ours, vllm = loggers
     out = io.StringIO()
     vllm.addHandler(logging.StreamHandler(out))
@@ -41,7 +43,9 @@ def test_kvbridge_info_lines_go_to_vllms_handler(loggers: tuple[logging.Logger, 
     assert ours.propagate is False
 
 
-def test_configured_kvbridge_logger_is_left_alone(loggers: tuple[logging.Logger, logging.Logger]) -> None:
+def test_configured_kvbridge_logger_is_left_alone(
+    loggers: tuple[logging.Logger, logging.Logger],
+) -> None:
     ours, vllm = loggers
     mine = logging.StreamHandler(io.StringIO())
     ours.addHandler(mine)
@@ -50,7 +54,9 @@ def test_configured_kvbridge_logger_is_left_alone(loggers: tuple[logging.Logger,
     assert ours.handlers == [mine] and ours.propagate
 
 
-def test_nothing_happens_when_vllm_configured_no_logging(loggers: tuple[logging.Logger, logging.Logger]) -> None:
+def test_nothing_happens_when_vllm_configured_no_logging(
+    loggers: tuple[logging.Logger, logging.Logger],
+) -> None:
     ours, _ = loggers
     share_vllm_log_handlers()
     assert ours.handlers == [] and ours.propagate and ours.level == logging.NOTSET

@@ -17,7 +17,12 @@ from kvbridge.errors import ConfigError, KVBridgeError
 
 
 def _discover(s: SchedulerSide, rid: str) -> dict | None:
-    req = SimpleNamespace(request_id=rid, kv_transfer_params={"kvbridge": {"transfer_id": rid, "role": "prefill", "flow": "discover"}})
+    req = SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params={
+            "kvbridge": {"transfer_id": rid, "role": "prefill", "flow": "discover"}
+        },
+    )
     assert s.matched_tokens(req, 0) == (0, False)  # vLLM's first call; the prefill loads nothing
     held, params = s.request_finished(req, ([],))
     assert not held, "discover holds nothing"
@@ -32,7 +37,12 @@ def test_discover_lists_every_tp_rank_once_all_reported() -> None:
     s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
     params = _discover(s, "r1")
     assert params is not None
-    got = PrefillAddress(**{**params["kvbridge"]["prefill"], "ranks": [RankAddress(**r) for r in params["kvbridge"]["prefill"]["ranks"]]})
+    got = PrefillAddress(
+        **{
+            **params["kvbridge"]["prefill"],
+            "ranks": [RankAddress(**r) for r in params["kvbridge"]["prefill"]["ranks"]],
+        }
+    )
     assert got.address == "h:7000" and got.epoch == "e0" and got.engine_id == "eng"
     assert got.sources(0, 2, 4) == [RankAddress("h:7000", "e0")]
     assert got.sources(1, 2, 4) == [RankAddress("h:7001", "e1")]
@@ -40,22 +50,40 @@ def test_discover_lists_every_tp_rank_once_all_reported() -> None:
 
 def test_a_decode_request_carries_every_prefill_rank_to_the_workers() -> None:
     s = SchedulerSide(16, "eng", "127.0.0.1")
-    prefill = {"address": "h:7000", "epoch": "e0", "ranks": [{"address": "h:7000", "epoch": "e0"}, {"address": "h:7001", "epoch": "e1"}]}
+    prefill = {
+        "address": "h:7000",
+        "epoch": "e0",
+        "ranks": [{"address": "h:7000", "epoch": "e0"}, {"address": "h:7001", "epoch": "e1"}],
+    }
     req = SimpleNamespace(
-        request_id="d1", num_prompt_tokens=40, prompt_token_ids=random_prompt(40),
-        kv_transfer_params={"kvbridge": {"transfer_id": "t1", "role": "decode", "prefill": prefill}},
+        request_id="d1",
+        num_prompt_tokens=40,
+        prompt_token_ids=random_prompt(40),
+        kv_transfer_params={
+            "kvbridge": {"transfer_id": "t1", "role": "decode", "prefill": prefill}
+        },
     )
     assert s.matched_tokens(req, 0) == (40, True)
-    blocks = SimpleNamespace(get_block_ids=lambda: ([3, 4, 5],), get_unhashed_block_ids=lambda: [3, 4, 5])
+    blocks = SimpleNamespace(
+        get_block_ids=lambda: ([3, 4, 5],), get_unhashed_block_ids=lambda: [3, 4, 5]
+    )
     s.after_alloc(req, blocks, 40)
     task = s.build_meta(SimpleNamespace(total_num_scheduled_tokens=0)).recv[0]
     assert task.block_ids == [3, 4, 5] and task.num_tokens == 40
     assert task.prefill.sources(1, 2, 4) == [RankAddress("h:7001", "e1")]
 
 
-@pytest.mark.parametrize("name", ["pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"])
+@pytest.mark.parametrize(
+    "name",
+    ["pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"],
+)
 def test_parallelism_other_than_tensor_parallel_is_refused(name: str) -> None:
-    sizes = {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "prefill_context_parallel_size": 1, "decode_context_parallel_size": 1}
+    sizes = {
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+        "prefill_context_parallel_size": 1,
+        "decode_context_parallel_size": 1,
+    }
     check_parallelism(SimpleNamespace(**sizes))  # TP alone is fine
     with pytest.raises(KVBridgeError, match=f"runs {name} 2") as err:
         check_parallelism(SimpleNamespace(**{**sizes, name: 2}))
@@ -67,10 +95,14 @@ def _output(new=(), cached=(), scheduled=None) -> SimpleNamespace:
     ones ``(req_id, computed, new_block_ids)``; ``scheduled``: tokens per request."""
     return SimpleNamespace(
         total_num_scheduled_tokens=sum((scheduled or {}).values()),
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(b,)) for r, c, b in new],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=(b,)) for r, c, b in new
+        ],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached],
-            new_block_ids=[(b,) for _, _, b in cached], resumed_req_ids=set(),
+            req_ids=[r for r, _, _ in cached],
+            num_computed_tokens=[c for _, c, _ in cached],
+            new_block_ids=[(b,) for _, _, b in cached],
+            resumed_req_ids=set(),
         ),
         num_scheduled_tokens=scheduled or {},
         preempted_req_ids=set(),
@@ -82,11 +114,17 @@ def test_transfer_blocks_cut_each_vllm_block_on_the_decode_side() -> None:
     s = SchedulerSide(64, "eng", "127.0.0.1", transfer_block_size=16)
     prefill = {"address": "h:7000", "epoch": "e0", "ranks": [{"address": "h:7000", "epoch": "e0"}]}
     req = SimpleNamespace(
-        request_id="d1", num_prompt_tokens=150, prompt_token_ids=random_prompt(150),
-        kv_transfer_params={"kvbridge": {"transfer_id": "t1", "role": "decode", "prefill": prefill}},
+        request_id="d1",
+        num_prompt_tokens=150,
+        prompt_token_ids=random_prompt(150),
+        kv_transfer_params={
+            "kvbridge": {"transfer_id": "t1", "role": "decode", "prefill": prefill}
+        },
     )
     assert s.matched_tokens(req, 64) == (86, True)  # one block of prefix-cache hits
-    blocks = SimpleNamespace(get_block_ids=lambda: ([9, 3, 4],), get_unhashed_block_ids=lambda: [3, 4])
+    blocks = SimpleNamespace(
+        get_block_ids=lambda: ([9, 3, 4],), get_unhashed_block_ids=lambda: [3, 4]
+    )
     s.after_alloc(req, blocks, 86)
     task = s.build_meta(_output()).recv[0]
     # tokens 64..149 fill 6 blocks of 16: all of vLLM block 3, half of block 4
@@ -100,15 +138,23 @@ def test_transfer_blocks_cut_each_vllm_block_on_the_prefill_side_in_both_flows()
     reqs = {}
     for rid, flow in (("push", "push"), ("pull", "pull")):
         reqs[rid] = SimpleNamespace(
-            request_id=rid, num_prompt_tokens=70, status=FINISHED_OK[0],
-            kv_transfer_params={"kvbridge": {"transfer_id": f"t-{rid}", "role": "prefill", "flow": flow}},
+            request_id=rid,
+            num_prompt_tokens=70,
+            status=FINISHED_OK[0],
+            kv_transfer_params={
+                "kvbridge": {"transfer_id": f"t-{rid}", "role": "prefill", "flow": flow}
+            },
         )
         assert s.matched_tokens(reqs[rid], 0) == (0, False)
         s.after_alloc(reqs[rid], None, 0)
     # a chunked prefill: 40 tokens in 2 blocks, then 30 more in 1 new block
-    first = s.build_meta(_output(new=[(r, 0, [5, 2]) for r in reqs], scheduled={r: 40 for r in reqs})).send
+    first = s.build_meta(
+        _output(new=[(r, 0, [5, 2]) for r in reqs], scheduled={r: 40 for r in reqs})
+    ).send
     assert [st.new_blocks for st in first] == [[20, 21, 22, 23, 8, 9, 10, 11]] * 2
-    second = s.build_meta(_output(cached=[(r, 40, [7]) for r in reqs], scheduled={r: 30 for r in reqs})).send
+    second = s.build_meta(
+        _output(cached=[(r, 40, [7]) for r in reqs], scheduled={r: 30 for r in reqs})
+    ).send
     # 70 tokens fill 9 blocks of 8: the 9th is the first of vLLM block 7
     assert [st.new_blocks for st in second] == [[28]] * 2
     held, params = s.request_finished(reqs["pull"], ([5, 2, 7],))
@@ -123,7 +169,8 @@ def test_a_transfer_block_size_that_does_not_divide_the_block_size_is_refused() 
 
 def _vllm_config(extra: dict, mla: bool = False, block_size: int = 16) -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=SimpleNamespace(use_mla=mla), cache_config=SimpleNamespace(block_size=block_size),
+        model_config=SimpleNamespace(use_mla=mla),
+        cache_config=SimpleNamespace(block_size=block_size),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
     )
 
@@ -147,8 +194,12 @@ _PREFILL = {"address": "h:7000", "epoch": "e0", "ranks": [{"address": "h:7000", 
 
 def _decode_req(rid: str, tid: str = "t1", n: int = 40) -> SimpleNamespace:
     return SimpleNamespace(
-        request_id=rid, num_prompt_tokens=n, status=FINISHED_OK[0],
-        kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": _PREFILL}},
+        request_id=rid,
+        num_prompt_tokens=n,
+        status=FINISHED_OK[0],
+        kv_transfer_params={
+            "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": _PREFILL}
+        },
     )
 
 
@@ -163,11 +214,15 @@ def test_decode_siblings_of_one_transfer_load_it_once_then_read_the_prefix_cache
     a, b = _decode_req("0_r"), _decode_req("1_r")
     assert s.matched_tokens(a, 0) == (40, True)
     s.after_alloc(a, _blocks([3, 4, 5]), 40)  # vLLM allocates for a before it asks about b
-    assert s.matched_tokens(b, 0) == (None, False), "a second load of the same transfer would collide"
+    assert s.matched_tokens(b, 0) == (None, False), (
+        "a second load of the same transfer would collide"
+    )
     assert [t.req_id for t in s.build_meta(_output()).recv] == ["0_r"]
     assert s.matched_tokens(b, 0) == (None, False), "asked again while the load runs"
     s.update_output(None, {"0_r"})
-    assert s.matched_tokens(b, 32) == (0, False), "the load ended: b computes what the prefix cache lacks"
+    assert s.matched_tokens(b, 32) == (0, False), (
+        "the load ended: b computes what the prefix cache lacks"
+    )
     assert s.matched_tokens(b, 32) == (0, False)
     s.after_alloc(b, _blocks([6, 7, 8]), 0)
     assert s.build_meta(_output()).recv == []
@@ -176,7 +231,9 @@ def test_decode_siblings_of_one_transfer_load_it_once_then_read_the_prefix_cache
     # a sibling that arrives after the load ended (vLLM submits them one by one) loads
     # nothing either: the prefill side has let go of the transfer
     assert s.matched_tokens(_decode_req("2_r"), 32) == (0, False)
-    assert s.matched_tokens(_decode_req("3_r", tid="t2"), 0) == (40, True), "other transfers load as before"
+    assert s.matched_tokens(_decode_req("3_r", tid="t2"), 0) == (40, True), (
+        "other transfers load as before"
+    )
 
 
 def test_a_sibling_waits_for_an_aborted_owner_until_the_workers_let_go() -> None:
@@ -187,7 +244,9 @@ def test_a_sibling_waits_for_an_aborted_owner_until_the_workers_let_go() -> None
     s.build_meta(_output())
     assert s.matched_tokens(b, 0) == (None, False)
     a.status = "FINISHED_ABORTED"
-    assert s.request_finished(a, ([3, 4, 5],)) == (True, None), "held while the prefill side may still write"
+    assert s.request_finished(a, ([3, 4, 5],)) == (True, None), (
+        "held while the prefill side may still write"
+    )
     assert s.build_meta(_output()).abort_recv == {"0_r": "t1"}
     assert s.matched_tokens(b, 0) == (None, False), "writes may still land: b must not start yet"
     s.update_output({"0_r"}, None)  # the workers report the aborted load stopped
@@ -207,7 +266,9 @@ def test_a_waiting_sibling_aborted_by_its_client_leaves_nothing_behind() -> None
 
 def _prefill_req(rid: str, tid: str = "t1", flow: str = "push", n: int = 40) -> SimpleNamespace:
     return SimpleNamespace(
-        request_id=rid, num_prompt_tokens=n, status=FINISHED_OK[0],
+        request_id=rid,
+        num_prompt_tokens=n,
+        status=FINISHED_OK[0],
         kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill", "flow": flow}},
     )
 
@@ -219,7 +280,11 @@ def test_a_second_prefill_request_naming_a_transfer_in_use_is_computed_without_a
     for r in (a, b):
         assert s.matched_tokens(r, 0) == (0, False)
         s.after_alloc(r, None, 0)
-    steps = s.build_meta(_output(new=[("0_r", 0, [1, 2, 3]), ("1_r", 0, [4, 5, 6])], scheduled={"0_r": 40, "1_r": 40})).send
+    steps = s.build_meta(
+        _output(
+            new=[("0_r", 0, [1, 2, 3]), ("1_r", 0, [4, 5, 6])], scheduled={"0_r": 40, "1_r": 40}
+        )
+    ).send
     assert [st.req_id for st in steps] == ["0_r"], "one sender per transfer id and worker"
     assert s.request_finished(b, ([4, 5, 6],)) == (False, None), "b holds nothing"
     held, _ = s.request_finished(a, ([1, 2, 3],))
@@ -231,7 +296,10 @@ def test_a_second_prefill_request_naming_a_transfer_in_use_is_computed_without_a
     assert s.request_finished(c, ([7, 8, 9],)) == (False, None)
     d = _prefill_req("3_r", tid="t2")
     s.after_alloc(d, None, 0)
-    assert [st.req_id for st in s.build_meta(_output(new=[("3_r", 0, [7, 8, 9])], scheduled={"3_r": 40})).send] == ["3_r"]
+    assert [
+        st.req_id
+        for st in s.build_meta(_output(new=[("3_r", 0, [7, 8, 9])], scheduled={"3_r": 40})).send
+    ] == ["3_r"]
 
 
 def test_a_preempted_prefill_drops_its_transfer_and_resumes_as_a_plain_request() -> None:
@@ -277,9 +345,14 @@ def test_a_decode_request_vllm_computes_itself_lets_the_prefill_go() -> None:
 def _hybrid_output(new=(), cached=(), scheduled=None) -> SimpleNamespace:
     """:func:`_output` with one block list per KV cache group already in ``block_ids``."""
     out = _output(scheduled=scheduled)
-    out.scheduled_new_reqs = [SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=b) for r, c, b in new]
+    out.scheduled_new_reqs = [
+        SimpleNamespace(req_id=r, num_computed_tokens=c, block_ids=b) for r, c, b in new
+    ]
     out.scheduled_cached_reqs = SimpleNamespace(
-        req_ids=[r for r, _, _ in cached], num_computed_tokens=[c for _, c, _ in cached], new_block_ids=[b for _, _, b in cached], resumed_req_ids=set()
+        req_ids=[r for r, _, _ in cached],
+        num_computed_tokens=[c for _, c, _ in cached],
+        new_block_ids=[b for _, _, b in cached],
+        resumed_req_ids=set(),
     )
     return out
 
@@ -293,26 +366,46 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
 
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
     req = _decode_req("d", n=150)
-    assert s.matched_tokens(req, 32) == (117, True), "the prefill sends 149 tokens, the decode has 32"
+    assert s.matched_tokens(req, 32) == (117, True), (
+        "the prefill sends 149 tokens, the decode has 32"
+    )
     blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14], [0, 0, 0, 15, 16]))
     s.after_alloc(req, blocks, 117)
     task = s.build_meta(_output()).recv[0]
-    assert task.block_ids == BlockTable.grouped([[11, 12, 13, 14], [NONE, NONE, 15, 16]]) and task.skip_tokens == 32
+    assert (
+        task.block_ids == BlockTable.grouped([[11, 12, 13, 14], [NONE, NONE, 15, 16]])
+        and task.skip_tokens == 32
+    )
 
     s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
-    p = SimpleNamespace(request_id="p", num_prompt_tokens=150, status=FINISHED_OK[0], kv_transfer_params={"do_remote_decode": True})
+    p = SimpleNamespace(
+        request_id="p",
+        num_prompt_tokens=150,
+        status=FINISHED_OK[0],
+        kv_transfer_params={"do_remote_decode": True},
+    )
     s.after_alloc(p, None, 0)
-    first = s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3], [4, 5, 6]))], scheduled={"p": 96})).send[0]
+    first = s.build_meta(
+        _hybrid_output(new=[("p", 0, ([1, 2, 3], [4, 5, 6]))], scheduled={"p": 96})
+    ).send[0]
     assert first.new_blocks == BlockTable.grouped([[1, 2, 3], [4, 5, 6]])
-    second = s.build_meta(_hybrid_output(cached=[("p", 96, ([7, 8], [9, 10]))], scheduled={"p": 54})).send[0]
+    second = s.build_meta(
+        _hybrid_output(cached=[("p", 96, ([7, 8], [9, 10]))], scheduled={"p": 54})
+    ).send[0]
     assert second.new_blocks == BlockTable.grouped([[7, 8], [9, 10]]) and second.last
-    held, params = s.request_finished(p, ([1, 2, 3, 7, 8], [0, 0, 0, 9, 10]))  # vLLM freed what left the window
+    held, params = s.request_finished(
+        p, ([1, 2, 3, 7, 8], [0, 0, 0, 9, 10])
+    )  # vLLM freed what left the window
     assert held and params["remote_block_ids"] == [1, 2, 3, 7, 8]
     handoff = kvparams.parse(params, "d2")
-    assert handoff is not None and handoff.remote_table() == BlockTable.grouped([[1, 2, 3, 7, 8], [NONE, NONE, NONE, 9, 10]])
+    assert handoff is not None and handoff.remote_table() == BlockTable.grouped(
+        [[1, 2, 3, 7, 8], [NONE, NONE, NONE, 9, 10]]
+    )
 
 
-def test_with_a_sliding_window_the_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> None:
+def test_with_a_sliding_window_the_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> (
+    None
+):
     """Every length is handed off, the window's edge (``N - W + 1`` a multiple of the
     block size) included: 103 tokens, the decode loads 102. A 1-token prompt is not:
     the decode computes it (no tokens to load), the prefill as a plain request (nothing
@@ -328,21 +421,45 @@ def test_with_a_sliding_window_the_prefill_leaves_the_last_token_and_one_token_p
     s.on_new_request(p)
     s.after_alloc(p, None, 0)
     assert p.num_prompt_tokens == edge - 1
-    assert s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"p": edge - 1})).send[0].num_tokens == edge - 1
-    for flow_params in ({"kvbridge": {"transfer_id": "t1", "role": "prefill"}}, {"do_remote_decode": True}):
+    assert (
+        s.build_meta(
+            _hybrid_output(new=[("p", 0, ([1, 2, 3, 4], [5, 6, 7, 8]))], scheduled={"p": edge - 1})
+        )
+        .send[0]
+        .num_tokens
+        == edge - 1
+    )
+    for flow_params in (
+        {"kvbridge": {"transfer_id": "t1", "role": "prefill"}},
+        {"do_remote_decode": True},
+    ):
         one = _prompt_req("one", 1, flow_params)
         s.on_new_request(one)
         s.after_alloc(one, None, 0)
         assert one.num_prompt_tokens == 1
-        assert s.build_meta(_hybrid_output(new=[("one", 0, ([1], [2]))], scheduled={"one": 1})).send == []
+        assert (
+            s.build_meta(_hybrid_output(new=[("one", 0, ([1], [2]))], scheduled={"one": 1})).send
+            == []
+        )
         held, params = s.request_finished(one, ([1], [2]))
         assert not held
-        assert (params is None) if "kvbridge" in flow_params else (params and kvparams.parse(params, "d") is None)
+        assert (
+            (params is None)
+            if "kvbridge" in flow_params
+            else (params and kvparams.parse(params, "d") is None)
+        )
 
 
-def test_groups_out_of_step_give_the_transfer_up_not_the_engine(caplog: pytest.LogCaptureFixture) -> None:
+def test_groups_out_of_step_give_the_transfer_up_not_the_engine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
-    p = SimpleNamespace(request_id="p", num_prompt_tokens=150, status=FINISHED_OK[0], kv_transfer_params={"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
+    p = SimpleNamespace(
+        request_id="p",
+        num_prompt_tokens=150,
+        status=FINISHED_OK[0],
+        kv_transfer_params={"kvbridge": {"transfer_id": "tp", "role": "prefill"}},
+    )
     s.after_alloc(p, None, 0)
     meta = s.build_meta(_hybrid_output(new=[("p", 0, ([1, 2, 3], [4, 5]))], scheduled={"p": 96}))
     assert meta.send == [] and meta.drop_send == {"p": "tp"}
@@ -359,14 +476,22 @@ def test_one_sliding_window_group_is_told_apart_too() -> None:
     req = _decode_req("d", n=150)
     assert s.matched_tokens(req, 0) == (149, True)
     s.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([0, 0, 0, 15, 16],)), 149)
-    assert s.build_meta(_output()).recv[0].block_ids == BlockTable.grouped([[NONE, NONE, NONE, 15, 16]])
+    assert s.build_meta(_output()).recv[0].block_ids == BlockTable.grouped(
+        [[NONE, NONE, NONE, 15, 16]]
+    )
 
 
 def _prompt_req(rid: str, n: int, params: dict) -> SimpleNamespace:
     prompt = random_prompt(n)
     return SimpleNamespace(
-        request_id=rid, num_prompt_tokens=n, prompt_token_ids=prompt, prompt_embeds=None, _all_token_ids=list(prompt), max_tokens=16,
-        status=FINISHED_OK[0], kv_transfer_params=params,
+        request_id=rid,
+        num_prompt_tokens=n,
+        prompt_token_ids=prompt,
+        prompt_embeds=None,
+        _all_token_ids=list(prompt),
+        max_tokens=16,
+        status=FINISHED_OK[0],
+        kv_transfer_params=params,
     )
 
 
@@ -378,21 +503,42 @@ def test_a_prefill_with_state_space_layers_leaves_the_last_prompt_token_to_the_d
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups=[0])
     push = _prompt_req("p", 150, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
     s.on_new_request(push)
-    assert (push.num_prompt_tokens, len(push.prompt_token_ids), len(push._all_token_ids), push.max_tokens) == (149, 149, 149, 1)
+    assert (
+        push.num_prompt_tokens,
+        len(push.prompt_token_ids),
+        len(push._all_token_ids),
+        push.max_tokens,
+    ) == (149, 149, 149, 1)
     pull = _prompt_req("q", 150, {"do_remote_decode": True})
     s.on_new_request(pull)
     assert pull.num_prompt_tokens == 149 and pull.prompt_token_ids == pull._all_token_ids
     for req, sched in (
         (_prompt_req("one", 1, {"kvbridge": {"transfer_id": "t1", "role": "prefill"}}), s),
-        (_prompt_req("disc", 150, {"kvbridge": {"transfer_id": "t2", "role": "prefill", "flow": "discover"}}), s),
+        (
+            _prompt_req(
+                "disc",
+                150,
+                {"kvbridge": {"transfer_id": "t2", "role": "prefill", "flow": "discover"}},
+            ),
+            s,
+        ),
         (_prompt_req("plain", 150, {}), s),
-        (_prompt_req("attn", 150, {"kvbridge": {"transfer_id": "t3", "role": "prefill"}}), SchedulerSide(32, "eng", "127.0.0.1")),
+        (
+            _prompt_req("attn", 150, {"kvbridge": {"transfer_id": "t3", "role": "prefill"}}),
+            SchedulerSide(32, "eng", "127.0.0.1"),
+        ),
     ):
         before = list(req.prompt_token_ids)
         sched.on_new_request(req)
-        assert req.prompt_token_ids == before and req.num_prompt_tokens == len(before) and req.max_tokens == 16, req.request_id
+        assert (
+            req.prompt_token_ids == before
+            and req.num_prompt_tokens == len(before)
+            and req.max_tokens == 16
+        ), req.request_id
     assert s.matched_tokens(_decode_req("d", n=150), 0) == (149, True)
-    assert s.matched_tokens(_decode_req("d1", tid="t9", n=1), 0) == (0, False), "nothing to load: the decode computes a 1-token prompt"
+    assert s.matched_tokens(_decode_req("d1", tid="t9", n=1), 0) == (0, False), (
+        "nothing to load: the decode computes a 1-token prompt"
+    )
 
 
 def test_a_state_space_group_s_row_holds_the_state_block_at_the_last_position_only() -> None:
@@ -407,23 +553,36 @@ def test_a_state_space_group_s_row_holds_the_state_block_at_the_last_position_on
     p = _prompt_req("p", 150, {"do_remote_decode": True})
     s.on_new_request(p)
     s.after_alloc(p, None, 0)
-    first = s.build_meta(_hybrid_output(new=[("p", 0, ([9], [1, 2, 3]))], scheduled={"p": 96})).send[0]
-    assert first.new_blocks == BlockTable.grouped([[NONE, NONE, NONE], [1, 2, 3]]) and first.num_tokens == 149
-    second = s.build_meta(_hybrid_output(cached=[("p", 96, ([], [4, 5]))], scheduled={"p": 53})).send[0]
+    first = s.build_meta(
+        _hybrid_output(new=[("p", 0, ([9], [1, 2, 3]))], scheduled={"p": 96})
+    ).send[0]
+    assert (
+        first.new_blocks == BlockTable.grouped([[NONE, NONE, NONE], [1, 2, 3]])
+        and first.num_tokens == 149
+    )
+    second = s.build_meta(
+        _hybrid_output(cached=[("p", 96, ([], [4, 5]))], scheduled={"p": 53})
+    ).send[0]
     assert second.new_blocks == BlockTable.grouped([[NONE, 9], [4, 5]]) and second.last
     held, params = s.request_finished(p, ([9], [1, 2, 3, 4, 5]))
     assert held and params["remote_num_tokens"] == 149
     handoff = kvparams.parse(params, "d2")
-    assert handoff is not None and handoff.remote_table() == BlockTable.grouped([[NONE] * 4 + [9], [1, 2, 3, 4, 5]])
+    assert handoff is not None and handoff.remote_table() == BlockTable.grouped(
+        [[NONE] * 4 + [9], [1, 2, 3, 4, 5]]
+    )
 
     req = _decode_req("d", n=150)
     assert s.matched_tokens(req, 0) == (149, True)
     s.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([7], [10, 11, 12, 13, 14])), 149)
     task = s.build_meta(_output()).recv[0]
-    assert task.num_tokens == 149 and task.block_ids == BlockTable.grouped([[NONE] * 4 + [7], [10, 11, 12, 13, 14]])
+    assert task.num_tokens == 149 and task.block_ids == BlockTable.grouped(
+        [[NONE] * 4 + [7], [10, 11, 12, 13, 14]]
+    )
 
 
-def test_a_prefill_given_no_state_block_gives_the_transfer_up(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_prefill_given_no_state_block_gives_the_transfer_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 0), state_groups=[0])
     p = _prompt_req("p", 40, {"kvbridge": {"transfer_id": "tp", "role": "prefill"}})
     s.on_new_request(p)

@@ -19,7 +19,17 @@ from kvbridge.errors import IncompatiblePeerError
 
 
 def worker(ep, rank: int = 0, tp_size: int = 1) -> WorkerSide:  # noqa: ANN001
-    ws = WorkerSide(load_config({}), "e", rank, "m", tp_size, 16, send=ep.sender is not None, receive=ep.receiver is not None, total_kv_heads=4)
+    ws = WorkerSide(
+        load_config({}),
+        "e",
+        rank,
+        "m",
+        tp_size,
+        16,
+        send=ep.sender is not None,
+        receive=ep.receiver is not None,
+        total_kv_heads=4,
+    )
     ws.endpoint = ep
     return ws
 
@@ -32,7 +42,9 @@ def pd() -> Iterator[tuple[WorkerSide, WorkerSide]]:
     p_ep.close()
 
 
-def _until(ws: WorkerSide, finished: set[str], want: str, which: int, steps: int = 500) -> list[tuple[set[str], set[str], set[str]]]:
+def _until(
+    ws: WorkerSide, finished: set[str], want: str, which: int, steps: int = 500
+) -> list[tuple[set[str], set[str], set[str]]]:
     """Run idle steps until ``want`` shows up in result ``which`` (0 sending, 1 recving)."""
     seen = []
     for _ in range(steps):
@@ -88,10 +100,16 @@ def test_decode_abort_after_the_load_was_reported_reports_nothing_more(pd) -> No
 
 def test_decode_abort_while_loading_frees_the_blocks_once_the_load_stops(pd) -> None:
     p, d = pd
-    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t4", "push", PrefillAddress(p.endpoint.address), [1, 2], 20, 0)]))
+    d.bind_recv(
+        KVBridgeMetadata(
+            recv=[RecvTask("rd", "t4", "push", PrefillAddress(p.endpoint.address), [1, 2], 20, 0)]
+        )
+    )
     d.bind_recv(KVBridgeMetadata(abort_recv={"rd": "t4"}))
     seen = _until(d, set(), "rd", 0)
-    assert all("rd" not in r for _, r, _ in seen), "an aborted load must not be reported as received"
+    assert all("rd" not in r for _, r, _ in seen), (
+        "an aborted load must not be reported as received"
+    )
 
 
 def test_a_preempted_prefill_s_transfer_is_aborted_and_never_reported(pd) -> None:
@@ -99,11 +117,17 @@ def test_a_preempted_prefill_s_transfer_is_aborted_and_never_reported(pd) -> Non
     ``finished_sending`` is a live request: the workers abort the transfer (the decode
     side's load fails) and report nothing for it, even once the request finishes."""
     p, d = pd
-    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t5", "push", PrefillAddress(p.endpoint.address), [1, 2], 20, 0)]))
+    d.bind_recv(
+        KVBridgeMetadata(
+            recv=[RecvTask("rd", "t5", "push", PrefillAddress(p.endpoint.address), [1, 2], 20, 0)]
+        )
+    )
     p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t5", "push", 20, [5, 6], 0, 16, True)]))
     p.endpoint.sender.layer_done("t5", 0, 16)
     p.after_forward()
-    eventually(lambda: bool(p.endpoint.sender._out["t5"].dests))  # P knows where D is (so it can tell D)
+    eventually(
+        lambda: bool(p.endpoint.sender._out["t5"].dests)
+    )  # P knows where D is (so it can tell D)
     p.bind_send(KVBridgeMetadata(drop_send={"rp": "t5"}))
     seen = _until(d, set(), "rd", 2)  # D's load failed
     assert all("rd" not in s for s, _, _ in seen)
@@ -115,21 +139,44 @@ def test_a_preempted_prefill_s_transfer_is_aborted_and_never_reported(pd) -> Non
     assert p.results(set()) == (set(), set(), set())
 
 
-def test_a_second_request_for_a_transfer_id_in_use_fails_alone_and_the_first_goes_through(pd) -> None:
+def test_a_second_request_for_a_transfer_id_in_use_fails_alone_and_the_first_goes_through(
+    pd,
+) -> None:
     """The scheduler side never lets two requests share a transfer id; should it ever,
     the workers fail the newcomer (reported to vLLM like any failed load, or as sent
     with nothing held) instead of raising inside vLLM's step, and the first request's
     transfer is untouched."""
     p, d = pd
     prefill = PrefillAddress(p.endpoint.address)
-    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t6", "push", prefill, [1, 2], 20, 0), RecvTask("rd2", "t6", "push", prefill, [3, 4], 20, 0)]))
+    d.bind_recv(
+        KVBridgeMetadata(
+            recv=[
+                RecvTask("rd", "t6", "push", prefill, [1, 2], 20, 0),
+                RecvTask("rd2", "t6", "push", prefill, [3, 4], 20, 0),
+            ]
+        )
+    )
     assert d.results(set()) == (set(), {"rd2"}, {"rd2"})
-    p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t6", "push", 20, [5, 6], 0, 16, True), SendStep("rp2", "t6", "push", 20, [7, 8], 0, 16, True)]))
+    p.bind_send(
+        KVBridgeMetadata(
+            send=[
+                SendStep("rp", "t6", "push", 20, [5, 6], 0, 16, True),
+                SendStep("rp2", "t6", "push", 20, [7, 8], 0, 16, True),
+            ]
+        )
+    )
     for layer in range(L):
         p.endpoint.sender.layer_done("t6", layer, 16)
     p.after_forward()
     # the refused request's later step must not add its blocks to the other's transfer
-    p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t6", "push", 20, [], 16, 20, False), SendStep("rp2", "t6", "push", 20, [9], 16, 20, False)]))
+    p.bind_send(
+        KVBridgeMetadata(
+            send=[
+                SendStep("rp", "t6", "push", 20, [], 16, 20, False),
+                SendStep("rp2", "t6", "push", 20, [9], 16, 20, False),
+            ]
+        )
+    )
     assert p.endpoint.sender._out["t6"].blocks == [5, 6]
     for layer in range(L):
         p.endpoint.sender.layer_done("t6", layer, 20)
@@ -148,7 +195,9 @@ def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> N
     try:
         p, d = worker(p_ep, rank=1, tp_size=2), worker(d_ep, rank=1, tp_size=2)
         # rank 0's address is a closed port: asking it fails the load
-        prefill = PrefillAddress("127.0.0.1:9", ranks=[RankAddress("127.0.0.1:9"), RankAddress(p_ep.address, p_ep.epoch)])
+        prefill = PrefillAddress(
+            "127.0.0.1:9", ranks=[RankAddress("127.0.0.1:9"), RankAddress(p_ep.address, p_ep.epoch)]
+        )
         _push(p, d, "t5", prefill)
         seen = _until(d, set(), "rd", 1)
         assert all("rd" not in f for _, _, f in seen), "the load failed"
@@ -159,16 +208,25 @@ def test_a_decode_worker_reads_from_the_prefill_worker_of_its_own_tp_rank() -> N
         p_ep.close()
 
 
-@pytest.mark.parametrize(("ranks", "match"), [(3, "size 3 does not split 4 KV heads"), (6, "size 6 does not split 4 KV heads")])
-def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(ranks: int, match: str, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("ranks", "match"),
+    [(3, "size 3 does not split 4 KV heads"), (6, "size 6 does not split 4 KV heads")],
+)
+def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(
+    ranks: int, match: str, caplog: pytest.LogCaptureFixture
+) -> None:
     cache = make_cache(None)
     d_ep = endpoint("D", cache)
     try:
         d = worker(d_ep, rank=1, tp_size=2)
-        prefill = PrefillAddress("127.0.0.1:9", ranks=[RankAddress(f"127.0.0.1:{9 + r}") for r in range(ranks)])
+        prefill = PrefillAddress(
+            "127.0.0.1:9", ranks=[RankAddress(f"127.0.0.1:{9 + r}") for r in range(ranks)]
+        )
         d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t6", "push", prefill, [1, 2], 20, 0)]))
         seen = _until(d, set(), "rd", 2)
-        assert sum("rd" in r for _, r, _ in seen) == 1, "a failed load is reported in finished_recving too, once"
+        assert sum("rd" in r for _, r, _ in seen) == 1, (
+            "a failed load is reported in finished_recving too, once"
+        )
         assert d_ep.stats.take().failures == 1
         assert match in caplog.text and "--tensor-parallel-size" in caplog.text
     finally:
@@ -178,15 +236,30 @@ def test_a_prefill_whose_tp_size_cannot_pair_fails_the_load_naming_the_fix(ranks
 def test_prefill_address_sources() -> None:
     single = PrefillAddress("h:1", epoch="e0")
     assert single.sources(0, 1, 4) == [RankAddress("h:1", "e0")]
-    assert single.sources(1, 2, 4) == [RankAddress("h:1", "e0")], "TP 1 -> TP 2: both decode ranks read from the one prefill rank"
-    both = PrefillAddress("h:1", epoch="e0", ranks=[RankAddress("h:1", "e0"), RankAddress("h:2", "e1")])
+    assert single.sources(1, 2, 4) == [RankAddress("h:1", "e0")], (
+        "TP 1 -> TP 2: both decode ranks read from the one prefill rank"
+    )
+    both = PrefillAddress(
+        "h:1", epoch="e0", ranks=[RankAddress("h:1", "e0"), RankAddress("h:2", "e1")]
+    )
     assert both.sources(1, 2, 4) == [RankAddress("h:2", "e1")]
-    assert [[a.address for a in both.sources(r, 4, 4)] for r in range(4)] == [["h:1"], ["h:1"], ["h:2"], ["h:2"]]
-    assert both.sources(0, 1, 4) == [RankAddress("h:1", "e0"), RankAddress("h:2", "e1")], "TP 2 -> TP 1: half the heads from each"
-    with pytest.raises(IncompatiblePeerError, match="tensor parallel size 2, this decode instance 3") as err:
+    assert [[a.address for a in both.sources(r, 4, 4)] for r in range(4)] == [
+        ["h:1"],
+        ["h:1"],
+        ["h:2"],
+        ["h:2"],
+    ]
+    assert both.sources(0, 1, 4) == [RankAddress("h:1", "e0"), RankAddress("h:2", "e1")], (
+        "TP 2 -> TP 1: half the heads from each"
+    )
+    with pytest.raises(
+        IncompatiblePeerError, match="tensor parallel size 2, this decode instance 3"
+    ) as err:
         both.sources(0, 3, 6)
     assert err.value.fix and "--tensor-parallel-size" in err.value.fix
-    assert [both.idle(r, 4, 4) for r in range(4)] == [[]] * 4 and both.idle(0, 1, 4) == [], "every prefill rank holds heads a decode rank reads"
+    assert [both.idle(r, 4, 4) for r in range(4)] == [[]] * 4 and both.idle(0, 1, 4) == [], (
+        "every prefill rank holds heads a decode rank reads"
+    )
     # MLA (one latent "head" on every rank): a decode reads from one prefill rank each and
     # releases the replicas nobody reads, each idle rank by exactly one decode rank
     four = PrefillAddress("h:0", ranks=[RankAddress(f"h:{r}", f"e{r}") for r in range(4)])
@@ -194,7 +267,10 @@ def test_prefill_address_sources() -> None:
         ([RankAddress("h:0", "e0")], [RankAddress("h:2", "e2")]),
         ([RankAddress("h:1", "e1")], [RankAddress("h:3", "e3")]),
     ]
-    assert (both.sources(0, 1, 1), both.idle(0, 1, 1)) == ([RankAddress("h:1", "e0")], [RankAddress("h:2", "e1")])
+    assert (both.sources(0, 1, 1), both.idle(0, 1, 1)) == (
+        [RankAddress("h:1", "e0")],
+        [RankAddress("h:2", "e1")],
+    )
 
 
 def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
@@ -217,7 +293,9 @@ def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
         allocators = [ep.node.packed.allocator for ep in eps]
         total = 2 * allocators[0].num_slots
         first = [ws.stats() for ws in ranks]
-        assert all(s is not None and (s.staging_slots, s.staging_slots_used) == (total, 0) for s in first)
+        assert all(
+            s is not None and (s.staging_slots, s.staging_slots_used) == (total, 0) for s in first
+        )
         assert [ws.stats() for ws in ranks] == [None, None], "idle and unchanged: nothing to report"
         held = allocators[0].alloc(7), allocators[1].alloc(3)
         snaps = [ws.stats() for ws in ranks]
@@ -231,13 +309,21 @@ def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
         allocators[0].free(held[0], 7)
 
         registry = CollectorRegistry()
-        types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
-        prom = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+        types = {
+            cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)
+        }
+        prom = KVBridgePromMetrics(
+            SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]}
+        )
         prom.observe(merged.data, 0)
         assert registry.get_sample_value("vllm:kvbridge_staging_slots", {"engine": "0"}) == total
         assert registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10
-        prom.observe(KVBridgeStats({**merged.data, "staging_slots": 0, "staging_slots_used": 0}).data, 0)  # a step without levels
-        assert registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10, "a step without levels keeps the gauge"
+        prom.observe(
+            KVBridgeStats({**merged.data, "staging_slots": 0, "staging_slots_used": 0}).data, 0
+        )  # a step without levels
+        assert (
+            registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10
+        ), "a step without levels keeps the gauge"
     finally:
         for ep in eps:
             ep.close()
@@ -259,14 +345,28 @@ def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.M
 
     def levels(ws: WorkerSide) -> tuple[int, ...] | None:
         snap = ws.stats()
-        return None if snap is None else (snap.sends_held, snap.sends_sending, snap.receives_allocated, snap.receives_waiting, snap.receives_receiving)
+        return (
+            None
+            if snap is None
+            else (
+                snap.sends_held,
+                snap.sends_sending,
+                snap.receives_allocated,
+                snap.receives_waiting,
+                snap.receives_receiving,
+            )
+        )
 
     recorded: list[DeviceEvent] = []
-    monkeypatch.setattr(worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
+    monkeypatch.setattr(
+        worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1]
+    )
     p_ep, d_ep = endpoint("P", make_cache(1)), endpoint("D", make_cache(None))
     try:
         p, d = worker(p_ep), worker(d_ep)
-        assert (levels(p), levels(d)) == ((0, 0, 0, 0, 0), (0, 0, 0, 0, 0)), "the first step reports the levels once"
+        assert (levels(p), levels(d)) == ((0, 0, 0, 0, 0), (0, 0, 0, 0, 0)), (
+            "the first step reports the levels once"
+        )
         assert (p.stats(), d.stats()) == (None, None), "nothing in flight, nothing changed"
         p._on_device = True  # layers gated by compute events: the request stays in flight
         p._layer_index = {f"model.layers.{i}.attn": i for i in range(L)}
@@ -276,7 +376,11 @@ def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.M
         p.after_forward()
         assert levels(p) == (1, 0, 0, 0, 0), "computed, no destination yet: held"
         assert levels(p) == (1, 0, 0, 0, 0), "reported in every step while in flight"
-        d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t7", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]))
+        d.bind_recv(
+            KVBridgeMetadata(
+                recv=[RecvTask("rd", "t7", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]
+            )
+        )
         eventually(lambda: p_ep.sender.phase("t7").value == "sending")
         assert levels(p) == (0, 1, 0, 0, 0)
         eventually(lambda: d_ep.receiver.phase("t7").value == "waiting")  # P's reply reached D
@@ -287,14 +391,20 @@ def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.M
         for event in recorded:
             event.complete()
         _until(d, set(), "rd", 1)
-        assert levels(d) == (0, 0, 0, 0, 0), "the step that reports the load reports the level it leaves"
+        assert levels(d) == (0, 0, 0, 0, 0), (
+            "the step that reports the load reports the level it leaves"
+        )
         _until(p, {"rp"}, "rp", 0)
         assert levels(p) == (0, 0, 0, 0, 0)
         assert (p.stats(), d.stats()) == (None, None), "0 is reported once"
 
         registry = CollectorRegistry()
-        types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
-        prom = KVBridgePromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+        types = {
+            cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)
+        }
+        prom = KVBridgePromMetrics(
+            SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]}
+        )
         prom.observe(merged.data, 0)
         assert registry.get_sample_value("vllm:kvbridge_sends_sending", {"engine": "0"}) == 1
         assert registry.get_sample_value("vllm:kvbridge_sends_held", {"engine": "0"}) == 0
@@ -305,27 +415,37 @@ def test_requests_in_flight_reach_the_vllm_gauges_by_phase(monkeypatch: pytest.M
         p_ep.close()
 
 
-def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_event(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_a_gpu_each_hooked_layer_and_the_forward_s_end_wait_for_a_compute_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """vLLM calls ``save_kv_layer`` when the host has queued a layer's kernels: on a
     GPU cache the worker records one event per call (and one in ``wait_for_save``) and
     the sender writes nothing before they complete."""
     from kvbridge.adapters.vllm import worker as worker_module
 
     recorded: list[DeviceEvent] = []
-    monkeypatch.setattr(worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1])
+    monkeypatch.setattr(
+        worker_module, "record_device_event", lambda: recorded.append(DeviceEvent()) or recorded[-1]
+    )
     p_cache, d_cache = make_cache(1), make_cache(None)
     p_ep, d_ep = endpoint("P", p_cache), endpoint("D", d_cache)
     try:
         p, d = worker(p_ep), worker(d_ep)
         p._on_device = True  # what register() sets for a cache in GPU memory
         p._layer_index = {f"model.layers.{i}.attn": i for i in range(L)}
-        d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", "t9", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]))
+        d.bind_recv(
+            KVBridgeMetadata(
+                recv=[RecvTask("rd", "t9", "push", PrefillAddress(p_ep.address), [1, 2], 20, 0)]
+            )
+        )
         # the first block is a prefix-cache hit: an earlier forward may still be writing it
         p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t9", "push", 20, [5, 6], 16, 20, True)]))
         for layer in range(L):
             p.save_layer(f"model.layers.{layer}.attn")
         p.after_forward()
-        assert len(recorded) == 1 + L + 1, "one event for the cached prefix, one per hooked layer, one for the forward's end"
+        assert len(recorded) == 1 + L + 1, (
+            "one event for the cached prefix, one per hooked layer, one for the forward's end"
+        )
         for event in recorded[:-1]:
             event.complete()
         eventually(lambda: p_ep.sender.phase("t9").value == "sending")  # the destination came
@@ -350,7 +470,16 @@ def _register(cache_config: dict, kv_caches: dict, monkeypatch: pytest.MonkeyPat
             self.address = "recorded"
 
     monkeypatch.setattr("kvbridge.adapters.vllm.worker.Endpoint", Recorder)
-    ws = WorkerSide(load_config({"data_path": "packed", **cache_config}), "e", 0, "m", 1, 16, send=True, receive=False)
+    ws = WorkerSide(
+        load_config({"data_path": "packed", **cache_config}),
+        "e",
+        0,
+        "m",
+        1,
+        16,
+        send=True,
+        receive=False,
+    )
     ws.register(kv_caches)
     return seen
 
@@ -368,18 +497,24 @@ def test_an_nhd_cache_is_addressed_in_transfer_blocks(monkeypatch: pytest.Monkey
     assert torch.equal(planes[0][0][4 * 5 + 2], k0[5, 8:12])
 
 
-def test_a_transfer_block_size_on_vllm_s_cpu_cache_is_refused_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_transfer_block_size_on_vllm_s_cpu_cache_is_refused_naming_the_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch
 
     from kvbridge.errors import ConfigError
 
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(6, 2, 16, 32) for i in range(2)}  # fused: (blocks, heads, block_size, 2 * dim)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(6, 2, 16, 32) for i in range(2)
+    }  # fused: (blocks, heads, block_size, 2 * dim)
     with pytest.raises(ConfigError, match="does not store a block token by token") as err:
         _register({"transfer_block_size": 8}, caches, monkeypatch)
     assert err.value.key == "transfer_block_size"
 
 
-def _register_groups(cache_config: dict, kv_caches: dict, groups, monkeypatch: pytest.MonkeyPatch) -> dict:  # noqa: ANN001
+def _register_groups(
+    cache_config: dict, kv_caches: dict, groups, monkeypatch: pytest.MonkeyPatch
+) -> dict:  # noqa: ANN001
     seen: dict = {}
 
     class Recorder:
@@ -388,12 +523,16 @@ def _register_groups(cache_config: dict, kv_caches: dict, groups, monkeypatch: p
             self.address = "recorded"
 
     monkeypatch.setattr("kvbridge.adapters.vllm.worker.Endpoint", Recorder)
-    ws = WorkerSide(load_config(cache_config), "e", 0, "m", 1, 32, send=True, receive=False, groups=groups)
+    ws = WorkerSide(
+        load_config(cache_config), "e", 0, "m", 1, 32, send=True, receive=False, groups=groups
+    )
     ws.register(kv_caches)
     return seen
 
 
-def test_each_layer_names_its_kv_cache_group_in_the_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_layer_names_its_kv_cache_group_in_the_handshake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """vLLM's hybrid manager: layers alias the same memory across groups (the i-th layer
     of each); the handshake's compat info carries every layer's group and the groups'
     windows in model order, whatever order vLLM listed the groups in, on either path."""
@@ -402,17 +541,31 @@ def test_each_layer_names_its_kv_cache_group_in_the_handshake(monkeypatch: pytes
     from kvbridge.adapters.vllm.compat import CacheGroup
     from kvbridge.errors import ConfigError
 
-    shared = [torch.zeros(6, 2, 32, 64) for _ in range(2)]  # fused CPU layout; layers 2i and 2i+1 alias
+    shared = [
+        torch.zeros(6, 2, 32, 64) for _ in range(2)
+    ]  # fused CPU layout; layers 2i and 2i+1 alias
     caches = {f"model.layers.{i}.self_attn.attn": shared[i // 2] for i in range(4)}
-    groups = [CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], 32, 40), CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], 32, 0)]
+    groups = [
+        CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], 32, 40),
+        CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (0, 2)], 32, 0),
+    ]
     for config in ({}, {"wire_dtype": "fp8"}):
         compat = _register_groups(config, caches, groups, monkeypatch)["compat"]
         assert compat.layer_groups == (1, 0, 1, 0) and compat.group_windows == (40, 0)
-    with pytest.raises(ConfigError, match=r"KV cache layers \['model.layers.3.self_attn.attn'\] are in none"):
-        _register_groups({}, caches, [groups[0]._replace(layer_names=groups[0].layer_names[:1]), groups[1]], monkeypatch)
+    with pytest.raises(
+        ConfigError, match=r"KV cache layers \['model.layers.3.self_attn.attn'\] are in none"
+    ):
+        _register_groups(
+            {},
+            caches,
+            [groups[0]._replace(layer_names=groups[0].layer_names[:1]), groups[1]],
+            monkeypatch,
+        )
 
 
-def test_state_space_layers_register_their_state_and_refuse_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_state_space_layers_register_their_state_and_refuse_staging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A Mamba layer beside an attention layer: the geometry moves its state's bytes, the
     handshake names each group's state (peers must agree), and the packed path, which
     packs attention heads, is refused naming what to leave as it was."""
@@ -424,15 +577,27 @@ def test_state_space_layers_register_their_state_and_refuse_staging(monkeypatch:
     buf = torch.zeros(6, 2, 32, 64)
     state = buf.view(torch.int8).view(6, -1)[:, :4000].view(6, 1, 1, 4000)
     caches = {"model.layers.0.mixer": state, "model.layers.1.self_attn.attn": buf}
-    groups = [CacheGroup(["model.layers.0.mixer"], 1024, 0, "mamba2 float32(3, 8) conv SD"), CacheGroup(["model.layers.1.self_attn.attn"], 32, 0)]
+    groups = [
+        CacheGroup(["model.layers.0.mixer"], 1024, 0, "mamba2 float32(3, 8) conv SD"),
+        CacheGroup(["model.layers.1.self_attn.attn"], 32, 0),
+    ]
     seen = _register_groups({}, caches, groups, monkeypatch)
     assert seen["geometry"].layer_bytes == (4000, buf[0].numel() * 4)
-    assert seen["compat"].layer_groups == (0, 1) and seen["compat"].group_states == ("mamba2 float32(3, 8) conv SD", "")
-    for config, key in (({"wire_dtype": "fp8"}, "wire_dtype"), ({"data_path": "packed"}, "data_path")):
+    assert seen["compat"].layer_groups == (0, 1) and seen["compat"].group_states == (
+        "mamba2 float32(3, 8) conv SD",
+        "",
+    )
+    for config, key in (
+        ({"wire_dtype": "fp8"}, "wire_dtype"),
+        ({"data_path": "packed"}, "data_path"),
+    ):
         with pytest.raises(ConfigError, match="this model has state-space layers") as err:
             _register_groups(config, caches, groups, monkeypatch)
         assert err.value.key == key and "direct, exact" in err.value.fix
-    with pytest.raises(ConfigError, match="transfer_block_size 16: a cache with state-space layers keeps one state per request"):
+    with pytest.raises(
+        ConfigError,
+        match="transfer_block_size 16: a cache with state-space layers keeps one state per request",
+    ):
         _register_groups({"transfer_block_size": 16}, caches, groups, monkeypatch)
 
 
@@ -454,29 +619,59 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
         return SimpleNamespace(layer_names=list(names), kv_cache_spec=spec, enable_kv_transfer=True)
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)
+    window = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40
+    )
     got = cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b"), group(full, "a")]))
-    assert [(g.layer_names, g.block_size, g.window) for g in got] == [(["b"], 32, 40), (["a"], 32, 0)]
-    mamba = MambaSpec(block_size=1024, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32))
+    assert [(g.layer_names, g.block_size, g.window) for g in got] == [
+        (["b"], 32, 40),
+        (["a"], 32, 0),
+    ]
+    mamba = MambaSpec(
+        block_size=1024, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32)
+    )
     got = cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m"), group(full, "a")]))
-    assert [(g.layer_names, g.block_size, g.window) for g in got] == [(["m"], 1024, 0), (["a"], 32, 0)]
-    assert got[0].state.startswith("mamba2 float32(3, 8)+float32(2, 4, 4) conv ") and got[1].state == ""
-    aligned = MambaSpec(block_size=32, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    assert [(g.layer_names, g.block_size, g.window) for g in got] == [
+        (["m"], 1024, 0),
+        (["a"], 32, 0),
+    ]
+    assert (
+        got[0].state.startswith("mamba2 float32(3, 8)+float32(2, 4, 4) conv ")
+        and got[1].state == ""
+    )
+    aligned = MambaSpec(
+        block_size=32, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
     with pytest.raises(KVBridgeError, match="group 1 per block .mamba_cache_mode 'align'") as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(aligned, "m")]))
     assert err.value.fix == "start both instances with --no-enable-prefix-caching"
-    drafts = MambaSpec(block_size=32, shapes=((5, 8), (2, 4, 4)), dtypes=(torch.float32, torch.float32), num_speculative_blocks=2)
-    with pytest.raises(KVBridgeError, match="2 speculative-decoding states per request beside each state of KV cache group 1") as err:
+    drafts = MambaSpec(
+        block_size=32,
+        shapes=((5, 8), (2, 4, 4)),
+        dtypes=(torch.float32, torch.float32),
+        num_speculative_blocks=2,
+    )
+    with pytest.raises(
+        KVBridgeError,
+        match="2 speculative-decoding states per request beside each state of KV cache group 1",
+    ) as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(drafts, "m")]))
     assert err.value.fix == "start both instances of this model without --speculative-config"
     with pytest.raises(KVBridgeError, match="no attention layers"):
         cache_groups(SimpleNamespace(kv_cache_groups=[group(mamba, "m")]))
     cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    with pytest.raises(KVBridgeError, match="group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and state-space") as err:
+    with pytest.raises(
+        KVBridgeError,
+        match="group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and state-space",
+    ) as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(cross, "x")]))
     assert "--disable-hybrid-kv-cache-manager" in str(err.value)
     assert cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a")])) == []
-    assert [g.window for g in cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b")]))] == [40], "one sliding group: told apart"
-    bigger = SlidingWindowSpec(block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40)
+    assert [
+        g.window for g in cache_groups(SimpleNamespace(kv_cache_groups=[group(window, "b")]))
+    ] == [40], "one sliding group: told apart"
+    bigger = SlidingWindowSpec(
+        block_size=64, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=40
+    )
     with pytest.raises(KVBridgeError, match=r"different block sizes \[32, 64\]"):
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(bigger, "b")]))

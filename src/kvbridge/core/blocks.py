@@ -62,9 +62,13 @@ class BlockTable:
         return blocks if isinstance(blocks, BlockTable) else cls.flat(blocks)
 
     @classmethod
-    def from_wire(cls, block_ids: Sequence[int], group_block_ids: Sequence[Sequence[int]] = ()) -> BlockTable:
+    def from_wire(
+        cls, block_ids: Sequence[int], group_block_ids: Sequence[Sequence[int]] = ()
+    ) -> BlockTable:
         """Inverse of :meth:`to_wire`."""
-        return cls.grouped([block_ids, *group_block_ids]) if group_block_ids else cls.flat(block_ids)
+        return (
+            cls.grouped([block_ids, *group_block_ids]) if group_block_ids else cls.flat(block_ids)
+        )
 
     def to_wire(self) -> tuple[list[int], list[list[int]]]:
         """Group 0's ids, and the other groups' (empty with one group)."""
@@ -85,7 +89,9 @@ class BlockTable:
             PlanError: the table has several groups.
         """
         if self.num_groups != 1:
-            raise PlanError(f"this path moves one block list per request; the request has {self.num_groups} KV cache groups")
+            raise PlanError(
+                f"this path moves one block list per request; the request has {self.num_groups} KV cache groups"
+            )
         return self.rows[0].tolist()
 
     def __len__(self) -> int:
@@ -98,7 +104,9 @@ class BlockTable:
 
     def __add__(self, other: BlockTable) -> BlockTable:
         if other.num_groups != self.num_groups:
-            raise PlanError(f"cannot join block tables of {self.num_groups} and {other.num_groups} KV cache groups")
+            raise PlanError(
+                f"cannot join block tables of {self.num_groups} and {other.num_groups} KV cache groups"
+            )
         return BlockTable(np.concatenate([self.rows, other.rows], axis=1))
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:

@@ -170,7 +170,9 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
                     f"got {len(self.layer_bytes)} for {self.spec.layout}"
                 )
             if any(not 0 < n <= self.stride for n in self.layer_bytes):
-                raise ValueError(f"CacheGeometry.layer_bytes must be positive and at most the block stride ({self.stride}): {self.layer_bytes}")
+                raise ValueError(
+                    f"CacheGeometry.layer_bytes must be positive and at most the block stride ({self.stride}): {self.layer_bytes}"
+                )
         expected = self.spec.num_layers * self.spec.planes_per_layer
         if len(self.plane_bases) != expected:
             raise ValueError(
@@ -214,7 +216,11 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         offsets = np.arange(self.num_blocks, dtype=np.uint64) * np.uint64(self.stride)
         table = np.empty((self.num_slots, 3), dtype=np.uint64)
         table[:, 0] = (bases[:, None] + offsets[None, :]).reshape(-1)
-        table[:, 1] = np.repeat(np.asarray(self.layer_bytes, dtype=np.uint64), self.num_blocks) if self.layer_bytes else self.spec.block_bytes
+        table[:, 1] = (
+            np.repeat(np.asarray(self.layer_bytes, dtype=np.uint64), self.num_blocks)
+            if self.layer_bytes
+            else self.spec.block_bytes
+        )
         table[:, 2] = self.device
         return table
 
@@ -236,9 +242,13 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             return self.slot_table()
         spec = self.spec
         if self.layer_bytes:
-            raise PlanError(f"cannot cut the blocks of a cache with state-space layers into {parts} head ranges")
+            raise PlanError(
+                f"cannot cut the blocks of a cache with state-space layers into {parts} head ranges"
+            )
         if not spec.heads_apart or spec.num_kv_heads % parts:
-            raise PlanError(f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} head ranges")
+            raise PlanError(
+                f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} head ranges"
+            )
         piece = spec.block_bytes // parts
         table = np.repeat(self.slot_table(), parts, axis=0)
         table[:, 0] += np.tile(np.arange(parts, dtype=np.uint64) * np.uint64(piece), self.num_slots)
@@ -267,15 +277,28 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if tokens <= 0 or spec.block_size % tokens:
             raise PlanError(f"{tokens} does not divide the cache's block size {spec.block_size}")
         if self.layer_bytes:
-            raise PlanError(f"a cache with state-space layers keeps one state per request: its blocks cannot be moved in blocks of {tokens} tokens")
+            raise PlanError(
+                f"a cache with state-space layers keeps one state per request: its blocks cannot be moved in blocks of {tokens} tokens"
+            )
         if not spec.token_major:
-            raise PlanError(f"a {spec.layout} cache does not store a block token by token: its blocks cannot be moved in blocks of {tokens} tokens")
+            raise PlanError(
+                f"a {spec.layout} cache does not store a block token by token: its blocks cannot be moved in blocks of {tokens} tokens"
+            )
         if self.stride != spec.block_bytes:
-            raise PlanError(f"the cache's blocks are {self.stride} bytes apart, not back to back: they cannot be moved in blocks of {tokens} tokens")
+            raise PlanError(
+                f"the cache's blocks are {self.stride} bytes apart, not back to back: they cannot be moved in blocks of {tokens} tokens"
+            )
         m = spec.block_size // tokens
-        return msgspec.structs.replace(self, spec=msgspec.structs.replace(spec, block_size=tokens), num_blocks=self.num_blocks * m, block_stride=0)
+        return msgspec.structs.replace(
+            self,
+            spec=msgspec.structs.replace(spec, block_size=tokens),
+            num_blocks=self.num_blocks * m,
+            block_stride=0,
+        )
 
-    def slots(self, block_ids: Sequence[int] | np.ndarray, layers: Iterable[int] | None = None) -> np.ndarray:
+    def slots(
+        self, block_ids: Sequence[int] | np.ndarray, layers: Iterable[int] | None = None
+    ) -> np.ndarray:
         """Slot indices of ``block_ids`` in ``layers`` (default all), every plane.
 
         Ordered layer-major, then plane, then position in ``block_ids``, so that two
@@ -288,7 +311,11 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
             bad = blocks[(blocks < 0) | (blocks >= self.num_blocks)][0]
             raise PlanError(f"block id {int(bad)} out of range [0, {self.num_blocks})")
-        layer_ids = np.arange(self.spec.num_layers) if layers is None else np.fromiter(layers, dtype=np.int64)
+        layer_ids = (
+            np.arange(self.spec.num_layers)
+            if layers is None
+            else np.fromiter(layers, dtype=np.int64)
+        )
         if layer_ids.size and (layer_ids.min() < 0 or layer_ids.max() >= self.spec.num_layers):
             raise PlanError(f"layer out of range [0, {self.spec.num_layers}): {layer_ids.tolist()}")
         p = self.spec.planes_per_layer
@@ -335,4 +362,14 @@ def merge_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-__all__ = ["DTYPE_SIZES", "LAYOUTS", "TOKEN_ROW_LAYOUTS", "CacheGeometry", "CacheSpec", "Layout", "MemoryKind", "merge_regions", "sub_block_ids"]
+__all__ = [
+    "DTYPE_SIZES",
+    "LAYOUTS",
+    "TOKEN_ROW_LAYOUTS",
+    "CacheGeometry",
+    "CacheSpec",
+    "Layout",
+    "MemoryKind",
+    "merge_regions",
+    "sub_block_ids",
+]

@@ -67,7 +67,9 @@ class _Request(Generic[P]):
     _terminal: frozenset
     _transitions: dict
 
-    def __init__(self, transfer_id: str, blocks: Sequence[int], phase: P, deadline: float, timeouts: Timeouts) -> None:
+    def __init__(
+        self, transfer_id: str, blocks: Sequence[int], phase: P, deadline: float, timeouts: Timeouts
+    ) -> None:
         self.transfer_id = transfer_id
         self.timeouts = timeouts
         self.phase: P = phase
@@ -115,7 +117,9 @@ class _Request(Generic[P]):
     def posted(self, key: Hashable) -> None:
         """A transfer touching this request's blocks was posted."""
         if self.terminal:
-            raise StateError(f"{self.transfer_id}: transfer posted after the request ended ({self.phase.value})")
+            raise StateError(
+                f"{self.transfer_id}: transfer posted after the request ended ({self.phase.value})"
+            )
         if key in self._inflight:
             raise StateError(f"{self.transfer_id}: transfer {key!r} posted twice")
         self._inflight.add(key)
@@ -174,7 +178,9 @@ class _Request(Generic[P]):
         if not self.terminal:
             raise StateError(f"{self.transfer_id}: blocks released while {self.phase.value}")
         if self._inflight:
-            raise StateError(f"{self.transfer_id}: blocks released with {len(self._inflight)} transfers in flight")
+            raise StateError(
+                f"{self.transfer_id}: blocks released with {len(self._inflight)} transfers in flight"
+            )
         self._released = True
         return tuple(self._blocks)
 
@@ -194,7 +200,9 @@ class SendRequest(_Request[SendPhase]):
         SendPhase.SENDING: (SendPhase.DONE, SendPhase.ABORTED, SendPhase.FAILED),
     }
 
-    def __init__(self, transfer_id: str, blocks: Sequence[int], timeouts: Timeouts, now: float) -> None:
+    def __init__(
+        self, transfer_id: str, blocks: Sequence[int], timeouts: Timeouts, now: float
+    ) -> None:
         super().__init__(transfer_id, blocks, SendPhase.HELD, now + timeouts.lease_s, timeouts)
         self._finishing = False
 
@@ -232,9 +240,15 @@ class SendRequest(_Request[SendPhase]):
 
     def _on_deadline(self, now: float) -> None:
         if self.phase is SendPhase.HELD:
-            self._end(SendPhase.EXPIRED, f"lease of {self.timeouts.lease_s:g}s expired before the decode side asked", now)
+            self._end(
+                SendPhase.EXPIRED,
+                f"lease of {self.timeouts.lease_s:g}s expired before the decode side asked",
+                now,
+            )
         else:
-            self._end(SendPhase.FAILED, f"no transfer progress for {self.timeouts.transfer_s:g}s", now)
+            self._end(
+                SendPhase.FAILED, f"no transfer progress for {self.timeouts.transfer_s:g}s", now
+            )
 
 
 class RecvRequest(_Request[RecvPhase]):
@@ -247,16 +261,30 @@ class RecvRequest(_Request[RecvPhase]):
 
     _terminal = _RECV_TERMINAL
     _transitions = {
-        RecvPhase.ALLOCATED: (RecvPhase.WAITING, RecvPhase.RECEIVED, RecvPhase.FAILED, RecvPhase.ABORTED),
-        RecvPhase.WAITING: (RecvPhase.RECEIVING, RecvPhase.RECEIVED, RecvPhase.FAILED, RecvPhase.ABORTED),
+        RecvPhase.ALLOCATED: (
+            RecvPhase.WAITING,
+            RecvPhase.RECEIVED,
+            RecvPhase.FAILED,
+            RecvPhase.ABORTED,
+        ),
+        RecvPhase.WAITING: (
+            RecvPhase.RECEIVING,
+            RecvPhase.RECEIVED,
+            RecvPhase.FAILED,
+            RecvPhase.ABORTED,
+        ),
         RecvPhase.RECEIVING: (RecvPhase.RECEIVED, RecvPhase.FAILED, RecvPhase.ABORTED),
     }
 
-    def __init__(self, transfer_id: str, blocks: Sequence[int], timeouts: Timeouts, now: float) -> None:
+    def __init__(
+        self, transfer_id: str, blocks: Sequence[int], timeouts: Timeouts, now: float
+    ) -> None:
         # ALLOCATED covers waiting for staging room, the handshake and the destination's
         # delivery; each network call has its own handshake_s bound, so the phase as a
         # whole gets the queueing bound
-        super().__init__(transfer_id, blocks, RecvPhase.ALLOCATED, now + timeouts.receive_s, timeouts)
+        super().__init__(
+            transfer_id, blocks, RecvPhase.ALLOCATED, now + timeouts.receive_s, timeouts
+        )
         self.layers_arrived = 0
 
     def destination_sent(self, now: float) -> None:
@@ -365,4 +393,12 @@ class EndedTransfers:
         return transfer_id in self._ended
 
 
-__all__ = ["ENDED_MEMORY", "EndedTransfers", "RecvPhase", "RecvRequest", "RequestTable", "SendPhase", "SendRequest"]
+__all__ = [
+    "ENDED_MEMORY",
+    "EndedTransfers",
+    "RecvPhase",
+    "RecvRequest",
+    "RequestTable",
+    "SendPhase",
+    "SendRequest",
+]

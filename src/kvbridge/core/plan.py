@@ -27,6 +27,7 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.tp import Split
 from kvbridge.errors import PlanError
 
+
 class TransferPlan(NamedTuple):
     """Position-wise paired slot indices; ``local_slots[i]`` moves to/from
     ``remote_slots[i]``. Both are int32 (NIXL's index type), ordered layer-major, so
@@ -51,10 +52,14 @@ class TransferPlan(NamedTuple):
         try:
             k = self.layers.index(layer)
         except ValueError:
-            raise PlanError(f"layer {layer} is not part of this plan (layers {list(self.layers)})") from None
+            raise PlanError(
+                f"layer {layer} is not part of this plan (layers {list(self.layers)})"
+            ) from None
         per = self.num_descriptors // len(self.layers)
         part = slice(k * per, (k + 1) * per)
-        return TransferPlan(self.local_slots[part], self.remote_slots[part], self.slot_bytes, (layer,))
+        return TransferPlan(
+            self.local_slots[part], self.remote_slots[part], self.slot_bytes, (layer,)
+        )
 
 
 class Regions(NamedTuple):
@@ -119,7 +124,11 @@ def _paired_slots(
             f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
         )
     layer_list = tuple(range(local.spec.num_layers)) if layers is None else tuple(layers)
-    return local.slots(local_blocks, layer_list), remote.slots(remote_blocks, layer_list), layer_list
+    return (
+        local.slots(local_blocks, layer_list),
+        remote.slots(remote_blocks, layer_list),
+        layer_list,
+    )
 
 
 def plan_parts(
@@ -139,7 +148,9 @@ def plan_parts(
         PlanError: the caches differ in more than their KV heads per rank, the block
             lists differ in length, or a block id or layer is out of range.
     """
-    check_direct_compatible(local.spec, msgspec.structs.replace(remote.spec, num_kv_heads=local.spec.num_kv_heads))
+    check_direct_compatible(
+        local.spec, msgspec.structs.replace(remote.spec, num_kv_heads=local.spec.num_kv_heads)
+    )
     lslots, rslots, layer_list = _paired_slots(local, remote, local_blocks, remote_blocks, layers)
     lpart = np.concatenate([np.arange(a, a + n) for a, _, n in split.runs])
     rpart = np.concatenate([np.arange(b, b + n) for _, b, n in split.runs])
@@ -171,11 +182,15 @@ class Cut:
     __slots__ = ("_counts", "_first", "_flat", "counts", "segments")
 
     def __init__(self, segments: Sequence[Sequence[tuple[int, int, int]]]) -> None:
-        self.segments = tuple(tuple((int(a), int(b), int(n)) for a, b, n in layer) for layer in segments)
+        self.segments = tuple(
+            tuple((int(a), int(b), int(n)) for a, b, n in layer) for layer in segments
+        )
         self.counts = [len(layer) for layer in self.segments]
         """Segments per block, per layer: the same on both sides."""
         self._counts = np.asarray(self.counts, dtype=np.int64)
-        self._flat = np.asarray([seg for layer in self.segments for seg in layer], dtype=np.uint64).reshape(-1, 3)
+        self._flat = np.asarray(
+            [seg for layer in self.segments for seg in layer], dtype=np.uint64
+        ).reshape(-1, 3)
         self._first = np.concatenate([[0], np.cumsum(self._counts)[:-1]]).astype(np.int64)
 
     def __eq__(self, other: object) -> bool:
@@ -195,11 +210,15 @@ class Cut:
         """Raise :class:`PlanError` unless every segment lies inside a block of ``geo``
         (our cache, or the peer's when ``remote``). Once per pair, at the handshake."""
         if len(self.segments) != geo.spec.num_layers:
-            raise PlanError(f"a cut of {len(self.segments)} layers for a cache of {geo.spec.num_layers}")
+            raise PlanError(
+                f"a cut of {len(self.segments)} layers for a cache of {geo.spec.num_layers}"
+            )
         side = 1 if remote else 0
         for layer in self.segments:
             if any(seg[side] + seg[2] > geo.stride or seg[2] <= 0 for seg in layer):
-                raise PlanError(f"a segment of {list(layer)} lies outside a block of {geo.stride} bytes")
+                raise PlanError(
+                    f"a segment of {list(layer)} lies outside a block of {geo.stride} bytes"
+                )
 
     def descs(self, geo: CacheGeometry, slots: np.ndarray, remote: bool = False) -> np.ndarray:
         """``(address, length, device)`` of every segment of each slot of ``geo`` (ours,
@@ -210,8 +229,14 @@ class Cut:
         layer = plane // geo.spec.planes_per_layer
         n = self._counts[layer]
         # every slot's segments first .. first + n - 1, concatenated
-        rows = np.repeat(self._first[layer], n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        starts = np.asarray(geo.plane_bases, dtype=np.uint64)[plane] + block.astype(np.uint64) * np.uint64(geo.stride)
+        rows = (
+            np.repeat(self._first[layer], n)
+            + np.arange(int(n.sum()))
+            - np.repeat(np.cumsum(n) - n, n)
+        )
+        starts = np.asarray(geo.plane_bases, dtype=np.uint64)[plane] + block.astype(
+            np.uint64
+        ) * np.uint64(geo.stride)
         out = np.empty((rows.size, 3), dtype=np.uint64)
         out[:, 0] = np.repeat(starts, n) + self._flat[rows, 1 if remote else 0]
         out[:, 1] = self._flat[rows, 2]
@@ -237,7 +262,9 @@ def plan_cut(
     return cut.descs(local, lslots), cut.descs(remote, rslots, remote=True)
 
 
-def layers_by_group(layer_groups: Sequence[int], layers: Sequence[int]) -> list[tuple[int, list[int]]]:
+def layers_by_group(
+    layer_groups: Sequence[int], layers: Sequence[int]
+) -> list[tuple[int, list[int]]]:
     """``layers`` split by KV cache group: ``(group, its layers in the given order)`` per
     group, groups ascending (``layer_groups`` empty: all in group 0)."""
     of = list(layer_groups)
@@ -306,7 +333,9 @@ def plan_grouped(
             f"for a cache whose layers form {groups}"
         )
     if len(local_blocks) != len(remote_blocks):
-        raise PlanError(f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote")
+        raise PlanError(
+            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
+        )
     layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
     lparts, rparts = [], []
     for g, on in layers_by_group(layer_groups, layer_list):
@@ -324,7 +353,9 @@ def plan_grouped(
         lparts.append(plan.local_slots)
         rparts.append(plan.remote_slots)
     if not lparts:
-        empty = np.empty((0, 3), dtype=np.uint64) if cut is not None else np.empty(0, dtype=np.int32)
+        empty = (
+            np.empty((0, 3), dtype=np.uint64) if cut is not None else np.empty(0, dtype=np.int32)
+        )
         return empty, empty
     return np.concatenate(lparts), np.concatenate(rparts)
 
@@ -357,7 +388,9 @@ def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, sort: bool
     dst = np.asarray(dst, dtype=np.uint64).reshape(-1)
     length = np.asarray(length, dtype=np.uint64).reshape(-1)
     if not (src.size == dst.size == length.size):
-        raise PlanError(f"descriptor arrays differ in length: {src.size}, {dst.size}, {length.size}")
+        raise PlanError(
+            f"descriptor arrays differ in length: {src.size}, {dst.size}, {length.size}"
+        )
     keep = length > 0
     if not keep.all():
         src, dst, length = src[keep], dst[keep], length[keep]

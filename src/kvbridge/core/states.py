@@ -66,8 +66,15 @@ class StateLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for t in self.tensors:
-            if t.dtype not in DTYPE_SIZES or t.rows <= 0 or not t.sections or any(s.units <= 0 or s.width <= 0 for s in t.sections):
-                raise ValueError(f"a state tensor needs a known dtype, rows and sections of positive size, got {t}")
+            if (
+                t.dtype not in DTYPE_SIZES
+                or t.rows <= 0
+                or not t.sections
+                or any(s.units <= 0 or s.width <= 0 for s in t.sections)
+            ):
+                raise ValueError(
+                    f"a state tensor needs a known dtype, rows and sections of positive size, got {t}"
+                )
 
     def nbytes(self, tp: int) -> int:
         """Bytes of one state block on a rank of ``tp``."""
@@ -94,7 +101,9 @@ Segment = tuple[int, int, int]
 """``(prefill offset, decode offset, length)`` in bytes, within one state block."""
 
 
-def state_segments(layout: StateLayout, p_tp: int, d_tp: int, p_rank: int, d_rank: int) -> list[Segment]:
+def state_segments(
+    layout: StateLayout, p_tp: int, d_tp: int, p_rank: int, d_rank: int
+) -> list[Segment]:
     """The bytes prefill rank ``p_rank`` (of ``p_tp``) sends decode rank ``d_rank`` (of
     ``d_tp``) of every state block, in decode order, adjacent ones merged; empty when
     the pair shares nothing. Every unit of the decode rank comes from exactly one
@@ -121,7 +130,9 @@ def state_segments(layout: StateLayout, p_tp: int, d_tp: int, p_rank: int, d_ran
             unit = s.width * es
             for h in head_slices(s.units, p_tp, d_tp):
                 if (h.p_rank, h.d_rank) == (p_rank, d_rank):
-                    pieces.append((p_sec + h.p_first * unit, d_sec + h.d_first * unit, h.count * unit))
+                    pieces.append(
+                        (p_sec + h.p_first * unit, d_sec + h.d_first * unit, h.count * unit)
+                    )
             p_sec += heads_per_rank(s.units, p_tp) * unit
             d_sec += heads_per_rank(s.units, d_tp) * unit
         for r in range(t.rows):
@@ -144,4 +155,11 @@ def state_prefill_ranks(layout: StateLayout, p_tp: int, d_tp: int, d_rank: int) 
     return {p for p in range(p_tp) if state_segments(layout, p_tp, d_tp, p, d_rank)}
 
 
-__all__ = ["Section", "Segment", "StateLayout", "StateTensor", "state_prefill_ranks", "state_segments"]
+__all__ = [
+    "Section",
+    "Segment",
+    "StateLayout",
+    "StateTensor",
+    "state_prefill_ranks",
+    "state_segments",
+]

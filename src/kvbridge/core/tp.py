@@ -110,7 +110,13 @@ def head_slices(total: int, p_tp: int, d_tp: int) -> list[HeadSlice]:
             else:
                 p, p_local = head * p_replicas + d % p_replicas, 0
             last = out[-1] if out else None
-            if last and last.d_rank == d and last.p_rank == p and last.p_first + last.count == p_local and last.d_first + last.count == i:
+            if (
+                last
+                and last.d_rank == d
+                and last.p_rank == p
+                and last.p_first + last.count == p_local
+                and last.d_first + last.count == i
+            ):
                 out[-1] = last._replace(count=last.count + 1)
             else:
                 out.append(HeadSlice(p, d, p_local, i, 1))
@@ -150,7 +156,9 @@ class Split(NamedTuple):
         return first * unit, (first + count) * unit
 
 
-def pair_split(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, prefill: bool) -> Split | None:
+def pair_split(
+    total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, prefill: bool
+) -> Split | None:
     """The :class:`Split` between prefill rank ``p_rank`` and decode rank ``d_rank``,
     seen from the prefill side (``prefill=True``) or the decode side; None when that
     pair exchanges nothing. Both sides derive the same part size from the whole
@@ -169,7 +177,9 @@ def pair_split(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, pr
         unit = gcd(unit, gcd(s.count, gcd(s.p_first, s.d_first)))
     mine = [s for s in slices if (s.p_rank, s.d_rank) == (p_rank, d_rank)]
     if not mine:
-        return Split(1, 1, (), 1) if p_rank in idle_prefill_ranks(total, p_tp, d_tp, d_rank) else None
+        return (
+            Split(1, 1, (), 1) if p_rank in idle_prefill_ranks(total, p_tp, d_tp, d_rank) else None
+        )
     if prefill:
         runs = tuple((s.p_first // unit, s.d_first // unit, s.count // unit) for s in mine)
         fanout = len({s.d_rank for s in slices if s.p_rank == p_rank})

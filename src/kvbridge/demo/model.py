@@ -52,7 +52,13 @@ MARKER = "kvbridge-model.json"
 """Written last into a complete model directory."""
 
 VOCAB_SIZE = 2048
-_TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": _TINY,
     "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
@@ -114,7 +120,9 @@ def default_model_dir(shape: str = "tiny") -> Path:
     """``$KVBRIDGE_CACHE_DIR/<shape>-<architecture>`` (``tiny-llama``), else the same under
     ``~/.cache/kvbridge``."""
     root = os.environ.get("KVBRIDGE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "kvbridge") / f"{shape}-{architecture(shape)}"
+    return (
+        Path(root) if root else Path.home() / ".cache" / "kvbridge"
+    ) / f"{shape}-{architecture(shape)}"
 
 
 def read_marker(path: Path) -> dict | None:
@@ -125,7 +133,9 @@ def read_marker(path: Path) -> dict | None:
         return None
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, shape: str = "tiny", lock_timeout: float = 600.0) -> Path:
+def build_tiny_model(
+    path: Path, *, seed: int = 0, shape: str = "tiny", lock_timeout: float = 600.0
+) -> Path:
     """Build the model of ``shape`` (see :data:`SHAPES`) at ``path`` unless a complete
     one is already there.
 
@@ -135,7 +145,9 @@ def build_tiny_model(path: Path, *, seed: int = 0, shape: str = "tiny", lock_tim
     more than ``lock_timeout`` seconds.
     """
     if shape not in SHAPES:
-        raise KVBridgeError(f"unknown model shape {shape!r}", fix=f"use one of: {', '.join(SHAPES)}")
+        raise KVBridgeError(
+            f"unknown model shape {shape!r}", fix=f"use one of: {', '.join(SHAPES)}"
+        )
     path = Path(path).expanduser().absolute()
     want = {"recipe": RECIPE, "seed": seed, "vocab_size": VOCAB_SIZE, "shape": shape}
     if _check(path, want):
@@ -279,7 +291,9 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         model_cls = Lfm2ForCausalLM
     else:
         if "sliding_window" in shape:
-            common["layer_types"] = ["full_attention", "sliding_attention"] * (shape["num_hidden_layers"] // 2)
+            common["layer_types"] = ["full_attention", "sliding_attention"] * (
+                shape["num_hidden_layers"] // 2
+            )
         config, model_cls = LlamaConfig(**common), LlamaForCausalLM
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
         torch.manual_seed(seed)
@@ -303,10 +317,14 @@ def _build_tokenizer(out: Path) -> None:
     )
     tok.train_from_iterator(_corpus(random.Random(_TOKENIZER_SEED)), trainer=trainer)
     if tok.get_vocab_size() != VOCAB_SIZE:
-        raise KVBridgeError(f"the tokenizer has {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}",
-                            fix="the training corpus is too small: this is a kvbridge bug")
+        raise KVBridgeError(
+            f"the tokenizer has {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}",
+            fix="the training corpus is too small: this is a kvbridge bug",
+        )
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))]
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))],
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -349,7 +367,9 @@ def _corpus(rng: random.Random) -> Iterator[str]:
     """Deterministic text: English snippets plus made-up words, rich enough in byte pairs
     to train a 2048-token BPE vocabulary."""
     consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
-    syllables = [c + v for c in consonants for v in vowels] + [v + c for v in vowels for c in "nrst"]
+    syllables = [c + v for c in consonants for v in vowels] + [
+        v + c for v in vowels for c in "nrst"
+    ]
     words = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(4000)})
     weights = [1.0 / (rank + 1) for rank in range(len(words))]  # Zipf-like
     for i in range(3000):
@@ -357,4 +377,8 @@ def _corpus(rng: random.Random) -> Iterator[str]:
             yield _ENGLISH
         n = rng.randint(4, 16)
         sentence = " ".join(rng.choices(words, weights, k=n))
-        yield sentence.capitalize() + rng.choice([".", ".", "!", "?", ","]) + f" {rng.randint(0, 9999)}"
+        yield (
+            sentence.capitalize()
+            + rng.choice([".", ".", "!", "?", ","])
+            + f" {rng.randint(0, 9999)}"
+        )

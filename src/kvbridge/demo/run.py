@@ -32,8 +32,21 @@ CHUNK = 512
 
 def stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> Timing:
     """Greedy streaming completion; time to first token and per output token."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
-    return timed_stream(f"{url}/v1/completions", body, lambda e: e["choices"][0].get("token_ids"), cumulative=False, timeout=timeout)
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    return timed_stream(
+        f"{url}/v1/completions",
+        body,
+        lambda e: e["choices"][0].get("token_ids"),
+        cumulative=False,
+        timeout=timeout,
+    )
 
 
 def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
@@ -42,7 +55,9 @@ def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
     ``_sum``/``_count``/``_bucket``)."""
     body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
-    for m in re.finditer(rf"^({re.escape(prefix)}[A-Za-z0-9_:]*)(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$", body, re.M):
+    for m in re.finditer(
+        rf"^({re.escape(prefix)}[A-Za-z0-9_:]*)(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$", body, re.M
+    ):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
@@ -74,13 +89,28 @@ def run(
     )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     # MLA on CPU: the only block size of vLLM's CPU MLA kernel, which prefills in one piece
-    common = ["--block-size", "16"] if shape == "mla" else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
-    if has_states(shape):  # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
+    common = (
+        ["--block-size", "16"]
+        if shape == "mla"
+        else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
+    )
+    if has_states(
+        shape
+    ):  # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
         common.append("--no-enable-prefix-caching")
 
     def kv(role: str) -> list[str]:
         extra = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
-        return ["--kv-transfer-config", json.dumps({"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": extra})]
+        return [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "KVBridgeConnector",
+                    "kv_role": role,
+                    "kv_connector_extra_config": extra,
+                }
+            ),
+        ]
 
     def tp_args(n: int) -> list[str]:
         return ["--tensor-parallel-size", str(n)] if n > 1 else []
@@ -90,19 +120,37 @@ def run(
     # with TP workers, all share the cores
     cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 and tp == (1, 1) else (None, None)
     servers = {
-        "prefill": VllmServer(model, extra_args=common + tp_args(tp[0]) + kv("kv_producer"), log_path=logs / "prefill.log", cpus=cores[0]),
-        "decode": VllmServer(model, extra_args=common + tp_args(tp[1]) + kv("kv_consumer"), log_path=logs / "decode.log", cpus=cores[1]),
-        "colocated": VllmServer(model, extra_args=common, log_path=logs / "colocated.log", cpus=cores[1]),
+        "prefill": VllmServer(
+            model,
+            extra_args=common + tp_args(tp[0]) + kv("kv_producer"),
+            log_path=logs / "prefill.log",
+            cpus=cores[0],
+        ),
+        "decode": VllmServer(
+            model,
+            extra_args=common + tp_args(tp[1]) + kv("kv_consumer"),
+            log_path=logs / "decode.log",
+            cpus=cores[1],
+        ),
+        "colocated": VllmServer(
+            model, extra_args=common, log_path=logs / "colocated.log", cpus=cores[1]
+        ),
     }
     proxy = None
     try:
-        console.print("starting prefill, decode and colocated vLLM instances (about a minute on 2 cores) ...")
+        console.print(
+            "starting prefill, decode and colocated vLLM instances (about a minute on 2 cores) ..."
+        )
         for s in servers.values():
             s.start()
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(lambda s: s.wait_ready(600), servers.values()))
-        proxy, proxy_url = start_proxy(servers["prefill"].url, servers["decode"].url, flow, logs / "proxy.log")
-        console.print(f"proxy on {proxy_url}; sending {len(lengths)} requests of {max_tokens} tokens each")
+        proxy, proxy_url = start_proxy(
+            servers["prefill"].url, servers["decode"].url, flow, logs / "proxy.log"
+        )
+        console.print(
+            f"proxy on {proxy_url}; sending {len(lengths)} requests of {max_tokens} tokens each"
+        )
         stream(proxy_url, random_prompt(16, seed=1), 2)  # first contact: handshake
         ranks = tp[0]  # each prefill worker counts a request it sent (vLLM sums the workers' stats)
         before = wait_requests_sent(servers["prefill"].url, {}, ranks)  # the warm-up's stats are in
@@ -114,7 +162,10 @@ def run(
         after = wait_requests_sent(servers["prefill"].url, before, ranks * len(lengths))
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         transfers = d.get("vllm:kvbridge_transfer_seconds_count", 0.0)
-        exposed, total = d.get("vllm:kvbridge_exposed_transfer_seconds_sum", 0.0), d.get("vllm:kvbridge_request_transfer_seconds_sum", 0.0)
+        exposed, total = (
+            d.get("vllm:kvbridge_exposed_transfer_seconds_sum", 0.0),
+            d.get("vllm:kvbridge_request_transfer_seconds_sum", 0.0),
+        )
         requests = d.get("vllm:kvbridge_requests_sent_total", 0.0) / ranks
         writing = d.get("vllm:kvbridge_transfer_seconds_sum", 0.0)
         hidden = max(0.0, 1 - exposed / writing) if writing else 0.0
@@ -127,7 +178,9 @@ def run(
         )
         console.print(f"outputs equal to the colocated instance: {matched}/{len(lengths)}")
         if wire_dtype != "exact":
-            console.print("(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)")
+            console.print(
+                "(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)"
+            )
             return 0
         return 0 if matched == len(lengths) else 1
     finally:
@@ -152,7 +205,14 @@ def compare(
     disaggregated deployment; prints the table of TTFT / TPOT and whether the tokens are
     the same (``exact=False``: how many leading tokens are); returns how many matched."""
     table = Table(title=title)
-    for col in ("prompt tokens", "TTFT P/D (ms)", "TTFT colocated (ms)", "TPOT P/D (ms)", "TPOT colocated (ms)", "same tokens"):
+    for col in (
+        "prompt tokens",
+        "TTFT P/D (ms)",
+        "TTFT colocated (ms)",
+        "TPOT P/D (ms)",
+        "TPOT colocated (ms)",
+        "same tokens",
+    ):
         table.add_column(col, justify="right")
     matched = 0
     for i, n in enumerate(lengths):
@@ -161,14 +221,26 @@ def compare(
         pd = disaggregated(prompt)
         same = pd.token_ids == ref.token_ids
         matched += same
-        equal = next((j for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids)) if a != b), len(ref.token_ids))
+        equal = next(
+            (j for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids)) if a != b),
+            len(ref.token_ids),
+        )
         mark = "[green]yes[/green]" if same else ("[red]NO[/red]" if exact else f"first {equal}")
-        table.add_row(str(n), f"{pd.ttft_s * 1e3:.0f}", f"{ref.ttft_s * 1e3:.0f}", f"{pd.tpot_s * 1e3:.1f}", f"{ref.tpot_s * 1e3:.1f}", mark)
+        table.add_row(
+            str(n),
+            f"{pd.ttft_s * 1e3:.0f}",
+            f"{ref.ttft_s * 1e3:.0f}",
+            f"{pd.tpot_s * 1e3:.1f}",
+            f"{ref.tpot_s * 1e3:.1f}",
+            mark,
+        )
     console.print(table)
     return matched
 
 
-def wait_requests_sent(url: str, before: dict[str, float], requests: int, timeout: float = 30, *, engine: str = "vllm") -> dict[str, float]:
+def wait_requests_sent(
+    url: str, before: dict[str, float], requests: int, timeout: float = 30, *, engine: str = "vllm"
+) -> dict[str, float]:
     """The prefill instance's kvbridge metrics (``<engine>:kvbridge_*``) once ``requests``
     more requests than in ``before`` were sent (vLLM exports connector stats on its
     logging interval, SGLang's prefill counts a request just after notifying: polled)."""

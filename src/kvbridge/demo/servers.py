@@ -23,6 +23,7 @@ Requests (:func:`complete`, :func:`chat`) are greedy (``temperature=0``) and ask
 for token ids (``return_token_ids``), so outputs compare token for token. Only the
 standard library is used here; ``vllm`` runs in the child and is never imported.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -72,7 +73,9 @@ _LAUNCHER = (
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
-_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+)
 """How a server leaves the caller's process group: a group of its own in the caller's
 session. Not a session of its own (Python 3.10's only option): on Linux with autogroups
 (``/proc/sys/kernel/sched_autogroup_enabled``, on in many VMs) each session is a
@@ -95,8 +98,13 @@ class ServerError(KVBridgeError):
     of its log when the server is one of ours (also included in the message).
     """
 
-    def __init__(self, message: str, *, status: int | None = None, log_tail: str = "", fix: str | None = None) -> None:
-        super().__init__(message + (f"\n--- last lines of the server log ---\n{log_tail}" if log_tail else ""), fix=fix)
+    def __init__(
+        self, message: str, *, status: int | None = None, log_tail: str = "", fix: str | None = None
+    ) -> None:
+        super().__init__(
+            message + (f"\n--- last lines of the server log ---\n{log_tail}" if log_tail else ""),
+            fix=fix,
+        )
         self.status = status
         self.log_tail = log_tail
 
@@ -129,7 +137,9 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def random_prompt(num_tokens: int, seed: int = 0, vocab_size: int = 2048, first_id: int = 4) -> list[int]:
+def random_prompt(
+    num_tokens: int, seed: int = 0, vocab_size: int = 2048, first_id: int = 4
+) -> list[int]:
     """``num_tokens`` deterministic token ids in ``[first_id, vocab_size)``: an exact-length
     prompt for :func:`complete` (the tiny model's ids below 4 are special tokens)."""
     rng = random.Random(seed)
@@ -223,7 +233,10 @@ def post_json(url: str, body: Mapping[str, Any], timeout: float) -> dict[str, An
     """POST ``body`` as JSON; the decoded JSON answer. Raises :class:`ServerError`
     (HTTP error status, connection failure) or :class:`DeadlineExceeded`."""
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
     return json.loads(_request(req, timeout))
 
@@ -248,7 +261,9 @@ def _request(req: urllib.request.Request, timeout: float) -> bytes:
             return r.read()
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")[:2000]
-        raise ServerError(f"{req.method} {req.full_url}: HTTP {exc.code}: {detail}", status=exc.code) from exc
+        raise ServerError(
+            f"{req.method} {req.full_url}: HTTP {exc.code}: {detail}", status=exc.code
+        ) from exc
     except (TimeoutError, socket.timeout) as exc:
         raise DeadlineExceeded(f"{req.method} {req.full_url}: no answer within {timeout}s") from exc
     except (urllib.error.URLError, ConnectionError) as exc:
@@ -281,7 +296,9 @@ def timed_stream(
     from the first to the last token over the tokens after the first. An ``error`` event
     raises :class:`ServerError`; transport failures raise what :mod:`urllib` raises.
     """
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     start = time.perf_counter()
     first = last = None
     ids: list[int] = []
@@ -305,7 +322,9 @@ def timed_stream(
     return Timing(first - start, (last - first) / max(1, len(ids) - 1), ids)
 
 
-def start_proxy(prefill_url: str, decode_url: str, flow: str, log_path: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
+def start_proxy(
+    prefill_url: str, decode_url: str, flow: str, log_path: Path, timeout: float = 60.0
+) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``kvbridge proxy`` in front of one prefill and one decode instance; return
     the process and its URL once ``/health`` answers (the caller terminates it)."""
     port = free_port()
@@ -323,7 +342,9 @@ def start_proxy(prefill_url: str, decode_url: str, flow: str, log_path: Path, ti
         except (urllib.error.URLError, OSError):
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise ServerError(f"kvbridge proxy on {url} did not come up (log: {log_path})") from None
+                raise ServerError(
+                    f"kvbridge proxy on {url} did not come up (log: {log_path})"
+                ) from None
             time.sleep(0.1)
 
 
@@ -423,7 +444,9 @@ class ServerProcess:
     def start(self: _S) -> _S:
         """Launch the process tree and return at once; see :meth:`wait_ready`."""
         if self._proc is not None:
-            raise KVBridgeError(f"the {self.name} on port {self.port} was already started", fix="create a new one")
+            raise KVBridgeError(
+                f"the {self.name} on port {self.port} was already started", fix="create a new one"
+            )
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
@@ -445,7 +468,9 @@ class ServerProcess:
         if self.nice:
             os.nice(self.nice)
 
-    def wait_ready(self: _S, timeout: float = 300.0, *, deadline: float | None = None, warm_up: bool = True) -> _S:
+    def wait_ready(
+        self: _S, timeout: float = 300.0, *, deadline: float | None = None, warm_up: bool = True
+    ) -> _S:
         """Poll ``GET /health`` until it answers 200, then (``warm_up``) run :meth:`_warm_up`.
         ``deadline`` (a :func:`time.monotonic` value, for several servers sharing one)
         replaces ``timeout``. Raises :class:`ServerError` if the server exits first and
@@ -515,7 +540,9 @@ class ServerProcess:
             return
         self._signal(signal.SIGKILL)
         if not self._wait_gone(30.0):
-            raise ServerError(f"processes {self.pids()} of the {self.name} on port {self.port} survived SIGKILL")
+            raise ServerError(
+                f"processes {self.pids()} of the {self.name} on port {self.port} survived SIGKILL"
+            )
         self._done()
 
     def peak_rss_bytes(self) -> int:
@@ -602,7 +629,11 @@ class ServerProcess:
         self.stop()
 
     def __repr__(self) -> str:
-        state = "not started" if self._proc is None else ("stopped" if self._gone else f"pid {self._proc.pid}")
+        state = (
+            "not started"
+            if self._proc is None
+            else ("stopped" if self._gone else f"pid {self._proc.pid}")
+        )
         return f"{type(self).__name__}({self.url}, {state}, log {self._log_path})"
 
 
@@ -691,11 +722,15 @@ class VllmServer(ServerProcess):
 
     # --- requests ------------------------------------------------------------------------
 
-    def complete(self, prompt: str | Sequence[int], max_tokens: int = 16, **kwargs: Any) -> Completion:
+    def complete(
+        self, prompt: str | Sequence[int], max_tokens: int = 16, **kwargs: Any
+    ) -> Completion:
         """:func:`complete` against this server; a failure quotes the log if it died."""
         return self.call(complete, prompt, max_tokens, **kwargs)
 
-    def chat(self, messages: Sequence[Mapping[str, str]], max_tokens: int = 16, **kwargs: Any) -> Completion:
+    def chat(
+        self, messages: Sequence[Mapping[str, str]], max_tokens: int = 16, **kwargs: Any
+    ) -> Completion:
         """:func:`chat` against this server; a failure quotes the log if it died."""
         return self.call(chat, messages, max_tokens, **kwargs)
 

@@ -68,20 +68,44 @@ def run(
     # (the reference runs while the decode server idles), as if each had its own device;
     # with TP ranks, all share the cores (each rank bound to its share)
     cores = ([0], [1]) if len(os.sched_getaffinity(0)) >= 2 and tp == (1, 1) else (None, None)
-    prefill = SglangServer(model, extra_args=pd_args, log_path=logs / "prefill.log", mode="prefill", kvbridge_config=config, cpus=cores[0], tp=tp[0])
+    prefill = SglangServer(
+        model,
+        extra_args=pd_args,
+        log_path=logs / "prefill.log",
+        mode="prefill",
+        kvbridge_config=config,
+        cpus=cores[0],
+        tp=tp[0],
+    )
     servers = [
         prefill,
-        SglangServer(model, extra_args=pd_args, log_path=logs / "decode.log", mode="decode", kvbridge_config=config, cpus=cores[1], tp=tp[1]),
+        SglangServer(
+            model,
+            extra_args=pd_args,
+            log_path=logs / "decode.log",
+            mode="decode",
+            kvbridge_config=config,
+            cpus=cores[1],
+            tp=tp[1],
+        ),
         SglangServer(model, extra_args=common, log_path=logs / "colocated.log", cpus=cores[1]),
     ]
     colocated = servers[2]
-    router = SglangRouter(prefill.url, prefill.bootstrap_port, servers[1].url, log_path=logs / "router.log")
+    router = SglangRouter(
+        prefill.url, prefill.bootstrap_port, servers[1].url, log_path=logs / "router.log"
+    )
     try:
-        console.print("starting prefill, decode and colocated SGLang servers (a minute or two on 2 cores) ...")
+        console.print(
+            "starting prefill, decode and colocated SGLang servers (a minute or two on 2 cores) ..."
+        )
         start_all(servers, 600)
         router.start().wait_ready(60)
-        console.print(f"router on {router.url}; sending {len(lengths)} requests of {max_tokens} tokens each")
-        router.call(stream_generate, random_prompt(16, seed=1), 2)  # first contact: bootstrap, handshake
+        console.print(
+            f"router on {router.url}; sending {len(lengths)} requests of {max_tokens} tokens each"
+        )
+        router.call(
+            stream_generate, random_prompt(16, seed=1), 2
+        )  # first contact: bootstrap, handshake
         ranks = tp[0]  # each prefill rank counts a request it sent (metric label tp_rank)
         before = wait_requests_sent(prefill.url, {}, ranks, engine="sglang")
         title = f"SGLang disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}, wire {wire_dtype}) vs colocated, greedy, {max_tokens} output tokens"
@@ -102,11 +126,15 @@ def run(
         )
         console.print(f"outputs equal to the colocated server: {matched}/{len(lengths)}")
         if wire_dtype != "exact":
-            console.print("(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)")
+            console.print(
+                "(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)"
+            )
             return 0
         return 0 if matched == len(lengths) else 1
     except KVBridgeError as exc:  # a server failed or timed out: say so, with where to look
-        console.print(f"[red]{exc}[/red]\nfix: {exc.fix or 'read the logs'}; the servers' logs are in {logs}")
+        console.print(
+            f"[red]{exc}[/red]\nfix: {exc.fix or 'read the logs'}; the servers' logs are in {logs}"
+        )
         return 1
     finally:
         router.stop()

@@ -67,7 +67,9 @@ def omp_bind(ranks: int, cores: Sequence[int]) -> str:
     """
     if len(cores) >= ranks:
         share = len(cores) // ranks
-        return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(ranks))
+        return "|".join(
+            ",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(ranks)
+        )
     return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
 
 
@@ -76,7 +78,9 @@ def require_sglang(python: str = sys.executable) -> None:
     ``sglang_router`` are importable here (the servers run with this interpreter)."""
     missing = [m for m in ("sglang", "sglang_router") if importlib.util.find_spec(m) is None]
     if missing:
-        raise KVBridgeError(f"SGLang is not installed for {python} (missing: {', '.join(missing)})", fix=SETUP_FIX)
+        raise KVBridgeError(
+            f"SGLang is not installed for {python} (missing: {', '.join(missing)})", fix=SETUP_FIX
+        )
 
 
 class SglangServer(ServerProcess):
@@ -125,8 +129,13 @@ class SglangServer(ServerProcess):
         nice: int = 0,
     ) -> None:
         if mode not in (None, "prefill", "decode"):
-            raise KVBridgeError(f"unknown SGLang server mode {mode!r}", fix="use None (colocated), 'prefill' or 'decode'")
-        super().__init__(port, env, log_path, ready_timeout=ready_timeout, python=python, cpus=cpus, nice=nice)
+            raise KVBridgeError(
+                f"unknown SGLang server mode {mode!r}",
+                fix="use None (colocated), 'prefill' or 'decode'",
+            )
+        super().__init__(
+            port, env, log_path, ready_timeout=ready_timeout, python=python, cpus=cpus, nice=nice
+        )
         self.model_dir = Path(model_dir)
         self.extra_args = list(extra_args)
         self.mode = mode
@@ -134,13 +143,20 @@ class SglangServer(ServerProcess):
         self.kvbridge_config = dict(kvbridge_config) if kvbridge_config is not None else None
         self.bootstrap_port = (bootstrap_port or free_port()) if mode == "prefill" else None
         if tp < 1:
-            raise KVBridgeError(f"SGLang server with --tp {tp}", fix="use a tensor parallel size of at least 1")
+            raise KVBridgeError(
+                f"SGLang server with --tp {tp}", fix="use a tensor parallel size of at least 1"
+            )
         self.tp = tp
 
     def command(self) -> list[str]:
         disagg: list[str] = []
         if self.mode is not None:
-            disagg = ["--disaggregation-mode", self.mode, "--disaggregation-transfer-backend", self.backend]
+            disagg = [
+                "--disaggregation-mode",
+                self.mode,
+                "--disaggregation-transfer-backend",
+                self.backend,
+            ]
             if self.mode == "prefill":
                 disagg += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
             else:
@@ -154,12 +170,20 @@ class SglangServer(ServerProcess):
         ]  # fmt: skip
 
     def _own_env(self) -> dict[str, str]:
-        env = {} if self.kvbridge_config is None else {"KVBRIDGE_CONFIG": json.dumps(self.kvbridge_config)}
+        env = (
+            {}
+            if self.kvbridge_config is None
+            else {"KVBRIDGE_CONFIG": json.dumps(self.kvbridge_config)}
+        )
         if self.tp > 1:
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(self.tp, self.cpus or sorted(os.sched_getaffinity(0)))
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = omp_bind(
+                self.tp, self.cpus or sorted(os.sched_getaffinity(0))
+            )
         return env
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 16, **kwargs: Any) -> list[int]:
+    def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int = 16, **kwargs: Any
+    ) -> list[int]:
         """:func:`generate` against this server; a failure quotes the log if it died."""
         return self.call(generate, input_ids, max_new_tokens, **kwargs)
 
@@ -194,7 +218,11 @@ class SglangRouter(ServerProcess):
         nice: int = 0,
     ) -> None:
         super().__init__(port, env, log_path, ready_timeout=ready_timeout, python=python, nice=nice)
-        self.prefill_url, self.bootstrap_port, self.decode_url = prefill_url, bootstrap_port, decode_url
+        self.prefill_url, self.bootstrap_port, self.decode_url = (
+            prefill_url,
+            bootstrap_port,
+            decode_url,
+        )
 
     def command(self) -> list[str]:
         return [
@@ -204,27 +232,51 @@ class SglangRouter(ServerProcess):
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 16, **kwargs: Any) -> list[int]:
+    def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int = 16, **kwargs: Any
+    ) -> list[int]:
         """:func:`generate` through the router; a failure quotes its log if it died."""
         return self.call(generate, input_ids, max_new_tokens, **kwargs)
 
 
-def _body(input_ids: Sequence[int], max_new_tokens: int, ignore_eos: bool, stream: bool) -> dict[str, Any]:
+def _body(
+    input_ids: Sequence[int], max_new_tokens: int, ignore_eos: bool, stream: bool
+) -> dict[str, Any]:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos}
     return {"input_ids": list(input_ids), "sampling_params": params, "stream": stream}
 
 
-def generate(url: str, input_ids: Sequence[int], max_new_tokens: int = 16, *, timeout: float = 120.0, ignore_eos: bool = False) -> list[int]:
+def generate(
+    url: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int = 16,
+    *,
+    timeout: float = 120.0,
+    ignore_eos: bool = False,
+) -> list[int]:
     """POST ``/generate`` with token ids, greedy; the generated token ids. Raises
     :class:`~kvbridge.demo.servers.ServerError` or :class:`~kvbridge.errors.DeadlineExceeded`."""
-    return list(post_json(f"{url}/generate", _body(input_ids, max_new_tokens, ignore_eos, False), timeout)["output_ids"])
+    return list(
+        post_json(f"{url}/generate", _body(input_ids, max_new_tokens, ignore_eos, False), timeout)[
+            "output_ids"
+        ]
+    )
 
 
-def stream_generate(url: str, input_ids: Sequence[int], max_new_tokens: int, *, timeout: float = 300.0, ignore_eos: bool = True) -> Timing:
+def stream_generate(
+    url: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    timeout: float = 300.0,
+    ignore_eos: bool = True,
+) -> Timing:
     """:func:`generate` streamed (each event carries all ids so far): TTFT, TPOT and the
     token ids. ``ignore_eos`` (default) makes the output exactly ``max_new_tokens`` long."""
     body = _body(input_ids, max_new_tokens, ignore_eos, True)
-    return timed_stream(f"{url}/generate", body, lambda e: e.get("output_ids"), cumulative=True, timeout=timeout)
+    return timed_stream(
+        f"{url}/generate", body, lambda e: e.get("output_ids"), cumulative=True, timeout=timeout
+    )
 
 
 __all__ = [

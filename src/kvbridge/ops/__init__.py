@@ -71,7 +71,13 @@ class _CudaArray:
     """``nbytes`` bytes at ``address``, described for ``torch.as_tensor``."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def device_bytes(address: int, nbytes: int, device: int) -> torch.Tensor:
@@ -81,7 +87,9 @@ def device_bytes(address: int, nbytes: int, device: int) -> torch.Tensor:
     return torch.as_tensor(_CudaArray(address, nbytes), device=f"cuda:{device}")
 
 
-def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_planes(
+    cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's cache as K and V views of shape ``(num_blocks, block_size,
     num_heads, head_dim)`` (no copy), the form :func:`pack` and :func:`unpack` take.
 
@@ -113,7 +121,9 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
     """
     if layout == "latent":
         if not isinstance(cache, torch.Tensor) or not block_size:
-            raise OpsInputError("a latent (MLA) cache is one tensor, and kv_planes needs its block_size")
+            raise OpsInputError(
+                "a latent (MLA) cache is one tensor, and kv_planes needs its block_size"
+            )
         dim = cache.shape[-1]
         if dim % 2 or cache.stride(-1) != 1 or cache.numel() % (block_size * dim):
             raise OpsInputError(
@@ -122,13 +132,17 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
         try:
             rows = cache.view(-1, block_size, 1, dim)
         except RuntimeError as exc:
-            raise OpsInputError(f"a latent cache of shape {tuple(cache.shape)}, strides {cache.stride()} is not blocks of {block_size} vectors") from exc
+            raise OpsInputError(
+                f"a latent cache of shape {tuple(cache.shape)}, strides {cache.stride()} is not blocks of {block_size} vectors"
+            ) from exc
         return rows[..., : dim // 2], rows[..., dim // 2 :]
     if not isinstance(cache, torch.Tensor):
         k, v = cache
         if k.dim() == 3:
             if not block_size:
-                raise OpsInputError("token-major K/V buffers of shape (tokens, heads, dim) need block_size")
+                raise OpsInputError(
+                    "token-major K/V buffers of shape (tokens, heads, dim) need block_size"
+                )
             k = k.view(-1, block_size, *k.shape[1:])
             v = v.view(-1, block_size, *v.shape[1:])
         if layout == "hnd":
@@ -138,32 +152,51 @@ def kv_planes(cache: torch.Tensor | Sequence[torch.Tensor], layout: str, block_s
         return k, v
     if layout in ("nhd_kv", "hnd_kv"):
         if cache.dim() != 4 or cache.shape[-1] % 2 or cache.stride(-1) != 1:
-            raise OpsInputError(f"a {layout} cache is (num_blocks, num_heads, block_size, 2 * head_dim) with each value row contiguous, got shape {tuple(cache.shape)}, strides {cache.stride()}")
+            raise OpsInputError(
+                f"a {layout} cache is (num_blocks, num_heads, block_size, 2 * head_dim) with each value row contiguous, got shape {tuple(cache.shape)}, strides {cache.stride()}"
+            )
         d = cache.shape[-1] // 2
         rows = cache.transpose(1, 2)  # (blocks, tokens, heads, K|V)
         return rows[..., :d], rows[..., d:]
     if layout == "fused":
         if cache.dim() != 4 or cache.shape[-1] % 2:
-            raise OpsInputError(f"a fused cache is (num_blocks, num_heads, block_size, 2 * head_dim), got shape {tuple(cache.shape)}")
+            raise OpsInputError(
+                f"a fused cache is (num_blocks, num_heads, block_size, 2 * head_dim), got shape {tuple(cache.shape)}"
+            )
         n, h, b, two_d = cache.shape
         five = cache.view(n, h, 2, b, two_d // 2)
         return five[:, :, 0].transpose(1, 2), five[:, :, 1].transpose(1, 2)
     if cache.dim() != 5 or cache.shape[0] != 2:
-        raise OpsInputError(f"a {layout} cache is (2, num_blocks, ...), got shape {tuple(cache.shape)}")
+        raise OpsInputError(
+            f"a {layout} cache is (2, num_blocks, ...), got shape {tuple(cache.shape)}"
+        )
     if layout == "nhd":
         return cache[0], cache[1]
     if layout == "hnd":
         return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
-    raise OpsInputError(f"unknown layout {layout!r}; expected fused, nhd, hnd, nhd_kv, hnd_kv or latent")
+    raise OpsInputError(
+        f"unknown layout {layout!r}; expected fused, nhd, hnd, nhd_kv, hnd_kv or latent"
+    )
 
 
 def packed_format(
-    k: torch.Tensor, num_tokens: int, heads: tuple[int, int] | None = None, fp8: bool = False, chunk_tokens: int = 0
+    k: torch.Tensor,
+    num_tokens: int,
+    heads: tuple[int, int] | None = None,
+    fp8: bool = False,
+    chunk_tokens: int = 0,
 ) -> PackedFormat:
     """The format :func:`pack` produces for these planes and arguments."""
     h0, h1 = heads if heads is not None else (0, k.shape[2])
     dtype = FP8_DTYPE if fp8 else str(k.dtype).removeprefix("torch.")
-    return PackedFormat(num_tokens=num_tokens, num_heads=h1 - h0, head_dim=k.shape[3], dtype=dtype, scaled=fp8, chunk_tokens=chunk_tokens)
+    return PackedFormat(
+        num_tokens=num_tokens,
+        num_heads=h1 - h0,
+        head_dim=k.shape[3],
+        dtype=dtype,
+        scaled=fp8,
+        chunk_tokens=chunk_tokens,
+    )
 
 
 Planes = tuple[torch.Tensor, torch.Tensor]
@@ -179,16 +212,23 @@ def _layers(layers: Planes | Sequence[Planes]) -> list[Planes]:
         raise OpsInputError("no layers given")
     k = layers[0][0] if isinstance(layers[0], (tuple, list)) and len(layers[0]) == 2 else None
     if not isinstance(k, torch.Tensor):
-        raise OpsInputError("layers must be (k, v) tensor pairs", fix="make them with kvbridge.ops.kv_planes(cache, layout)")
+        raise OpsInputError(
+            "layers must be (k, v) tensor pairs",
+            fix="make them with kvbridge.ops.kv_planes(cache, layout)",
+        )
     if k.dim() != 4:
         raise OpsInputError(
             f"planes must be 4-D (num_blocks, block_size, num_heads, head_dim), got shape {tuple(k.shape)}",
             fix="make them with kvbridge.ops.kv_planes(cache, layout)",
         )
     if k.dtype not in _CACHE_DTYPES:
-        raise OpsInputError(f"cache dtype {k.dtype} is not supported; supported: float32, float16, bfloat16, float8_e4m3fn")
+        raise OpsInputError(
+            f"cache dtype {k.dtype} is not supported; supported: float32, float16, bfloat16, float8_e4m3fn"
+        )
     if k.stride(3) != 1:
-        raise OpsInputError(f"the head_dim axis must be contiguous (stride 1), got strides {k.stride()}")
+        raise OpsInputError(
+            f"the head_dim axis must be contiguous (stride 1), got strides {k.stride()}"
+        )
     return layers
 
 
@@ -197,7 +237,13 @@ def _check_all(layers: list[Planes]) -> None:
     k = layers[0][0]
     for i, pair in enumerate(layers):
         for t in pair:
-            if not isinstance(t, torch.Tensor) or t.shape != k.shape or t.stride() != k.stride() or t.dtype != k.dtype or t.device != k.device:
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.shape != k.shape
+                or t.stride() != k.stride()
+                or t.dtype != k.dtype
+                or t.device != k.device
+            ):
                 raise OpsInputError(
                     f"layer {i}'s planes differ from layer 0's K ({tuple(k.shape)}, strides {k.stride()}, {k.dtype}, {k.device}): "
                     "every layer of one call must have the same shape, strides, dtype and device"
@@ -225,13 +271,24 @@ def _cache(k: torch.Tensor) -> _Cache:
 
 
 @functools.lru_cache(maxsize=1024)
-def _format(num_tokens: int, num_heads: int, head_dim: int, dtype: str, scaled: bool, chunk_tokens: int) -> tuple[PackedFormat, int]:
+def _format(
+    num_tokens: int, num_heads: int, head_dim: int, dtype: str, scaled: bool, chunk_tokens: int
+) -> tuple[PackedFormat, int]:
     """A format and its ``nbytes``: a runtime's calls repeat a few shapes."""
-    fmt = PackedFormat(num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim, dtype=dtype, scaled=scaled, chunk_tokens=chunk_tokens)
+    fmt = PackedFormat(
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        scaled=scaled,
+        chunk_tokens=chunk_tokens,
+    )
     return fmt, fmt.nbytes
 
 
-def _block_ids(block_ids: Sequence[int] | np.ndarray | torch.Tensor, num_tokens: int, c: _Cache) -> torch.Tensor:
+def _block_ids(
+    block_ids: Sequence[int] | np.ndarray | torch.Tensor, num_tokens: int, c: _Cache
+) -> torch.Tensor:
     """The ``ceil(num_tokens / block_size)`` ids that hold the tokens, bounds-checked,
     as int64 where they were given (host ids cost the kernels no device sync). Ids going
     to the kernels are bounds-checked by the binding (host ids in a loop, device ids
@@ -243,36 +300,53 @@ def _block_ids(block_ids: Sequence[int] | np.ndarray | torch.Tensor, num_tokens:
     needed = -(-num_tokens // c.block_size)
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
-            raise OpsInputError(f"block_ids must be a 1-D integer sequence, got {block_ids.dtype} of shape {tuple(block_ids.shape)}")
+            raise OpsInputError(
+                f"block_ids must be a 1-D integer sequence, got {block_ids.dtype} of shape {tuple(block_ids.shape)}"
+            )
         if block_ids.numel() < needed:
-            raise OpsInputError(f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {block_ids.numel()}")
+            raise OpsInputError(
+                f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {block_ids.numel()}"
+            )
         ids = block_ids[:needed].to(torch.int64)
         if needed and not c.kernels:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= c.num_blocks:
-                raise OpsInputError(f"block id {lo if lo < 0 else hi} is out of range [0, {c.num_blocks})")
+                raise OpsInputError(
+                    f"block id {lo if lo < 0 else hi} is out of range [0, {c.num_blocks})"
+                )
         return ids
     arr = np.ascontiguousarray(block_ids, dtype=np.int64)
     if arr.ndim != 1:
         raise OpsInputError(f"block_ids must be a 1-D integer sequence, got shape {arr.shape}")
     if arr.size < needed:
-        raise OpsInputError(f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {arr.size}")
+        raise OpsInputError(
+            f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {arr.size}"
+        )
     arr = arr[:needed]
     # the binding checks host ids itself (a C++ loop): the kernels' path skips this pass
     # (one pass: a negative id read as unsigned is larger than any block count)
     if needed and not c.kernels and int(arr.view(np.uint64).max()) >= c.num_blocks:
         lo = int(arr.min())
-        raise OpsInputError(f"block id {lo if lo < 0 else int(arr.max())} is out of range [0, {c.num_blocks})")
+        raise OpsInputError(
+            f"block id {lo if lo < 0 else int(arr.max())} is out of range [0, {c.num_blocks})"
+        )
     return torch.from_numpy(arr)
 
 
 def _check_heads(c: _Cache, start: int, count: int) -> None:
     if start < 0 or count <= 0 or start + count > c.num_heads:
-        raise OpsInputError(f"head range [{start}, {start + count}) is outside the cache's {c.num_heads} heads")
+        raise OpsInputError(
+            f"head range [{start}, {start + count}) is outside the cache's {c.num_heads} heads"
+        )
 
 
 def _check_buffer(buf: torch.Tensor, nbytes: int, c: _Cache, what: str) -> None:
-    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+    if (
+        not isinstance(buf, torch.Tensor)
+        or buf.dtype != torch.uint8
+        or buf.dim() != 1
+        or not buf.is_contiguous()
+    ):
         raise OpsInputError(f"{what} must be a contiguous 1-D uint8 tensor")
     if buf.device != c.device:
         raise OpsInputError(f"{what} is on {buf.device}, the cache on {c.device}")
@@ -301,9 +375,16 @@ def _kernel(name: str | None, scaled: bool, block_rows: int) -> int:
     head: 16-64 rows) tiles lead by 2-3 points at 1k tokens (85-86% against 82-83%,
     below the 85% goal) and trail by 0-3 from 8k (87-89% against 89-91%): tiles are
     the choice that stays at 85% or more in every measured case."""
-    name = name or os.environ.get("KVBRIDGE_PACK_KERNEL") or ("tiles" if scaled or block_rows < TILE_ROWS else "rows")
+    name = (
+        name
+        or os.environ.get("KVBRIDGE_PACK_KERNEL")
+        or ("tiles" if scaled or block_rows < TILE_ROWS else "rows")
+    )
     if name not in KERNELS:
-        raise OpsInputError(f"unknown kernel {name!r}", fix=f"use one of {', '.join(KERNELS)} (kernel= or KVBRIDGE_PACK_KERNEL)")
+        raise OpsInputError(
+            f"unknown kernel {name!r}",
+            fix=f"use one of {', '.join(KERNELS)} (kernel= or KVBRIDGE_PACK_KERNEL)",
+        )
     return KERNELS.index(name)
 
 
@@ -366,11 +447,15 @@ class PagedKV:
     def num_layers(self) -> int:
         return len(self.k)
 
-    def _select(self, layers: Sequence[int] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _select(
+        self, layers: Sequence[int] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if layers is None:
             return self.k, self.v
         if not layers or min(layers) < 0 or max(layers) >= len(self.k):
-            raise OpsInputError(f"layers {list(layers)} are not a non-empty selection of this cache's {len(self.k)} layers")
+            raise OpsInputError(
+                f"layers {list(layers)} are not a non-empty selection of this cache's {len(self.k)} layers"
+            )
         return [self.k[i] for i in layers], [self.v[i] for i in layers]
 
     def pack(
@@ -388,7 +473,19 @@ class PagedKV:
         """:func:`pack` of the layers with indices ``layers`` (default all), in that
         order: region ``i`` holds layer ``layers[i]``."""
         ks, vs = self._select(layers)
-        return _pack(ks, vs, self._cache, block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked=True)
+        return _pack(
+            ks,
+            vs,
+            self._cache,
+            block_ids,
+            num_tokens,
+            heads,
+            fp8,
+            chunk_tokens,
+            out,
+            kernel,
+            checked=True,
+        )
 
     def unpack(
         self,
@@ -441,7 +538,19 @@ def pack(
     """
     pairs = _layers(layers)
     ks = [p[0] for p in pairs]
-    return _pack(ks, [p[1] for p in pairs], _cache(ks[0]), block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked=False)
+    return _pack(
+        ks,
+        [p[1] for p in pairs],
+        _cache(ks[0]),
+        block_ids,
+        num_tokens,
+        heads,
+        fp8,
+        chunk_tokens,
+        out,
+        kernel,
+        checked=False,
+    )
 
 
 def unpack(
@@ -460,19 +569,36 @@ def unpack(
     block is left as it was. ``kernel``: as for :func:`pack`."""
     pairs = _layers(layers)
     ks = [p[0] for p in pairs]
-    _unpack(packed, fmt, ks, [p[1] for p in pairs], _cache(ks[0]), block_ids, head_start, kernel, checked=False)
+    _unpack(
+        packed,
+        fmt,
+        ks,
+        [p[1] for p in pairs],
+        _cache(ks[0]),
+        block_ids,
+        head_start,
+        kernel,
+        checked=False,
+    )
 
 
-def _pack(ks, vs, c: _Cache, block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked: bool) -> tuple[torch.Tensor, PackedFormat]:
+def _pack(
+    ks, vs, c: _Cache, block_ids, num_tokens, heads, fp8, chunk_tokens, out, kernel, checked: bool
+) -> tuple[torch.Tensor, PackedFormat]:
     """:func:`pack` past the layers' own checks (``checked``: every layer was compared
     with the first; otherwise the binding or, for the reference, this does it)."""
     h0, h1 = heads if heads is not None else (0, c.num_heads)
     _check_heads(c, h0, h1 - h0)
     if fp8 and c.dtype == FP8_DTYPE:
-        raise OpsInputError("the cache is already float8", fix="pack it with fp8=False (its bytes are copied as they are)")
+        raise OpsInputError(
+            "the cache is already float8",
+            fix="pack it with fp8=False (its bytes are copied as they are)",
+        )
     if chunk_tokens < 0:
         raise OpsInputError(f"chunk_tokens must be >= 0, got {chunk_tokens}")
-    fmt, nbytes = _format(num_tokens, h1 - h0, c.head_dim, FP8_DTYPE if fp8 else c.dtype, fp8, chunk_tokens)
+    fmt, nbytes = _format(
+        num_tokens, h1 - h0, c.head_dim, FP8_DTYPE if fp8 else c.dtype, fp8, chunk_tokens
+    )
     ids = _block_ids(block_ids, num_tokens, c)
     total = len(ks) * nbytes
     if out is None:
@@ -489,24 +615,46 @@ def _pack(ks, vs, c: _Cache, block_ids, num_tokens, heads, fp8, chunk_tokens, ou
     return out[:total], fmt
 
 
-def _unpack(packed, fmt: PackedFormat, ks, vs, c: _Cache, block_ids, head_start, kernel, checked: bool) -> None:
+def _unpack(
+    packed, fmt: PackedFormat, ks, vs, c: _Cache, block_ids, head_start, kernel, checked: bool
+) -> None:
     """:func:`unpack` past the layers' own checks (``checked``: as for :func:`_pack`)."""
     try:
         fmt.check()
     except KVBridgeError as exc:
         raise OpsInputError(str(exc)) from exc
     if fmt.head_dim != c.head_dim:
-        raise OpsInputError(f"the region's head_dim {fmt.head_dim} differs from the cache's {c.head_dim}")
+        raise OpsInputError(
+            f"the region's head_dim {fmt.head_dim} differs from the cache's {c.head_dim}"
+        )
     _check_heads(c, head_start, fmt.num_heads)
     if fmt.scaled and c.dtype == FP8_DTYPE:
-        raise OpsInputError("a scaled region cannot go into a float8 cache", fix="pack a float8 cache with fp8=False")
+        raise OpsInputError(
+            "a scaled region cannot go into a float8 cache",
+            fix="pack a float8 cache with fp8=False",
+        )
     if not fmt.scaled and FP8_DTYPE in (fmt.dtype, c.dtype) and fmt.dtype != c.dtype:
-        raise OpsInputError(f"unscaled float8 values only go into a float8 cache; got {fmt.dtype} into {c.dtype}")
+        raise OpsInputError(
+            f"unscaled float8 values only go into a float8 cache; got {fmt.dtype} into {c.dtype}"
+        )
     ids = _block_ids(block_ids, fmt.num_tokens, c)
     _check_buffer(packed, len(ks) * _format(*fmt)[1], c, "packed")
     code = _kernel(kernel, fmt.scaled, c.block_size * fmt.num_heads)
     if c.kernels:
-        _launch("unpack", packed, getattr(torch, fmt.dtype), fmt.scaled, fmt.ct, ks, vs, ids, fmt.num_tokens, head_start, fmt.num_heads, code)
+        _launch(
+            "unpack",
+            packed,
+            getattr(torch, fmt.dtype),
+            fmt.scaled,
+            fmt.ct,
+            ks,
+            vs,
+            ids,
+            fmt.num_tokens,
+            head_start,
+            fmt.num_heads,
+            code,
+        )
     else:
         pairs = list(zip(ks, vs))
         if not checked:
@@ -514,4 +662,15 @@ def _unpack(packed, fmt: PackedFormat, ks, vs, c: _Cache, block_ids, head_start,
         reference.unpack(packed, fmt, pairs, ids.to(c.device), head_start)
 
 
-__all__ = ["KERNELS", "OpsInputError", "PackedFormat", "PagedKV", "TILE_ROWS", "device_bytes", "kv_planes", "pack", "packed_format", "unpack"]
+__all__ = [
+    "KERNELS",
+    "OpsInputError",
+    "PackedFormat",
+    "PagedKV",
+    "TILE_ROWS",
+    "device_bytes",
+    "kv_planes",
+    "pack",
+    "packed_format",
+    "unpack",
+]

@@ -63,12 +63,18 @@ class PackedFormat(NamedTuple):
     def check(self) -> None:
         """Raise :class:`PlanError` for an impossible format."""
         for name in ("num_tokens", "num_heads", "head_dim", "chunk_tokens"):
-            if getattr(self, name) < 0 or (name in ("num_heads", "head_dim") and getattr(self, name) == 0):
+            if getattr(self, name) < 0 or (
+                name in ("num_heads", "head_dim") and getattr(self, name) == 0
+            ):
                 raise PlanError(f"PackedFormat.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPE_SIZES:
-            raise PlanError(f"PackedFormat.dtype {self.dtype!r} is not supported; supported: {', '.join(sorted(DTYPE_SIZES))}")
+            raise PlanError(
+                f"PackedFormat.dtype {self.dtype!r} is not supported; supported: {', '.join(sorted(DTYPE_SIZES))}"
+            )
         if self.scaled and self.dtype != FP8_DTYPE:
-            raise PlanError(f"a scaled (quantized) region holds {FP8_DTYPE} values, not {self.dtype}")
+            raise PlanError(
+                f"a scaled (quantized) region holds {FP8_DTYPE} values, not {self.dtype}"
+            )
 
     @property
     def element_size(self) -> int:
@@ -96,7 +102,9 @@ class PackedFormat(NamedTuple):
     @property
     def chunk_stride(self) -> int:
         """Bytes from one chunk to the next (a multiple of 16)."""
-        used = self.scales_offset + 8 * self.ct * self.num_heads if self.scaled else self.values_nbytes
+        used = (
+            self.scales_offset + 8 * self.ct * self.num_heads if self.scaled else self.values_nbytes
+        )
         return _align(used)
 
     @property

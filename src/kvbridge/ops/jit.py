@@ -89,7 +89,10 @@ def target_arch() -> str:
     if arch:
         return arch
     if not torch.cuda.is_available():
-        raise KernelBuildError("no CUDA device to build for", fix="set KVBRIDGE_CUDA_ARCH (e.g. 9.0) to build without one")
+        raise KernelBuildError(
+            "no CUDA device to build for",
+            fix="set KVBRIDGE_CUDA_ARCH (e.g. 9.0) to build without one",
+        )
     major, minor = torch.cuda.get_device_capability()
     return f"{major}.{minor}"
 
@@ -105,7 +108,11 @@ def build_key(arch: str) -> str:
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((src / name).read_bytes())
-    for part in (CFLAGS, CUDA_FLAGS, (arch, torch.__version__, str(torch.version.cuda), __version__)):
+    for part in (
+        CFLAGS,
+        CUDA_FLAGS,
+        (arch, torch.__version__, str(torch.version.cuda), __version__),
+    ):
         h.update("\0".join(part).encode())
     return h.hexdigest()[:16]
 
@@ -130,7 +137,9 @@ def build(arch: str | None = None, verbose: bool = False) -> Path:
                 return final
             return _compile(arch, final, verbose)
     except Timeout as exc:
-        raise KernelBuildError(f"timed out waiting for another process building {final.parent}") from exc
+        raise KernelBuildError(
+            f"timed out waiting for another process building {final.parent}"
+        ) from exc
 
 
 def _compile(arch: str, final: Path, verbose: bool) -> Path:
@@ -141,7 +150,11 @@ def _compile(arch: str, final: Path, verbose: bool) -> Path:
     old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
-        log.info("kvbridge: building CUDA kernels for sm_%s in %s (once per version)", arch.replace(".", ""), tmp)
+        log.info(
+            "kvbridge: building CUDA kernels for sm_%s in %s (once per version)",
+            arch.replace(".", ""),
+            tmp,
+        )
         built = cpp_extension.load(
             name=LIB_NAME,
             sources=[str(src / s) for s in SOURCES],
@@ -163,7 +176,10 @@ def _compile(arch: str, final: Path, verbose: bool) -> Path:
     except KernelBuildError:
         raise
     except Exception as exc:  # compiler errors come as RuntimeError / CalledProcessError
-        raise KernelBuildError(f"building the CUDA kernels failed: {exc}", fix="check nvcc and the CUDA toolkit, or set KVBRIDGE_DISABLE_JIT=1") from exc
+        raise KernelBuildError(
+            f"building the CUDA kernels failed: {exc}",
+            fix="check nvcc and the CUDA toolkit, or set KVBRIDGE_DISABLE_JIT=1",
+        ) from exc
     finally:
         if old_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
@@ -184,7 +200,9 @@ def load(path: Path | None = None) -> None:
             try:
                 torch.ops.load_library(str(path))
             except Exception as exc:
-                raise KernelBuildError(f"loading {path} failed: {exc}", fix="delete the directory to rebuild it") from exc
+                raise KernelBuildError(
+                    f"loading {path} failed: {exc}", fix="delete the directory to rebuild it"
+                ) from exc
             _state["loaded"] = str(path)
 
 
@@ -199,13 +217,18 @@ def try_load() -> bool:
         path = library_path()
         if not path.is_file():
             if jit_disabled():
-                raise KernelBuildError(f"KVBRIDGE_DISABLE_JIT is set and no build exists at {path}", fix="run `kvbridge build-ops`")
+                raise KernelBuildError(
+                    f"KVBRIDGE_DISABLE_JIT is set and no build exists at {path}",
+                    fix="run `kvbridge build-ops`",
+                )
             path = build()
         load(path)
         return True
     except Exception as exc:  # noqa: BLE001 - this function's contract is to never raise
         _state["failed"] = str(exc)
-        log.warning("kvbridge: CUDA kernels unavailable, using the torch reference on the GPU: %s", exc)
+        log.warning(
+            "kvbridge: CUDA kernels unavailable, using the torch reference on the GPU: %s", exc
+        )
         return False
 
 

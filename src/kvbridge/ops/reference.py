@@ -36,7 +36,9 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _token_index(block_ids: torch.Tensor, num_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_index(
+    block_ids: torch.Tensor, num_tokens: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(num_tokens, device=block_ids.device)
     return block_ids[t // block_size], t % block_size
 
@@ -60,10 +62,18 @@ def chunk_views(buf: torch.Tensor, fmt: PackedFormat) -> tuple[torch.Tensor, tor
     head_dim)`` and, when scaled, scales ``(num_chunks, 2, chunk_tokens, num_heads)``."""
     n, ct = fmt.num_chunks, fmt.ct
     rows = buf[: n * fmt.chunk_stride].view(n, fmt.chunk_stride)
-    values = rows[:, : fmt.values_nbytes].view(_dtype(fmt.dtype)).view(n, 2, ct, fmt.num_heads, fmt.head_dim)
+    values = (
+        rows[:, : fmt.values_nbytes]
+        .view(_dtype(fmt.dtype))
+        .view(n, 2, ct, fmt.num_heads, fmt.head_dim)
+    )
     if not fmt.scaled:
         return values, None
-    scales = rows[:, fmt.scales_offset : fmt.scales_offset + 8 * ct * fmt.num_heads].view(torch.float32).view(n, 2, ct, fmt.num_heads)
+    scales = (
+        rows[:, fmt.scales_offset : fmt.scales_offset + 8 * ct * fmt.num_heads]
+        .view(torch.float32)
+        .view(n, 2, ct, fmt.num_heads)
+    )
     return values, scales
 
 
@@ -87,14 +97,22 @@ def region_rows(buf: torch.Tensor, fmt: PackedFormat) -> tuple[torch.Tensor, tor
     """One region's defined content, chunking undone: values ``(2, num_tokens,
     num_heads, head_dim)`` and scales ``(2, num_tokens, num_heads)`` (or None)."""
     if fmt.num_tokens == 0:
-        empty = torch.empty(2, 0, fmt.num_heads, fmt.head_dim, dtype=_dtype(fmt.dtype), device=buf.device)
+        empty = torch.empty(
+            2, 0, fmt.num_heads, fmt.head_dim, dtype=_dtype(fmt.dtype), device=buf.device
+        )
         return empty, (torch.empty(2, 0, fmt.num_heads, device=buf.device) if fmt.scaled else None)
     values, scales = chunk_views(buf, fmt)
     vals = _gather_chunks(values, fmt.num_tokens, fmt.ct)
     return vals, None if scales is None else _gather_chunks(scales, fmt.num_tokens, fmt.ct)
 
 
-def pack(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor, fmt: PackedFormat, head_start: int, out: torch.Tensor) -> None:
+def pack(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    block_ids: torch.Tensor,
+    fmt: PackedFormat,
+    head_start: int,
+    out: torch.Tensor,
+) -> None:
     """Gather tokens ``[0, fmt.num_tokens)`` of heads ``[head_start, head_start +
     fmt.num_heads)`` of every layer's planes into its region of ``out`` (layer ``i`` at
     byte ``i * fmt.nbytes``)."""
@@ -113,7 +131,13 @@ def pack(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.T
             _scatter_chunks(values, rows, fmt.ct)
 
 
-def unpack(packed: torch.Tensor, fmt: PackedFormat, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: torch.Tensor, head_start: int) -> None:
+def unpack(
+    packed: torch.Tensor,
+    fmt: PackedFormat,
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    block_ids: torch.Tensor,
+    head_start: int,
+) -> None:
     """Scatter layer ``i``'s region of ``packed`` into tokens ``[0, fmt.num_tokens)`` of
     heads ``[head_start, head_start + fmt.num_heads)`` of ``layers[i]``'s planes,
     converting to their dtype."""

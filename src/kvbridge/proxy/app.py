@@ -44,7 +44,9 @@ BACKOFF_S = 5.0
 class UpstreamError(Exception):
     """An instance failed: ``status`` and ``body`` go to the client as they are."""
 
-    def __init__(self, status: int, body: bytes | dict, content_type: str = "application/json") -> None:
+    def __init__(
+        self, status: int, body: bytes | dict, content_type: str = "application/json"
+    ) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
@@ -53,16 +55,24 @@ class UpstreamError(Exception):
     def response(self) -> web.Response:
         if isinstance(self.body, dict):
             return web.json_response(self.body, status=self.status)
-        return web.Response(body=self.body, status=self.status, content_type=self.content_type.split(";")[0])
+        return web.Response(
+            body=self.body, status=self.status, content_type=self.content_type.split(";")[0]
+        )
 
 
 def _error(status: int, message: str) -> UpstreamError:
-    return UpstreamError(status, {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}})
+    return UpstreamError(
+        status, {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}}
+    )
 
 
 def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill instance computes the prompt's KV and one token nobody reads."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")}
+    out = {
+        k: v
+        for k, v in body.items()
+        if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")
+    }
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
@@ -71,7 +81,15 @@ def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> di
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], *, flow: str = "push", timeout: float = 600.0, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        *,
+        flow: str = "push",
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+    ) -> None:
         if flow not in FLOWS:
             raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {flow!r}")
         self.prefill = Pool("prefill", prefill)
@@ -117,14 +135,24 @@ class Proxy:
         assert d is not None
         try:
             async with self.session.get(f"{d.url}/v1/models") as resp:
-                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+                return web.Response(
+                    body=await resp.read(), status=resp.status, content_type="application/json"
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             d.mark_down(str(exc), BACKOFF_S)
             return _error(502, f"decode instance {d.url} unreachable: {exc}").response()
 
     async def health(self, request: web.Request) -> web.Response:
         ok = any(i.up for i in self.prefill.instances) and any(i.up for i in self.decode.instances)
-        return web.json_response({"ok": ok, "flow": self.flow, "prefill": self.prefill.states(), "decode": self.decode.states()}, status=200 if ok else 503)
+        return web.json_response(
+            {
+                "ok": ok,
+                "flow": self.flow,
+                "prefill": self.prefill.states(),
+                "decode": self.decode.states(),
+            },
+            status=200 if ok else 503,
+        )
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         try:
@@ -149,11 +177,18 @@ class Proxy:
 
     # --- flows ---------------------------------------------------------------------------
 
-    async def _push(self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance) -> web.StreamResponse:
+    async def _push(
+        self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
+    ) -> web.StreamResponse:
         address = p.address or await self._discover(p)
         tid = uuid.uuid4().hex
         p_body = prefill_body(body, {"kvbridge": {"transfer_id": tid, "role": "prefill"}})
-        d_body = dict(body, kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}})
+        d_body = dict(
+            body,
+            kv_transfer_params={
+                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}
+            },
+        )
         p_task = asyncio.create_task(self._call_prefill(p, path, p_body))
         d_task = asyncio.create_task(self._open(d, path, d_body))
         try:
@@ -173,7 +208,9 @@ class Proxy:
             if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
                 log.warning("prefill for %s failed: %s", tid, p_task.exception())
 
-    async def _pull(self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance) -> web.StreamResponse:
+    async def _pull(
+        self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
+    ) -> web.StreamResponse:
         result = await self._call_prefill(p, path, prefill_body(body, {"do_remote_decode": True}))
         params = result.get("kv_transfer_params")
         if not params and self.flow == "pull":
@@ -182,7 +219,9 @@ class Proxy:
                 f"prefill instance {p.url} returned no kv_transfer_params (is it running with kvbridge or NixlConnector as "
                 "kv_producer? connectors that share KV through storage need --flow sequential)",
             )
-        d_resp = await self._open(d, path, dict(body, kv_transfer_params=params) if params else body)
+        d_resp = await self._open(
+            d, path, dict(body, kv_transfer_params=params) if params else body
+        )
         try:
             return await self._relay(request, d, d_resp)
         finally:
@@ -191,10 +230,19 @@ class Proxy:
     # --- upstream calls ------------------------------------------------------------------
 
     async def _discover(self, p: Instance) -> dict[str, Any]:
-        body = {"prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}}}
+        body = {
+            "prompt": [1, 2, 3],
+            "max_tokens": 1,
+            "kv_transfer_params": {
+                "kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}
+            },
+        }
         await self._call_prefill(p, "/v1/completions", body)  # refreshes p.address
         if p.address is None:
-            raise _error(502, f"prefill instance {p.url} did not say where its kvbridge side channel is (is it running with kvbridge as kv_producer?)")
+            raise _error(
+                502,
+                f"prefill instance {p.url} did not say where its kvbridge side channel is (is it running with kvbridge as kv_producer?)",
+            )
         return p.address
 
     async def _call_prefill(self, p: Instance, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -202,10 +250,14 @@ class Proxy:
             async with self.session.post(f"{p.url}{path}", json=body) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
-                    raise UpstreamError(resp.status, data, resp.headers.get("Content-Type", "application/json"))
+                    raise UpstreamError(
+                        resp.status, data, resp.headers.get("Content-Type", "application/json")
+                    )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             p.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
-            raise _error(502, f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}") from exc
+            raise _error(
+                502, f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
         p.mark_up()
         p.served += 1
         result = json.loads(data)
@@ -219,22 +271,33 @@ class Proxy:
             resp = await self.session.post(f"{d.url}{path}", json=body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
-            raise _error(502, f"decode instance {d.url} unreachable: {type(exc).__name__}: {exc}") from exc
+            raise _error(
+                502, f"decode instance {d.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
         if resp.status >= 400:
             data = await resp.read()
             resp.release()
-            raise UpstreamError(resp.status, data, resp.headers.get("Content-Type", "application/json"))
+            raise UpstreamError(
+                resp.status, data, resp.headers.get("Content-Type", "application/json")
+            )
         d.mark_up()
         return resp
 
-    async def _relay(self, request: web.Request, d: Instance, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, d: Instance, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
         content_type = upstream.headers.get("Content-Type", "application/json")
         try:
             if "text/event-stream" not in content_type:
                 data = await upstream.read()
                 d.served += 1
-                return web.Response(body=data, status=upstream.status, content_type=content_type.split(";")[0])
-            out = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+                return web.Response(
+                    body=data, status=upstream.status, content_type=content_type.split(";")[0]
+                )
+            out = web.StreamResponse(
+                status=upstream.status,
+                headers={"Content-Type": content_type, "Cache-Control": "no-cache"},
+            )
             await out.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await out.write(chunk)
@@ -243,7 +306,9 @@ class Proxy:
             return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
-            raise _error(502, f"decode instance {d.url} failed mid-response: {type(exc).__name__}: {exc}") from exc
+            raise _error(
+                502, f"decode instance {d.url} failed mid-response: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 async def serve(proxy: Proxy, host: str, port: int, ready: asyncio.Event | None = None) -> None:
@@ -253,8 +318,14 @@ async def serve(proxy: Proxy, host: str, port: int, ready: asyncio.Event | None 
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    log.info("kvbridge proxy on http://%s:%d (%s flow), prefill %s, decode %s", host, port, proxy.flow,
-             [i.url for i in proxy.prefill.instances], [i.url for i in proxy.decode.instances])
+    log.info(
+        "kvbridge proxy on http://%s:%d (%s flow), prefill %s, decode %s",
+        host,
+        port,
+        proxy.flow,
+        [i.url for i in proxy.prefill.instances],
+        [i.url for i in proxy.decode.instances],
+    )
     if ready is not None:
         ready.set()
     try:

@@ -64,7 +64,9 @@ class Pool:
 
     def pick(self) -> Instance | None:
         """Least loaded instance that is up (or, if none is, the one back soonest)."""
-        candidates = [i for i in self.instances if i.up] or sorted(self.instances, key=lambda i: i.down_until)[:1]
+        candidates = [i for i in self.instances if i.up] or sorted(
+            self.instances, key=lambda i: i.down_until
+        )[:1]
         if not candidates:
             return None
         best = min(candidates, key=lambda i: (i.inflight, i._order))

@@ -37,7 +37,12 @@ def record_device_event() -> torch.cuda.Event:
     return event
 
 
-def wait_device_event(event: object, deadline: float, clock: Callable[[], float] = time.monotonic, pause: float = 50e-6) -> bool:
+def wait_device_event(
+    event: object,
+    deadline: float,
+    clock: Callable[[], float] = time.monotonic,
+    pause: float = 50e-6,
+) -> bool:
     """Poll ``event`` (anything with ``query()``, e.g. a ``torch.cuda.Event`` recorded
     after the kernels that write some KV) until it has completed: True, or until
     ``clock()`` reaches ``deadline``: False.
@@ -88,7 +93,9 @@ class OpsQueue:
             done = torch.cuda.Event()
             done.record(self._stream)
         if not wait_device_event(done, time.monotonic() + self.timeout_s):
-            raise DeadlineExceeded(f"{what} did not complete on {self.device} within timeouts.transfer_s ({self.timeout_s:g} s): is the GPU stalled?")
+            raise DeadlineExceeded(
+                f"{what} did not complete on {self.device} within timeouts.transfer_s ({self.timeout_s:g} s): is the GPU stalled?"
+            )
 
 
 __all__ = ["OpsQueue", "record_device_event", "wait_device_event"]

@@ -51,7 +51,9 @@ class Endpoint:
         planes: list | None = None,
     ) -> None:
         self.config = config
-        self.node = Node(config, geometry, compat, engine_id, rank, transport=transport, planes=planes)
+        self.node = Node(
+            config, geometry, compat, engine_id, rank, transport=transport, planes=planes
+        )
         self.stats = TransferStats()
         self.activity = threading.Event()
         """Set whenever the sender released or the receiver finished something; the
@@ -63,7 +65,9 @@ class Endpoint:
             if send:
                 self.sender = Sender(self.node, self.stats, on_outcome=self.activity.set)
                 port = config.side_channel_port + rank if config.side_channel_port else 0
-                self.server = SideChannelServer(self.node.codec, config.host, port, self._handle, config.secret)
+                self.server = SideChannelServer(
+                    self.node.codec, config.host, port, self._handle, config.secret
+                )
             if receive:
                 self.receiver = Receiver(self.node, self.stats, on_outcome=self.activity.set)
         except Exception:
@@ -86,14 +90,24 @@ class Endpoint:
             return Reply(ok=True, epoch=self.epoch)
         if isinstance(msg, (Destination, Release, Abort)):
             if not self.node.knows(msg.peer):
-                return Reply(ok=False, code="unknown_peer", detail="no handshake with you: say Hello", epoch=self.epoch)
+                return Reply(
+                    ok=False,
+                    code="unknown_peer",
+                    detail="no handshake with you: say Hello",
+                    epoch=self.epoch,
+                )
             assert self.sender is not None
             if isinstance(msg, Destination):
                 return self.sender.on_destination(msg)
             if isinstance(msg, Release):
                 return self.sender.on_release(msg)
             return self.sender.on_abort(msg)
-        return Reply(ok=False, code="error", detail=f"unexpected {type(msg).__name__} on the side channel", epoch=self.epoch)
+        return Reply(
+            ok=False,
+            code="error",
+            detail=f"unexpected {type(msg).__name__} on the side channel",
+            epoch=self.epoch,
+        )
 
     def close(self) -> None:
         """Stop serving, stop the sender/receiver, release the transport. Idempotent."""

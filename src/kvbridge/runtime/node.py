@@ -135,10 +135,15 @@ class Node:
         self._secret = config.secret.encode() if config.secret else None
         self.id = PeerId(engine_id=engine_id, epoch=uuid.uuid4().hex[:12], rank=rank)
         self.transport = transport or create_transport(
-            config.transport, config, agent_name=f"{engine_id}-{self.id.epoch}-r{rank}", memory=geometry.memory
+            config.transport,
+            config,
+            agent_name=f"{engine_id}-{self.id.epoch}-r{rank}",
+            memory=geometry.memory,
         )
         try:
-            self.transport.register(geometry.regions(), memory=geometry.memory, device=geometry.device)
+            self.transport.register(
+                geometry.regions(), memory=geometry.memory, device=geometry.device
+            )
             self.table = self.transport.prepare(geometry.slot_table(), memory=geometry.memory)
             self.packed: PackedPath | None = None
             if config.packed:
@@ -149,7 +154,12 @@ class Node:
                         fix="use wire_dtype 'exact' and data_path 'direct'",
                     )
                 self.packed = PackedPath(
-                    geometry, planes, config.staging_mb, self.transport, fp8=config.wire_dtype == "fp8", timeout_s=config.timeouts.transfer_s
+                    geometry,
+                    planes,
+                    config.staging_mb,
+                    self.transport,
+                    fp8=config.wire_dtype == "fp8",
+                    timeout_s=config.timeouts.transfer_s,
                 )
         except Exception:
             self.transport.close()
@@ -198,22 +208,41 @@ class Node:
             )
         spec, theirs = self.geometry.spec, msg.geometry.spec
         # their head count may differ (another TP split), their layout where it packs alike
-        layout = spec.layout if msg.compat.layout_key == self.codec.compat.layout_key else theirs.layout
-        if msgspec.structs.replace(theirs, num_kv_heads=spec.num_kv_heads, layout=layout) != spec or theirs.num_kv_heads != msg.compat.num_kv_heads:
+        layout = (
+            spec.layout if msg.compat.layout_key == self.codec.compat.layout_key else theirs.layout
+        )
+        if (
+            msgspec.structs.replace(theirs, num_kv_heads=spec.num_kv_heads, layout=layout) != spec
+            or theirs.num_kv_heads != msg.compat.num_kv_heads
+        ):
             # the compat hash covers the rest of the spec; a mismatch means a hand-made frame
-            raise IncompatiblePeerError(f"peer {msg.peer} sent a cache spec that contradicts its compatibility info")
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} sent a cache spec that contradicts its compatibility info"
+            )
         split = self._split(msg, prefill)
         if msg.geometry.layer_bytes != self.geometry.layer_bytes and split is None:
             # the compat hash covers the state layers' shapes; a mismatch means a hand-made frame
-            raise IncompatiblePeerError(f"peer {msg.peer} sent per-layer block sizes that contradict its compatibility info")
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} sent per-layer block sizes that contradict its compatibility info"
+            )
         states = bool(msg.geometry.layer_bytes or self.geometry.layer_bytes)
         # an idle pairing moves nothing; the decode rank's other pairings check its states' sources
-        cut = self._cut(msg, split, prefill) if split is not None and not split.idle and states else None
+        cut = (
+            self._cut(msg, split, prefill)
+            if split is not None and not split.idle and states
+            else None
+        )
         if (self.packed is None) != (msg.staging is None):
             # the compat hash covers data_path; a mismatch here means a hand-made frame
-            raise IncompatiblePeerError(f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})")
-        if msg.staging is not None and msg.staging.slot_bytes != (want := slot_format(msg.geometry, self.packed.fp8).nbytes):
-            raise IncompatiblePeerError(f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {want}")
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})"
+            )
+        if msg.staging is not None and msg.staging.slot_bytes != (
+            want := slot_format(msg.geometry, self.packed.fp8).nbytes
+        ):
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {want}"
+            )
         key = self._key(msg.peer)
         with self._lock:
             built = self._built.get((key, prefill))
@@ -223,7 +252,12 @@ class Node:
         else:
             start = time.monotonic()
             peer = self._build(msg, address, split, cut, prefill)
-            _warn_if_slow(start, "adding peer %s to the %s transport and preparing its tables", msg.peer, self.transport.name)
+            _warn_if_slow(
+                start,
+                "adding peer %s to the %s transport and preparing its tables",
+                msg.peer,
+                self.transport.name,
+            )
         with self._lock:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one
             stale = [k for k in self._peers if k[:2] == key[:2] and k[2] != key[2]]
@@ -242,16 +276,37 @@ class Node:
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 
-    def _build(self, msg: Hello | Welcome, address: str | None, split: Split | None, cut: Cut | None, prefill: bool) -> Peer:
+    def _build(
+        self,
+        msg: Hello | Welcome,
+        address: str | None,
+        split: Split | None,
+        cut: Cut | None,
+        prefill: bool,
+    ) -> Peer:
         """Add the peer to the transport and prepare its tables. The prefill side adds
         a peer while that peer waits for its ``Welcome`` (the side-channel handler):
         the transport must not wait on the peer then (a Mooncake TCP lane that stalls
         blocks a probe for ``transfer_s``, far past the peer's ``handshake_s``)."""
         agent = self.transport.add_peer(msg.transport_metadata, probe=not prefill)
         if cut is not None:  # both caches addressed segment by segment, per transfer
-            return Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=None, address=address, split=split, cut=cut)
-        parts = split is not None and self.packed is None  # the exact path moves head ranges of blocks
-        table = self.transport.prepare(msg.geometry.part_table(split.remote_parts if parts else 1), memory=msg.geometry.memory, peer=agent)
+            return Peer(
+                id=msg.peer,
+                agent=agent,
+                geometry=msg.geometry,
+                table=None,
+                address=address,
+                split=split,
+                cut=cut,
+            )
+        parts = (
+            split is not None and self.packed is None
+        )  # the exact path moves head ranges of blocks
+        table = self.transport.prepare(
+            msg.geometry.part_table(split.remote_parts if parts else 1),
+            memory=msg.geometry.memory,
+            peer=agent,
+        )
         if parts:
             self.local_table(split.local_parts)  # prepared once, before the first transfer
         staging = heads = None
@@ -261,8 +316,19 @@ class Node:
             heads = (0, num_heads) if split is None or split.idle else split.local_heads(num_heads)
             chunk = self.packed.chunk(heads[1] - heads[0]).nbytes
             self.packed.table_for(heads[1] - heads[0])  # prepared once, before the first transfer
-            staging = self.transport.prepare(staging_descs(msg.staging, chunk), memory=msg.staging.memory, peer=agent)
-        return Peer(id=msg.peer, agent=agent, geometry=msg.geometry, table=table, address=address, staging=staging, split=split, heads=heads)
+            staging = self.transport.prepare(
+                staging_descs(msg.staging, chunk), memory=msg.staging.memory, peer=agent
+            )
+        return Peer(
+            id=msg.peer,
+            agent=agent,
+            geometry=msg.geometry,
+            table=table,
+            address=address,
+            staging=staging,
+            split=split,
+            heads=heads,
+        )
 
     def _split(self, msg: Hello | Welcome, prefill: bool) -> Split | None:
         """How our blocks pair with the peer's when our TP splits differ (None: they do
@@ -270,11 +336,20 @@ class Node:
         ours, theirs = self.codec.compat, msg.compat
         if (ours.tp_size, ours.num_kv_heads) == (theirs.tp_size, theirs.num_kv_heads):
             return None
-        (p, p_rank), (d, d_rank) = ((ours, self.id.rank), (theirs, msg.peer.rank)) if prefill else ((theirs, msg.peer.rank), (ours, self.id.rank))
+        (p, p_rank), (d, d_rank) = (
+            ((ours, self.id.rank), (theirs, msg.peer.rank))
+            if prefill
+            else ((theirs, msg.peer.rank), (ours, self.id.rank))
+        )
         what = f"prefill TP {p.tp_size} ({p.num_kv_heads} KV heads per rank), decode TP {d.tp_size} ({d.num_kv_heads} per rank)"
-        differences = {"tp_size": (ours.tp_size, theirs.tp_size), "num_kv_heads": (ours.num_kv_heads, theirs.num_kv_heads)}
+        differences = {
+            "tp_size": (ours.tp_size, theirs.tp_size),
+            "num_kv_heads": (ours.num_kv_heads, theirs.num_kv_heads),
+        }
         try:
-            check_pairing(p.model_kv_heads, p.tp_size, d.tp_size, idle=True)  # the receiver tells idle prefill ranks to let go
+            check_pairing(
+                p.model_kv_heads, p.tp_size, d.tp_size, idle=True
+            )  # the receiver tells idle prefill ranks to let go
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
         if not self.geometry.spec.heads_apart and self.packed is None:
@@ -304,11 +379,25 @@ class Node:
         descriptor per segment (with the ``SD`` conv order, rows x sub-projections) of
         every block, on both sides of every such pair."""
         ours, theirs = self.codec.compat, msg.compat
-        (p, p_rank), (d, d_rank) = ((ours, self.id.rank), (theirs, msg.peer.rank)) if prefill else ((theirs, msg.peer.rank), (ours, self.id.rank))
+        (p, p_rank), (d, d_rank) = (
+            ((ours, self.id.rank), (theirs, msg.peer.rank))
+            if prefill
+            else ((theirs, msg.peer.rank), (ours, self.id.rank))
+        )
         differences = {"tp_size": (ours.tp_size, theirs.tp_size)}
         layouts = [StateLayout.decode(text) if text else None for text in ours.group_states]
-        if not any(layouts) or any(text and layout is None for text, layout in zip(ours.group_states, layouts)) or self.geometry.spec.planes_per_layer != 1:
-            kinds = sorted({text.split(" ")[0] for text, layout in zip(ours.group_states, layouts) if text and layout is None})
+        if (
+            not any(layouts)
+            or any(text and layout is None for text, layout in zip(ours.group_states, layouts))
+            or self.geometry.spec.planes_per_layer != 1
+        ):
+            kinds = sorted(
+                {
+                    text.split(" ")[0]
+                    for text, layout in zip(ours.group_states, layouts)
+                    if text and layout is None
+                }
+            )
             raise IncompatiblePeerError(
                 f"peer {msg.peer} runs another tensor-parallel size ({theirs.tp_size} vs {ours.tp_size}); kvbridge moves the states of "
                 f"{', '.join(kinds) or 'these'} state-space layers between equal TP sizes only",
@@ -331,9 +420,17 @@ class Node:
             segs = state_segments(layout, p.tp_size, d.tp_size, p_rank, d_rank)
             segments[g] = segs if prefill else [(b, a, n) for a, b, n in segs]
             for geo, tp in ((self.geometry, ours.tp_size), (msg.geometry, theirs.tp_size)):
-                if any(geo.layer_block_bytes(layer) != layout.nbytes(tp) for layer, of in enumerate(ours.layer_groups) if of == g):
-                    raise IncompatiblePeerError(f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its state layout says at TP {tp}")
-        piece = self.geometry.spec.block_bytes // split.local_parts  # the same on both sides (pair_split)
+                if any(
+                    geo.layer_block_bytes(layer) != layout.nbytes(tp)
+                    for layer, of in enumerate(ours.layer_groups)
+                    if of == g
+                ):
+                    raise IncompatiblePeerError(
+                        f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its state layout says at TP {tp}"
+                    )
+        piece = (
+            self.geometry.spec.block_bytes // split.local_parts
+        )  # the same on both sides (pair_split)
         heads = tuple((a * piece, b * piece, n * piece) for a, b, n in split.runs)
         cut = Cut([segments[g] if g in segments else heads for g in ours.layer_groups])
         try:
@@ -349,7 +446,9 @@ class Node:
         with self._tables_lock:  # held while preparing: each table is prepared once
             table = self._part_tables.get(parts)
             if table is None:
-                table = self._part_tables[parts] = self.transport.prepare(self.geometry.part_table(parts), memory=self.geometry.memory)
+                table = self._part_tables[parts] = self.transport.prepare(
+                    self.geometry.part_table(parts), memory=self.geometry.memory
+                )
         return table
 
     def plan(
@@ -374,25 +473,57 @@ class Node:
                 cache's groups.
         """
         if peer.split is not None and self.packed is not None:
-            raise KVBridgeError("a peer with another TP split exchanges packed head ranges through staging, not cache blocks")
+            raise KVBridgeError(
+                "a peer with another TP split exchanges packed head ranges through staging, not cache blocks"
+            )
         local_t, remote_t = BlockTable.of(local_blocks), BlockTable.of(remote_blocks)
         groups = self.codec.compat.layer_groups
         if peer.cut is not None:  # this transfer's segments, not a prepared table's
-            ldescs, rdescs = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, cut=peer.cut, into_local=into_local)
+            ldescs, rdescs = plan_grouped(
+                self.geometry,
+                peer.geometry,
+                local_t,
+                remote_t,
+                groups,
+                layers,
+                cut=peer.cut,
+                into_local=into_local,
+            )
             rows = np.arange(len(ldescs), dtype=np.int32)
             if not len(ldescs):  # nothing of these layers moves: empty lists (post refuses them)
-                return DescTable(ldescs, self.geometry.memory, None, prepared=False), rows, DescTable(rdescs, peer.geometry.memory, peer.agent, prepared=False), rows
+                return (
+                    DescTable(ldescs, self.geometry.memory, None, prepared=False),
+                    rows,
+                    DescTable(rdescs, peer.geometry.memory, peer.agent, prepared=False),
+                    rows,
+                )
             local = self.transport.adhoc(ldescs, memory=self.geometry.memory)
-            return local, rows, self.transport.adhoc(rdescs, memory=peer.geometry.memory, peer=peer.agent), rows
+            return (
+                local,
+                rows,
+                self.transport.adhoc(rdescs, memory=peer.geometry.memory, peer=peer.agent),
+                rows,
+            )
         table = self.table if peer.split is None else self.local_table(peer.split.local_parts)
         if groups or local_t.num_groups > 1 or remote_t.num_groups > 1:
-            lidx, ridx = plan_grouped(self.geometry, peer.geometry, local_t, remote_t, groups, layers, split=peer.split, into_local=into_local)
+            lidx, ridx = plan_grouped(
+                self.geometry,
+                peer.geometry,
+                local_t,
+                remote_t,
+                groups,
+                layers,
+                split=peer.split,
+                into_local=into_local,
+            )
             return table, lidx, peer.table, ridx
         local_ids, remote_ids = local_t.row(0), remote_t.row(0)
         if peer.split is None:
             plan = plan_blocks(self.geometry, peer.geometry, local_ids, remote_ids, layers=layers)
         else:
-            plan = plan_parts(self.geometry, peer.geometry, local_ids, remote_ids, peer.split, layers=layers)
+            plan = plan_parts(
+                self.geometry, peer.geometry, local_ids, remote_ids, peer.split, layers=layers
+            )
         return table, plan.local_slots, peer.table, plan.remote_slots
 
     # --- notifications -------------------------------------------------------------------
@@ -409,7 +540,10 @@ class Node:
         incompatible peer."""
         body = unseal(self._secret, payload, b"note")
         if body is None:
-            raise WireError("a notification failed authentication", fix="set the same 'secret' on prefill and decode")
+            raise WireError(
+                "a notification failed authentication",
+                fix="set the same 'secret' on prefill and decode",
+            )
         return self.codec.decode(body)
 
     # --- server side ---------------------------------------------------------------------
@@ -444,18 +578,26 @@ class Node:
                 peer = None if fresh else self._by_address.get(address)
             if peer is None:
                 asked = time.monotonic()
-                reply = self.client.request(address, self._hello(Hello), self.config.timeouts.handshake_s)
+                reply = self.client.request(
+                    address, self._hello(Hello), self.config.timeouts.handshake_s
+                )
                 answered = time.monotonic()
                 if isinstance(reply, Reply):
-                    raise KVBridgeError(f"handshake with {address} refused: {reply.detail or reply.code}")
+                    raise KVBridgeError(
+                        f"handshake with {address} refused: {reply.detail or reply.code}"
+                    )
                 if not isinstance(reply, Welcome):
-                    raise TransportError(f"handshake with {address}: unexpected {type(reply).__name__}")
+                    raise TransportError(
+                        f"handshake with {address}: unexpected {type(reply).__name__}"
+                    )
                 peer = self._add(reply, address, prefill=False)
                 steps = (asked - start, answered - asked, time.monotonic() - answered)
                 if sum(steps) > _SLOW_HANDSHAKE_S:
                     log.warning(
                         "kvbridge: the handshake with %s took %.1f s: %.1f s waiting for another handshake with it, %.1f s for its reply, %.1f s adding it",
-                        address, sum(steps), *steps,
+                        address,
+                        sum(steps),
+                        *steps,
                     )
         if epoch is not None and peer.id.epoch != epoch:
             raise KVBridgeError(

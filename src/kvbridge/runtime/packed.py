@@ -56,7 +56,14 @@ def slot_format(geometry: CacheGeometry, fp8: bool = True) -> PackedFormat:
     dtype = FP8_DTYPE if fp8 else s.dtype
     # a latent (MLA) cache packs as two planes, each one head of half the vector (kv_planes)
     heads, dim = (1, s.head_dim // 2) if s.layout == "latent" else (s.num_kv_heads, s.head_dim)
-    return PackedFormat(num_tokens=s.block_size, num_heads=heads, head_dim=dim, dtype=dtype, scaled=fp8, chunk_tokens=s.block_size)
+    return PackedFormat(
+        num_tokens=s.block_size,
+        num_heads=heads,
+        head_dim=dim,
+        dtype=dtype,
+        scaled=fp8,
+        chunk_tokens=s.block_size,
+    )
 
 
 def staging_descs(info: StagingInfo, chunk_bytes: int | None = None) -> np.ndarray:
@@ -172,7 +179,9 @@ class PackedPath:
                 fix="use wire_dtype 'exact' and data_path 'direct' for this model",
             )
         if len(planes) != spec.num_layers:
-            raise ValueError(f"{len(planes)} layers of cache planes for a {spec.num_layers}-layer cache")
+            raise ValueError(
+                f"{len(planes)} layers of cache planes for a {spec.num_layers}-layer cache"
+            )
         self.geometry = geometry
         self.planes = list(planes)
         self.kv = ops.PagedKV(self.planes)  # checked once here, not on every call
@@ -181,7 +190,11 @@ class PackedPath:
         self.slot = slot_format(geometry, fp8)
         num_slots = (staging_mb << 20) // self.slot.nbytes
         if num_slots < spec.num_layers:
-            raise ConfigError(f"staging_mb {staging_mb} holds {num_slots} packed blocks, fewer than one block per layer", key="staging_mb", fix="raise staging_mb")
+            raise ConfigError(
+                f"staging_mb {staging_mb} holds {num_slots} packed blocks, fewer than one block per layer",
+                key="staging_mb",
+                fix="raise staging_mb",
+            )
         device = self.planes[0][0].device
         self.queue = OpsQueue(device, timeout_s)
         raw = torch.empty(num_slots * self.slot.nbytes + 64, dtype=torch.uint8, device=device)
@@ -191,8 +204,16 @@ class PackedPath:
         self.allocator = SlotAllocator(num_slots)
         memory = "host" if device.type == "cpu" else "device"
         dev = 0 if memory == "host" else (device.index or 0)
-        self.info = StagingInfo(base=self.buffer.data_ptr(), num_slots=num_slots, slot_bytes=self.slot.nbytes, memory=memory, device=dev)
-        self._registration = transport.register([(self.info.base, num_slots * self.slot.nbytes)], memory=memory, device=dev)
+        self.info = StagingInfo(
+            base=self.buffer.data_ptr(),
+            num_slots=num_slots,
+            slot_bytes=self.slot.nbytes,
+            memory=memory,
+            device=dev,
+        )
+        self._registration = transport.register(
+            [(self.info.base, num_slots * self.slot.nbytes)], memory=memory, device=dev
+        )
         self.table: DescTable = transport.prepare(staging_descs(self.info), memory=memory)
         self._transport = transport
         self._tables: dict[int, DescTable] = {}
@@ -218,7 +239,9 @@ class PackedPath:
             table = self._tables.get(heads)
             if table is None:
                 descs = staging_descs(self.info, self.chunk(heads).nbytes)
-                table = self._tables[heads] = self._transport.prepare(descs, memory=self.info.memory)
+                table = self._tables[heads] = self._transport.prepare(
+                    descs, memory=self.info.memory
+                )
         return table
 
     def slots_for(self, n: int, heads: int) -> int:
@@ -267,7 +290,13 @@ class PackedPath:
             k[block_id].zero_()
             v[block_id].zero_()
 
-    def pack(self, layers: Sequence[int], block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None) -> None:
+    def pack(
+        self,
+        layers: Sequence[int],
+        block_ids: Sequence[int],
+        first: int,
+        heads: tuple[int, int] | None = None,
+    ) -> None:
         """Pack the whole ``block_ids`` of each of ``layers`` into chunks from ``first``:
         layer ``layers[i]``'s block ``j`` in chunk ``first + i * len(block_ids) + j``.
         ``heads``: our KV heads ``(start, end)`` to pack (default all; chunks are then
@@ -281,11 +310,21 @@ class PackedPath:
         fmt = self.chunk(self.slot.num_heads if heads is None else heads[1] - heads[0])
         out = self._chunks(fmt, first, len(layers) * n)
         self.queue.run(
-            lambda: self.kv.pack(block_ids, n * self.block_size, layers=layers, heads=heads, fp8=self.fp8, chunk_tokens=self.block_size, out=out),
+            lambda: self.kv.pack(
+                block_ids,
+                n * self.block_size,
+                layers=layers,
+                heads=heads,
+                fp8=self.fp8,
+                chunk_tokens=self.block_size,
+                out=out,
+            ),
             f"packing {n} blocks of layers {list(layers)}",
         )
 
-    def unpack(self, layer: int, block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None) -> None:
+    def unpack(
+        self, layer: int, block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None
+    ) -> None:
         """Unpack chunks ``[first, first + len(block_ids))`` of one layer into the whole
         ``block_ids`` of this cache, into our KV heads ``heads`` (default all). Returns
         once the cache holds them."""

@@ -117,7 +117,11 @@ class Receiver:
     """
 
     def __init__(
-        self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic, on_outcome: Callable[[], None] = lambda: None
+        self,
+        node: Node,
+        stats: TransferStats,
+        clock: Callable[[], float] = time.monotonic,
+        on_outcome: Callable[[], None] = lambda: None,
     ) -> None:
         self.node = node
         self.stats = stats
@@ -145,7 +149,12 @@ class Receiver:
     # --- engine-facing -------------------------------------------------------------------
 
     def expect_push(
-        self, transfer_id: str, address: str | Sequence[str], block_ids: BlockTable | list[int], num_tokens: int, skip_tokens: int = 0
+        self,
+        transfer_id: str,
+        address: str | Sequence[str],
+        block_ids: BlockTable | list[int],
+        num_tokens: int,
+        skip_tokens: int = 0,
     ) -> None:
         """Layer-wise push: ask the prefill worker at ``address`` to write the prompt's
         KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids`` (a table of
@@ -154,7 +163,17 @@ class Receiver:
         addresses: each of those prefill workers holds some of our KV heads and writes
         them (a prefill instance with more TP ranks than ours)."""
         addresses = [address] if isinstance(address, str) else list(address)
-        self._push(self._new(transfer_id, [_Source(a) for a in addresses], block_ids, num_tokens, skip_tokens, pull=False, remote_blocks=[]))
+        self._push(
+            self._new(
+                transfer_id,
+                [_Source(a) for a in addresses],
+                block_ids,
+                num_tokens,
+                skip_tokens,
+                pull=False,
+                remote_blocks=[],
+            )
+        )
 
     def expect_pull(
         self,
@@ -175,44 +194,78 @@ class Receiver:
         destination as in the push flow (the prefill, done computing, writes every layer
         at once into our staging and lets go by itself); the epochs are still checked."""
         addresses = [address] if isinstance(address, str) else list(address)
-        epochs = [epoch] * len(addresses) if epoch is None or isinstance(epoch, str) else list(epoch)
+        epochs = (
+            [epoch] * len(addresses) if epoch is None or isinstance(epoch, str) else list(epoch)
+        )
         sources = [_Source(a, e) for a, e in zip(addresses, epochs, strict=True)]
         packed = self.node.packed is not None
-        entry = self._new(transfer_id, sources, block_ids, num_tokens, skip_tokens, pull=not packed, remote_blocks=remote_blocks)
+        entry = self._new(
+            transfer_id,
+            sources,
+            block_ids,
+            num_tokens,
+            skip_tokens,
+            pull=not packed,
+            remote_blocks=remote_blocks,
+        )
         if packed:
             self._push(entry)
         else:
             self._pool.submit(self._start_read, entry)
 
-    def release_idle(self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None]) -> list[cf.Future[None]]:
+    def release_idle(
+        self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None]
+    ) -> list[cf.Future[None]]:
         """Tell prefill workers this worker needs nothing from (idle replicas,
         :func:`~kvbridge.core.tp.idle_prefill_ranks`) to let go of ``transfer_id`` now,
         whether or not they track it yet. Fire and forget (pool threads, each bounded by
         ``timeouts.handshake_s``; the returned futures end when the messages did): if a
         message is lost, that worker's lease frees the blocks."""
         msg = Release(transfer_id=transfer_id, peer=self.node.id)
-        return [self._pool.submit(self._let_go, msg, a, e, "idle prefill worker") for a, e in zip(addresses, epochs, strict=True)]
+        return [
+            self._pool.submit(self._let_go, msg, a, e, "idle prefill worker")
+            for a, e in zip(addresses, epochs, strict=True)
+        ]
 
-    def forgo(self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None], reason: str) -> list[cf.Future[None]]:
+    def forgo(
+        self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None], reason: str
+    ) -> list[cf.Future[None]]:
         """Tell the prefill workers of ``transfer_id`` that this worker will not load
         it (its engine computes the prompt itself, e.g. vLLM for a request that asks
         for prompt logprobs), so they let go of its blocks now, whether or not they
         track it yet, instead of when their lease runs out. Fire and forget, as
         :meth:`release_idle`."""
         msg = Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason)
-        return [self._pool.submit(self._let_go, msg, a, e, "prefill worker") for a, e in zip(addresses, epochs, strict=True)]
+        return [
+            self._pool.submit(self._let_go, msg, a, e, "prefill worker")
+            for a, e in zip(addresses, epochs, strict=True)
+        ]
 
     def _let_go(self, msg: Release | Abort, address: str, epoch: str | None, who: str) -> None:
         try:
             self.node.connect(address, epoch=epoch)
             reply = self.node.client.request(address, msg, self.cfg.timeouts.handshake_s)
         except KVBridgeError as exc:
-            log.warning("kvbridge: could not tell %s %s to let go of %s (its lease will): %s", who, address, msg.transfer_id, exc)
+            log.warning(
+                "kvbridge: could not tell %s %s to let go of %s (its lease will): %s",
+                who,
+                address,
+                msg.transfer_id,
+                exc,
+            )
             return
         if isinstance(reply, Reply) and not reply.ok:
-            log.warning("kvbridge: %s %s refused to let go of %s: %s", who, address, msg.transfer_id, reply.detail or reply.code)
+            log.warning(
+                "kvbridge: %s %s refused to let go of %s: %s",
+                who,
+                address,
+                msg.transfer_id,
+                reply.detail or reply.code,
+            )
 
-    def refuse(self, transfer_id: str, block_ids: BlockTable | list[int], num_tokens: int, reason: str) -> None:
+    def refuse(
+        self, transfer_id: str, block_ids: BlockTable | list[int], num_tokens: int, reason: str
+    ) -> None:
         """Fail a load before it starts (the adapter found it cannot be served, e.g. the
         prefill instance is incompatible); reported by :meth:`take_finished` like any
         failed load."""
@@ -243,7 +296,9 @@ class Receiver:
         )
         with self._lock:
             if transfer_id in self._in:
-                raise KVBridgeError(f"transfer {transfer_id!r} is already expected by this decode worker")
+                raise KVBridgeError(
+                    f"transfer {transfer_id!r} is already expected by this decode worker"
+                )
             self._in[transfer_id] = entry
             if not len(block_ids):  # D's prefix cache already holds everything
                 entry.req.complete(now)
@@ -265,7 +320,12 @@ class Receiver:
             self._lock.notify()
             told = self._writing(entry)
         for i in told:
-            self._pool.submit(self._tell, entry, i, Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason))
+            self._pool.submit(
+                self._tell,
+                entry,
+                i,
+                Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason),
+            )
         return True
 
     def take_finished(self) -> tuple[list[str], list[str]]:
@@ -304,7 +364,9 @@ class Receiver:
 
     def _push(self, entry: _In) -> None:
         """Track what lands per source, layer and block; start sending destinations."""
-        entry.coverage = np.zeros((len(entry.sources), self._layers, len(entry.block_ids)), dtype=bool)
+        entry.coverage = np.zeros(
+            (len(entry.sources), self._layers, len(entry.block_ids)), dtype=bool
+        )
         self._pool.submit(self._start_push, entry)
 
     def _start_push(self, entry: _In) -> None:
@@ -330,7 +392,10 @@ class Receiver:
         need = len(entry.sources) * self._layers * len(entry.block_ids)
         heads = self._source_heads(entry)
         if packed.slots_for(need, heads) > packed.allocator.num_slots:
-            self._fail(entry, f"the request's packed KV ({need} blocks) exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb")
+            self._fail(
+                entry,
+                f"the request's packed KV ({need} blocks) exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb",
+            )
             return False
         run = packed.reserve(need, heads)
         with self._lock:
@@ -363,8 +428,12 @@ class Receiver:
                 peer = self._connect(entry, i, fresh=attempt > 0)
                 first = -1
                 if entry.staging is not None:
-                    if peer.heads is None or peer.heads[1] - peer.heads[0] != self._source_heads(entry):
-                        raise KVBridgeError(f"prefill at {src.address} writes KV heads {peer.heads}, not {self._source_heads(entry)} of ours as one of {len(entry.sources)} sources")
+                    if peer.heads is None or peer.heads[1] - peer.heads[0] != self._source_heads(
+                        entry
+                    ):
+                        raise KVBridgeError(
+                            f"prefill at {src.address} writes KV heads {peer.heads}, not {self._source_heads(entry)} of ours as one of {len(entry.sources)} sources"
+                        )
                     first = entry.staging.first + i * self._layers * len(entry.block_ids)
                 block_ids, group_block_ids = entry.block_ids.to_wire()
                 msg = Destination(
@@ -384,7 +453,9 @@ class Receiver:
                     continue  # the prefill instance restarted since our handshake
                 break
             if not isinstance(reply, Reply) or not reply.ok:
-                raise KVBridgeError(f"prefill at {src.address} refused the destination: {getattr(reply, 'detail', reply)}")
+                raise KVBridgeError(
+                    f"prefill at {src.address} refused the destination: {getattr(reply, 'detail', reply)}"
+                )
         except (KVBridgeError, WireError) as exc:
             with self._lock:
                 if maybe_held:
@@ -400,7 +471,15 @@ class Receiver:
             if not entry.req.terminal and entry.req.phase is RecvPhase.ALLOCATED:
                 entry.req.destination_sent(self.clock())
         if ended:  # failed or aborted while the destination was on its way
-            self._tell(entry, i, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "aborted"))
+            self._tell(
+                entry,
+                i,
+                Abort(
+                    transfer_id=entry.req.transfer_id,
+                    peer=self.node.id,
+                    reason=entry.req.reason or "aborted",
+                ),
+            )
 
     def _start_read(self, entry: _In) -> None:
         """P-first: post a read from every source (a pool thread)."""
@@ -410,10 +489,16 @@ class Receiver:
             key = ("read", i)
             try:
                 peer = self._connect(entry, i)
-                local, lidx, remote, ridx = self.node.plan(peer, entry.block_ids, remote_blocks, into_local=True)
+                local, lidx, remote, ridx = self.node.plan(
+                    peer, entry.block_ids, remote_blocks, into_local=True
+                )
                 with self._lock:
                     if entry.req.terminal:  # it holds blocks for us that we will not read
-                        stop = Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "aborted")
+                        stop = Abort(
+                            transfer_id=entry.req.transfer_id,
+                            peer=self.node.id,
+                            reason=entry.req.reason or "aborted",
+                        )
                         self._pool.submit(self._tell, entry, i, stop)
                         continue
                     if entry.req.phase is RecvPhase.ALLOCATED:
@@ -434,9 +519,16 @@ class Receiver:
     def _tell(self, entry: _In, i: int, msg: Release | Abort) -> None:
         """Send source ``i`` a Release or an Abort (a pool thread)."""
         try:
-            reply = self.node.client.request(entry.sources[i].address, msg, self.cfg.timeouts.handshake_s)
+            reply = self.node.client.request(
+                entry.sources[i].address, msg, self.cfg.timeouts.handshake_s
+            )
         except KVBridgeError as exc:  # the prefill side's lease frees the blocks anyway
-            log.info("kvbridge: could not send %s for %s: %s", type(msg).__name__, entry.req.transfer_id, exc)
+            log.info(
+                "kvbridge: could not send %s for %s: %s",
+                type(msg).__name__,
+                entry.req.transfer_id,
+                exc,
+            )
             return
         if isinstance(reply, Reply) and reply.code == "stopped":
             with self._lock:  # the prefill side holds nothing for it: no write can follow
@@ -458,24 +550,37 @@ class Receiver:
         transfers keep their own deadlines (``receive_s``, ``transfer_s``)."""
         try:
             try:
-                reply = self.node.client.request(address, Heartbeat(peer=self.node.id), 3 * self.cfg.timeouts.heartbeat_s)
+                reply = self.node.client.request(
+                    address, Heartbeat(peer=self.node.id), 3 * self.cfg.timeouts.heartbeat_s
+                )
             except PeerUnreachableError:
                 if listening(address, timeout=self.cfg.timeouts.heartbeat_s):
-                    log.info("kvbridge: prefill at %s is slow to answer heartbeats but still listening", address)
+                    log.info(
+                        "kvbridge: prefill at %s is slow to answer heartbeats but still listening",
+                        address,
+                    )
                     return
                 raise
             if not isinstance(reply, Reply):
                 raise WireError(f"unexpected {type(reply).__name__} to a heartbeat")
             if reply.epoch != epoch:
-                raise KVBridgeError(f"prefill at {address} restarted (epoch {reply.epoch}, was {epoch}); its KV is gone")
+                raise KVBridgeError(
+                    f"prefill at {address} restarted (epoch {reply.epoch}, was {epoch}); its KV is gone"
+                )
         except (KVBridgeError, WireError) as exc:
             self.node.forget(address)
             with self._lock:
                 victims = []
                 for e in self._in.values():
-                    gone = [i for i, src in enumerate(e.sources) if src.address == address and _remote(i) in e.req._inflight_keys()]
+                    gone = [
+                        i
+                        for i, src in enumerate(e.sources)
+                        if src.address == address and _remote(i) in e.req._inflight_keys()
+                    ]
                     for i in gone:
-                        self._writes_stopped(e, self.clock(), i)  # it is gone: no more writes from it
+                        self._writes_stopped(
+                            e, self.clock(), i
+                        )  # it is gone: no more writes from it
                     if gone and not e.pull:
                         victims.append(e)
             for e in victims:
@@ -498,7 +603,9 @@ class Receiver:
                         entry = self._in.get(msg.transfer_id)
                         if entry is None:
                             continue
-                        self._writes_stopped(entry, self.clock(), msg.source)  # Done comes after its last write
+                        self._writes_stopped(
+                            entry, self.clock(), msg.source
+                        )  # Done comes after its last write
                     if not msg.ok:
                         self._fail(entry, f"prefill gave up: {msg.reason}")
 
@@ -517,11 +624,22 @@ class Receiver:
             if entry is None or entry.coverage is None or entry.req.phase is RecvPhase.RECEIVED:
                 return  # late data for a finished request: ignored
             end = msg.first_block + msg.num_blocks
-            if not 0 <= msg.source < len(entry.sources) or msg.first_block < 0 or end > entry.coverage.shape[2] or not all(0 <= l < self._layers for l in msg.layers):
-                log.warning("kvbridge: %s: notification for blocks outside the destination", msg.transfer_id)
+            if (
+                not 0 <= msg.source < len(entry.sources)
+                or msg.first_block < 0
+                or end > entry.coverage.shape[2]
+                or not all(0 <= l < self._layers for l in msg.layers)
+            ):
+                log.warning(
+                    "kvbridge: %s: notification for blocks outside the destination", msg.transfer_id
+                )
                 return
             src = entry.sources[msg.source]
-            unpack = self.node.packed is not None and entry.staging is not None and not entry.req.terminal
+            unpack = (
+                self.node.packed is not None
+                and entry.staging is not None
+                and not entry.req.terminal
+            )
             if unpack:  # the blocks stay ours until the unpack is done
                 entry.req.posted(_UNPACK)
         if unpack:  # the bytes are in our staging slots: into the cache
@@ -536,7 +654,7 @@ class Receiver:
         with self._lock:
             if unpack:
                 entry.req.settled(_UNPACK, now)
-            entry.coverage[msg.source, msg.layers, msg.first_block:end] = True
+            entry.coverage[msg.source, msg.layers, msg.first_block : end] = True
             entry.nbytes += self._written(entry, src, msg.layers, msg.first_block, end)
             entry.req.layer_arrived(now)
             if entry.coverage[msg.source].all():
@@ -552,7 +670,11 @@ class Receiver:
         positions before it, a state-space group's all but the last)."""
         groups = self.node.codec.compat.layer_groups
         held = (entry.block_ids.rows[:, first:end] != NONE).sum(axis=1) if groups else None
-        return sum(int(held[groups[layer]] if held is not None else end - first) * self._block_bytes(src, layer) for layer in layers)
+        return sum(
+            int(held[groups[layer]] if held is not None else end - first)
+            * self._block_bytes(src, layer)
+            for layer in layers
+        )
 
     def _block_bytes(self, src: _Source, layer: int) -> int:
         """Bytes source ``src`` sends per block of ours in ``layer``: a packed chunk of
@@ -577,7 +699,9 @@ class Receiver:
         groups = self.node.codec.compat.layer_groups
         for layer in msg.layers:
             row = blocks.row(groups[layer] if groups else 0)
-            held = np.flatnonzero(row != NONE)  # a sliding group's positions before its window got nothing
+            held = np.flatnonzero(
+                row != NONE
+            )  # a sliding group's positions before its window got nothing
             for run in np.split(held, np.flatnonzero(np.diff(held) != 1) + 1) if held.size else ():
                 a, b = int(run[0]), int(run[-1]) + 1
                 packed.unpack(layer, row[a:b].tolist(), first + layer * nb + a, heads=heads)
@@ -590,7 +714,12 @@ class Receiver:
                 if self._stop:
                     return
                 # reads of ended requests too: their blocks are ours until the read lands
-                reads = [(e, i) for e in self._in.values() for i, src in enumerate(e.sources) if src.xfer is not None]
+                reads = [
+                    (e, i)
+                    for e in self._in.values()
+                    for i, src in enumerate(e.sources)
+                    if src.xfer is not None
+                ]
             for entry, i in reads:
                 self._poll_read(entry, i)
             self._retry_staging()
@@ -621,9 +750,21 @@ class Receiver:
                 entry.req.complete(now)
         if error is not None:
             self._fail(entry, f"read failed: {error}")
-            self._pool.submit(self._tell, entry, i, Release(transfer_id=entry.req.transfer_id, peer=self.node.id, ok=False, reason=str(error)))
+            self._pool.submit(
+                self._tell,
+                entry,
+                i,
+                Release(
+                    transfer_id=entry.req.transfer_id,
+                    peer=self.node.id,
+                    ok=False,
+                    reason=str(error),
+                ),
+            )
         else:
-            self._pool.submit(self._tell, entry, i, Release(transfer_id=entry.req.transfer_id, peer=self.node.id))
+            self._pool.submit(
+                self._tell, entry, i, Release(transfer_id=entry.req.transfer_id, peer=self.node.id)
+            )
 
     def _retry_staging(self) -> None:
         """Send the destinations that waited for staging slots, if some were freed."""
@@ -657,7 +798,11 @@ class Receiver:
         with self._lock:
             deadline_failed = []
             for tid, entry in list(self._in.items()):
-                if entry.req.poll(now) and entry.req.phase is RecvPhase.FAILED and entry.req.inflight:
+                if (
+                    entry.req.poll(now)
+                    and entry.req.phase is RecvPhase.FAILED
+                    and entry.req.inflight
+                ):
                     self.stats.add(failures=1)
                     log.warning("kvbridge: receiving %s failed: %s", tid, entry.req.reason)
                     deadline_failed += [(entry, i) for i in self._writing(entry)]
@@ -675,7 +820,16 @@ class Receiver:
                     self._lock.notify_all()
                     self._on_outcome()
         for entry, i in deadline_failed:  # timed out: ask the prefill side to stop writing
-            self._pool.submit(self._tell, entry, i, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=entry.req.reason or "timeout"))
+            self._pool.submit(
+                self._tell,
+                entry,
+                i,
+                Abort(
+                    transfer_id=entry.req.transfer_id,
+                    peer=self.node.id,
+                    reason=entry.req.reason or "timeout",
+                ),
+            )
 
     @staticmethod
     def _writing(entry: _In) -> list[int]:
@@ -697,7 +851,12 @@ class Receiver:
             writing = self._writing(entry) if ended else []
             self._lock.notify()
         for i in writing:  # those sources may still be writing: ask them to stop
-            self._pool.submit(self._tell, entry, i, Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason))
+            self._pool.submit(
+                self._tell,
+                entry,
+                i,
+                Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason),
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -133,7 +133,11 @@ class Sender:
     """
 
     def __init__(
-        self, node: Node, stats: TransferStats, clock: Callable[[], float] = time.monotonic, on_outcome: Callable[[], None] = lambda: None
+        self,
+        node: Node,
+        stats: TransferStats,
+        clock: Callable[[], float] = time.monotonic,
+        on_outcome: Callable[[], None] = lambda: None,
     ) -> None:
         self.node = node
         self.stats = stats
@@ -183,7 +187,9 @@ class Sender:
         blocks = BlockTable.of(blocks)
         with self._lock:
             if transfer_id in self._out:
-                raise KVBridgeError(f"transfer {transfer_id!r} is already tracked by this prefill worker")
+                raise KVBridgeError(
+                    f"transfer {transfer_id!r} is already tracked by this prefill worker"
+                )
             stream = self.cfg.layerwise and num_tokens >= self.cfg.layerwise_min_tokens
             out = _Out(
                 req=SendRequest(transfer_id, blocks, self.cfg.timeouts, now),
@@ -231,7 +237,9 @@ class Sender:
                 if block != NONE:
                     packed.clear(block)
 
-    def layer_done(self, transfer_id: str, layer: int, computed_tokens: int, ready: Ready | None = None) -> None:
+    def layer_done(
+        self, transfer_id: str, layer: int, computed_tokens: int, ready: Ready | None = None
+    ) -> None:
         """``layer`` holds KV for the first ``computed_tokens`` prompt tokens (once
         ``ready`` has completed, when given). Hot path."""
         with self._lock:
@@ -279,7 +287,9 @@ class Sender:
             if out is not None and not out.req.terminal and not gate.ready.query():
                 if now - gate.since <= self.cfg.timeouts.transfer_s:
                     return True  # the stream reaches the later ones after this one
-                what = {None: "the prefill", _EVERY: "its cached prefix"}.get(gate.layer, f"layer {gate.layer}")
+                what = {None: "the prefill", _EVERY: "its cached prefix"}.get(
+                    gate.layer, f"layer {gate.layer}"
+                )
                 self._fail(
                     out,
                     f"the engine's device did not finish computing {what} within timeouts.transfer_s "
@@ -342,14 +352,29 @@ class Sender:
             if out is None:
                 how = self._ended.get(msg.transfer_id)
                 if how is not None:  # e.g. the engine aborted or preempted the request first
-                    return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already ended on this prefill worker ({how})", epoch=self.node.id.epoch)
+                    return Reply(
+                        ok=False,
+                        code="error",
+                        detail=f"transfer {msg.transfer_id} already ended on this prefill worker ({how})",
+                        epoch=self.node.id.epoch,
+                    )
                 # D may see the request before this prefill worker does: keep it
-                self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
+                self._early.setdefault(msg.transfer_id, []).append(
+                    (msg, now + self.cfg.timeouts.lease_s)
+                )
                 return Reply(ok=True, epoch=self.node.id.epoch)
             if out.req.terminal:
-                return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already ended ({out.req.phase.value}: {out.req.reason})")
+                return Reply(
+                    ok=False,
+                    code="error",
+                    detail=f"transfer {msg.transfer_id} already ended ({out.req.phase.value}: {out.req.reason})",
+                )
             if any(d.msg.peer == msg.peer for d in out.dests):
-                return Reply(ok=False, code="error", detail=f"transfer {msg.transfer_id} already has a destination from {msg.peer}")
+                return Reply(
+                    ok=False,
+                    code="error",
+                    detail=f"transfer {msg.transfer_id} already has a destination from {msg.peer}",
+                )
             err = self._accept(out, msg, now)
             self._lock.notify()
         if err:
@@ -359,7 +384,11 @@ class Sender:
     def _accept(self, out: _Out, msg: Destination, now: float) -> str | None:
         """Attach a destination (lock held). Returns an error text, or None."""
         expected = math.ceil(out.num_tokens / self._bs) - msg.skip_tokens // self._bs
-        if msg.num_tokens != out.num_tokens or len(msg.block_ids) != expected or msg.skip_tokens % self._bs:
+        if (
+            msg.num_tokens != out.num_tokens
+            or len(msg.block_ids) != expected
+            or msg.skip_tokens % self._bs
+        ):
             reason = (
                 f"destination of {msg.transfer_id} does not fit: {len(msg.block_ids)} blocks for tokens "
                 f"[{msg.skip_tokens}, {msg.num_tokens}), this prefill has {out.num_tokens} tokens in blocks of {self._bs}"
@@ -410,9 +439,16 @@ class Sender:
                 peer = self.node.peer(msg.peer)
                 if peer is not None and peer.split is not None and peer.split.idle:
                     # an idle rank may hear before it tracks the request (push flow)
-                    self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
+                    self._early.setdefault(msg.transfer_id, []).append(
+                        (msg, now + self.cfg.timeouts.lease_s)
+                    )
                     return Reply(ok=True, epoch=self.node.id.epoch)
-                return Reply(ok=False, code="unknown_transfer", detail=f"no blocks held for {msg.transfer_id}", epoch=self.node.id.epoch)
+                return Reply(
+                    ok=False,
+                    code="unknown_transfer",
+                    detail=f"no blocks held for {msg.transfer_id}",
+                    epoch=self.node.id.epoch,
+                )
             self._release(out, msg, now)
             self._lock.notify()
         return Reply(ok=True, epoch=self.node.id.epoch)
@@ -422,7 +458,9 @@ class Sender:
         this rank is idle for it. The request ends once every decode rank it feeds did."""
         peer = self.node.peer(msg.peer)
         out.released_by.add(str(msg.peer))
-        if out.req.phase is SendPhase.HELD and len(out.released_by) >= (1 if peer is None else peer.fanout):
+        if out.req.phase is SendPhase.HELD and len(out.released_by) >= (
+            1 if peer is None else peer.fanout
+        ):
             out.req.start_sending(now)
             out.req.finish(now)
 
@@ -477,7 +515,11 @@ class Sender:
             skip = dest.msg.skip_tokens // self._bs
             groups: dict[tuple[int, int], list[int]] = {}
             for layer in range(self._layers):
-                ready = total if out.ready[layer] >= out.num_tokens else min(out.ready[layer] // self._bs, total)
+                ready = (
+                    total
+                    if out.ready[layer] >= out.num_tokens
+                    else min(out.ready[layer] // self._bs, total)
+                )
                 start = max(dest.posted[layer], skip)
                 if ready > start:
                     groups.setdefault((start, ready), []).append(layer)
@@ -496,9 +538,16 @@ class Sender:
             for dest, layers, start, end in self._split(self._postable(out)):
                 run = None
                 if packed is not None:
-                    need, heads = len(layers) * (end - start), dest.peer.heads[1] - dest.peer.heads[0]
+                    need, heads = (
+                        len(layers) * (end - start),
+                        dest.peer.heads[1] - dest.peer.heads[0],
+                    )
                     if packed.slots_for(need, heads) > packed.allocator.num_slots:
-                        self._fail(out, f"a post of {need} packed blocks exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb", self.clock())
+                        self._fail(
+                            out,
+                            f"a post of {need} packed blocks exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb",
+                            self.clock(),
+                        )
                         break
                     run = packed.reserve(need, heads)
                     if run is None:
@@ -511,7 +560,9 @@ class Sender:
                 work.append((out, posts))
         return work
 
-    def _split(self, groups: list[tuple[_Dest, list[int], int, int]]) -> list[tuple[_Dest, list[int], int, int]]:
+    def _split(
+        self, groups: list[tuple[_Dest, list[int], int, int]]
+    ) -> list[tuple[_Dest, list[int], int, int]]:
         """Packed path: cut a group's layers into posts of at most a quarter of the
         staging buffer each (at least one layer), so that a large group (a P-first
         request, every layer at once) neither exceeds the buffer nor holds all of it."""
@@ -534,9 +585,20 @@ class Sender:
             key = next(self._keys)
             registered = False
             try:
-                note = LayerDone(transfer_id=dest.msg.transfer_id, layers=layers, first_block=start - skip, num_blocks=end - start, source=dest.msg.source)
+                note = LayerDone(
+                    transfer_id=dest.msg.transfer_id,
+                    layers=layers,
+                    first_block=start - skip,
+                    num_blocks=end - start,
+                    source=dest.msg.source,
+                )
                 if packed is None:
-                    local, lidx, remote, ridx = self.node.plan(dest.peer, out.blocks[start:end], dest.blocks[start - skip : end - skip], layers)
+                    local, lidx, remote, ridx = self.node.plan(
+                        dest.peer,
+                        out.blocks[start:end],
+                        dest.blocks[start - skip : end - skip],
+                        layers,
+                    )
                 else:
                     local, lidx, remote, ridx = self._pack(out, dest, layers, start, end, run)
                 if not len(lidx):  # sliding-window layers before their window: nothing to write
@@ -549,7 +611,9 @@ class Sender:
                         return
                     out.req.posted(key)
                     registered = True
-                xfer = self.node.transport.post("write", local, lidx, remote, ridx, notify=self.node.encode_note(note))
+                xfer = self.node.transport.post(
+                    "write", local, lidx, remote, ridx, notify=self.node.encode_note(note)
+                )
             except KVBridgeError as exc:
                 with self._lock:
                     if registered:
@@ -570,7 +634,9 @@ class Sender:
         packed, dest, peer = self.node.packed, to.msg, to.peer
         assert packed is not None and peer.heads is not None
         if peer.staging is None or dest.staging_slot < 0:
-            raise KVBridgeError(f"destination of {dest.transfer_id} has no staging slots for packed KV")
+            raise KVBridgeError(
+                f"destination of {dest.transfer_id} has no staging slots for packed KV"
+            )
         skip = dest.skip_tokens // self._bs
         nb = len(dest.block_ids)
         src, dst = out.blocks[start:end], to.blocks[start - skip : end - skip]
@@ -596,7 +662,11 @@ class Sender:
     def _poll_inflight(self) -> bool:
         """Poll posted writes; settle the finished ones. True while any is in flight."""
         with self._lock:
-            items = [(out, key, xfer, t0, run) for out in self._out.values() for key, (xfer, t0, run) in list(out.inflight.items())]
+            items = [
+                (out, key, xfer, t0, run)
+                for out in self._out.values()
+                for key, (xfer, t0, run) in list(out.inflight.items())
+            ]
         for out, key, xfer, t0, run in items:
             try:
                 done = self.node.transport.poll(xfer)
@@ -622,7 +692,12 @@ class Sender:
 
     def _maybe_finish(self, out: _Out, now: float) -> None:
         """All of the prompt posted and landed: done (lock held)."""
-        if out.req.phase is not SendPhase.SENDING or not out.prefill_done or not out.dests or out.pull:
+        if (
+            out.req.phase is not SendPhase.SENDING
+            or not out.prefill_done
+            or not out.dests
+            or out.pull
+        ):
             return
         if len(out.dests) < out.dests[0].peer.fanout:
             return  # more decode ranks will ask for their part
@@ -666,13 +741,21 @@ class Sender:
                     out.req.release()
                     del self._out[tid]
                     self._released.append(tid)
-                    self._ended.add(tid, out.req.phase.value + (f": {out.req.reason}" if out.req.reason else ""))
+                    self._ended.add(
+                        tid, out.req.phase.value + (f": {out.req.reason}" if out.req.reason else "")
+                    )
                     self._lock.notify_all()
                     self._on_outcome()
                     if out.req.phase is not SendPhase.DONE:
                         # after the drain: the decode side may reuse its blocks once it reads this
                         reason = out.req.reason or out.req.phase.value
-                        tell += [(d.peer, Done(transfer_id=tid, ok=False, reason=reason, source=d.msg.source)) for d in out.dests]
+                        tell += [
+                            (
+                                d.peer,
+                                Done(transfer_id=tid, ok=False, reason=reason, source=d.msg.source),
+                            )
+                            for d in out.dests
+                        ]
         for peer, msg in tell:  # best effort: D also has its own deadlines
             try:
                 self.node.transport.notify(peer.agent, self.node.encode_note(msg))

@@ -65,7 +65,9 @@ class SideChannelServer:
         secret: shared secret; when set, unauthenticated frames are refused.
     """
 
-    def __init__(self, codec: Codec, host: str, port: int, handler: Handler, secret: str | None = None) -> None:
+    def __init__(
+        self, codec: Codec, host: str, port: int, handler: Handler, secret: str | None = None
+    ) -> None:
         self._codec = codec
         self._handler = handler
         self._secret = secret.encode() if secret else None
@@ -84,7 +86,9 @@ class SideChannelServer:
             ) from exc
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kvbridge-sidechannel", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name="kvbridge-sidechannel", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -120,9 +124,15 @@ class SideChannelServer:
                 log.debug("side channel: reply not sent: %s", exc)
 
     def _answer(self, rid: bytes, payload: bytes, rest: list[bytes]) -> Message:
-        if self._secret is not None and (len(rest) != 1 or not verify(self._secret, rest[0], rid, payload)):
+        if self._secret is not None and (
+            len(rest) != 1 or not verify(self._secret, rest[0], rid, payload)
+        ):
             log.warning("side channel: refused a request that failed authentication")
-            return Reply(ok=False, code="error", detail="authentication failed: set the same 'secret' on prefill and decode")
+            return Reply(
+                ok=False,
+                code="error",
+                detail="authentication failed: set the same 'secret' on prefill and decode",
+            )
         try:
             msg = self._codec.decode(payload)
         except IncompatiblePeerError as exc:
@@ -186,7 +196,9 @@ class SideChannelClient:
         sock, lock = self._socket(address)
         rid = str(next(self._ids)).encode()
         payload = self._codec.encode(msg)
-        parts = [rid, payload] + ([mac(self._secret, rid, payload)] if self._secret is not None else [])
+        parts = [rid, payload] + (
+            [mac(self._secret, rid, payload)] if self._secret is not None else []
+        )
         deadline = time.monotonic() + timeout
         with lock:
             sock.send_multipart(parts)
@@ -201,8 +213,13 @@ class SideChannelClient:
                 frames = sock.recv_multipart()
                 if len(frames) < 2 or frames[0] != rid:
                     continue  # a late reply to an earlier, timed-out request
-                if self._secret is not None and (len(frames) != 3 or not verify(self._secret, frames[2], frames[0], frames[1])):
-                    raise WireError(f"reply from {address} failed authentication", fix="set the same 'secret' on prefill and decode")
+                if self._secret is not None and (
+                    len(frames) != 3 or not verify(self._secret, frames[2], frames[0], frames[1])
+                ):
+                    raise WireError(
+                        f"reply from {address} failed authentication",
+                        fix="set the same 'secret' on prefill and decode",
+                    )
                 return self._codec.decode(frames[1])
 
     def _reset(self, address: str) -> None:

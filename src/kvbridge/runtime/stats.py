@@ -67,13 +67,17 @@ class StatsSnapshot:
         out = StatsSnapshot()
         for name, value in asdict(self).items():
             other_value = getattr(other, name)
-            setattr(out, name, max(value, other_value) if name in _MAX_MERGED else value + other_value)
+            setattr(
+                out, name, max(value, other_value) if name in _MAX_MERGED else value + other_value
+            )
         return out
 
     def is_empty(self) -> bool:
         """Nothing recorded: every counter zero and every histogram empty (levels are
         not recordings)."""
-        return not any(v for k, v in asdict(self).items() if k not in GAUGES and k not in REQUEST_GAUGES)
+        return not any(
+            v for k, v in asdict(self).items() if k not in GAUGES and k not in REQUEST_GAUGES
+        )
 
 
 class TransferStats:
@@ -110,8 +114,14 @@ COUNTERS: dict[str, str] = {
 
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "transfer_s": ("transfer_seconds", "Posted KV transfers, post to completion"),
-    "exposed_s": ("exposed_transfer_seconds", "Per request: prefill finished to last KV byte landed (not hidden by streaming)"),
-    "request_transfer_s": ("request_transfer_seconds", "Per request: first KV transfer posted to last one completed"),
+    "exposed_s": (
+        "exposed_transfer_seconds",
+        "Per request: prefill finished to last KV byte landed (not hidden by streaming)",
+    ),
+    "request_transfer_s": (
+        "request_transfer_seconds",
+        "Per request: first KV transfer posted to last one completed",
+    ),
 }
 """Histogram fields of :class:`StatsSnapshot` -> (metric name, description)."""
 
@@ -143,4 +153,12 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 """Histogram buckets, seconds."""
 
 
-__all__ = ["BUCKETS", "COUNTERS", "GAUGES", "HISTOGRAMS", "REQUEST_GAUGES", "StatsSnapshot", "TransferStats"]
+__all__ = [
+    "BUCKETS",
+    "COUNTERS",
+    "GAUGES",
+    "HISTOGRAMS",
+    "REQUEST_GAUGES",
+    "StatsSnapshot",
+    "TransferStats",
+]

@@ -7,4 +7,12 @@ neither NIXL nor Mooncake.
 from kvbridge.transports.base import DescTable, Notification, Registration, Transport, Xfer
 from kvbridge.transports.registry import available, create_transport
 
-__all__ = ["DescTable", "Notification", "Registration", "Transport", "Xfer", "available", "create_transport"]
+__all__ = [
+    "DescTable",
+    "Notification",
+    "Registration",
+    "Transport",
+    "Xfer",
+    "available",
+    "create_transport",
+]

@@ -68,7 +68,15 @@ class DescTable:
 
     __slots__ = ("descs", "handle", "memory", "peer", "prepared", "released", "uniform_length")
 
-    def __init__(self, descs: np.ndarray, memory: MemoryKind, peer: str | None, handle: object = None, *, prepared: bool = True) -> None:
+    def __init__(
+        self,
+        descs: np.ndarray,
+        memory: MemoryKind,
+        peer: str | None,
+        handle: object = None,
+        *,
+        prepared: bool = True,
+    ) -> None:
         self.descs = descs
         self.memory = memory
         self.peer = peer
@@ -76,7 +84,9 @@ class DescTable:
         self.prepared = prepared
         self.released = False
         lengths = descs[:, 1]
-        self.uniform_length: int | None = int(lengths[0]) if lengths.size and (lengths == lengths[0]).all() else None
+        self.uniform_length: int | None = (
+            int(lengths[0]) if lengths.size and (lengths == lengths[0]).all() else None
+        )
         """The length of every descriptor when all are equal (KV slot tables), else None."""
 
     def __len__(self) -> int:
@@ -119,13 +129,19 @@ class Transport(Protocol):
     agent_name: str
     """Our identity as peers see it (notifications arrive tagged with the sender's)."""
 
-    def register(self, regions: Sequence[tuple[int, int]], memory: MemoryKind = "host", device: int = 0) -> Registration: ...
+    def register(
+        self, regions: Sequence[tuple[int, int]], memory: MemoryKind = "host", device: int = 0
+    ) -> Registration: ...
     def deregister(self, registration: Registration) -> None: ...
     def metadata(self) -> bytes: ...
     def add_peer(self, metadata: bytes, *, probe: bool = True) -> str: ...
     def remove_peer(self, peer: str) -> None: ...
-    def prepare(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable: ...
-    def adhoc(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable: ...
+    def prepare(
+        self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None
+    ) -> DescTable: ...
+    def adhoc(
+        self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None
+    ) -> DescTable: ...
     def release_table(self, table: DescTable) -> None: ...
     def post(
         self,
@@ -197,7 +213,9 @@ def as_descs(descs: np.ndarray | Sequence[Sequence[int]], default_device: int = 
             f"descriptors must be an (N, 2) or (N, 3) array of (address, length[, device]), got shape {arr.shape}"
         )
     if arr.shape[1] == 2:
-        arr = np.concatenate([arr, np.full((arr.shape[0], 1), default_device, dtype=np.uint64)], axis=1)
+        arr = np.concatenate(
+            [arr, np.full((arr.shape[0], 1), default_device, dtype=np.uint64)], axis=1
+        )
     return np.ascontiguousarray(arr)
 
 

@@ -78,7 +78,9 @@ class RegionIndex:
 
     def add(self, regions: Sequence[tuple[int, int]], memory: str, device: int) -> None:
         with self._lock:
-            self._regions.setdefault((memory, device), []).extend((int(a), int(n)) for a, n in regions)
+            self._regions.setdefault((memory, device), []).extend(
+                (int(a), int(n)) for a, n in regions
+            )
             self._rebuild((memory, device))
 
     def remove(self, regions: Sequence[tuple[int, int]], memory: str, device: int) -> None:
@@ -110,7 +112,9 @@ class RegionIndex:
         ok = np.zeros(descs.shape[0], dtype=bool)
         devices = descs[:, 2]
         one = bool((devices == devices[0]).all())  # the usual case: no per-device masks
-        for dev, rows in [(devices[0], slice(None))] if one else [(d, devices == d) for d in np.unique(devices)]:
+        for dev, rows in (
+            [(devices[0], slice(None))] if one else [(d, devices == d) for d in np.unique(devices)]
+        ):
             starts, ends = snapshot.get((memory, int(dev)), (None, None))
             if starts is None or starts.size == 0:
                 continue
@@ -166,7 +170,12 @@ class Pump:
     """
 
     def __init__(
-        self, name: str, step: Callable[[], int], min_interval: float = 1e-4, max_interval: float = 2e-3, blocking: bool = False
+        self,
+        name: str,
+        step: Callable[[], int],
+        min_interval: float = 1e-4,
+        max_interval: float = 2e-3,
+        blocking: bool = False,
     ) -> None:
         self._step = step
         self._stop = threading.Event()
@@ -185,7 +194,9 @@ class Pump:
             except Exception:  # keep pumping: one bad poll must not stop notifications
                 self._errors += 1
                 if self._errors == 1 or self._errors % 1000 == 0:
-                    log.exception("%s: notification poll failed (%d so far)", self._thread.name, self._errors)
+                    log.exception(
+                        "%s: notification poll failed (%d so far)", self._thread.name, self._errors
+                    )
                 found = 0
             interval = self._min if found else min(interval * 2, self._max)
             if interval:
@@ -262,7 +273,9 @@ class TransportBase(abc.ABC):
 
     # --- memory ----------------------------------------------------------------------------
 
-    def register(self, regions: Sequence[tuple[int, int]], memory: MemoryKind = "host", device: int = 0) -> Registration:
+    def register(
+        self, regions: Sequence[tuple[int, int]], memory: MemoryKind = "host", device: int = 0
+    ) -> Registration:
         """Register memory so it can be a transfer source or target. Call before
         :meth:`metadata`: peers learn our regions from it."""
         self._check_open()
@@ -270,7 +283,9 @@ class TransportBase(abc.ABC):
             raise InvalidDescriptorError(f"memory must be 'host' or 'device', got {memory!r}")
         spans = tuple((int(a), int(n)) for a, n in regions)
         if not spans or any(a <= 0 or n <= 0 for a, n in spans):
-            raise InvalidDescriptorError(f"regions must be non-empty (address > 0, length > 0): {spans[:4]}")
+            raise InvalidDescriptorError(
+                f"regions must be non-empty (address > 0, length > 0): {spans[:4]}"
+            )
         handle = self._register(spans, memory, device)
         reg = Registration(spans, memory, device, handle)
         with self._lock:
@@ -338,7 +353,9 @@ class TransportBase(abc.ABC):
         self._add_peer(md, probe)  # unlocked: it may wait on the peer (bounded)
         with self._lock:
             if self._closed:
-                raise TransportError(f"{self.name} transport {self.agent_name!r} was closed while adding peer {md.agent!r}")
+                raise TransportError(
+                    f"{self.name} transport {self.agent_name!r} was closed while adding peer {md.agent!r}"
+                )
             self._peers[md.agent] = index
             self._peer_metadata[md.agent] = metadata
         return md.agent
@@ -381,7 +398,9 @@ class TransportBase(abc.ABC):
 
     # --- descriptor tables -----------------------------------------------------------------
 
-    def prepare(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable:
+    def prepare(
+        self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None
+    ) -> DescTable:
         """Prepare ``(address, length[, device])`` descriptors of our memory (``peer`` is
         None) or of a peer's, for use by index in :meth:`post`."""
         arr = self._checked(descs, memory, peer)
@@ -392,7 +411,9 @@ class TransportBase(abc.ABC):
             self._tables.add(table)
         return table
 
-    def adhoc(self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None) -> DescTable:
+    def adhoc(
+        self, descs: np.ndarray, memory: MemoryKind = "host", peer: str | None = None
+    ) -> DescTable:
         """Descriptors checked as :meth:`prepare` checks them, for one :meth:`post`, not
         prepared: for lists that change with every transfer, where a table of every
         possible descriptor would be too large (the state segments a peer of another
@@ -448,23 +469,31 @@ class TransportBase(abc.ABC):
         if op not in ("write", "read"):
             raise InvalidDescriptorError(f"op must be 'write' or 'read', got {op!r}")
         if local.peer is not None or remote.peer is None:
-            raise InvalidDescriptorError("post(local, ..., remote, ...) needs a local table and a peer's table")
+            raise InvalidDescriptorError(
+                "post(local, ..., remote, ...) needs a local table and a peer's table"
+            )
         if local.released or remote.released:
             raise InvalidDescriptorError("descriptor table was released")
         self._peer_index(remote.peer)
         lidx = _indices(local_idx, len(local), "local")
         ridx = _indices(remote_idx, len(remote), "remote")
         if lidx.size != ridx.size:
-            raise InvalidDescriptorError(f"index lists differ in length: {lidx.size} local vs {ridx.size} remote")
+            raise InvalidDescriptorError(
+                f"index lists differ in length: {lidx.size} local vs {ridx.size} remote"
+            )
         if lidx.size == 0:
-            raise InvalidDescriptorError("empty transfer", fix="send a bare notification with notify()")
+            raise InvalidDescriptorError(
+                "empty transfer", fix="send a bare notification with notify()"
+            )
         if local.uniform_length is not None and local.uniform_length == remote.uniform_length:
             nbytes = lidx.size * local.uniform_length  # equal-length tables: pairs match
         else:
             llen, rlen = local.descs[lidx, 1], remote.descs[ridx, 1]
             if not np.array_equal(llen, rlen):
                 i = int(np.flatnonzero(llen != rlen)[0])
-                raise InvalidDescriptorError(f"descriptor {i}: local length {int(llen[i])} != remote length {int(rlen[i])}")
+                raise InvalidDescriptorError(
+                    f"descriptor {i}: local length {int(llen[i])} != remote length {int(rlen[i])}"
+                )
             nbytes = int(llen.sum())
         with self._lock:  # close() cannot run between posting and recording the transfer
             self._check_open()
@@ -576,7 +605,9 @@ class TransportBase(abc.ABC):
     # --- backend hooks ---------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object: ...
+    def _register(
+        self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int
+    ) -> object: ...
 
     @abc.abstractmethod
     def _deregister(self, registration: Registration) -> None: ...
@@ -598,14 +629,23 @@ class TransportBase(abc.ABC):
         """Free what :meth:`_prepare` made."""
 
     @staticmethod
-    def _regions(local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray) -> Regions:
+    def _regions(
+        local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray
+    ) -> Regions:
         """The selected descriptor pairs as coalesced (local, remote, length) regions,
         for backends that pay per descriptor."""
         return coalesce(local.descs[lidx, 0], remote.descs[ridx, 0], local.descs[lidx, 1])
 
     @abc.abstractmethod
     def _post(
-        self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
+        self,
+        op: Op,
+        local: DescTable,
+        lidx: np.ndarray,
+        remote: DescTable,
+        ridx: np.ndarray,
+        notify: bytes | None,
+        nbytes: int,
     ) -> Xfer: ...
 
     @abc.abstractmethod
@@ -631,7 +671,9 @@ def _indices(idx: np.ndarray | Sequence[int], size: int, side: str) -> np.ndarra
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidDescriptorError(f"{side} indices must be a 1-D integer array")
     if arr.size and (arr.min() < 0 or arr.max() >= size):
-        raise InvalidDescriptorError(f"{side} index out of range [0, {size}): min {arr.min()}, max {arr.max()}")
+        raise InvalidDescriptorError(
+            f"{side} index out of range [0, {size}): min {arr.min()}, max {arr.max()}"
+        )
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 

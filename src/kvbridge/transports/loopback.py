@@ -42,7 +42,9 @@ class LoopbackTransport(TransportBase):
             _fabric[agent_name] = self
 
     @classmethod
-    def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> LoopbackTransport:
+    def from_config(
+        cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host"
+    ) -> LoopbackTransport:
         if memory != "host":
             raise TransportUnavailableError("the loopback transport moves host memory only")
         return cls(agent_name)
@@ -57,9 +59,13 @@ class LoopbackTransport(TransportBase):
             raise self._peer_lost(peer, "transfer", "loopback peer is gone")
         return other
 
-    def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object:
+    def _register(
+        self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int
+    ) -> object:
         if memory != "host" and not _cuda_available():
-            raise InvalidDescriptorError("the loopback transport moves device memory only where CUDA is available")
+            raise InvalidDescriptorError(
+                "the loopback transport moves device memory only where CUDA is available"
+            )
         return None
 
     def _deregister(self, registration: Registration) -> None:
@@ -75,14 +81,23 @@ class LoopbackTransport(TransportBase):
         pass
 
     def _post(
-        self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
+        self,
+        op: Op,
+        local: DescTable,
+        lidx: np.ndarray,
+        remote: DescTable,
+        ridx: np.ndarray,
+        notify: bytes | None,
+        nbytes: int,
     ) -> Xfer:
         peer = remote.peer
         assert peer is not None
         target = self._target(peer)
         regions = self._regions(local, lidx, remote, ridx)
         if local.memory != remote.memory:
-            raise InvalidDescriptorError(f"the loopback transport moves {local.memory} to {local.memory} memory only, not to {remote.memory}")
+            raise InvalidDescriptorError(
+                f"the loopback transport moves {local.memory} to {local.memory} memory only, not to {remote.memory}"
+            )
         pairs = zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist())
         if op == "read":
             pairs = ((dst, src, n) for src, dst, n in pairs)

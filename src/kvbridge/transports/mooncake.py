@@ -88,7 +88,9 @@ for the user's and keep them whatever its own config says."""
 
 
 def _own_env() -> dict[str, str]:
-    return dict(item.split("=", 1) for item in os.environ.get(_OWN_ENV, "").split(";") if "=" in item)
+    return dict(
+        item.split("=", 1) for item in os.environ.get(_OWN_ENV, "").split(";") if "=" in item
+    )
 
 
 def _user_set(name: str) -> bool:
@@ -159,7 +161,13 @@ class MooncakeTransport(TransportBase):
 
     name = "mooncake"
 
-    def __init__(self, agent_name: str, options: MooncakeOptions, host: str = "127.0.0.1", transfer_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        options: MooncakeOptions,
+        host: str = "127.0.0.1",
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
         super().__init__(agent_name)
         if options.protocol not in ("tcp", "rdma"):
             raise TransportUnavailableError(
@@ -179,11 +187,17 @@ class MooncakeTransport(TransportBase):
                     fix=f"use some of: {', '.join(devices)}",
                 )
         _set_env("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(options.max_queued_transfers_per_peer))
-        _set_env("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer))
+        _set_env(
+            "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer)
+        )
         _set_env("MC_LOG_LEVEL", "WARNING")  # INFO logs every batch
-        _set_env("MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s)))))  # follow this config
+        _set_env(
+            "MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s))))
+        )  # follow this config
         self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
-        _set_env("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s(options, transfer_timeout_s)))
+        _set_env(
+            "MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s(options, transfer_timeout_s))
+        )
         self._engine = TransferEngine()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", options.protocol, options.device_name)
         if rc != 0:
@@ -205,8 +219,15 @@ class MooncakeTransport(TransportBase):
         self._start_pump(blocking=True)
 
     @classmethod
-    def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> MooncakeTransport:
-        return cls(agent_name, config.mooncake, host=config.host, transfer_timeout_s=config.timeouts.transfer_s)
+    def from_config(
+        cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host"
+    ) -> MooncakeTransport:
+        return cls(
+            agent_name,
+            config.mooncake,
+            host=config.host,
+            transfer_timeout_s=config.timeouts.transfer_s,
+        )
 
     @property
     def engine(self) -> TransferEngine:
@@ -232,7 +253,14 @@ class MooncakeTransport(TransportBase):
             self._inflight.discard(future)
 
     def _batch(
-        self, peer: str, endpoint: str, src: list[int], dst: list[int], length: list[int], opcode: object, notify: bytes | None
+        self,
+        peer: str,
+        endpoint: str,
+        src: list[int],
+        dst: list[int],
+        length: list[int],
+        opcode: object,
+        notify: bytes | None,
     ) -> tuple[int, int]:
         """Worker side: run one batch; on success send its notification, on failure
         probe the peer (every engine call here may block)."""
@@ -247,7 +275,13 @@ class MooncakeTransport(TransportBase):
                 break  # the peer is gone (or we are closing): no retry can help
             # the peer is alive: a transient TCP lane failure (seen after a lane sat
             # idle, and under load). The notification only follows success.
-            log.info("Mooncake batch to %s failed (rc=%s) with the peer alive; retry %d of %d", peer, rc, attempt, len(RETRY_PAUSES_S))
+            log.info(
+                "Mooncake batch to %s failed (rc=%s) with the peer alive; retry %d of %d",
+                peer,
+                rc,
+                attempt,
+                len(RETRY_PAUSES_S),
+            )
             rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
             probe = 0
         if rc == 0:
@@ -277,7 +311,9 @@ class MooncakeTransport(TransportBase):
 
     # --- hooks -----------------------------------------------------------------------------
 
-    def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object:
+    def _register(
+        self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int
+    ) -> object:
         location = "cpu:0" if memory == "host" else f"cuda:{device}"
         done: list[int] = []
         for addr, length in regions:
@@ -285,7 +321,9 @@ class MooncakeTransport(TransportBase):
             if rc != 0:
                 for a in done:
                     self._engine.unregister_memory(a)
-                raise TransportError(f"Mooncake could not register {length} bytes at 0x{addr:x} ({location}): rc={rc}")
+                raise TransportError(
+                    f"Mooncake could not register {length} bytes at 0x{addr:x} ({location}): rc={rc}"
+                )
             done.append(addr)
         return done
 
@@ -294,7 +332,9 @@ class MooncakeTransport(TransportBase):
             self._engine.unregister_memory(addr)
 
     def _backend_metadata(self) -> bytes:
-        return msgspec.msgpack.encode(_Endpoints(engine=self.endpoint, notify=self._notifier.endpoint))
+        return msgspec.msgpack.encode(
+            _Endpoints(engine=self.endpoint, notify=self._notifier.endpoint)
+        )
 
     def _add_peer(self, md: PeerMetadata, probe: bool) -> None:
         try:
@@ -302,18 +342,36 @@ class MooncakeTransport(TransportBase):
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise WireError(f"Mooncake peer metadata is malformed: {exc}") from exc
         if not _ENGINE_RE.match(ends.engine):
-            raise WireError(f"Mooncake peer metadata has a malformed engine endpoint {ends.engine!r}")
+            raise WireError(
+                f"Mooncake peer metadata has a malformed engine endpoint {ends.engine!r}"
+            )
         if not md.regions:
-            raise TransportError(f"Mooncake peer {md.agent!r} has no registered memory", fix="register memory on the peer before taking its metadata")
+            raise TransportError(
+                f"Mooncake peer {md.agent!r} has no registered memory",
+                fix="register memory on the peer before taking its metadata",
+            )
         sources = [r[0] for r in self._local.as_list()]
         if not sources:
             raise InvalidDescriptorError("register local memory before adding Mooncake peers")
         self._pools[md.agent] = cf.ThreadPoolExecutor(
-            self._workers, thread_name_prefix=f"kvbridge-mooncake-{md.agent}", initializer=_lower_priority, initargs=(self._nice,)
+            self._workers,
+            thread_name_prefix=f"kvbridge-mooncake-{md.agent}",
+            initializer=_lower_priority,
+            initargs=(self._nice,),
         )
         self._notifier.connect(md.agent, ends.notify)
         # open the engine's segment now (see the module docstring); moves nothing
-        future = self._submit(md.agent, self._batch, md.agent, ends.engine, [sources[0]], [md.regions[0][0]], [0], TransferOpcode.Write, None)
+        future = self._submit(
+            md.agent,
+            self._batch,
+            md.agent,
+            ends.engine,
+            [sources[0]],
+            [md.regions[0][0]],
+            [0],
+            TransferOpcode.Write,
+            None,
+        )
         if not probe:  # the peer waits for our answer: open the segment in the background
             self._endpoints[md.agent] = ends.engine
             future.add_done_callback(lambda f, peer=md.agent: self._log_probe(peer, f))
@@ -322,7 +380,9 @@ class MooncakeTransport(TransportBase):
             try:
                 rc, probe_rc = future.result(timeout=self._engine_timeout_s + 5)
             except cf.TimeoutError:
-                raise self._peer_lost(md.agent, "add_peer", f"no answer from {ends.engine}") from None
+                raise self._peer_lost(
+                    md.agent, "add_peer", f"no answer from {ends.engine}"
+                ) from None
             self._check(rc, probe_rc, md.agent, "add_peer")
         except Exception:
             self._drop_peer(md.agent)
@@ -341,13 +401,28 @@ class MooncakeTransport(TransportBase):
             self._draining.append(pool)
 
     def _post(
-        self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
+        self,
+        op: Op,
+        local: DescTable,
+        lidx: np.ndarray,
+        remote: DescTable,
+        ridx: np.ndarray,
+        notify: bytes | None,
+        nbytes: int,
     ) -> Xfer:
         peer = remote.peer
         assert peer is not None
         regions = self._regions(local, lidx, remote, ridx)
         future = self._submit(
-            peer, self._batch, peer, self._endpoints[peer], regions.src.tolist(), regions.dst.tolist(), regions.length.tolist(), _OPCODES[op], notify
+            peer,
+            self._batch,
+            peer,
+            self._endpoints[peer],
+            regions.src.tolist(),
+            regions.dst.tolist(),
+            regions.length.tolist(),
+            _OPCODES[op],
+            notify,
         )
         return Xfer(peer, nbytes, len(regions), future)
 
@@ -360,7 +435,9 @@ class MooncakeTransport(TransportBase):
         except TransportError:
             raise
         except Exception as exc:  # pragma: no cover - defensive: a worker bug
-            raise TransferFailedError(f"Mooncake worker failed: {type(exc).__name__}: {exc}") from exc
+            raise TransferFailedError(
+                f"Mooncake worker failed: {type(exc).__name__}: {exc}"
+            ) from exc
         self._check(rc, probe, xfer.peer, "transfer")
         return True
 
@@ -398,7 +475,9 @@ class MooncakeTransport(TransportBase):
             log.warning(
                 "%s: %d Mooncake batches still running %.0fs after close (a peer is frozen); "
                 "the engine stays alive until they end",
-                self.agent_name, len(stuck), bound,
+                self.agent_name,
+                len(stuck),
+                bound,
             )
             _parked.append((self._engine, pools))
         self._pools.clear()

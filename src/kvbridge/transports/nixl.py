@@ -89,7 +89,9 @@ class NixlTransport(TransportBase):
 
     def __init__(self, agent_name: str, options: NixlOptions, memory: MemoryKind = "host") -> None:
         super().__init__(agent_name)
-        progress = options.progress_thread if options.progress_thread is not None else memory == "device"
+        progress = (
+            options.progress_thread if options.progress_thread is not None else memory == "device"
+        )
         conf = nixl_agent_config(
             enable_prog_thread=progress,
             enable_listen_thread=False,
@@ -114,7 +116,9 @@ class NixlTransport(TransportBase):
         self._start_pump()
 
     @classmethod
-    def from_config(cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host") -> NixlTransport:
+    def from_config(
+        cls, agent_name: str, config: KVBridgeConfig, memory: MemoryKind = "host"
+    ) -> NixlTransport:
         return cls(agent_name, config.nixl, memory)
 
     @property
@@ -140,12 +144,16 @@ class NixlTransport(TransportBase):
 
     # --- hooks -----------------------------------------------------------------------------
 
-    def _register(self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int) -> object:
+    def _register(
+        self, regions: tuple[tuple[int, int], ...], memory: MemoryKind, device: int
+    ) -> object:
         descs = np.array([(a, n, device) for a, n in regions], dtype=np.uint64)
         try:
             return self._agent.register_memory(descs, _MEM[memory])
         except Exception as exc:
-            raise TransportError(f"NIXL could not register {len(regions)} {memory} regions: {exc}") from exc
+            raise TransportError(
+                f"NIXL could not register {len(regions)} {memory} regions: {exc}"
+            ) from exc
 
     def _deregister(self, registration: Registration) -> None:
         self._agent.deregister_memory(registration.handle)
@@ -153,7 +161,9 @@ class NixlTransport(TransportBase):
     def _backend_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def _add_peer(self, md: PeerMetadata, probe: bool) -> None:  # NIXL connects while loading, either way
+    def _add_peer(
+        self, md: PeerMetadata, probe: bool
+    ) -> None:  # NIXL connects while loading, either way
         try:
             name = self._agent.add_remote_agent(md.payload)
         except Exception as exc:
@@ -182,13 +192,22 @@ class NixlTransport(TransportBase):
         table.handle.release()  # type: ignore[attr-defined]
 
     def _post(
-        self, op: Op, local: DescTable, lidx: np.ndarray, remote: DescTable, ridx: np.ndarray, notify: bytes | None, nbytes: int
+        self,
+        op: Op,
+        local: DescTable,
+        lidx: np.ndarray,
+        remote: DescTable,
+        ridx: np.ndarray,
+        notify: bytes | None,
+        nbytes: int,
     ) -> Xfer:
         peer = remote.peer
         assert peer is not None
         try:
             if local.prepared and remote.prepared:
-                handle = self._agent.make_prepped_xfer(_OPS[op], local.handle, lidx, remote.handle, ridx, notify or b"")
+                handle = self._agent.make_prepped_xfer(
+                    _OPS[op], local.handle, lidx, remote.handle, ridx, notify or b""
+                )
             else:  # one-post lists (adhoc): NIXL checks and resolves the addresses now
                 ours = self._agent.get_xfer_descs(local.descs[lidx], _MEM[local.memory])
                 theirs = self._agent.get_xfer_descs(remote.descs[ridx], _MEM[remote.memory])

@@ -43,7 +43,10 @@ class ZmqNotifier:
             self._pull.bind(f"tcp://{host}:0" if ":" not in host else f"tcp://[{host}]:0")
         except zmq.ZMQError as exc:
             self.close()
-            raise TransportError(f"cannot bind a notification socket on {host!r}: {exc}", fix="set 'host' to an address of this machine") from exc
+            raise TransportError(
+                f"cannot bind a notification socket on {host!r}: {exc}",
+                fix="set 'host' to an address of this machine",
+            ) from exc
         self.endpoint: str = self._pull.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
@@ -52,7 +55,9 @@ class ZmqNotifier:
 
     def connect(self, peer: str, endpoint: str) -> None:
         if not endpoint.startswith("tcp://"):
-            raise TransportError(f"peer {peer!r} sent a malformed notification endpoint {endpoint!r}")
+            raise TransportError(
+                f"peer {peer!r} sent a malformed notification endpoint {endpoint!r}"
+            )
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
@@ -99,7 +104,9 @@ class ZmqNotifier:
             except zmq.Again:
                 return out
             if len(frames) != 2:
-                log.warning("dropped a notification frame set of %d parts (expected 2)", len(frames))
+                log.warning(
+                    "dropped a notification frame set of %d parts (expected 2)", len(frames)
+                )
                 continue
             try:
                 sender = frames[0].decode()

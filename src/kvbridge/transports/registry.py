@@ -65,7 +65,12 @@ register_transport(
         target="kvbridge.transports.nixl:NixlTransport",
         summary="NIXL agent (UCX): host or device memory, prepared descriptor lists",
         install="pip install 'kvbridge[nixl]'",
-        hints=((r"No NIXL backend found", "pip install 'kvbridge[nixl]' (it brings the nixl-cu12 / nixl-cu13 backends)"),),
+        hints=(
+            (
+                r"No NIXL backend found",
+                "pip install 'kvbridge[nixl]' (it brings the nixl-cu12 / nixl-cu13 backends)",
+            ),
+        ),
     )
 )
 register_transport(
@@ -117,7 +122,9 @@ def load(name: str) -> type[TransportBase]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise TransportUnavailableError(f"transport {name!r} cannot be imported: {exc}", fix=e.fix_for(exc)) from exc
+        raise TransportUnavailableError(
+            f"transport {name!r} cannot be imported: {exc}", fix=e.fix_for(exc)
+        ) from exc
     return getattr(module, cls_name)
 
 

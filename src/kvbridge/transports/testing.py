@@ -121,7 +121,11 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
         deadline = time.monotonic() + 5
         while os_threads() > baseline[1] and time.monotonic() < deadline:
             time.sleep(0.01)
-        return {"baseline": baseline, "after": (py_threads(), os_threads()), "os_thread_names": os_thread_names()}
+        return {
+            "baseline": baseline,
+            "after": (py_threads(), os_threads()),
+            "os_thread_names": os_thread_names(),
+        }
 
     commands = {
         "add_peer": lambda md: t.add_peer(md),
@@ -148,10 +152,14 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
 class Peer:
     """Handle on a peer process. Use as a context manager or call :meth:`stop`."""
 
-    def __init__(self, transport: str, agent_name: str, nbytes: int = 64 << 20, start_timeout: float = 60) -> None:
+    def __init__(
+        self, transport: str, agent_name: str, nbytes: int = 64 << 20, start_timeout: float = 60
+    ) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(child, transport, agent_name, nbytes), daemon=True)
+        self.process = ctx.Process(
+            target=serve, args=(child, transport, agent_name, nbytes), daemon=True
+        )
         self.process.start()
         child.close()
         self.agent_name = agent_name
@@ -190,7 +198,9 @@ class Peer:
             deadline = time.monotonic() + timeout
             while not _all_stopped(self.process.pid):
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"peer {self.agent_name} did not stop within {timeout}s of SIGSTOP")
+                    raise TimeoutError(
+                        f"peer {self.agent_name} did not stop within {timeout}s of SIGSTOP"
+                    )
                 time.sleep(0.001)
             yield
         finally:
@@ -216,7 +226,9 @@ class Peer:
 class Local:
     """Our side: a transport in this process with a registered buffer of ``nbytes``."""
 
-    def __init__(self, transport: str, nbytes: int = 64 << 20, agent_name: str | None = None, config=None) -> None:
+    def __init__(
+        self, transport: str, nbytes: int = 64 << 20, agent_name: str | None = None, config=None
+    ) -> None:
         from kvbridge.transports.registry import create_transport
 
         self.t = create_transport(transport, config, agent_name=agent_name or unique("local"))
@@ -227,13 +239,24 @@ class Local:
     def base(self) -> int:
         return self.buf.ctypes.data
 
-    def table(self, offsets: np.ndarray, length: int | np.ndarray, peer: str | None = None, base: int | None = None, *, adhoc: bool = False):
+    def table(
+        self,
+        offsets: np.ndarray,
+        length: int | np.ndarray,
+        peer: str | None = None,
+        base: int | None = None,
+        *,
+        adhoc: bool = False,
+    ):
         """Prepare descriptors at ``offsets`` from ``base`` (default: ours), each
         ``length`` bytes (one length, or one per offset); ``adhoc``: for one post,
         not prepared (``Transport.adhoc``)."""
         start = self.base if base is None else base
         descs = np.stack(
-            [np.uint64(start) + np.asarray(offsets).astype(np.uint64), np.broadcast_to(np.asarray(length, dtype=np.uint64), (len(offsets),))],
+            [
+                np.uint64(start) + np.asarray(offsets).astype(np.uint64),
+                np.broadcast_to(np.asarray(length, dtype=np.uint64), (len(offsets),)),
+            ],
             axis=1,
         )
         return (self.t.adhoc if adhoc else self.t.prepare)(descs, peer=peer)

@@ -101,7 +101,11 @@ class Codec:
         fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
         if "block_size" in diffs:
             fix += " (engines with different block sizes: set transfer_block_size to a common divisor of them, the same on both)"
-        return IncompatiblePeerError(f"peer's KV cache is incompatible: {detail or 'compat hash differs'}", differences=diffs, fix=fix)
+        return IncompatiblePeerError(
+            f"peer's KV cache is incompatible: {detail or 'compat hash differs'}",
+            differences=diffs,
+            fix=fix,
+        )
 
 
 __all__ = ["MAX_FRAME_BYTES", "Codec"]

@@ -78,7 +78,11 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
         same rows (one per plane, token and head: ``csrc/PACKED_FORMAT.md``), so any
         pairs with any (e.g. a vLLM prefill that stores tokens first with a decode that
         stores heads first)."""
-        return "rows" if self.data_path == "packed" and self.layout in TOKEN_ROW_LAYOUTS else self.layout
+        return (
+            "rows"
+            if self.data_path == "packed" and self.layout in TOKEN_ROW_LAYOUTS
+            else self.layout
+        )
 
     @classmethod
     def from_spec(
@@ -141,7 +145,8 @@ def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object,
     return {
         f: (getattr(ours, f), getattr(theirs, f))
         for f in ours.__struct_fields__
-        if getattr(ours, f) != getattr(theirs, f) and not (f == "layout" and ours.layout_key == theirs.layout_key)
+        if getattr(ours, f) != getattr(theirs, f)
+        and not (f == "layout" and ours.layout_key == theirs.layout_key)
     }
 
 

@@ -38,7 +38,8 @@ _SPECULATIVE = "speculative decoding"
 assign_req_to_token_pool_cpu = _unavailable("assign_req_to_token_pool_cpu", _SPECULATIVE)
 # sglang/kernels/ops/kvcache/cache_move.py (KV copies inside the pool: speculative/HiSparse)
 copy_all_layer_kv_cache_cpu = _unavailable(
-    "copy_all_layer_kv_cache_cpu", "KV-cache copies inside the pool (speculative decoding, HiSparse)"
+    "copy_all_layer_kv_cache_cpu",
+    "KV-cache copies inside the pool (speculative decoding, HiSparse)",
 )
 # sglang/kernels/ops/speculative/cache_locs.py
 assign_draft_cache_locs_contiguous_cpu = _unavailable(

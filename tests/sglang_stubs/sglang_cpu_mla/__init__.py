@@ -26,6 +26,10 @@ from __future__ import annotations
 def register() -> None:
     """Entry point (group ``sglang.srt.plugins``), run in every SGLang process."""
     from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
 
-    AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
+    AttentionBackendRegistry.register(
+        "torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA
+    )

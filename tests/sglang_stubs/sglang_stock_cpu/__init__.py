@@ -56,7 +56,10 @@ def _build() -> None:
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kw)
 
     _classes["mooncake_cpu"] = (
-        MooncakeCpuKVManager, MooncakeCpuKVSender, MooncakeKVReceiver, MooncakeKVBootstrapServer
+        MooncakeCpuKVManager,
+        MooncakeCpuKVSender,
+        MooncakeKVReceiver,
+        MooncakeKVBootstrapServer,
     )
     _classes["nixl_cpu"] = (NixlCpuKVManager, NixlKVSender, NixlKVReceiver, NixlKVBootstrapServer)
 

@@ -12,6 +12,7 @@ Text-only models never call them; image and video inputs are not supported.
 
 __version__ = "0.28.0"  # the torchvision release that pairs with torch 2.13
 
+
 def _unavailable(name: str):
     def fn(*args, **kwargs):
         raise NotImplementedError(

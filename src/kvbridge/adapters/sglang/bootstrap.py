@@ -32,8 +32,14 @@ class KVBridgeKVBootstrapServer(_c.BootstrapServer):
         data = await request.json()  # aiohttp caches the body: SGLang's handler reads it again
         response = await super()._handle_route_put(request)
         if response.status == 200 and isinstance(data.get("kvbridge_epoch"), str):
-            dp = data["attn_dp_rank"] if data.get("system_dp_size", 1) == 1 else data["system_dp_rank"]
-            key = rank_key(dp=dp, cp=data["attn_cp_rank"], tp=data["attn_tp_rank"], pp=data["pp_rank"])
+            dp = (
+                data["attn_dp_rank"]
+                if data.get("system_dp_size", 1) == 1
+                else data["system_dp_rank"]
+            )
+            key = rank_key(
+                dp=dp, cp=data["attn_cp_rank"], tp=data["attn_tp_rank"], pp=data["pp_rank"]
+            )
             self.kvbridge_ranks[key] = data["kvbridge_epoch"]
         if response.status == 200 and data.get("kvbridge_transfer_pages"):
             # Prefill ranks moving KV in transfer pages (transfer_block_size): SGLang's
@@ -47,7 +53,9 @@ class KVBridgeKVBootstrapServer(_c.BootstrapServer):
     async def _handle_kvbridge_epoch(self, request):
         from aiohttp import web
 
-        doc = InstanceEpoch(instance=self.kvbridge_instance, ranks=dict(self.kvbridge_ranks), ready=self._is_ready())
+        doc = InstanceEpoch(
+            instance=self.kvbridge_instance, ranks=dict(self.kvbridge_ranks), ready=self._is_ready()
+        )
         return web.Response(body=encode_epoch(doc), content_type="application/json")
 
 

@@ -76,7 +76,9 @@ def sglang_version() -> str:
 def warn_if_untested() -> None:
     v = sglang_version()
     if v not in TESTED:
-        log.warning("kvbridge's SGLang backend is tested with SGLang %s; found %s", ", ".join(TESTED), v)
+        log.warning(
+            "kvbridge's SGLang backend is tested with SGLang %s; found %s", ", ".join(TESTED), v
+        )
 
 
 def add_transfer_backend(name: str) -> None:
@@ -199,7 +201,18 @@ def extend_requests(batch, model_runner) -> list[ExtendReq]:
     return out
 
 
-_KV_DTYPE_NAMES = {"auto": None, "": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+_KV_DTYPE_NAMES = {
+    "auto": None,
+    "": None,
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
 
 
 def decode_prefix_cache(server_args) -> bool:
@@ -289,7 +302,9 @@ def hook_layerwise(plan_forward) -> None:
             try:
                 plan.on_layer(plan, layer.layer_id)
             except Exception:  # never break the forward
-                log.exception("kvbridge: per-layer hook failed for layer %s", getattr(layer, "layer_id", "?"))
+                log.exception(
+                    "kvbridge: per-layer hook failed for layer %s", getattr(layer, "layer_id", "?")
+                )
         return out
 
     HookRegistry.register(FORWARD_BATCH_INIT, around_init, HookType.AROUND)

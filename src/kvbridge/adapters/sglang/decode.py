@@ -57,14 +57,18 @@ def fetch_epoch(addr: str, timeout: float) -> tuple[InstanceEpoch | None, bool]:
     except requests.ConnectionError:
         return None, True
     if resp.status_code != 200:
-        log.warning("kvbridge: %s%s answered %s; is the prefill running the kvbridge backend?", addr, EPOCH_PATH, resp.status_code)
+        log.warning(
+            "kvbridge: %s%s answered %s; is the prefill running the kvbridge backend?",
+            addr,
+            EPOCH_PATH,
+            resp.status_code,
+        )
         return None, False
     try:
         return decode_epoch(resp.content), False
     except KVBridgeError as exc:
         log.warning("kvbridge: %s%s: %s", addr, EPOCH_PATH, exc)
         return None, False
-
 
 
 class DecodeSide:
@@ -77,7 +81,11 @@ class DecodeSide:
         self.epochs = EpochWatcher()
         self._epochs_lock = threading.Lock()
         if self.packed is not None:
-            self.reservations = RoomReservations(self.packed, num_layers=self.geometry.spec.num_layers, hold_s=self.config.timeouts.transfer_s)
+            self.reservations = RoomReservations(
+                self.packed,
+                num_layers=self.geometry.spec.num_layers,
+                hold_s=self.config.timeouts.transfer_s,
+            )
         # held while a room is unpacked, and by the receiver's clear/abort: SGLang never
         # frees a room's pages while kvbridge writes into them
         self._unpack_lock = threading.Lock()
@@ -92,7 +100,9 @@ class DecodeSide:
         # Called by the decode scheduler per new request; fetches once per prefill.
         if bootstrap_addr in self.prefill_info_table:
             return True
-        epoch, _ = self._fetch_epoch(bootstrap_addr)  # before the info: a race errs towards "restarted"
+        epoch, _ = self._fetch_epoch(
+            bootstrap_addr
+        )  # before the info: a race errs towards "restarted"
         ok = super().try_ensure_parallel_info(bootstrap_addr)
         if ok and epoch is not None and epoch.ready:
             with self._epochs_lock:
@@ -119,11 +129,16 @@ class DecodeSide:
                     log.warning(
                         "kvbridge: the prefill at %s restarted (instance %s -> %s): dropping its cached "
                         "bootstrap info and failing its in-flight requests; new requests bootstrap again",
-                        addr, before.instance if before else "?", epoch.instance if epoch else "?",
+                        addr,
+                        before.instance if before else "?",
+                        epoch.instance if epoch else "?",
                     )
                     self._handle_node_failure(addr)
                 elif verdict is Verdict.DOWN:
-                    log.warning("kvbridge: the prefill at %s refuses connections: failing its in-flight requests", addr)
+                    log.warning(
+                        "kvbridge: the prefill at %s refuses connections: failing its in-flight requests",
+                        addr,
+                    )
                     self._handle_node_failure(addr)
 
     # --- decode -> prefill messages (built on decode, sent by CommonKVReceiver) ------------
@@ -164,7 +179,9 @@ class DecodeSide:
         of attention TP ``prefill_tp``. Raises
         :class:`~kvbridge.errors.IncompatiblePeerError` for sizes that do not pair."""
         latent = self.geometry.spec.layout == "latent"
-        return decode_parts(self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank, latent=latent)
+        return decode_parts(
+            self._total_kv_heads(), prefill_tp, self.attn_tp_size, self.attn_tp_rank, latent=latent
+        )
 
     def build_receiver_metadata_message(
         self,
@@ -180,9 +197,16 @@ class DecodeSide:
     ) -> list[bytes]:
         staging_first = None
         if self.packed is not None and not is_dummy:
-            res = self.reservations.get(int(bootstrap_room))  # reserved by the receiver's send_metadata
+            res = self.reservations.get(
+                int(bootstrap_room)
+            )  # reserved by the receiver's send_metadata
             if res is None:
-                log.warning("kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it", bootstrap_room, len(kv_indices) * self.page_ratio, self.config.staging_mb)
+                log.warning(
+                    "kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it",
+                    bootstrap_room,
+                    len(kv_indices) * self.page_ratio,
+                    self.config.staging_mb,
+                )
             else:
                 staging_first = res.first
         return wire.encode(
@@ -211,12 +235,16 @@ class DecodeSide:
             return
         status = self.parse_kv_status_message(frames)
         if status is None:
-            log.warning("kvbridge: unexpected %d-frame message on the decode control socket", len(frames))
+            log.warning(
+                "kvbridge: unexpected %d-frame message on the decode control socket", len(frames)
+            )
             return
         room, value, prefill_rank, reason = status
         if value == KVPoll.Failed:
             self._count(failures=1)
-        self.apply_prefill_status(bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason)
+        self.apply_prefill_status(
+            bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason
+        )
 
     def _unpack(self, room: int, index: int, written: int = -1) -> bool:
         """Unpack source ``index``'s part of a room whose ``Done`` from that source
@@ -226,7 +254,11 @@ class DecodeSide:
         with self._unpack_lock:
             res, last = self.reservations.arrive(room, index)
             if res is None:
-                log.warning("kvbridge: Done for part %d of room %s, which holds no such staging run (cleared, aborted or repeated); ignored", index, room)
+                log.warning(
+                    "kvbridge: Done for part %d of room %s, which holds no such staging run (cleared, aborted or repeated); ignored",
+                    index,
+                    room,
+                )
                 return False
             try:
                 if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
@@ -246,7 +278,9 @@ class DecodeSide:
                 return False
             finally:
                 if last:
-                    self.reservations.free(res)  # every source is done: none writes into it any more
+                    self.reservations.free(
+                        res
+                    )  # every source is done: none writes into it any more
 
     def _decode_notify_loop(self) -> None:
         while not self._stop.is_set():
@@ -262,7 +296,11 @@ class DecodeSide:
                 if isinstance(msg, wire.Done):
                     if self.packed is not None and not self._unpack(msg.room, msg.part, msg.pages):
                         continue
-                    self.apply_prefill_status(bootstrap_room=msg.room, status=KVPoll.Success, prefill_rank=msg.prefill_rank)
+                    self.apply_prefill_status(
+                        bootstrap_room=msg.room,
+                        status=KVPoll.Success,
+                        prefill_rank=msg.prefill_rank,
+                    )
                     self._count(requests_received=1, bytes_received=msg.bytes)
 
 
@@ -314,11 +352,26 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
             log.warning("kvbridge: room %s: %s", self.bootstrap_room, exc)
             super().send_metadata(kv_indices, aux_index, *args, **kwargs)
             return
-        wait = _StagingWait((kv_indices, aux_index, *args), kwargs, pages, parts, time.monotonic() + mgr.config.timeouts.receive_s)
+        wait = _StagingWait(
+            (kv_indices, aux_index, *args),
+            kwargs,
+            pages,
+            parts,
+            time.monotonic() + mgr.config.timeouts.receive_s,
+        )
         if not mgr.reservations.fits(int(pages.size), parts):
-            log.warning("kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however empty", self.bootstrap_room, pages.size, mgr.config.staging_mb)
+            log.warning(
+                "kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however empty",
+                self.bootstrap_room,
+                pages.size,
+                mgr.config.staging_mb,
+            )
         elif mgr.reservations.reserve(int(self.bootstrap_room), pages, parts) is None:
-            log.info("kvbridge: room %s waits for room in the staging buffer (%d pages)", self.bootstrap_room, pages.size)
+            log.info(
+                "kvbridge: room %s waits for room in the staging buffer (%d pages)",
+                self.bootstrap_room,
+                pages.size,
+            )
             self._staging_wait = wait
             return
         super().send_metadata(*wait.args, **wait.kwargs)
@@ -328,9 +381,16 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
         if wait is not None:
             if self.conclude_state is not None:
                 self._staging_wait = None
-            elif (run := self.kv_mgr.reservations.reserve(int(self.bootstrap_room), wait.pages, wait.parts)) is not None or time.monotonic() >= wait.deadline:
+            elif (
+                run := self.kv_mgr.reservations.reserve(
+                    int(self.bootstrap_room), wait.pages, wait.parts
+                )
+            ) is not None or time.monotonic() >= wait.deadline:
                 if run is None:
-                    log.warning("kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it", self.bootstrap_room)
+                    log.warning(
+                        "kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it",
+                        self.bootstrap_room,
+                    )
                 self._staging_wait = None
                 super().send_metadata(*wait.args, **wait.kwargs)
         return super().poll()

@@ -100,9 +100,15 @@ def kv_geometry(
         dtype="uint8",
         layout="latent" if mla else "nhd",
     )
-    bases = tuple(int(ptrs[plane * layers + layer]) for layer in range(layers) for plane in range(planes))
+    bases = tuple(
+        int(ptrs[plane * layers + layer]) for layer in range(layers) for plane in range(planes)
+    )
     return CacheGeometry(
-        spec=spec, num_blocks=int(lens[0]) // page_bytes, plane_bases=bases, memory=memory, device=device
+        spec=spec,
+        num_blocks=int(lens[0]) // page_bytes,
+        plane_bases=bases,
+        memory=memory,
+        device=device,
     )
 
 
@@ -131,7 +137,9 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
             f"{min(theirs.block_size, mine.block_size)} in KVBRIDGE_CONFIG on both instances (a prefill with larger pages "
             "than its decode's also needs a decode without --disaggregation-decode-enable-radix-cache)"
         )
-    return IncompatiblePeerError(f"its KV pages ({theirs}) differ from this prefill's ({mine})", fix=fix)
+    return IncompatiblePeerError(
+        f"its KV pages ({theirs}) differ from this prefill's ({mine})", fix=fix
+    )
 
 
 class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,13 +151,21 @@ class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
     rows: int
 
     @classmethod
-    def build(cls, *, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]) -> AuxLayout:
+    def build(
+        cls, *, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]
+    ) -> AuxLayout:
         if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
-            raise PlanError(f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} row sizes")
+            raise PlanError(
+                f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} row sizes"
+            )
         rows = {int(length) // int(item) for length, item in zip(lens, item_lens)}
         if len(rows) != 1:
             raise PlanError(f"metadata buffers have different row counts: {sorted(rows)}")
-        return cls(ptrs=tuple(int(p) for p in ptrs), item_lens=tuple(int(i) for i in item_lens), rows=rows.pop())
+        return cls(
+            ptrs=tuple(int(p) for p in ptrs),
+            item_lens=tuple(int(i) for i in item_lens),
+            rows=rows.pop(),
+        )
 
     def regions(self) -> list[tuple[int, int]]:
         return [(p, item * self.rows) for p, item in zip(self.ptrs, self.item_lens)]
@@ -184,4 +200,11 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
     return count
 
 
-__all__ = ["AuxLayout", "kv_geometry", "pages_differ", "paired_count", "refuse_pool_state", "transfer_pages"]
+__all__ = [
+    "AuxLayout",
+    "kv_geometry",
+    "pages_differ",
+    "paired_count",
+    "refuse_pool_state",
+    "transfer_pages",
+]

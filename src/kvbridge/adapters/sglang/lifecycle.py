@@ -167,4 +167,13 @@ class Tombstones:
         return len(self._rooms)
 
 
-__all__ = ["EPOCH_PATH", "EpochWatcher", "InstanceEpoch", "Tombstones", "Verdict", "decode_epoch", "encode_epoch", "rank_key"]
+__all__ = [
+    "EPOCH_PATH",
+    "EpochWatcher",
+    "InstanceEpoch",
+    "Tombstones",
+    "Verdict",
+    "decode_epoch",
+    "encode_epoch",
+    "rank_key",
+]

@@ -113,9 +113,13 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             device=self.device_index,
             mla=is_mla_backend,
         ).in_blocks_of(unit)
-        self.aux_layout = AuxLayout.build(ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens)
+        self.aux_layout = AuxLayout.build(
+            ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens
+        )
         role = "prefill" if disaggregation_mode == Mode.PREFILL else "decode"
-        self._metrics = metrics.exporter(role=role, tp_rank=args.engine_rank, transport=self.config.transport)
+        self._metrics = metrics.exporter(
+            role=role, tp_rank=args.engine_rank, transport=self.config.transport
+        )
         self.transport = create_transport(
             self.config.transport,
             self.config,
@@ -126,7 +130,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         self.room_holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         """Room -> the sender or receiver holding it (:mod:`.rooms`); scheduler thread."""
         try:
-            self.transport.register(self.geometry.regions(), memory=self.memory, device=self.device_index)
+            self.transport.register(
+                self.geometry.regions(), memory=self.memory, device=self.device_index
+            )
             self.transport.register(self.aux_layout.regions(), memory="host")
             self.kv_table = self.transport.prepare(self.geometry.slot_table(), memory=self.memory)
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
@@ -135,8 +141,12 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
                 self.packed = PackedPath(
-                    typed, pool_planes(typed), self.config.staging_mb, self.transport,
-                    fp8=self.config.wire_dtype == "fp8", timeout_s=self.config.timeouts.transfer_s,
+                    typed,
+                    pool_planes(typed),
+                    self.config.staging_mb,
+                    self.transport,
+                    fp8=self.config.wire_dtype == "fp8",
+                    timeout_s=self.config.timeouts.transfer_s,
                 )
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
         except Exception:
@@ -144,8 +154,13 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             raise
         log.info(
             "kvbridge %s rank %s: transport %s, agent %s, %d KV slots of %d B, %d metadata buffers",
-            role, args.engine_rank, self.config.transport, self.transport.agent_name,
-            self.geometry.num_slots, self.geometry.spec.block_bytes, len(self.aux_layout.ptrs),
+            role,
+            args.engine_rank,
+            self.config.transport,
+            self.transport.agent_name,
+            self.geometry.num_slots,
+            self.geometry.spec.block_bytes,
+            len(self.aux_layout.ptrs),
         )
         if disaggregation_mode == Mode.PREFILL:
             self._init_prefill(args)
@@ -167,7 +182,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         notification thread."""
         if self._metrics is not None and self.packed is not None:
             a = self.packed.allocator
-            self._metrics.set_levels(staging_slots=a.num_slots, staging_slots_used=a.num_slots - a.free_slots)
+            self._metrics.set_levels(
+                staging_slots=a.num_slots, staging_slots_used=a.num_slots - a.free_slots
+            )
 
     def _thread(self, name: str, target) -> None:
         def guarded():
@@ -214,4 +231,11 @@ def classes():
     return KVBridgeKVManager, KVBridgeKVSender, KVBridgeKVReceiver, KVBridgeKVBootstrapServer
 
 
-__all__ = ["KVBridgeKVBootstrapServer", "KVBridgeKVManager", "KVBridgeKVReceiver", "KVBridgeKVSender", "classes", "plan_forward"]
+__all__ = [
+    "KVBridgeKVBootstrapServer",
+    "KVBridgeKVManager",
+    "KVBridgeKVReceiver",
+    "KVBridgeKVSender",
+    "classes",
+    "plan_forward",
+]

@@ -166,7 +166,10 @@ def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
     """Inverse of :func:`encode_payload` with the same ``secret``."""
     body = unseal(secret, data)
     if body is None:
-        raise AuthenticationError("a kvbridge notification failed authentication (its sender's secret differs, or it has none)", _unverified(data[:-MAC_BYTES]))
+        raise AuthenticationError(
+            "a kvbridge notification failed authentication (its sender's secret differs, or it has none)",
+            _unverified(data[:-MAC_BYTES]),
+        )
     data = body
     try:
         return _decoder.decode(data)
@@ -188,11 +191,22 @@ def decode(frames: Sequence[bytes], secret: bytes | None = None) -> Message:
             f"peer speaks {frames[0].decode(errors='replace')}, this instance {TAG.decode()}: "
             "run the same kvbridge version on prefill and decode"
         )
-    if secret is not None and (len(frames) != 3 or not verify(secret, frames[2], frames[0], frames[1])):
-        why = "carries no MAC (no 'secret' is set there)" if len(frames) == 2 else "has a MAC made with another secret"
-        raise AuthenticationError(f"a kvbridge control message failed authentication: it {why}", _unverified(frames[1]))
+    if secret is not None and (
+        len(frames) != 3 or not verify(secret, frames[2], frames[0], frames[1])
+    ):
+        why = (
+            "carries no MAC (no 'secret' is set there)"
+            if len(frames) == 2
+            else "has a MAC made with another secret"
+        )
+        raise AuthenticationError(
+            f"a kvbridge control message failed authentication: it {why}", _unverified(frames[1])
+        )
     if secret is None and len(frames) == 3:
-        raise AuthenticationError("a kvbridge control message carries a MAC, but this instance has no 'secret' to check it", _unverified(frames[1]))
+        raise AuthenticationError(
+            "a kvbridge control message carries a MAC, but this instance has no 'secret' to check it",
+            _unverified(frames[1]),
+        )
     return decode_payload(frames[1])
 
 

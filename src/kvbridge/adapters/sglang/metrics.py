@@ -42,17 +42,27 @@ class PrometheusExport:
         registry = REGISTRY if registry is None else registry
         values = [str(labels[name]) for name in LABELS]
         self._counters = {
-            name: Counter(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, registry=registry).labels(*values)
+            name: Counter(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, registry=registry).labels(
+                *values
+            )
             for name, doc in COUNTERS.items()
         }
         self._histograms = {
-            key: Histogram(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, buckets=BUCKETS, registry=registry).labels(*values)
+            key: Histogram(
+                f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, buckets=BUCKETS, registry=registry
+            ).labels(*values)
             for key, (name, doc) in HISTOGRAMS.items()
         }
         # multiprocess mode needs a gauge mode: each rank writes its own series (its
         # labels), so "livesum" sums one value per series
         self._gauges = {
-            name: Gauge(f"{PREFIX}{name}", f"kvbridge: {doc}", LABELS, multiprocess_mode="livesum", registry=registry).labels(*values)
+            name: Gauge(
+                f"{PREFIX}{name}",
+                f"kvbridge: {doc}",
+                LABELS,
+                multiprocess_mode="livesum",
+                registry=registry,
+            ).labels(*values)
             for name, doc in GAUGES.items()
         }
         self._levels: dict[str, float] = {}

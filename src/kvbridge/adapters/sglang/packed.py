@@ -76,7 +76,13 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
         dtype=dtype,
         layout="latent" if latent else "nhd",
     )
-    return CacheGeometry(spec=spec, num_blocks=opaque.num_blocks, plane_bases=opaque.plane_bases, memory=opaque.memory, device=opaque.device)
+    return CacheGeometry(
+        spec=spec,
+        num_blocks=opaque.num_blocks,
+        plane_bases=opaque.plane_bases,
+        memory=opaque.memory,
+        device=opaque.device,
+    )
 
 
 def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,8 +108,14 @@ def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tenso
 
     bases = geometry.plane_bases
     if s.layout == "latent":  # one buffer per layer
-        return [ops.kv_planes(view(bases[l]), "latent", block_size=s.block_size) for l in range(s.num_layers)]
-    return [ops.kv_planes((view(bases[2 * l]), view(bases[2 * l + 1])), "nhd", block_size=s.block_size) for l in range(s.num_layers)]
+        return [
+            ops.kv_planes(view(bases[l]), "latent", block_size=s.block_size)
+            for l in range(s.num_layers)
+        ]
+    return [
+        ops.kv_planes((view(bases[2 * l]), view(bases[2 * l + 1])), "nhd", block_size=s.block_size)
+        for l in range(s.num_layers)
+    ]
 
 
 class Part(NamedTuple):
@@ -148,7 +160,9 @@ def latent_sources(p_tp: int, d_tp: int, d_rank: int) -> range:
 _WHOLE_LATENT = Part(index=0, sources=1, heads=1, p_heads=(0, 1), d_heads=(0, 1))
 
 
-def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, latent: bool = False) -> Part | None:
+def room_part(
+    total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, latent: bool = False
+) -> Part | None:
     """The pairing of prefill rank ``p_rank`` (of ``p_tp``) and decode rank ``d_rank``
     (of ``d_tp``) for a model of ``total`` KV heads, or an MLA pool (``latent``, see
     :func:`latent_sources`); None when they exchange nothing. Both sides compute it
@@ -169,13 +183,23 @@ def room_part(total: int, p_tp: int, d_tp: int, p_rank: int, d_rank: int, *, lat
     if not mine:
         return None
     if len(mine) != 1:  # cannot happen when one size is a multiple of the other
-        raise IncompatiblePeerError(f"prefill rank {p_rank} of TP {p_tp} and decode rank {d_rank} of TP {d_tp} share {len(mine)} head ranges")
+        raise IncompatiblePeerError(
+            f"prefill rank {p_rank} of TP {p_tp} and decode rank {d_rank} of TP {d_tp} share {len(mine)} head ranges"
+        )
     s = mine[0]
     sources = prefill_ranks(total, p_tp, d_tp, d_rank)
-    return Part(sources.index(p_rank), len(sources), s.count, (s.p_first, s.p_first + s.count), (s.d_first, s.d_first + s.count))
+    return Part(
+        sources.index(p_rank),
+        len(sources),
+        s.count,
+        (s.p_first, s.p_first + s.count),
+        (s.d_first, s.d_first + s.count),
+    )
 
 
-def decode_parts(total: int, p_tp: int, d_tp: int, d_rank: int, *, latent: bool = False) -> tuple[Part, ...]:
+def decode_parts(
+    total: int, p_tp: int, d_tp: int, d_rank: int, *, latent: bool = False
+) -> tuple[Part, ...]:
     """Every source's part of decode rank ``d_rank``'s rooms, in source order (an MLA
     pool: the whole cache from one source). Raises
     :class:`~kvbridge.errors.IncompatiblePeerError` like :func:`room_part`.
@@ -187,9 +211,13 @@ def decode_parts(total: int, p_tp: int, d_tp: int, d_rank: int, *, latent: bool 
         latent_sources(p_tp, d_tp, d_rank)  # the sizes pair
         return (_WHOLE_LATENT,)
     check_pairing(total, p_tp, d_tp)
-    parts = tuple(room_part(total, p_tp, d_tp, p, d_rank) for p in prefill_ranks(total, p_tp, d_tp, d_rank))
+    parts = tuple(
+        room_part(total, p_tp, d_tp, p, d_rank) for p in prefill_ranks(total, p_tp, d_tp, d_rank)
+    )
     if len({p.heads for p in parts}) != 1:  # cannot happen when one size is a multiple of the other
-        raise IncompatiblePeerError(f"decode rank {d_rank} of TP {d_tp} takes unequal head ranges from prefill TP {p_tp}")
+        raise IncompatiblePeerError(
+            f"decode rank {d_rank} of TP {d_tp} takes unequal head ranges from prefill TP {p_tp}"
+        )
     return parts  # type: ignore[return-value]
 
 
@@ -215,7 +243,9 @@ def room_slots(first: int, pages: int, layers: Sequence[int], positions: np.ndar
     positions = np.asarray(positions, dtype=np.int64)
     if positions.size and (positions.min() < 0 or positions.max() >= pages):
         raise PlanError(f"positions {positions.tolist()} outside the room's {pages} pages")
-    return (first + np.asarray(layers, dtype=np.int64)[:, None] * pages + positions[None, :]).reshape(-1)
+    return (
+        first + np.asarray(layers, dtype=np.int64)[:, None] * pages + positions[None, :]
+    ).reshape(-1)
 
 
 class Reservation(NamedTuple):
@@ -267,7 +297,10 @@ class RoomReservations:
 
     def fits(self, pages: int, parts: Sequence[Part]) -> bool:
         """Whether a room of ``pages`` pages fits the buffer at all (an empty one)."""
-        return self.packed.slots_for(self._chunks(pages, parts), parts[0].heads) <= self.packed.allocator.num_slots
+        return (
+            self.packed.slots_for(self._chunks(pages, parts), parts[0].heads)
+            <= self.packed.allocator.num_slots
+        )
 
     def reserve(self, room: int, pages: np.ndarray, parts: Sequence[Part]) -> Reservation | None:
         """A run for ``room``'s pages (all layers, every source's part), or None when no
@@ -339,4 +372,15 @@ class RoomReservations:
             return len(self._rooms)
 
 
-__all__ = ["Part", "Reservation", "RoomReservations", "decode_parts", "latent_sources", "part_start", "pool_planes", "room_part", "room_slots", "typed_geometry"]
+__all__ = [
+    "Part",
+    "Reservation",
+    "RoomReservations",
+    "decode_parts",
+    "latent_sources",
+    "part_start",
+    "pool_planes",
+    "room_part",
+    "room_slots",
+    "typed_geometry",
+]

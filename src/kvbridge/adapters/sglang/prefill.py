@@ -90,10 +90,16 @@ def plan_forward(batch, model_runner) -> ForwardPlan | None:
     ``ForwardBatch``; called by the hook of :func:`.compat.hook_layerwise`)."""
     if not _streaming_managers:
         return None
-    mine = [r for r in compat.extend_requests(batch, model_runner) if isinstance(r.sender, KVBridgeKVSender)]
+    mine = [
+        r
+        for r in compat.extend_requests(batch, model_runner)
+        if isinstance(r.sender, KVBridgeKVSender)
+    ]
     if not mine:
         return None
-    return mine[0].sender.kv_mgr.plan(batch, [r for r in mine if r.sender.kv_mgr is mine[0].sender.kv_mgr])
+    return mine[0].sender.kv_mgr.plan(
+        batch, [r for r in mine if r.sender.kv_mgr is mine[0].sender.kv_mgr]
+    )
 
 
 def stop_streaming(mgr) -> None:
@@ -109,7 +115,9 @@ class _Peer(NamedTuple):
     geometry: object
     aux_layout: AuxLayout
     aux_count: int
-    staging: object = None  # packed path: DescTable of the decode's staging, in chunks of part.heads
+    staging: object = (
+        None  # packed path: DescTable of the decode's staging, in chunks of part.heads
+    )
     part: Part | None = None  # packed path: the heads this rank moves to the decode rank
 
 
@@ -126,7 +134,6 @@ class _Dest(NamedTuple):
     decode_prefix_len: int | None
     is_dummy: bool
     staging_first: int | None = None
-
 
 
 class PrefillSide:
@@ -160,11 +167,12 @@ class PrefillSide:
         # This rank's epoch is part of what it registers (a restart is a new instance);
         # rows gathered from other ranks (SGLang's multi-DP registry path) carry their own.
         if payload.get("rank_port") == self.rank_port and payload.get("rank_ip") == self.local_ip:
-            payload = dict(payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name)
+            payload = dict(
+                payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name
+            )
             if self.config.transfer_block_size:  # the bootstrap server then hides our page size
                 payload["kvbridge_transfer_pages"] = self.geometry.spec.block_size
         return super()._register_topology_row(url, payload)
-
 
     # --- prefill: control thread -----------------------------------------------------------
 
@@ -202,7 +210,9 @@ class PrefillSide:
             # No waiting probe: this is the control thread, which every room's destination
             # also passes through; a decode that does not answer shows at its first write.
             peer = self.transport.add_peer(reg.transport_md, probe=False)
-            kv = self.transport.prepare(reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer)
+            kv = self.transport.prepare(
+                reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer
+            )
             aux = self.transport.prepare(reg.aux.table(), memory="host", peer=peer)
             staging = None
             if part is not None:
@@ -211,9 +221,15 @@ class PrefillSide:
             count = paired_count(self.aux_layout, reg.aux)
             if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
                 self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
-            self.peers[reg.agent] = _Peer(reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part)
+            self.peers[reg.agent] = _Peer(
+                reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part
+            )
             # A restarted decode (same address, new epoch) replaces its old agent.
-            stale = [a for a in self.peers if a != reg.agent and a.rsplit("-", 1)[0] == reg.agent.rsplit("-", 1)[0]]
+            stale = [
+                a
+                for a in self.peers
+                if a != reg.agent and a.rsplit("-", 1)[0] == reg.agent.rsplit("-", 1)[0]
+            ]
         for agent in stale:
             self._drop_peer(agent)
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
@@ -231,11 +247,17 @@ class PrefillSide:
         """
         fix = "set the same KVBRIDGE_CONFIG on prefill and decode"
         if reg.transport != self.config.transport:
-            raise IncompatiblePeerError(f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}")
+            raise IncompatiblePeerError(
+                f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}"
+            )
         if reg.wire_dtype != self.config.wire_dtype:
-            raise IncompatiblePeerError(f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}")
+            raise IncompatiblePeerError(
+                f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}"
+            )
         if reg.data_path != self.config.resolved_data_path:
-            raise IncompatiblePeerError(f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}")
+            raise IncompatiblePeerError(
+                f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}"
+            )
         page, theirs = self.kv_args.page_size, reg.page_size or reg.geometry.spec.block_size
         if reg.prefix_cache and theirs % page:
             raise IncompatiblePeerError(
@@ -256,13 +278,24 @@ class PrefillSide:
             return None
         mine = self.packed.geometry.spec
         theirs = reg.packed_spec
-        if reg.staging is None or theirs is None or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine:
+        if (
+            reg.staging is None
+            or theirs is None
+            or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine
+        ):
             raise pages_differ(theirs, mine)
         total = self._total_kv_heads()
         if reg.kv_heads and reg.kv_heads != total:
-            raise IncompatiblePeerError(f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both")
-        part = room_part(total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, latent=mine.layout == "latent")
-        if part is None or (mine.num_kv_heads, theirs.num_kv_heads) != (heads_per_rank(total, p_tp), heads_per_rank(total, d_tp)):
+            raise IncompatiblePeerError(
+                f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both"
+            )
+        part = room_part(
+            total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, latent=mine.layout == "latent"
+        )
+        if part is None or (mine.num_kv_heads, theirs.num_kv_heads) != (
+            heads_per_rank(total, p_tp),
+            heads_per_rank(total, d_tp),
+        ):
             raise IncompatiblePeerError(
                 f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV heads) does not pair with "
                 f"prefill rank {self.attn_tp_rank} of TP {p_tp} ({mine.num_kv_heads} KV heads) for a model of {total}"
@@ -282,16 +315,30 @@ class PrefillSide:
     def _add_destination(self, msg: wire.Destination) -> None:
         room = msg.room
         dest = _Dest(
-            msg.agent, msg.ip, msg.port, wire.decode_pages(msg.pages), msg.aux_index,
-            msg.required_dst_info_num, msg.decode_prefix_len, msg.is_dummy, msg.staging_first,
+            msg.agent,
+            msg.ip,
+            msg.port,
+            wire.decode_pages(msg.pages),
+            msg.aux_index,
+            msg.required_dst_info_num,
+            msg.decode_prefix_len,
+            msg.is_dummy,
+            msg.staging_first,
         )
         aborted = self.tombstones.reason(room)
         if aborted is not None:
-            self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=room, status=KVPoll.Failed, failure_reason=aborted)
+            self.send_kv_status_message(
+                targets=[(msg.ip, msg.port)],
+                bootstrap_room=room,
+                status=KVPoll.Failed,
+                failure_reason=aborted,
+            )
             return
         reason = None
         if not msg.is_dummy and msg.agent in self._refused:
-            reason = f"kvbridge: this prefill refused decode {msg.agent}: {self._refused[msg.agent]}"
+            reason = (
+                f"kvbridge: this prefill refused decode {msg.agent}: {self._refused[msg.agent]}"
+            )
         elif not msg.is_dummy and msg.agent not in self.peers:
             # A decode that registered with an earlier instance of this prefill.
             reason = f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch {self.epoch})"
@@ -313,7 +360,12 @@ class PrefillSide:
         """Fail the room of a destination this prefill refuses: at the decode (a status
         to its control socket) and here too (SGLang's router waits for both answers):
         now, or, when its sender is not made yet, as it is (the tombstone)."""
-        self.send_kv_status_message(targets=[(msg.ip, msg.port)], bootstrap_room=msg.room, status=KVPoll.Failed, failure_reason=reason)
+        self.send_kv_status_message(
+            targets=[(msg.ip, msg.port)],
+            bootstrap_room=msg.room,
+            status=KVPoll.Failed,
+            failure_reason=reason,
+        )
         self.tombstones.add(msg.room, reason)
         self.fail_room(msg.room, reason)
 
@@ -325,15 +377,24 @@ class PrefillSide:
         address). Room ids are random 64-bit numbers the router draws, so a stranger
         cannot aim this at other requests."""
         msg = exc.unverified
-        log.error("kvbridge: refused a decode's %s: %s", type(msg).__name__ if msg is not None else "message", exc)
+        log.error(
+            "kvbridge: refused a decode's %s: %s",
+            type(msg).__name__ if msg is not None else "message",
+            exc,
+        )
         if isinstance(msg, wire.Destination) and not msg.is_dummy:
-            self._refuse_room(msg, f"kvbridge: this prefill refused the decode's destination: {exc}")
+            self._refuse_room(
+                msg, f"kvbridge: this prefill refused the decode's destination: {exc}"
+            )
 
     def fail_room(self, room: int, reason: str) -> bool:
         """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's
         scheduler then aborts the request with ``reason``). Whether it did; False too
         when the room has no sender yet. Any thread."""
-        if room in self.request_status and self.check_status(room) not in (KVPoll.Success, KVPoll.Failed):
+        if room in self.request_status and self.check_status(room) not in (
+            KVPoll.Success,
+            KVPoll.Failed,
+        ):
             self.record_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
             return True
@@ -380,7 +441,15 @@ class PrefillSide:
         # indices_event is only given to senders that take host tensors (we do not:
         # KVBridgeKVSender.supports_host_tensor_indices), so kv_indices are final here
         self._work.put(
-            _Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int64), index_slice, is_last_chunk, aux_index, time.monotonic(), wait_event)
+            _Chunk(
+                bootstrap_room,
+                np.asarray(kv_indices, dtype=np.int64),
+                index_slice,
+                is_last_chunk,
+                aux_index,
+                time.monotonic(),
+                wait_event,
+            )
         )
         return
 
@@ -393,7 +462,11 @@ class PrefillSide:
         page = self.geometry.spec.block_size
         spans = []
         for r in reqs:
-            if not streams(layerwise=self.config.layerwise, min_tokens=self.config.layerwise_min_tokens, prompt_len=r.prompt_len):
+            if not streams(
+                layerwise=self.config.layerwise,
+                min_tokens=self.config.layerwise_min_tokens,
+                prompt_len=r.prompt_len,
+            ):
                 continue
             infos = self.transfer_infos.get(r.room)
             if not infos or all(d.is_dummy for d in list(infos.values())):
@@ -401,15 +474,24 @@ class PrefillSide:
                 # writes this decode's latent pages): left to the chunk sends
                 continue
             lo, hi = completed_span(
-                prefix_len=r.prefix_len, extend_len=r.extend_len, prompt_len=r.prompt_len,
-                decode_prefix_len=r.decode_prefix_len, page_size=page,
+                prefix_len=r.prefix_len,
+                extend_len=r.extend_len,
+                prompt_len=r.prompt_len,
+                decode_prefix_len=r.decode_prefix_len,
+                page_size=page,
             )
             if hi <= lo:
                 continue
             first = (lo * page) + r.decode_prefix_len
             src = compat.page_ids(batch, r.req_pool_idx, first, first + (hi - lo) * page, page)
             if src.size != hi - lo:
-                log.warning("kvbridge: room %s: %d page ids for positions %d:%d; left to the chunk send", r.room, src.size, lo, hi)
+                log.warning(
+                    "kvbridge: room %s: %d page ids for positions %d:%d; left to the chunk send",
+                    r.room,
+                    src.size,
+                    lo,
+                    hi,
+                )
                 continue
             spans.append(ReqSpan(r.room, lo, hi, src))
         return ForwardPlan(tuple(spans), self.layer_done) if spans else None
@@ -455,7 +537,11 @@ class PrefillSide:
             self._release_room(room, drain_s=0.0)  # no waiting here: other rooms queue behind
 
     def _room_active(self, room: int) -> bool:
-        return room in self.request_status and self.check_status(room) != KVPoll.Failed and room in self.transfer_infos
+        return (
+            room in self.request_status
+            and self.check_status(room) != KVPoll.Failed
+            and room in self.transfer_infos
+        )
 
     def _release_if_inactive(self, room: int) -> bool:
         """A failed, aborted or cleared room posts nothing more: release what it holds,
@@ -468,12 +554,16 @@ class PrefillSide:
     def _dests(self, room: int) -> list[_Dest]:
         return [d for d in self.transfer_infos[room].values() if not d.is_dummy]
 
-    def _post(self, room: int, dests: list[_Dest], src_pages: np.ndarray, positions, layers=None) -> int:
+    def _post(
+        self, room: int, dests: list[_Dest], src_pages: np.ndarray, positions, layers=None
+    ) -> int:
         """Write ``src_pages`` (of ``layers``, default all) to the pages at ``positions``
         (a slice or an index array) of every destination's page list; returns the
         number of writes posted. The room's list of in-flight transfers owns them."""
         xfers = self._inflight.setdefault(room, [])
-        packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}  # head range -> packed chunks
+        packed: dict[
+            tuple[int, int], tuple[list[int], np.ndarray, object]
+        ] = {}  # head range -> packed chunks
         posted = 0
         for dest in dests:
             peer = self.peers.get(dest.agent)
@@ -481,23 +571,39 @@ class PrefillSide:
                 raise PlanError(f"decode peer {dest.agent} is gone")
             dst_pages = dest.pages[positions]
             if dst_pages.size != src_pages.size:
-                where = f"{positions.start}:{positions.stop}" if isinstance(positions, slice) else f"{positions.tolist()}"
+                where = (
+                    f"{positions.start}:{positions.stop}"
+                    if isinstance(positions, slice)
+                    else f"{positions.tolist()}"
+                )
                 raise PlanError(
                     f"{src_pages.size} pages map to {dst_pages.size} destination pages "
                     f"(positions {where} of {dest.pages.size})"
                 )
             if src_pages.size:
                 if peer.part is None:  # the pages themselves
-                    src_table, src, dst_table = self.kv_table, self.geometry.slots(src_pages, layers), peer.kv
-                    dst, slot_bytes = peer.geometry.slots(dst_pages, layers), self.geometry.spec.block_bytes
+                    src_table, src, dst_table = (
+                        self.kv_table,
+                        self.geometry.slots(src_pages, layers),
+                        peer.kv,
+                    )
+                    dst, slot_bytes = (
+                        peer.geometry.slots(dst_pages, layers),
+                        self.geometry.spec.block_bytes,
+                    )
                 else:  # the decode rank's heads of them, packed, into its part of the room's run
                     part = peer.part
                     if part.p_heads not in packed:
                         packed[part.p_heads] = self._pack(room, src_pages, layers, part)
                     (layer_ids, src, src_table), dst_table = packed[part.p_heads], peer.staging
                     at = np.arange(dest.pages.size, dtype=np.int64)[positions]
-                    first = part_start(dest.staging_first, part.index, self._num_layers, int(dest.pages.size))
-                    dst, slot_bytes = room_slots(first, dest.pages.size, layer_ids, at), self.packed.chunk(part.heads).nbytes
+                    first = part_start(
+                        dest.staging_first, part.index, self._num_layers, int(dest.pages.size)
+                    )
+                    dst, slot_bytes = (
+                        room_slots(first, dest.pages.size, layer_ids, at),
+                        self.packed.chunk(part.heads).nbytes,
+                    )
                 xfers.append(self.transport.post("write", src_table, src, dst_table, dst))
                 self._staging_outstanding[room] += 1
                 posted += 1
@@ -508,7 +614,9 @@ class PrefillSide:
                 self._count(transfers=1, bytes_sent=nbytes)
         return posted
 
-    def _pack(self, room: int, src_pages: np.ndarray, layers, part: Part) -> tuple[list[int], np.ndarray, object]:
+    def _pack(
+        self, room: int, src_pages: np.ndarray, layers, part: Part
+    ) -> tuple[list[int], np.ndarray, object]:
         """Pack ``part``'s heads of ``layers`` (default all) of ``src_pages`` into a run of
         chunks of our staging buffer, layer-major; the room holds the run until it is
         released. Returns the layer ids, the run's chunks and the table they index."""
@@ -523,12 +631,20 @@ class PrefillSide:
         self._packed_runs.setdefault(room, []).append(run)
         whole = part.heads == self.packed.slot.num_heads
         self.packed.pack(layer_ids, src_pages, run.first, heads=None if whole else part.p_heads)
-        return layer_ids, np.arange(run.first, run.first + count, dtype=np.int64), self.packed.table_for(part.heads)
+        return (
+            layer_ids,
+            np.arange(run.first, run.first + count, dtype=np.int64),
+            self.packed.table_for(part.heads),
+        )
 
     def _send_layers(self, item: LayerReady) -> None:
         # the layer's kernels, then our reads
-        if item.event is not None and not wait_device_event(item.event, time.monotonic() + self.config.timeouts.transfer_s):
-            exc = DeadlineExceeded(f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s")
+        if item.event is not None and not wait_device_event(
+            item.event, time.monotonic() + self.config.timeouts.transfer_s
+        ):
+            exc = DeadlineExceeded(
+                f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s"
+            )
             for span in item.plan.spans:
                 self._guarded(span.room, _raise, exc)
             return
@@ -542,9 +658,13 @@ class PrefillSide:
         dests = self._dests(room)
         progress = self._progress.get(room)
         if progress is None:
-            progress = self._progress[room] = RoomProgress(self._num_layers, min(d.pages.size for d in dests) if dests else 0)
+            progress = self._progress[room] = RoomProgress(
+                self._num_layers, min(d.pages.size for d in dests) if dests else 0
+            )
         for group, positions in progress.take(layers, span.lo, span.hi):
-            progress.layer_writes += self._post(room, dests, span.src_pages[positions - span.lo], positions, group)
+            progress.layer_writes += self._post(
+                room, dests, span.src_pages[positions - span.lo], positions, group
+            )
 
     def _in_transfer_pages(self, chunk: _Chunk, dests: list[_Dest]) -> _Chunk:
         """``chunk`` (SGLang's pages and positions, in this prefill's pages) in transfer
@@ -565,20 +685,32 @@ class PrefillSide:
             return
         # an early send's pages may still be written by the previous forward: wait, as
         # SGLang's own backends do, before any transfer reads them
-        if chunk.wait_event is not None and not wait_device_event(chunk.wait_event, time.monotonic() + self.config.timeouts.transfer_s):
-            raise DeadlineExceeded(f"the cached prefix pages of an early send were not written within {self.config.timeouts.transfer_s:g}s")
+        if chunk.wait_event is not None and not wait_device_event(
+            chunk.wait_event, time.monotonic() + self.config.timeouts.transfer_s
+        ):
+            raise DeadlineExceeded(
+                f"the cached prefix pages of an early send were not written within {self.config.timeouts.transfer_s:g}s"
+            )
         dests = self._dests(room)
         if self.page_ratio > 1:
             chunk = self._in_transfer_pages(chunk, dests)
         progress = self._progress.get(room)
         if progress is None:  # the per-chunk path: every layer of the chunk's pages
-            self._chunk_writes[room] = self._chunk_writes.get(room, 0) + self._post(room, dests, chunk.pages, chunk.index_slice)
+            self._chunk_writes[room] = self._chunk_writes.get(room, 0) + self._post(
+                room, dests, chunk.pages, chunk.index_slice
+            )
         else:  # streamed: only the (layer, page) pairs no layer post covered
             start = chunk.index_slice.start
             if chunk.index_slice.stop - start != chunk.pages.size:
-                raise PlanError(f"chunk of {chunk.pages.size} pages for positions {start}:{chunk.index_slice.stop}")
-            for group, positions in progress.take(range(self._num_layers), start, chunk.index_slice.stop):
-                progress.chunk_writes += self._post(room, dests, chunk.pages[positions - start], positions, group)
+                raise PlanError(
+                    f"chunk of {chunk.pages.size} pages for positions {start}:{chunk.index_slice.stop}"
+                )
+            for group, positions in progress.take(
+                range(self._num_layers), start, chunk.index_slice.stop
+            ):
+                progress.chunk_writes += self._post(
+                    room, dests, chunk.pages[positions - start], positions, group
+                )
         if not chunk.is_last:
             return
         deadline = time.monotonic() + self.config.timeouts.transfer_s
@@ -589,8 +721,12 @@ class PrefillSide:
         for dest in dests:
             peer = self.peers[dest.agent]
             done = wire.Done(
-                room=room, prefill_rank=self._prefill_unique_rank(), epoch=self.epoch, bytes=sent.get(dest.agent, 0),
-                part=0 if peer.part is None else peer.part.index, pages=chunk.index_slice.stop,
+                room=room,
+                prefill_rank=self._prefill_unique_rank(),
+                epoch=self.epoch,
+                bytes=sent.get(dest.agent, 0),
+                part=0 if peer.part is None else peer.part.index,
+                pages=chunk.index_slice.stop,
             )
             if chunk.aux_index is None or dest.aux_index is None:
                 raise PlanError("the last chunk carries no metadata row")
@@ -620,11 +756,15 @@ class PrefillSide:
             now = time.monotonic()
             log.info(
                 "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the last chunk",
-                room, layer_writes, chunk_writes, (now - chunk.queued_at) * 1000,
+                room,
+                layer_writes,
+                chunk_writes,
+                (now - chunk.queued_at) * 1000,
             )
             self.update_status(room, KVPoll.Success)
             self._count(
-                requests_sent=1, exposed_s=[now - chunk.queued_at],
+                requests_sent=1,
+                exposed_s=[now - chunk.queued_at],
                 request_transfer_s=[now - first_post] if first_post is not None else [],
             )
 
@@ -662,11 +802,14 @@ class PrefillSide:
         for run in self._packed_runs.pop(room, []):
             self.packed.release(run)
         if not drained:
-            log.warning("kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged", room, drain_s)
+            log.warning(
+                "kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged",
+                room,
+                drain_s,
+            )
             self.poison_deferred_ack_room(room)
         if self._staging_outstanding.pop(room, 0):
             self._maybe_ack_drained_abort(room)
-
 
     def forget(self, room: int) -> None:
         """The sender of ``room`` is done with it (any thread; never blocks)."""
@@ -694,8 +837,16 @@ class KVBridgeKVSender(SoleHolder, _c.Sender):
             return
         # a destination refused (or a room aborted) before this sender existed
         reason = mgr.tombstones.reason(self.bootstrap_room)
-        if reason is not None and self.conclude_state is None and mgr.fail_room(self.bootstrap_room, reason):
-            log.warning("kvbridge: room %s failed before its request reached this prefill: %s", self.bootstrap_room, reason)
+        if (
+            reason is not None
+            and self.conclude_state is None
+            and mgr.fail_room(self.bootstrap_room, reason)
+        ):
+            log.warning(
+                "kvbridge: room %s failed before its request reached this prefill: %s",
+                self.bootstrap_room,
+                reason,
+            )
 
     def _fail_holder(self, reason: str) -> None:
         # also tells the decode ranks whose destinations arrived: they stop waiting
@@ -725,8 +876,9 @@ class KVBridgeKVSender(SoleHolder, _c.Sender):
         mgr._count(aborted=1)
         mgr.tombstones.add(room, reason)
         if targets:
-            mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
-
+            mgr.send_kv_status_message(
+                targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason
+            )
 
 
 __all__ = ["KVBridgeKVSender", "PrefillSide", "plan_forward"]

@@ -30,7 +30,9 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> KVBridgeConfig:
             with open(raw[1:], encoding="utf-8") as f:
                 raw = f.read()
         except OSError as exc:
-            raise ConfigError(f"{CONFIG_ENV}: cannot read {raw[1:]!r}: {exc}", key=CONFIG_ENV) from exc
+            raise ConfigError(
+                f"{CONFIG_ENV}: cannot read {raw[1:]!r}: {exc}", key=CONFIG_ENV
+            ) from exc
     try:
         cfg = load_config(raw or None)
     except ConfigError as exc:

@@ -50,7 +50,9 @@ def streams(*, layerwise: bool, min_tokens: int, prompt_len: int) -> bool:
     return layerwise and prompt_len >= min_tokens
 
 
-def completed_span(*, prefix_len: int, extend_len: int, prompt_len: int, decode_prefix_len: int, page_size: int) -> tuple[int, int]:
+def completed_span(
+    *, prefix_len: int, extend_len: int, prompt_len: int, decode_prefix_len: int, page_size: int
+) -> tuple[int, int]:
     """Decode page-list positions ``[lo, hi)`` that one prefill forward completes.
 
     The forward writes prompt tokens ``[prefix_len, prefix_len + extend_len)`` (tokens
@@ -147,7 +149,9 @@ class RoomProgress:
     def num_pages(self) -> int:
         return int(self.posted.shape[1])
 
-    def take(self, layers: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    def take(
+        self, layers: Sequence[int], lo: int, hi: int
+    ) -> list[tuple[tuple[int, ...], np.ndarray]]:
         """Mark the pairs of ``layers`` x ``[lo, hi)`` as posted and return those that
         were not, grouped: ``(layers, positions)`` with the same positions for every
         layer of a group (one write each). Empty when everything was posted.
@@ -157,7 +161,9 @@ class RoomProgress:
         """
         num_layers, num_pages = self.posted.shape
         if not 0 <= lo <= hi <= num_pages:
-            raise PlanError(f"page positions [{lo}, {hi}) outside the room's {num_pages} destination pages")
+            raise PlanError(
+                f"page positions [{lo}, {hi}) outside the room's {num_pages} destination pages"
+            )
         if hi == lo:
             return []
         rows = np.asarray(layers, dtype=np.int64).reshape(-1)
@@ -179,4 +185,12 @@ class RoomProgress:
         return bool(self.posted.all())
 
 
-__all__ = ["ForwardPlan", "LayerReady", "ReqSpan", "RoomProgress", "coalesce", "completed_span", "streams"]
+__all__ = [
+    "ForwardPlan",
+    "LayerReady",
+    "ReqSpan",
+    "RoomProgress",
+    "coalesce",
+    "completed_span",
+    "streams",
+]

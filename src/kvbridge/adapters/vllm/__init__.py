@@ -17,7 +17,9 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvbridge.adapters.vllm.connector", "KVBridgeConnector")
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, "kvbridge.adapters.vllm.connector", "KVBridgeConnector"
+        )
     share_vllm_log_handlers()
 
 

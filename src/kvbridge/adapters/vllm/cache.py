@@ -49,11 +49,16 @@ def layer_order(names: list[str], index_of) -> list[str]:
     indexed = sorted((index_of(n), n) for n in names)
     seen = [i for i, _ in indexed]
     if len(set(seen)) != len(seen):
-        raise KVBridgeError(f"several KV cache tensors share a layer index: {names}", fix="report this model to kvbridge")
+        raise KVBridgeError(
+            f"several KV cache tensors share a layer index: {names}",
+            fix="report this model to kvbridge",
+        )
     return [n for _, n in indexed]
 
 
-def _gpu_view(first: torch.Tensor, num_layers: int, block_size: int, dtype: str) -> tuple[CacheSpec, int]:
+def _gpu_view(
+    first: torch.Tensor, num_layers: int, block_size: int, dtype: str
+) -> tuple[CacheSpec, int]:
     """The spec and block stride (bytes) of a GPU backend's ``[blocks, heads, tokens,
     K|V]`` layer view, from its strides: a block must be one dense run of bytes."""
     num_blocks, heads, tokens, two_d = first.shape
@@ -72,7 +77,14 @@ def _gpu_view(first: torch.Tensor, num_layers: int, block_size: int, dtype: str)
             f"unsupported KV cache view: shape {tuple(first.shape)}, strides {s}: a block's heads and tokens do not form one dense run of bytes",
             fix="set VLLM_KV_CACHE_LAYOUT to LBNHC, LBHNC, BLNHC or BLHNC",
         )
-    spec = CacheSpec(num_layers=num_layers, block_size=block_size, num_kv_heads=heads, head_dim=two_d // 2, dtype=dtype, layout=layout)
+    spec = CacheSpec(
+        num_layers=num_layers,
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_dim=two_d // 2,
+        dtype=dtype,
+        layout=layout,
+    )
     return spec, s[0] * first.element_size()
 
 
@@ -101,9 +113,21 @@ def geometry_from_tensors(
     shape = tuple(first.shape)
     es = first.element_size()
     tokens = [d for d in shape[1:-1] if d != 1]  # the latent cache's axes between blocks and values
-    if mla and tokens == [block_size] and first.stride(-1) == 1 and first.stride(shape.index(block_size, 1)) == shape[-1]:
+    if (
+        mla
+        and tokens == [block_size]
+        and first.stride(-1) == 1
+        and first.stride(shape.index(block_size, 1)) == shape[-1]
+    ):
         num_blocks, dim = shape[0], shape[-1]
-        spec = CacheSpec(num_layers=len(ordered), block_size=block_size, num_kv_heads=1, head_dim=dim, dtype=dtype, layout="latent")
+        spec = CacheSpec(
+            num_layers=len(ordered),
+            block_size=block_size,
+            num_kv_heads=1,
+            head_dim=dim,
+            dtype=dtype,
+            layout="latent",
+        )
         bases = [kv_caches[n].data_ptr() for n in ordered]
         stride = first.stride(0) * es
     elif mla:
@@ -117,14 +141,28 @@ def geometry_from_tensors(
         bases = [kv_caches[n].data_ptr() for n in ordered]
     elif cpu_backend and len(shape) == 4 and shape[2] == block_size:
         num_blocks, heads, _, two_d = shape
-        spec = CacheSpec(num_layers=len(ordered), block_size=block_size, num_kv_heads=heads, head_dim=two_d // 2, dtype=dtype, layout="fused")
+        spec = CacheSpec(
+            num_layers=len(ordered),
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_dim=two_d // 2,
+            dtype=dtype,
+            layout="fused",
+        )
         bases = [kv_caches[n].data_ptr() for n in ordered]
         stride = first.stride(0) * es
     elif len(shape) == 5 and shape[0] == 2 and block_size in (shape[2], shape[3]):
         _, num_blocks, a, b, dim = shape
         layout = "nhd" if a == block_size else "hnd"
         heads = b if layout == "nhd" else a
-        spec = CacheSpec(num_layers=len(ordered), block_size=block_size, num_kv_heads=heads, head_dim=dim, dtype=dtype, layout=layout)
+        spec = CacheSpec(
+            num_layers=len(ordered),
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_dim=dim,
+            dtype=dtype,
+            layout=layout,
+        )
         bases = [t[p].data_ptr() for t in (kv_caches[n] for n in ordered) for p in (0, 1)]
         stride = first.stride(1) * es
     else:
@@ -135,14 +173,23 @@ def geometry_from_tensors(
     for name in attention:
         t = kv_caches[name]
         if tuple(t.shape) != shape or t.dtype != first.dtype or t.stride() != first.stride():
-            raise KVBridgeError(f"KV cache of layer {name} differs in shape or dtype from the first layer", fix="report this model to kvbridge")
+            raise KVBridgeError(
+                f"KV cache of layer {name} differs in shape or dtype from the first layer",
+                fix="report this model to kvbridge",
+            )
     layer_bytes = ()
     if state_layers:
         if spec.planes_per_layer != 1:
             raise KVBridgeError(
-                f"state-space layers beside a {spec.layout} attention cache (K and V apart): not supported", fix="report this model to kvbridge"
+                f"state-space layers beside a {spec.layout} attention cache (K and V apart): not supported",
+                fix="report this model to kvbridge",
             )
-        layer_bytes = tuple(_state_bytes(kv_caches[n], n, num_blocks, stride) if n in state_layers else spec.block_bytes for n in ordered)
+        layer_bytes = tuple(
+            _state_bytes(kv_caches[n], n, num_blocks, stride)
+            if n in state_layers
+            else spec.block_bytes
+            for n in ordered
+        )
     memory = "host" if first.device.type == "cpu" else "device"
     device = 0 if memory == "host" else (first.device.index or 0)
     return CacheGeometry(
@@ -162,8 +209,13 @@ def _state_bytes(t: torch.Tensor, name: str, num_blocks: int, stride: int) -> in
     each one dense run of bytes from the block's start."""
     fits = t.dim() >= 2 and t.shape[0] == num_blocks and t.stride(0) * t.element_size() == stride
     inner = tuple(t.shape[1:]) if fits else ()
-    if not fits or any(t.stride(i + 1) != math.prod(inner[i + 1 :]) for i in range(len(inner)) if inner[i] != 1):
-        _refuse_state(name, f"shape {tuple(t.shape)}, strides {t.stride()}, where {num_blocks} blocks {stride} bytes apart were expected")
+    if not fits or any(
+        t.stride(i + 1) != math.prod(inner[i + 1 :]) for i in range(len(inner)) if inner[i] != 1
+    ):
+        _refuse_state(
+            name,
+            f"shape {tuple(t.shape)}, strides {t.stride()}, where {num_blocks} blocks {stride} bytes apart were expected",
+        )
     return math.prod(inner) * t.element_size()
 
 

@@ -56,7 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
 )
 from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 
@@ -113,7 +118,10 @@ def state_description(spec) -> str:
     'm2 float32(3, 8)+bfloat16(2, 4)'
     """
     kind = getattr(spec.mamba_type, "name", spec.mamba_type)
-    tensors = "+".join(f"{str(d).removeprefix('torch.')}{tuple(shape)}" for d, shape in zip(spec.dtypes, spec.shapes))
+    tensors = "+".join(
+        f"{str(d).removeprefix('torch.')}{tuple(shape)}"
+        for d, shape in zip(spec.dtypes, spec.shapes)
+    )
     return f"{str(kind).lower()} {tensors} conv {conv_state_layout()}"
 
 
@@ -148,7 +156,12 @@ def state_layout(spec, vllm_config) -> str:
     try:
         from vllm.model_executor.model_loader.utils import get_model_cls
 
-        full = [tuple(shape) for shape in get_model_cls(vllm_config.model_config).get_mamba_state_shape_from_config(_AtOneRank(vllm_config))]
+        full = [
+            tuple(shape)
+            for shape in get_model_cls(vllm_config.model_config).get_mamba_state_shape_from_config(
+                _AtOneRank(vllm_config)
+            )
+        ]
     except Exception:  # a model class without the hook, or one that reads more of the config
         return state_description(spec)
     sd = conv_state_layout() == "SD"
@@ -156,16 +169,26 @@ def state_layout(spec, vllm_config) -> str:
     if kind == "mamba2" and len(full) == 2:
         heads, head_dim, d_state = full[1]
         groups = (channels - heads * head_dim) // (2 * d_state)
-        conv, temporal = [(heads, head_dim), (groups, d_state), (groups, d_state)], [(heads, head_dim * d_state)]
+        conv, temporal = (
+            [(heads, head_dim), (groups, d_state), (groups, d_state)],
+            [(heads, head_dim * d_state)],
+        )
     elif kind == "gdn_attn" and len(full) == 2:
         v_heads, v_dim, k_dim = full[1]
         k_heads = (channels - v_heads * v_dim) // (2 * k_dim)
-        conv, temporal = [(k_heads, k_dim), (k_heads, k_dim), (v_heads, v_dim)], [(v_heads, v_dim * k_dim)]
+        conv, temporal = (
+            [(k_heads, k_dim), (k_heads, k_dim), (v_heads, v_dim)],
+            [(v_heads, v_dim * k_dim)],
+        )
     elif kind == "short_conv" and len(full) == 1:
         conv, temporal = [(channels, 1)], None
     else:
         return state_description(spec)
-    tensors = [StateTensor(dtypes[0], rows, tuple(Section(u, w) for u, w in conv)) if sd else StateTensor(dtypes[0], 1, tuple(Section(u, w * rows) for u, w in conv))]
+    tensors = [
+        StateTensor(dtypes[0], rows, tuple(Section(u, w) for u, w in conv))
+        if sd
+        else StateTensor(dtypes[0], 1, tuple(Section(u, w * rows) for u, w in conv))
+    ]
     if temporal is not None:
         tensors.append(StateTensor(dtypes[1], 1, tuple(Section(u, w) for u, w in temporal)))
     try:
@@ -173,7 +196,11 @@ def state_layout(spec, vllm_config) -> str:
     except ValueError:  # a sub-projection of no channels: not the layout assumed here
         return state_description(spec)
     here = [math.prod(shape) for shape in spec.shapes]
-    if sum(u * w for u, w in conv) != channels or not layout.splits_over(tp) or [t.rows * t.row_elements(tp) for t in layout.tensors] != here:
+    if (
+        sum(u * w for u, w in conv) != channels
+        or not layout.splits_over(tp)
+        or [t.rows * t.row_elements(tp) for t in layout.tensors] != here
+    ):
         return state_description(spec)
     return layout.encode()
 
@@ -225,7 +252,9 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
                     f"cache group {g} (--speculative-config); kvbridge does not move the states of speculative decoding yet",
                     fix="start both instances of this model without --speculative-config",
                 )
-            state = state_description(spec) if vllm_config is None else state_layout(spec, vllm_config)
+            state = (
+                state_description(spec) if vllm_config is None else state_layout(spec, vllm_config)
+            )
             groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state))
         else:
             raise KVBridgeError(
@@ -234,7 +263,10 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
                 fix="start vLLM with --disable-hybrid-kv-cache-manager if the model supports it, or serve it without disaggregation",
             )
         if not getattr(group, "enable_kv_transfer", True):
-            raise KVBridgeError(f"vLLM's KV cache group {g} is not transferable (enable_kv_transfer is off)", fix="report this model to kvbridge")
+            raise KVBridgeError(
+                f"vLLM's KV cache group {g} is not transferable (enable_kv_transfer is off)",
+                fix="report this model to kvbridge",
+            )
     attention = {g.block_size for g in groups if not g.state}
     if not attention:
         raise KVBridgeError(

@@ -114,14 +114,21 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             windows = [g.window for g in groups]
             states = [i for i, g in enumerate(groups) if g.state]
             self._scheduler = SchedulerSide(
-                block_size, self.engine_id, self.config.host, self.config.transfer_block_size, windows=windows, state_groups=states
+                block_size,
+                self.engine_id,
+                self.config.host,
+                self.config.transfer_block_size,
+                windows=windows,
+                state_groups=states,
             )
             log.info(
                 "kvbridge: engine %s is %s, block size %d, %s scheduling",
                 self.engine_id,
                 kv_role,
                 block_size,
-                "asynchronous" if getattr(vllm_config.scheduler_config, "async_scheduling", False) else "synchronous",
+                "asynchronous"
+                if getattr(vllm_config.scheduler_config, "async_scheduling", False)
+                else "synchronous",
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -146,7 +153,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 
@@ -162,7 +171,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM calls this instead of :meth:`request_finished` (``SupportsHMA``), with one
         block list per KV cache group."""
         assert self._scheduler is not None
@@ -175,7 +186,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_output(connector_output.finished_sending, connector_output.finished_recving)
+        self._scheduler.update_output(
+            connector_output.finished_sending, connector_output.finished_recving
+        )
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
@@ -201,7 +214,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Before every forward pass: the prefill side must know this step's requests
         before ``save_kv_layer`` runs (``start_load_kv`` may come after the forward)."""
         super().bind_connector_metadata(connector_metadata)
-        self._idle_step = isinstance(connector_metadata, KVBridgeMetadata) and connector_metadata.idle
+        self._idle_step = (
+            isinstance(connector_metadata, KVBridgeMetadata) and connector_metadata.idle
+        )
         if self._worker is not None and isinstance(connector_metadata, KVBridgeMetadata):
             self._worker.bind_send(connector_metadata)
 
@@ -230,7 +245,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         idle, self._idle_step = self._idle_step, False
         sending, recving, failed = self._worker.results(finished_req_ids, idle=idle)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_kv_connector_stats(self):
         if self._worker is None:

@@ -138,15 +138,26 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
         try:
             kb = msgspec.convert(block, KVBridgeParams)
         except msgspec.ValidationError as exc:
-            log.warning("kvbridge: request %s has malformed kv_transfer_params.kvbridge (%s); computing it locally", request_id, exc)
+            log.warning(
+                "kvbridge: request %s has malformed kv_transfer_params.kvbridge (%s); computing it locally",
+                request_id,
+                exc,
+            )
             return None
         if kb.role == "decode" and (kb.prefill is None or kb.flow == "discover"):
-            log.warning("kvbridge: request %s: decode params without a prefill address; computing it locally", request_id)
+            log.warning(
+                "kvbridge: request %s: decode params without a prefill address; computing it locally",
+                request_id,
+            )
             return None
         if kb.flow == "pull" and kb.role == "decode" and not params.get("do_remote_prefill", True):
             return None  # vLLM cleared the flag: the transfer was already handled
         return Handoff(
-            role=kb.role, flow=kb.flow, transfer_id=kb.transfer_id, prefill=kb.prefill, remote_blocks=kb.remote_blocks,
+            role=kb.role,
+            flow=kb.flow,
+            transfer_id=kb.transfer_id,
+            prefill=kb.prefill,
+            remote_blocks=kb.remote_blocks,
             remote_group_blocks=kb.remote_group_blocks,
         )
     if params.get("do_remote_decode"):
@@ -161,7 +172,13 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
 
 
 def pull_response(
-    transfer_id: str, prefill: PrefillAddress, engine_id: str, blocks: BlockTable | list[int], num_tokens: int, host: str, port: int
+    transfer_id: str,
+    prefill: PrefillAddress,
+    engine_id: str,
+    blocks: BlockTable | list[int],
+    num_tokens: int,
+    host: str,
+    port: int,
 ) -> dict[str, Any]:
     """``kv_transfer_params`` the prefill side returns in the P-first flow: vLLM's own
     fields (so generic routers pass it on) plus kvbridge's block for the decode side.
@@ -179,7 +196,12 @@ def pull_response(
         "remote_num_tokens": num_tokens,
         "kvbridge": msgspec.to_builtins(
             KVBridgeParams(
-                transfer_id=transfer_id, role="decode", flow="pull", prefill=prefill, remote_blocks=blocks, remote_group_blocks=groups or None
+                transfer_id=transfer_id,
+                role="decode",
+                flow="pull",
+                prefill=prefill,
+                remote_blocks=blocks,
+                remote_group_blocks=groups or None,
             )
         ),
     }
@@ -197,4 +219,13 @@ def discover_response(prefill: PrefillAddress) -> dict[str, Any]:
     return {"kvbridge": {"prefill": msgspec.to_builtins(prefill)}}
 
 
-__all__ = ["Handoff", "KVBridgeParams", "PrefillAddress", "RankAddress", "discover_response", "local_response", "parse", "pull_response"]
+__all__ = [
+    "Handoff",
+    "KVBridgeParams",
+    "PrefillAddress",
+    "RankAddress",
+    "discover_response",
+    "local_response",
+    "parse",
+    "pull_response",
+]

@@ -67,8 +67,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.adapters.vllm import params as kvparams
-from kvbridge.adapters.vllm.compat import FINISHED_OK, NULL_BLOCK_ID, drop_prompt_tail, state_block, yield_req_data
-from kvbridge.adapters.vllm.metadata import Forgo, KVBridgeHandshake, KVBridgeMetadata, RecvTask, SendStep
+from kvbridge.adapters.vllm.compat import (
+    FINISHED_OK,
+    NULL_BLOCK_ID,
+    drop_prompt_tail,
+    state_block,
+    yield_req_data,
+)
+from kvbridge.adapters.vllm.metadata import (
+    Forgo,
+    KVBridgeHandshake,
+    KVBridgeMetadata,
+    RecvTask,
+    SendStep,
+)
 from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.layout import sub_block_ids
 from kvbridge.core.lifecycle import EndedTransfers
@@ -93,16 +105,16 @@ class _Prefill:
 
 class SchedulerSide:
     """Args:
-        block_size: vLLM's block size.
-        transfer_block_size: tokens per block as kvbridge addresses them (config key of
-            that name; 0: ``block_size``). Every block id this class hands to the
-            workers or to the peer (``kv_transfer_params``) is in those units: vLLM's
-            block ``b`` is blocks ``b * m`` to ``b * m + m - 1``,
-            ``m = block_size / transfer_block_size``, cut to the blocks the prompt fills.
-        windows: per KV cache group (vLLM's hybrid manager, module docstring) its
-            sliding window in tokens, 0 for full attention; empty: one group that
-            keeps every block (no tables).
-        state_groups: the indices of the state-space groups among them.
+    block_size: vLLM's block size.
+    transfer_block_size: tokens per block as kvbridge addresses them (config key of
+        that name; 0: ``block_size``). Every block id this class hands to the
+        workers or to the peer (``kv_transfer_params``) is in those units: vLLM's
+        block ``b`` is blocks ``b * m`` to ``b * m + m - 1``,
+        ``m = block_size / transfer_block_size``, cut to the blocks the prompt fills.
+    windows: per KV cache group (vLLM's hybrid manager, module docstring) its
+        sliding window in tokens, 0 for full attention; empty: one group that
+        keeps every block (no tables).
+    state_groups: the indices of the state-space groups among them.
     """
 
     def __init__(
@@ -135,7 +147,9 @@ class SchedulerSide:
         self._recv_new: list[RecvTask] = []
         self._forgo_new: list[Forgo] = []
         self._recv_active: dict[str, str] = {}  # req_id -> transfer_id, KV still arriving
-        self._recv_owner: dict[str, str] = {}  # transfer_id -> req_id loading it (inverse of _recv_active)
+        self._recv_owner: dict[
+            str, str
+        ] = {}  # transfer_id -> req_id loading it (inverse of _recv_active)
         self._sharing: dict[str, str] = {}  # req_id -> transfer_id another request is loading
         self._send_owner: dict[str, str] = {}  # transfer_id -> prefill req_id sending it
         self._send_tid: dict[str, str] = {}  # its inverse
@@ -147,7 +161,9 @@ class SchedulerSide:
         self._abort_send: dict[str, str] = {}
         self._abort_recv: dict[str, str] = {}
         self._workers: dict[int, KVBridgeHandshake] = {}
-        self._not_handed: set[str] = set()  # P-first prefill requests too short to hand off (module docstring)
+        self._not_handed: set[str] = (
+            set()
+        )  # P-first prefill requests too short to hand off (module docstring)
 
     # --- handshake metadata from the workers ----------------------------------------------
 
@@ -164,7 +180,9 @@ class SchedulerSide:
             return None
         ranks = [kvparams.RankAddress(address=w.address, epoch=w.epoch) for w in workers]
         first = workers[0]
-        return kvparams.PrefillAddress(address=first.address, engine_id=first.engine_id, epoch=first.epoch, ranks=ranks)
+        return kvparams.PrefillAddress(
+            address=first.address, engine_id=first.engine_id, epoch=first.epoch, ranks=ranks
+        )
 
     # --- per request -----------------------------------------------------------------------
 
@@ -184,11 +202,18 @@ class SchedulerSide:
             return
         req_id = request.request_id
         if request.num_prompt_tokens <= self.backoff:
-            log.info("kvbridge: request %s (%d tokens) is computed without a handoff: its decode computes it too", req_id, request.num_prompt_tokens)
+            log.info(
+                "kvbridge: request %s (%d tokens) is computed without a handoff: its decode computes it too",
+                req_id,
+                request.num_prompt_tokens,
+            )
         elif drop_prompt_tail(request, self.backoff):
             return
         else:
-            log.warning("kvbridge: request %s has neither prompt token ids nor embeddings; it is computed without a handoff", req_id)
+            log.warning(
+                "kvbridge: request %s has neither prompt token ids nor embeddings; it is computed without a handoff",
+                req_id,
+            )
         self._handoffs[req_id] = _NONE
         if h.flow == "pull":  # the router still expects parameters for the decode
             self._not_handed.add(req_id)
@@ -204,7 +229,12 @@ class SchedulerSide:
         None (vLLM asks again next step): another request is loading the same transfer."""
         h = self.handoff(request)
         req_id = request.request_id
-        if h is None or h.role != "decode" or req_id in self._recv_active or req_id in self._recv_done:
+        if (
+            h is None
+            or h.role != "decode"
+            or req_id in self._recv_active
+            or req_id in self._recv_done
+        ):
             return 0, False
         if req_id in self._sharing:
             if self._sharing[req_id] in self._recv_owner:
@@ -214,11 +244,20 @@ class SchedulerSide:
             return 0, False
         owner = self._recv_owner.get(h.transfer_id)
         if owner is not None:
-            log.info("kvbridge: request %s shares transfer %s with %s (n > 1?): it waits for that load, then reads its prefix cache", req_id, h.transfer_id, owner)
+            log.info(
+                "kvbridge: request %s shares transfer %s with %s (n > 1?): it waits for that load, then reads its prefix cache",
+                req_id,
+                h.transfer_id,
+                owner,
+            )
             self._sharing[req_id] = h.transfer_id
             return None, False
         if h.transfer_id in self._recv_ended:
-            log.info("kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its prefix cache", req_id, h.transfer_id)
+            log.info(
+                "kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its prefix cache",
+                req_id,
+                h.transfer_id,
+            )
             self._recv_done.add(req_id)
             return 0, False
         count = self._to_load(request) - num_computed_tokens
@@ -235,13 +274,16 @@ class SchedulerSide:
                 if h.transfer_id in self._send_owner or h.transfer_id in self._send_ended:
                     log.warning(
                         "kvbridge: request %s names transfer %s, which another request sends or sent (n > 1 on a prefill?); computing it without a handoff",
-                        request.request_id, h.transfer_id,
+                        request.request_id,
+                        h.transfer_id,
                     )
                     self._handoffs[request.request_id] = _NONE
                     return
                 self._send_owner[h.transfer_id] = request.request_id
                 self._send_tid[request.request_id] = h.transfer_id
-                self._prefill[request.request_id] = _Prefill(h.transfer_id, h.flow, request.num_prompt_tokens)
+                self._prefill[request.request_id] = _Prefill(
+                    h.transfer_id, h.flow, request.num_prompt_tokens
+                )
             return
         if request.request_id in self._recv_active:
             return
@@ -251,7 +293,11 @@ class SchedulerSide:
             if req_id in self._recv_done or tid in self._recv_owner or tid in self._recv_ended:
                 return  # recomputing after a load, or a sibling of the request that loads it
             # vLLM computes the prompt itself (it does for prompt logprobs) after all
-            log.info("kvbridge: request %s computes its prompt here; transfer %s is let go of", req_id, tid)
+            log.info(
+                "kvbridge: request %s computes its prompt here; transfer %s is let go of",
+                req_id,
+                tid,
+            )
             self._forgo_new.append(Forgo(req_id, tid, h.prefill))
             self._recv_ended.add(tid, "forgone")
             self._recv_done.add(req_id)
@@ -271,7 +317,13 @@ class SchedulerSide:
         else:
             total = math.ceil(num_tokens / self.unit)
             state = self._state_blocks(blocks.get_block_ids())
-            block_ids = self._table([ids[:needed] for ids in new_ids], filled, first=total - filled, total=total, state=state)
+            block_ids = self._table(
+                [ids[:needed] for ids in new_ids],
+                filled,
+                first=total - filled,
+                total=total,
+                state=state,
+            )
         self._recv_new.append(
             RecvTask(
                 req_id=request.request_id,
@@ -289,12 +341,17 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(
-            recv=self._recv_new, forgo=self._forgo_new, abort_send=self._abort_send, abort_recv=self._abort_recv,
+            recv=self._recv_new,
+            forgo=self._forgo_new,
+            abort_send=self._abort_send,
+            abort_recv=self._abort_recv,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._recv_new, self._forgo_new, self._abort_send, self._abort_recv = [], [], {}, {}
         if self._prefill:
-            computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            computed = {
+                r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+            }
             cached = scheduler_output.scheduled_cached_reqs
             computed.update(zip(cached.req_ids, cached.num_computed_tokens))
             preempted = scheduler_output.preempted_req_ids or set()
@@ -313,9 +370,22 @@ class SchedulerSide:
                     if not p.started and self._states:
                         p.state = self._state_blocks(new_blocks)
                     total = math.ceil(p.num_tokens / self.unit)
-                    new = self._blocks(new_blocks, total - p.blocks, first=p.blocks, total=total, state=p.state) if new_blocks else []
-                except PlanError as exc:  # vLLM's groups out of step: give the transfer up, not the engine
-                    log.error("kvbridge: request %s: %s; its transfer %s is given up", req_id, exc, p.transfer_id)
+                    new = (
+                        self._blocks(
+                            new_blocks, total - p.blocks, first=p.blocks, total=total, state=p.state
+                        )
+                        if new_blocks
+                        else []
+                    )
+                except (
+                    PlanError
+                ) as exc:  # vLLM's groups out of step: give the transfer up, not the engine
+                    log.error(
+                        "kvbridge: request %s: %s; its transfer %s is given up",
+                        req_id,
+                        exc,
+                        p.transfer_id,
+                    )
                     self._preempted(meta, req_id)
                     continue
                 p.blocks += len(new)
@@ -347,7 +417,9 @@ class SchedulerSide:
         meta.drop_send[req_id] = p.transfer_id
         self._handoffs[req_id] = _NONE
 
-    def request_finished(self, request, block_ids: Sequence[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request, block_ids: Sequence[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Called once per request before vLLM frees its blocks (``block_ids``: one list
         per KV cache group). True: kvbridge holds them until a worker reports
         ``finished_sending``."""
@@ -383,13 +455,18 @@ class SchedulerSide:
         if p.flow == "pull":
             address = self._address()
             if address is None:
-                log.warning("kvbridge: no side-channel address known yet; request %s cannot be pulled", req_id)
+                log.warning(
+                    "kvbridge: no side-channel address known yet; request %s cannot be pulled",
+                    req_id,
+                )
                 self._abort_send[req_id] = p.transfer_id
                 return True, None
             port = int(address.address.rsplit(":", 1)[1])
             total = math.ceil(p.num_tokens / self.unit)
             blocks = self._blocks(block_ids, total, total=total, state=p.state)
-            return True, kvparams.pull_response(p.transfer_id, address, self.engine_id, blocks, p.num_tokens, self.host, port)
+            return True, kvparams.pull_response(
+                p.transfer_id, address, self.engine_id, blocks, p.num_tokens, self.host, port
+            )
         # push: tell the caller where we are (a proxy notices a restarted prefill here)
         address = self._address()
         return True, (None if address is None else kvparams.discover_response(address))
@@ -401,7 +478,13 @@ class SchedulerSide:
         return sub_block_ids(block_ids, self._ratio, limit)
 
     def _table(
-        self, per_group: Sequence[Sequence[int]], limit: int, *, first: int = 0, total: int = 0, state: Mapping[int, int] | None = None
+        self,
+        per_group: Sequence[Sequence[int]],
+        limit: int,
+        *,
+        first: int = 0,
+        total: int = 0,
+        state: Mapping[int, int] | None = None,
     ) -> BlockTable:
         """One block list per KV cache group (vLLM's, the same positions; from the
         request's position ``first`` on) as a table in transfer blocks, vLLM's null block
@@ -412,7 +495,12 @@ class SchedulerSide:
         Raises:
             PlanError: the attention groups' lists differ in length.
         """
-        rows = [None if g in self._states else self._ids([NONE if b == NULL_BLOCK_ID else b for b in ids], limit) for g, ids in enumerate(per_group)]
+        rows = [
+            None
+            if g in self._states
+            else self._ids([NONE if b == NULL_BLOCK_ID else b for b in ids], limit)
+            for g, ids in enumerate(per_group)
+        ]
         n = len(next(r for r in rows if r is not None))
         for g in self._states:
             rows[g] = [NONE] * n
@@ -431,13 +519,25 @@ class SchedulerSide:
         return {g: state_block(per_group[g]) for g in self._states}
 
     def _blocks(
-        self, per_group: Sequence[Sequence[int]], limit: int, *, first: int = 0, total: int = 0, state: Mapping[int, int] | None = None
+        self,
+        per_group: Sequence[Sequence[int]],
+        limit: int,
+        *,
+        first: int = 0,
+        total: int = 0,
+        state: Mapping[int, int] | None = None,
     ) -> list[int] | BlockTable:
         """vLLM's block lists, one per KV cache group, as the workers take them: the one
         group's list, or a table of every group's (:meth:`_table`)."""
-        return self._ids(per_group[0], limit) if not self._grouped else self._table(per_group, limit, first=first, total=total, state=state)
+        return (
+            self._ids(per_group[0], limit)
+            if not self._grouped
+            else self._table(per_group, limit, first=first, total=total, state=state)
+        )
 
-    def update_output(self, finished_sending: set[str] | None, finished_recving: set[str] | None) -> None:
+    def update_output(
+        self, finished_sending: set[str] | None, finished_recving: set[str] | None
+    ) -> None:
         for req_id in finished_sending or ():
             self._held.discard(req_id)
             self._free_transfer_id(req_id)

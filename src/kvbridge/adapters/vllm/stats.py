@@ -85,22 +85,37 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", labelnames=labelnames),
+                self._counter_cls(
+                    name=f"vllm:kvbridge_{name}",
+                    documentation=f"kvbridge: {doc}",
+                    labelnames=labelnames,
+                ),
                 per_engine_labelvalues,
             )
             for name, doc in COUNTERS.items()
         }
         self._histograms = {
             key: create_metric_per_engine(
-                self._histogram_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", buckets=list(BUCKETS), labelnames=labelnames),
+                self._histogram_cls(
+                    name=f"vllm:kvbridge_{name}",
+                    documentation=f"kvbridge: {doc}",
+                    buckets=list(BUCKETS),
+                    labelnames=labelnames,
+                ),
                 per_engine_labelvalues,
             )
             for key, (name, doc) in HISTOGRAMS.items()
         }
+
         def gauges(catalogue: dict[str, str]) -> dict[str, dict[int, Any]]:
             return {
                 name: create_metric_per_engine(
-                    self._gauge_cls(name=f"vllm:kvbridge_{name}", documentation=f"kvbridge: {doc}", labelnames=labelnames, multiprocess_mode="mostrecent"),
+                    self._gauge_cls(
+                        name=f"vllm:kvbridge_{name}",
+                        documentation=f"kvbridge: {doc}",
+                        labelnames=labelnames,
+                        multiprocess_mode="mostrecent",
+                    ),
                     per_engine_labelvalues,
                 )
                 for name, doc in catalogue.items()

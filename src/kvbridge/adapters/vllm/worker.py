@@ -89,11 +89,17 @@ class WorkerSide:
         self._send_req: dict[str, str] = {}  # transfer id -> req id, prefill side
         self._recv_req: dict[str, str] = {}  # transfer id -> req id, decode side
         self._aborted_recv: set[str] = set()  # decode req ids the scheduler finished early
-        self._released: set[str] = set()  # prefill req ids released, not yet finished by the scheduler
+        self._released: set[str] = (
+            set()
+        )  # prefill req ids released, not yet finished by the scheduler
         self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
-        self._refused_send: set[str] = set()  # prefill req ids whose transfer id was taken: never tracked
+        self._refused_send: set[str] = (
+            set()
+        )  # prefill req ids whose transfer id was taken: never tracked
         self._refused_recv: set[str] = set()  # decode req ids whose transfer id was taken: failed
-        self._reported_levels: dict[str, int] = {}  # levels of the last snapshot returned (:meth:`stats`)
+        self._reported_levels: dict[
+            str, int
+        ] = {}  # levels of the last snapshot returned (:meth:`stats`)
         self._on_device = False  # the cache is GPU memory: readiness behind compute events
 
     # --- start-up --------------------------------------------------------------------------
@@ -109,35 +115,63 @@ class WorkerSide:
                 key="wire_dtype" if self.config.wire_dtype == "fp8" else "data_path",
                 fix="leave data_path and wire_dtype at their defaults (direct, exact) for this model",
             )
-        geometry = geometry_from_tensors(kv_caches, ordered, self.block_size, mla=self.mla, state_layers=state_layers)
+        geometry = geometry_from_tensors(
+            kv_caches, ordered, self.block_size, mla=self.mla, state_layers=state_layers
+        )
         unit = self.config.transfer_block_size or self.block_size
         if unit != self.block_size:  # vLLM's blocks addressed as several smaller ones
             try:
                 geometry = geometry.in_blocks_of(unit)
             except PlanError as exc:
                 raise ConfigError(
-                    f"transfer_block_size {unit}: {exc}", key="transfer_block_size", fix="leave it 0 and give prefill and decode the same --block-size"
+                    f"transfer_block_size {unit}: {exc}",
+                    key="transfer_block_size",
+                    fix="leave it 0 and give prefill and decode the same --block-size",
                 ) from exc
         if not self.total_kv_heads:
             self.total_kv_heads = geometry.spec.num_kv_heads * self.tp_size
         layer_groups, windows = self._layer_groups(ordered)
         states = tuple(g.state for g in self.groups) if state_layers else ()
         compat = CompatInfo.from_spec(
-            geometry.spec, model=self.model, tp_size=self.tp_size, wire_dtype=self.config.wire_dtype, total_kv_heads=self.total_kv_heads,
-            data_path=self.config.resolved_data_path, layer_groups=layer_groups, group_windows=windows, group_states=states,
+            geometry.spec,
+            model=self.model,
+            tp_size=self.tp_size,
+            wire_dtype=self.config.wire_dtype,
+            total_kv_heads=self.total_kv_heads,
+            data_path=self.config.resolved_data_path,
+            layer_groups=layer_groups,
+            group_windows=windows,
+            group_states=states,
         )
         planes = None
         if self.config.packed:  # the packed path reads and writes the tensors
             from kvbridge.ops import kv_planes
 
-            planes = [kv_planes(kv_caches[name], geometry.spec.layout, self.block_size) for name in ordered]
+            planes = [
+                kv_planes(kv_caches[name], geometry.spec.layout, self.block_size)
+                for name in ordered
+            ]
             if unit != self.block_size:  # token-major blocks (in_blocks_of checked): views
                 planes = [tuple(p.view(-1, unit, *p.shape[2:]) for p in pair) for pair in planes]
-        self.endpoint = Endpoint(self.config, geometry, compat, self.engine_id, self.rank, send=self.send, receive=self.receive, planes=planes)
+        self.endpoint = Endpoint(
+            self.config,
+            geometry,
+            compat,
+            self.engine_id,
+            self.rank,
+            send=self.send,
+            receive=self.receive,
+            planes=planes,
+        )
         self._on_device = geometry.memory == "device"
         log.info(
             "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",
-            self.rank, self.config.transport, geometry.spec.num_layers, geometry.num_blocks, geometry.spec.layout, self.config.wire_dtype,
+            self.rank,
+            self.config.transport,
+            geometry.spec.num_layers,
+            geometry.num_blocks,
+            geometry.spec.layout,
+            self.config.wire_dtype,
             self.config.resolved_data_path,
             self.endpoint.address,
         )
@@ -154,13 +188,18 @@ class WorkerSide:
         of = {name: g for g, group in enumerate(self.groups) for name in group.layer_names}
         missing = [name for name in ordered if name not in of]
         if missing:
-            raise ConfigError(f"KV cache layers {missing} are in none of vLLM's KV cache groups", fix="report this model to kvbridge")
+            raise ConfigError(
+                f"KV cache layers {missing} are in none of vLLM's KV cache groups",
+                fix="report this model to kvbridge",
+            )
         return tuple(of[name] for name in ordered), tuple(g.window for g in self.groups)
 
     def handshake(self) -> KVBridgeHandshake | None:
         if self.endpoint is None:
             return None
-        return KVBridgeHandshake(address=self.endpoint.address, epoch=self.endpoint.epoch, engine_id=self.engine_id)
+        return KVBridgeHandshake(
+            address=self.endpoint.address, epoch=self.endpoint.epoch, engine_id=self.engine_id
+        )
 
     # --- per step --------------------------------------------------------------------------
 
@@ -184,16 +223,30 @@ class WorkerSide:
             if step.first and step.transfer_id in self._send_req:
                 # the scheduler side lets one request send a transfer id at a time; if it
                 # ever did not, fail the newcomer here rather than inside vLLM's step
-                log.error("kvbridge: request %s names transfer %s, which request %s sends from this worker; it is not sent", step.req_id, step.transfer_id, self._send_req[step.transfer_id])
+                log.error(
+                    "kvbridge: request %s names transfer %s, which request %s sends from this worker; it is not sent",
+                    step.req_id,
+                    step.transfer_id,
+                    self._send_req[step.transfer_id],
+                )
                 self._refused_send.add(step.req_id)
-                self._released.add(step.req_id)  # nothing held for it: reported once the scheduler finishes it
+                self._released.add(
+                    step.req_id
+                )  # nothing held for it: reported once the scheduler finishes it
                 continue
             self._steps.append(step)
             if step.first:
                 self._send_req[step.transfer_id] = step.req_id
                 # a prefix hit may be blocks an earlier forward, still queued on the GPU, writes
                 ready = record_device_event() if self._on_device and step.computed_before else None
-                ep.sender.track(step.transfer_id, step.new_blocks, step.num_tokens, step.computed_before, pull=step.flow == "pull", ready=ready)
+                ep.sender.track(
+                    step.transfer_id,
+                    step.new_blocks,
+                    step.num_tokens,
+                    step.computed_before,
+                    pull=step.flow == "pull",
+                    ready=ready,
+                )
             elif step.new_blocks:
                 ep.sender.add_blocks(step.transfer_id, step.new_blocks)
 
@@ -204,7 +257,12 @@ class WorkerSide:
             return
         for task in meta.recv:
             if task.transfer_id in self._recv_req:  # see bind_send: one request per transfer id
-                log.error("kvbridge: request %s names transfer %s, which request %s loads on this worker; its load fails", task.req_id, task.transfer_id, self._recv_req[task.transfer_id])
+                log.error(
+                    "kvbridge: request %s names transfer %s, which request %s loads on this worker; its load fails",
+                    task.req_id,
+                    task.transfer_id,
+                    self._recv_req[task.transfer_id],
+                )
                 self._refused_recv.add(task.req_id)
                 continue
             self._recv_req[task.transfer_id] = task.req_id
@@ -218,18 +276,35 @@ class WorkerSide:
             if task.flow == "pull":
                 epochs = [s.epoch or None for s in sources]
                 remote = task.remote_blocks if task.remote_blocks is not None else []
-                ep.receiver.expect_pull(task.transfer_id, addresses, epochs, remote, task.block_ids, task.num_tokens, task.skip_tokens)
+                ep.receiver.expect_pull(
+                    task.transfer_id,
+                    addresses,
+                    epochs,
+                    remote,
+                    task.block_ids,
+                    task.num_tokens,
+                    task.skip_tokens,
+                )
             else:
-                ep.receiver.expect_push(task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens)
+                ep.receiver.expect_push(
+                    task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens
+                )
             if idle:
-                ep.receiver.release_idle(task.transfer_id, [s.address for s in idle], [s.epoch or None for s in idle])
+                ep.receiver.release_idle(
+                    task.transfer_id, [s.address for s in idle], [s.epoch or None for s in idle]
+                )
         for forgo in meta.forgo:
             try:
                 sources = forgo.prefill.sources(self.rank, self.tp_size, self.total_kv_heads)
                 sources += forgo.prefill.idle(self.rank, self.tp_size, self.total_kv_heads)
             except KVBridgeError:
                 continue  # a prefill this worker cannot pair with: its lease frees the blocks
-            ep.receiver.forgo(forgo.transfer_id, [s.address for s in sources], [s.epoch or None for s in sources], "the decode computes the prompt itself")
+            ep.receiver.forgo(
+                forgo.transfer_id,
+                [s.address for s in sources],
+                [s.epoch or None for s in sources],
+                "the decode computes the prompt itself",
+            )
         for req_id, tid in meta.abort_recv.items():
             if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):
                 self._aborted_recv.add(req_id)  # reported in finished_sending once the load stops
@@ -258,7 +333,9 @@ class WorkerSide:
             self.endpoint.sender.prefill_done(step.transfer_id, ready)
         self._steps = []
 
-    def results(self, finished_req_ids: set[str], idle: bool = False) -> tuple[set[str], set[str], set[str]]:
+    def results(
+        self, finished_req_ids: set[str], idle: bool = False
+    ) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step.
 
         ``idle``: the step computes nothing; vLLM steps only to poll transfers and would
@@ -339,11 +416,16 @@ class WorkerSide:
         if ep.receiver is not None:
             recvs = ep.receiver.phases()
             levels.update(
-                receives_allocated=recvs[RecvPhase.ALLOCATED], receives_waiting=recvs[RecvPhase.WAITING], receives_receiving=recvs[RecvPhase.RECEIVING]
+                receives_allocated=recvs[RecvPhase.ALLOCATED],
+                receives_waiting=recvs[RecvPhase.WAITING],
+                receives_receiving=recvs[RecvPhase.RECEIVING],
             )
         packed = ep.node.packed
         if packed is not None:
-            levels.update(staging_slots=packed.allocator.num_slots * self.tp_size, staging_slots_used=packed.allocator.num_slots - packed.allocator.free_slots)
+            levels.update(
+                staging_slots=packed.allocator.num_slots * self.tp_size,
+                staging_slots_used=packed.allocator.num_slots - packed.allocator.free_slots,
+            )
         return levels
 
     def close(self) -> None:
