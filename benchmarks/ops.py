@@ -105,7 +105,8 @@ def _check_kernels_agree(fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
             for i, (got, w) in enumerate(zip(rows(buf, f), want)):
                 if not all(same(a, b) for a, b in zip(got, w)):
                     raise SystemExit(
-                        f"{name} with kernel {kernel!r} differs from 'rows' in layer {i}: fix the kernel first"
+                        f"{name} with kernel {kernel!r} differs from 'rows' in layer {i}: fix the "
+                        "kernel first"
                     )
 
 

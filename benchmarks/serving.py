@@ -295,7 +295,8 @@ def bench_serve(
     args = [
         "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
         "--model", str(model), "--tokenizer", str(model),
-        "--dataset-name", "random", "--random-input-len", str(n), "--random-output-len", str(output_len),
+        "--dataset-name", "random",
+        "--random-input-len", str(n), "--random-output-len", str(output_len),
         "--seed", str(n),  # the same prompts for every configuration, other prompts per length
         "--num-prompts", str(prompts), "--max-concurrency", "1", "--request-rate", "inf",
         "--ignore-eos", "--temperature", "0", "--disable-tqdm",
@@ -384,9 +385,11 @@ def run(
                         )
                     s = r.summary()
                     log(
-                        f"{name} {n:5d} tokens: TTFT median {s['ttft_median_ms']:.0f} ms, TPOT {s['tpot_median_ms']:.1f} ms"
+                        f"{name} {n:5d} tokens: TTFT median {s['ttft_median_ms']:.0f} ms, TPOT "
+                        f"{s['tpot_median_ms']:.1f} ms"
                         + (
-                            f", layer write {s['per_layer_write_ms']:.2f} ms, exposed {s['exposed_ms']:.2f} ms"
+                            f", layer write {s['per_layer_write_ms']:.2f} ms, exposed "
+                            f"{s['exposed_ms']:.2f} ms"
                             if s.get("exposed_ms") is not None
                             else ""
                         )

@@ -111,9 +111,13 @@ class SglangLengthResult(LengthResult):
             return statistics.median(xs) if xs else None
 
         return {
-            **super().summary(), "same": self.same, "errors": self.errors, "forward_median_ms": med(self.forward_ms),
-            "transfer_median_ms": med(self.transfer_ms), "overhead_median_ms": med(self.overhead_ms),
-        }  # fmt: skip
+            **super().summary(),
+            "same": self.same,
+            "errors": self.errors,
+            "forward_median_ms": med(self.forward_ms),
+            "transfer_median_ms": med(self.transfer_ms),
+            "overhead_median_ms": med(self.overhead_ms),
+        }
 
 
 def stage_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -159,13 +163,23 @@ class Deployment:
             ]
             return
         prefill = SglangServer(
-            model, extra_args=engine_args, log_path=logs / "prefill.log", mode="prefill", backend=cfg.backend,
-            kvbridge_config=cfg.kvbridge, cpus=cpus[0],
-        )  # fmt: skip
+            model,
+            extra_args=engine_args,
+            log_path=logs / "prefill.log",
+            mode="prefill",
+            backend=cfg.backend,
+            kvbridge_config=cfg.kvbridge,
+            cpus=cpus[0],
+        )
         decode = SglangServer(
-            model, extra_args=engine_args, log_path=logs / "decode.log", mode="decode", backend=cfg.backend,
-            kvbridge_config=cfg.kvbridge, cpus=cpus[-1],
-        )  # fmt: skip
+            model,
+            extra_args=engine_args,
+            log_path=logs / "decode.log",
+            mode="decode",
+            backend=cfg.backend,
+            kvbridge_config=cfg.kvbridge,
+            cpus=cpus[-1],
+        )
         assert prefill.bootstrap_port is not None
         router = SglangRouter(
             prefill.url, prefill.bootstrap_port, decode.url, log_path=logs / "router.log"
@@ -272,7 +286,8 @@ def run(
                     r = measure(dep, name, n, prompts, output_len, reference)
                     s = r.summary()
                     log(
-                        f"{name} {n:5d} tokens: TTFT median {_ms(s['ttft_median_ms'], 0)} ms, TPOT {_ms(s['tpot_median_ms'], 1)} ms"
+                        f"{name} {n:5d} tokens: TTFT median {_ms(s['ttft_median_ms'], 0)} ms, TPOT "
+                        f"{_ms(s['tpot_median_ms'], 1)} ms"
                         + (
                             f", transfer after forward {_ms(s['transfer_median_ms'], 1)} ms"
                             if r.transfer_ms
@@ -285,8 +300,15 @@ def run(
         except (KVBridgeError, OSError) as exc:  # could not start or warm up: record why, go on
             errors[name] = dep.failure(exc)
             log(f"{name}: [red]failed[/red]: {str(exc)[:500]}")
-    info = {"startup_s": started, "cpus": cpus, "shape": shape, "engine_args": engine_args, "errors": errors,
-            "kvbridge_configs": {n: CONFIGS[n].kvbridge for n in names}, "title": "kvbridge SGLang serving benchmark"}  # fmt: skip
+    info = {
+        "startup_s": started,
+        "cpus": cpus,
+        "shape": shape,
+        "engine_args": engine_args,
+        "errors": errors,
+        "kvbridge_configs": {n: CONFIGS[n].kvbridge for n in names},
+        "title": "kvbridge SGLang serving benchmark",
+    }
     return results, info
 
 
@@ -404,10 +426,18 @@ def markdown(doc: dict[str, Any]) -> str:
     v = m["versions"]
     head, table = rows(doc)
     lines = [
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), sglang {v.get('sglang')}, "
-        f"sglang-router {v.get('sglang-router')}, nixl {v.get('nixl')}, mooncake {v.get('mooncake-transfer-engine-non-cuda')}; "
-        f"model shape `{doc['shape']}`, `{' '.join(doc['engine_args'])}`; one request at a time, {doc['prompts']} "
-        f"prompts per length, {doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT).",
+        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), sglang {v.get('sglang')}, "(
+            f"sglang-router {v.get('sglang-router')}, nixl {v.get('nixl')}, mooncake "
+            f"{v.get('mooncake-transfer-engine-non-cuda')}; "
+        )(
+            f"model shape `{doc['shape']}`, `{' '.join(doc['engine_args'])}`; one request at a "
+            "time, "
+            f"{doc['prompts']} "
+        )(
+            f"prompts per length, {doc['output_len']} output tokens; medians (ratio: TTFT / "
+            "colocated "
+            "TTFT)."
+        ),
         "",
         *_md_table(head, table),
     ]

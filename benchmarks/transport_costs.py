@@ -101,7 +101,8 @@ def post_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
                     samples[method].append(sum(one(method, n) for _ in range(CALLS)) / CALLS * 1e6)
             med = {m: statistics.median(s) for m, s in samples.items()}
             log(
-                f"post of {n} descriptors: prepared {med['prepared']:.0f} us, adhoc {med['adhoc']:.0f} us"
+                f"post of {n} descriptors: prepared {med['prepared']:.0f} us, adhoc "
+                f"{med['adhoc']:.0f} us"
             )
             results.append(
                 {
@@ -150,7 +151,8 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
                     finally:
                         local.close()
                 log(
-                    f"waiter nice {nice}: {cpu:.2f} s CPU in {HOLD_S} s, done {samples[nice][-1][1] * 1e3:.0f} ms after the peer resumed"
+                    f"waiter nice {nice}: {cpu:.2f} s CPU in {HOLD_S} s, done "
+                    f"{samples[nice][-1][1] * 1e3:.0f} ms after the peer resumed"
                 )
     finally:
         for h in hogs:
@@ -218,7 +220,8 @@ def streaming_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
     for nice, ts in times.items():
         gbps = nbytes / statistics.median(ts) / 1e9
         log(
-            f"streaming {LAYERS} layer batches at waiter_nice {nice}: {gbps:.2f} GB/s (median of {reps})"
+            f"streaming {LAYERS} layer batches at waiter_nice {nice}: {gbps:.2f} GB/s (median of "
+            f"{reps})"
         )
         out.append({"nice": nice, "nbytes": nbytes, "times_s": ts, "median_gbps": gbps})
     return out

@@ -108,7 +108,8 @@ def prefill(conn, transport_name: str) -> None:
         t.release(x)
     t.notify(peer, CODEC.encode(Done(transfer_id=dest.transfer_id)))
     print(
-        f"prefill: sent {LAYERS} layers x {len(my_blocks)} blocks in {(time.perf_counter() - start) * 1e3:.1f} ms"
+        f"prefill: sent {LAYERS} layers x {len(my_blocks)} blocks in "
+        f"{(time.perf_counter() - start) * 1e3:.1f} ms"
     )
     conn.recv_bytes()  # decode has verified; now it is safe to close
     t.close()
@@ -147,7 +148,8 @@ def decode(conn, transport_name: str) -> None:
     for i, b in enumerate(blocks):
         np.testing.assert_array_equal(cache[:, b], expected[:, i])
     print(
-        f"decode: layers {sorted(layers_seen)} arrived; {len(blocks)} blocks in every layer verified"
+        f"decode: layers {sorted(layers_seen)} arrived; {len(blocks)} blocks in every layer "
+        "verified"
     )
     conn.send_bytes(b"ok")
     t.close()

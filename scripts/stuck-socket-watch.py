@@ -131,7 +131,8 @@ def dump(path: str, match: str, queued: list[Sock], stuck: dict[str, float]) -> 
                     s = by_inode[target[8:-1]]
                     age = f" STUCK {stuck[s.inode]:.1f} s" if s.inode in stuck else ""
                     out.write(
-                        f"socket fd {fd}: {s.state} {s.local} <- {s.remote} rx={s.rx} tx={s.tx}{age}\n"
+                        f"socket fd {fd}: {s.state} {s.local} <- {s.remote} rx={s.rx} "
+                        f"tx={s.tx}{age}\n"
                     )
             for task in sorted(glob.glob(proc + "/task/*")):
                 fields = _read(task + "/stat").rsplit(") ", 1)[-1].split()
@@ -144,7 +145,8 @@ def dump(path: str, match: str, queued: list[Sock], stuck: dict[str, float]) -> 
                     else ""
                 )
                 out.write(
-                    f"--- {task} {_read(task + '/comm')} {state} nice={nice} wchan={_read(task + '/wchan')} "
+                    f"--- {task} {_read(task + '/comm')} {state} nice={nice} "
+                    f"wchan={_read(task + '/wchan')} "
                     f"syscall={name}{first}\n{_read(task + '/stack')}\n"
                 )
 
@@ -211,7 +213,8 @@ def main() -> None:
             for s in watched:
                 if s.inode in stuck:
                     print(
-                        f"{tag}: {s.state} {s.local} <- {s.remote} rx={s.rx} for {stuck[s.inode]:.1f} s",
+                        f"{tag}: {s.state} {s.local} <- {s.remote} rx={s.rx} for "
+                        f"{stuck[s.inode]:.1f} s",
                         flush=True,
                     )
             done, quiet_until = done + 1, now + args.after

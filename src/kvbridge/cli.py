@@ -28,7 +28,8 @@ def _doctor(args: argparse.Namespace) -> int:
     console = Console(stderr=args.json)
     if not args.json:
         console.print(
-            f"kvbridge {__version__}: checking transports with a real transfer between two processes ..."
+            f"kvbridge {__version__}: checking transports with a real transfer between two "
+            "processes ..."
         )
     report = doctor.run(args.transport or None)
     if args.json:
@@ -36,7 +37,8 @@ def _doctor(args: argparse.Namespace) -> int:
     else:
         env = report["environment"]
         console.print(
-            f"python {env['python']}, {env['cpus']} CPUs, RDMA devices: {', '.join(env['rdma_devices']) or 'none'}"
+            f"python {env['python']}, {env['cpus']} CPUs, RDMA devices: "
+            f"{', '.join(env['rdma_devices']) or 'none'}"
         )
         table = Table()
         for col in ("transport", "imports", "works", "detail", "fix"):
@@ -103,21 +105,25 @@ def _demo(args: argparse.Namespace) -> int:
     tp = (args.prefill_tp, args.decode_tp)
     if min(tp) < 1 or (max(tp) % min(tp)):
         print(
-            f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of the other (fix: e.g. 2 and 1)",
+            f"kvbridge demo: --prefill-tp {tp[0]} --decode-tp {tp[1]}: one must be a multiple of "
+            "the other (fix: e.g. 2 and 1)",
             file=sys.stderr,
         )
         return 2
     if has_states(args.model) and (args.engine == "sglang" or config.packed):
         print(
-            f"kvbridge demo --model {args.model}: states move between vLLM instances on the direct path "
+            f"kvbridge demo --model {args.model}: states move between vLLM instances on the direct "
+            "path "
             "(fix: --engine vllm, leave --wire-dtype exact and --data-path auto)",
             file=sys.stderr,
         )
         return 2
     if mla and config.packed and args.engine == "sglang" and tp[0] > tp[1]:
         print(
-            "kvbridge demo --model mla --engine sglang: the packed path moves latent caches to a decode of at least the "
-            "prefill's TP size (fix: leave --wire-dtype exact and --data-path auto, or raise --decode-tp)",
+            "kvbridge demo --model mla --engine sglang: the packed path moves latent caches to a "
+            "decode of at least the "
+            "prefill's TP size (fix: leave --wire-dtype exact and --data-path auto, or raise "
+            "--decode-tp)",
             file=sys.stderr,
         )
         return 2
@@ -135,7 +141,8 @@ def _demo(args: argparse.Namespace) -> int:
 
         if args.flow != "push":
             print(
-                "kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode pre-allocates, the prefill pushes)",
+                "kvbridge demo --engine sglang: --flow applies to vLLM only (SGLang's decode "
+                "pre-allocates, the prefill pushes)",
                 file=sys.stderr,
             )
             return 2
@@ -215,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         "--flow",
         choices=("push", "pull", "sequential"),
         default="push",
-        help="push: layer-wise, P and D at once (default); pull: P first, vLLM's kv_transfer_params protocol; "
-        "sequential: P first, no kv_transfer_params needed (storage-sharing connectors such as vLLM's ExampleConnector)",
+        help=(
+            "push: layer-wise, P and D at once (default); pull: P first, vLLM's "
+            "kv_transfer_params protocol; sequential: P first, no kv_transfer_params needed "
+            "(storage-sharing connectors such as vLLM's ExampleConnector)"
+        ),
     )
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds a request may take end to end"
@@ -230,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engine",
         choices=("vllm", "sglang"),
         default="vllm",
-        help="vllm (default) or sglang: SGLang servers with --disaggregation-transfer-backend kvbridge behind "
-        "sglang_router (needs `make setup-sglang`, then .venv-sglang/bin/kvbridge demo --engine sglang)",
+        help=(
+            "vllm (default) or sglang: SGLang servers with --disaggregation-transfer-backend "
+            "kvbridge behind sglang_router (needs `make setup-sglang`, then "
+            ".venv-sglang/bin/kvbridge demo --engine sglang)"
+        ),
     )
     p.add_argument("--transport", choices=("nixl", "mooncake"), default="nixl")
     p.add_argument("--flow", choices=("push", "pull"), default="push", help="vLLM only")
@@ -270,9 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         choices=("tiny", "mla", "hybrid", "shortconv"),
         default="tiny",
-        help="the demo model: tiny (Llama, default), mla (DeepSeek-V2: multi-head latent attention, one latent vector per token) "
-        "hybrid (GraniteMoeHybrid: Mamba2 layers between attention layers; vLLM only) "
-        "or shortconv (LFM2: short convolutions between attention layers; vLLM only)",
+        help=(
+            "the demo model: tiny (Llama, default), mla (DeepSeek-V2: multi-head latent "
+            "attention, one latent vector per token), hybrid (GraniteMoeHybrid: Mamba2 layers "
+            "between attention layers; vLLM only) or shortconv (LFM2: short convolutions "
+            "between attention layers; vLLM only)"
+        ),
     )
     p.set_defaults(func=_demo)
     p = sub.add_parser(

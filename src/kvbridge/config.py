@@ -16,7 +16,7 @@ Example::
     >>> load_config({"transprot": "nixl"})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    kvbridge.errors.ConfigError: unknown config key 'transprot' (fix: did you mean 'transport'? valid keys: ...)
+    kvbridge.errors.ConfigError: unknown config key 'transprot' (fix: did you mean 'transport'? ...)
 """
 
 from __future__ import annotations
@@ -245,7 +245,8 @@ def load_config(source: Mapping[str, Any] | str | bytes | None = None) -> KVBrid
 def _check_data_path(wire_dtype: object, data_path: object) -> None:
     if wire_dtype == "fp8" and data_path == "direct":
         raise ConfigError(
-            "wire_dtype 'fp8' quantizes KV while packing it, so it cannot use data_path 'direct' (cache to cache)",
+            "wire_dtype 'fp8' quantizes KV while packing it, so it cannot use data_path 'direct' "
+            "(cache to cache)",
             key="data_path",
             fix="drop data_path (auto) or set it to 'packed'",
         )

@@ -89,7 +89,8 @@ def check_transport(name: str, timeout: float = 60.0) -> Check:
             result.write_gbps = round(PROBE_BYTES / elapsed / 1e9, 2)
             result.works = True
             result.detail = (
-                f"{PROBE_BYTES >> 20} MiB in {n} descriptors, first (cold) write {result.write_gbps} GB/s, "
+                f"{PROBE_BYTES >> 20} MiB in {n} descriptors, first (cold) write "
+                f"{result.write_gbps} GB/s, "
                 f"notification {result.notify_ms} ms"
             )
     except (KVBridgeError, RuntimeError, TimeoutError, OSError) as exc:

@@ -95,7 +95,10 @@ def test_a_batch_failing_every_retry_fails_with_the_count_and_the_transport_keep
     local, peer = pair
     with pytest.raises(
         TransferFailedError,
-        match=rf"failed \(rc=-1\) {len(RETRY_PAUSES_S) + 1} times although the peer answers a probe",
+        match=(
+            rf"failed \(rc=-1\) {len(RETRY_PAUSES_S) + 1} times although the peer answers a "
+            "probe"
+        ),
     ) as info:
         _write(local, peer, failures=100, seed=6)
     assert "registered on the peer" in (info.value.fix or "")
@@ -231,7 +234,8 @@ def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the
         "6",
     )
     code = (
-        "import os\nfrom kvbridge.config import load_config\nfrom kvbridge.transports.testing import Local\n"
+        "import os\nfrom kvbridge.config import load_config\nfrom kvbridge.transports.testing "
+        "import Local\n"
         "Local('mooncake', nbytes=4096, config=load_config({})).close()\n"
         "print(os.environ['MC_TCP_PROGRESS_TIMEOUT_SEC'], os.environ['MC_TRANSFER_TIMEOUT'])\n"
     )

@@ -365,7 +365,8 @@ def test_peer_that_never_answers_is_unreachable(transport_name: str) -> None:
             err = exc
         assert err is not None, "writes to a stopped peer never failed"
         print(
-            f"\n{transport_name}: stale peer reported after {time.monotonic() - start:.2f}s as {err!r}"
+            f"\n{transport_name}: stale peer reported after {time.monotonic() - start:.2f}s as "
+            f"{err!r}"
         )
         assert isinstance(err, (PeerUnreachableError, DeadlineExceeded)), repr(err)
         assert "peer" in str(err) and err.fix, f"error should name the peer and a fix: {err}"
@@ -394,7 +395,8 @@ def test_close_releases_everything_and_stops_threads(transport_name: str) -> Non
         (base_py, base_os), (after_py, after_os) = report["baseline"], report["after"]
         assert after_py == base_py, "python threads left running after close"
         assert after_os <= base_os, (
-            f"OS threads: {base_os} before the transport, {after_os} after close: {report['os_thread_names']}"
+            f"OS threads: {base_os} before the transport, {after_os} after close: "
+            f"{report['os_thread_names']}"
         )
 
 
@@ -457,7 +459,8 @@ def test_hung_peer_does_not_block_other_peers(transport_name: str) -> None:
                 )
                 side.join(60)
                 assert not side.is_alive(), "talking to the hung peer never returned"
-                # cma (NIXL) may complete a write into a stopped process; otherwise the wait ends in an error
+                # cma (NIXL) may complete a write into a stopped process; otherwise the wait ends in
+                # an error
                 assert outcome["hung"] == "completed" or isinstance(
                     outcome["hung"], (DeadlineExceeded, TransportError)
                 ), outcome

@@ -137,7 +137,8 @@ def test_pack_equals_reference(kernel, layout, dtype, bs, heads, dim, tokens, hr
 
 UNPACK_CASES = [
     (("nhd", torch.bfloat16, 16), ("hnd", torch.float16, 32), 8, 8, None, 0, "chunked"),
-    # source (layout, dtype, bs), destination (layout, dtype, bs), heads: src, dst, packed range, dst offset; fp8
+    # source (layout, dtype, bs), destination (layout, dtype, bs), heads: src, dst, packed range,
+    # dst offset; fp8
     *[
         ((lay, dt, 16), (lay, dt, 16), 8, 8, None, 0, fp8)
         for lay, dt, fp8 in itertools.product(LAYOUTS, DTYPES, (False, True))

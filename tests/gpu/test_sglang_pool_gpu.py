@@ -44,9 +44,13 @@ def pool(device: str, seed: int | None) -> tuple[list[torch.Tensor], object]:
         for _ in range(2 * LAYERS)
     ]
     opaque = kv_geometry(
-        page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
-        item_lens=[PAGE * HEADS * DIM * 2] * len(bufs), memory="host" if device == "cpu" else "device", device=0,
-    )  # fmt: skip
+        page_size=PAGE,
+        ptrs=[b.data_ptr() for b in bufs],
+        lens=[b.numel() * b.element_size() for b in bufs],
+        item_lens=[PAGE * HEADS * DIM * 2] * len(bufs),
+        memory="host" if device == "cpu" else "device",
+        device=0,
+    )
     return bufs, typed_geometry(opaque, dtype="bfloat16", head_dim=DIM)
 
 

@@ -270,7 +270,8 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
     finally:
         cluster.restart_decode()  # the next tests need a decode instance either way
     assert elapsed < LEASE_S, (
-        f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended the transfer"
+        f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended "
+        "the transfer"
     )
     assert metric(cluster.p.url, SENDS_HELD) == 0
 

@@ -93,7 +93,8 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
         assert len(common) >= 3, f"first-token top-5 barely overlap: {a} vs {b}"
         drift = max(abs(a[t] - b[t]) for t in common)
         assert drift < 0.6, (
-            f"{len(prompt)} tokens: first-token logprobs moved by {drift:.2f} (FP8 noise is < 0.4): {a} vs {b}"
+            f"{len(prompt)} tokens: first-token logprobs moved by {drift:.2f} (FP8 noise is < "
+            f"0.4): {a} vs {b}"
         )
         worst = max(worst, drift)
         same_tokens += next(
@@ -114,9 +115,12 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
     record_property("fp8_greedy_agreement", agreement)
     record_property("fp8_first_token_logprob_drift", worst)
     print(
-        f"\nFP8 on the wire: first token equal to the exact colocated run for {same_first}/{len(PROMPTS)} prompts, "
-        f"greedy tokens equal before the first divergence {agreement:.0%}, first-token logprobs within {worst:.2f}; "
-        f"bytes per block {FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} ({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)"
+        "\nFP8 on the wire: first token equal to the exact colocated run for "
+        f"{same_first}/{len(PROMPTS)} prompts, "
+        f"greedy tokens equal before the first divergence {agreement:.0%}, first-token logprobs "
+        f"within {worst:.2f}; "
+        f"bytes per block {FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} "
+        f"({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)"
     )
 
 

@@ -16,7 +16,8 @@ layout), the same on every TP rank.
 
 - the packed path (staging buffers): exact values (``data_path: packed``, Mooncake, in
   blocks of 8 as above), output equal to colocated and exactly the latent bytes; FP8
-  (``wire_dtype: fp8``, NIXL), each vector's halves quantized with a scale each: 3.9x fewer bytes, first-token logprobs
+  (``wire_dtype: fp8``, NIXL), each vector's halves quantized with a scale each: 3.9x fewer bytes,
+  first-token logprobs
   equal to those of the model run in transformers on an FP8-rounded latent cache;
   both: staging slots all free again.
 
@@ -134,7 +135,8 @@ def expect_received(
     expected = ranks * blocks * unit * BYTES_PER_TOKEN
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, (
-        f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {blocks} latent blocks of {unit} tokens are {expected}"
+        f"the decode received {got} bytes; {ranks} rank(s) x the prompt's {blocks} latent blocks "
+        f"of {unit} tokens are {expected}"
     )
 
 
@@ -260,7 +262,8 @@ def test_mla_on_the_packed_path(
         )
         off = max(abs(have[t] - want[t]) for t in want)
         assert off < 0.01, (
-            f"{n} tokens, {flow}: first-token logprobs {off:.3f} from the FP8 reference: {have} vs {want}"
+            f"{n} tokens, {flow}: first-token logprobs {off:.3f} from the FP8 reference: {have} vs "
+            f"{want}"
         )
         worst_ref = max(worst_ref, off)
         worst_drift = max(
@@ -273,6 +276,7 @@ def test_mla_on_the_packed_path(
     if wire == "fp8":
         record_property("mla_fp8_first_token_logprob_drift", worst_drift)
         print(
-            f"\nMLA, FP8 on the wire: first-token logprobs within {worst_ref:.4f} of the FP8 reference, {worst_drift:.2f} from "
+            f"\nMLA, FP8 on the wire: first-token logprobs within {worst_ref:.4f} of the FP8 "
+            f"reference, {worst_drift:.2f} from "
             f"the exact run; {BYTES_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer bytes"
         )

@@ -155,7 +155,8 @@ def test_decode_equals_colocated_and_moves_the_window_only(
         - before
     )
     assert got == want, (
-        f"D received {got} bytes for {n} tokens; the full layer's blocks and the sliding layer's window are {want}"
+        f"D received {got} bytes for {n} tokens; the full layer's blocks and the sliding layer's "
+        f"window are {want}"
     )
 
 

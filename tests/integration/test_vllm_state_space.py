@@ -287,7 +287,8 @@ def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(
                     - before
                 )
                 assert got == want, (
-                    f"TP {pair}, {n} tokens, {flow}: D's ranks received {got} bytes, expected {want}"
+                    f"TP {pair}, {n} tokens, {flow}: D's ranks received {got} bytes, expected "
+                    f"{want}"
                 )
             check_first_token_logprobs(
                 p.url,
@@ -405,7 +406,8 @@ def test_decode_equals_colocated_and_moves_the_states(
         - before
     )
     assert got == want, (
-        f"D received {got} bytes for {n} tokens; the attention blocks of {n - 1} tokens and the states are {want}"
+        f"D received {got} bytes for {n} tokens; the attention blocks of {n - 1} tokens and the "
+        f"states are {want}"
     )
 
 

@@ -64,7 +64,8 @@ def test_decode_equals_colocated(cluster: TPCluster, pair: str, flow: str, n: in
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, (
-        f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+        f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are "
+        f"{expected}"
     )
     for s in (p, d):  # each side released the request's blocks
         idle = usage[s.url] + 1e-9

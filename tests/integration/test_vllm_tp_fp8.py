@@ -16,7 +16,8 @@ colocated TP 1 and TP 2 instances differ by 5e-6; a wrong head range or block mo
 them by more than 1; stale KV in the unused tail of the last block, which the sender
 now clears, moved them by 1e-3 to 1e-2; the first token reads every prompt position of
 every layer and head). Later tokens may
-part at a near tie, since TP 1 and TP 2 decodes round differently: reported. It also checks that the decode workers together receive exactly the FP8
+part at a near tie, since TP 1 and TP 2 decodes round differently: reported. It also checks that the
+decode workers together receive exactly the FP8
 bytes of the prompt's blocks and that the instances' KV usage returns to idle, and
 reports agreement with a colocated exact run.
 
@@ -110,11 +111,13 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
         out = handoff("push", p.url, d.url, prompt, MAX_TOKENS, address, logprobs=5)
         a, b = _first_token_logprobs(ref), _first_token_logprobs(out)
         assert a.keys() == b.keys(), (
-            f"{n} tokens, TP {p_tp} -> {d_tp}: first-token top-5 differ from TP {p_tp} -> {p_tp}: {a} vs {b}"
+            f"{n} tokens, TP {p_tp} -> {d_tp}: first-token top-5 differ from TP {p_tp} -> {p_tp}: "
+            f"{a} vs {b}"
         )
         drift = max(abs(a[t] - b[t]) for t in a)
         assert drift < 1e-4, (
-            f"{n} tokens, TP {p_tp} -> {d_tp}: first-token logprobs differ from TP {p_tp} -> {p_tp} by {drift:.3f}: {a} vs {b}"
+            f"{n} tokens, TP {p_tp} -> {d_tp}: first-token logprobs differ from TP {p_tp} -> "
+            f"{p_tp} by {drift:.3f}: {a} vs {b}"
         )
         assert out.token_ids[0] == ref.token_ids[0]
         worst = max(worst, drift)
@@ -125,7 +128,8 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
             - before
         )
         assert got == expected, (
-            f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} FP8 blocks are {expected}"
+            f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} FP8 "
+            f"blocks are {expected}"
         )
         for s in (p, d):  # each side released the request's blocks
             idle = usage[s.url] + 1e-9
@@ -142,6 +146,8 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
         )
     record_property(f"fp8_tp{p_tp}to{d_tp}_greedy_agreement", agree / total)
     print(
-        f"\nFP8, TP {p_tp} -> {d_tp}: first-token logprobs within {worst:.1e} of TP {p_tp} -> {p_tp}, greedy tokens equal to it "
-        f"before the first divergence {same / total:.0%} (decodes of different TP sizes round differently), to a colocated exact run {agree / total:.0%}"
+        f"\nFP8, TP {p_tp} -> {d_tp}: first-token logprobs within {worst:.1e} of TP {p_tp} -> "
+        f"{p_tp}, greedy tokens equal to it "
+        f"before the first divergence {same / total:.0%} (decodes of different TP sizes round "
+        f"differently), to a colocated exact run {agree / total:.0%}"
     )

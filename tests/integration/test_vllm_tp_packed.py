@@ -89,7 +89,8 @@ def test_packed_exact_between_tp_sizes_decodes_like_colocated(
     expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, (
-        f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are {expected}"
+        f"the decode workers received {got} bytes, the prompt's {math.ceil(n / BLOCK)} blocks are "
+        f"{expected}"
     )
     for s, tp in ((p, p_tp), (d, d_tp)):
         idle = usage[s.url] + 1e-9

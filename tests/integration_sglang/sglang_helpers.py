@@ -172,7 +172,8 @@ def expect_refused(pd: PD, what: str) -> str:
     body_in = {"input_ids": prompt_ids(40, seed=5), "sampling_params": {"max_new_tokens": 4}}
     status, body = http(f"{pd.router.url}/generate", body_in, timeout=REFUSAL_ANSWER_S)
     assert status != 0, (
-        f"no answer within {REFUSAL_ANSWER_S:.0f} s (both sides must fail the request): {body[:300]!r}\n{pd.prefill.log_tail()}"
+        f"no answer within {REFUSAL_ANSWER_S:.0f} s (both sides must fail the request): "
+        f"{body[:300]!r}\n{pd.prefill.log_tail()}"
     )
     assert status != 200, f"{what}: a request was served: {body[:300]!r}"
     print(f"\n{what}: refused request answered {status} after {time.monotonic() - started:.1f} s")
@@ -196,7 +197,8 @@ def wait_sent_lines(prefill: Proc, offset: int, count: int = 1) -> list[tuple[in
             break
         time.sleep(0.05)
     assert len(lines) == count, (
-        f"expected {count} 'room R sent' lines in the prefill log, got {lines}:\n{prefill.log_tail()}"
+        f"expected {count} 'room R sent' lines in the prefill log, got "
+        f"{lines}:\n{prefill.log_tail()}"
     )
     return lines
 
@@ -290,9 +292,11 @@ def wait_staging_idle(server: Proc, timeout: float = 30.0) -> None:
 
 def generate_logprobs(url: str, input_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
     body = {
-        "input_ids": input_ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
-        "return_logprob": True, "top_logprobs_num": 5,
-    }  # fmt: skip
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        "return_logprob": True,
+        "top_logprobs_num": 5,
+    }
     status, data = http(f"{url}/generate", body)
     assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
     out = json.loads(data)
@@ -316,7 +320,8 @@ def generate_through(pd: PD, input_ids: list[int]) -> list[int]:
         return generate_ids(pd.router.url, input_ids)
     except AssertionError as exc:
         raise AssertionError(
-            f"{exc}\n--- prefill ---\n{pd.prefill.log_tail()}\n--- decode ---\n{pd.decode.log_tail()}"
+            f"{exc}\n--- prefill ---\n{pd.prefill.log_tail()}\n--- decode "
+            f"---\n{pd.decode.log_tail()}"
         ) from None
 
 

@@ -188,7 +188,8 @@ class Pair:
         def mid():
             if not request["thread"].is_alive():
                 raise AssertionError(
-                    f"the request ended before it was mid-transfer: {request.get('status')} {str(request.get('body'))[:300]}"
+                    f"the request ended before it was mid-transfer: {request.get('status')} "
+                    f"{str(request.get('body'))[:300]}"
                 )
             d, p = _loads(self.decode.url), _loads(self.prefill.url)
             waiting = d.get("disaggregation", {}).get("decode_transfer_queue_reqs", 0) >= 1
@@ -233,7 +234,8 @@ class Pair:
                     )
                 except AssertionError as exc:
                     raise AssertionError(
-                        f"{exc} on {server.log_path.stem}: {self.staging_used(server)} used\n{self.tails()}"
+                        f"{exc} on {server.log_path.stem}: {self.staging_used(server)} "
+                        f"used\n{self.tails()}"
                     ) from None
         for server in (self.prefill, self.decode):
             text = server.log_path.read_text(errors="replace")
@@ -366,7 +368,8 @@ def test_decode_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) 
     pair.decode.kill()
     prefill_req["thread"].join(FAIL_WITHIN_S)
     assert not prefill_req["thread"].is_alive(), (
-        f"the prefill's request had no answer {FAIL_WITHIN_S:.0f} s after the decode died\n{pair.tails()}"
+        f"the prefill's request had no answer {FAIL_WITHIN_S:.0f} s after the decode "
+        f"died\n{pair.tails()}"
     )
     took = time.monotonic() - killed
     assert _failed(prefill_req), prefill_req

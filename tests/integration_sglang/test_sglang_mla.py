@@ -103,7 +103,8 @@ def mla_packed_pd(
         **pd_config(transport, layerwise),
         **({"wire_dtype": "fp8"} if wire == "fp8" else {"data_path": "packed"}),
     }
-    # FP8 is checked against a float32 transformers run: SGLang runs this model in float32 too (it picks float16 otherwise)
+    # FP8 is checked against a float32 transformers run: SGLang runs this model in float32 too (it
+    # picks float16 otherwise)
     dtype = ["--dtype", "float32"] if wire == "fp8" else []
     for pd in start_pd(
         mla_model,
@@ -126,7 +127,8 @@ def test_mla_on_the_packed_path(
         before = kvbridge_metrics(pd.decode.url)
         got, got_tops = generate_logprobs(pd.router.url, input_ids)
         if wire == "fp8":
-            # SGLang's first output token comes from the prefill; the decode computes the second on the FP8 latent pages
+            # SGLang's first output token comes from the prefill; the decode computes the second on
+            # the FP8 latent pages
             ref = fp8_latent_logprobs(mla_model, input_ids, got[0])
             assert got_tops[1].keys() == ref.keys(), (
                 f"{n} tokens: top-5 {got_tops[1]} differ from the FP8 reference's {ref}"
@@ -151,5 +153,6 @@ def test_mla_on_the_packed_path(
     if wire == "fp8":
         record_property("sglang_mla_fp8_reference_distance", worst)
         print(
-            f"\nSGLang MLA, FP8 on the wire: the decode's logprobs within {worst:.4f} of the FP8 reference"
+            f"\nSGLang MLA, FP8 on the wire: the decode's logprobs within {worst:.4f} of the FP8 "
+            "reference"
         )

@@ -6,7 +6,8 @@ every prompt equals a colocated SGLang server started with the same flags, token
 token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``), each with per-chunk sends
 (``layerwise: false``) and with per-layer streaming (``layerwise_min_tokens: 0``, so
 every prompt streams); two of the pairs run a decode whose pages are 2 or 4 times the
-prefill's, one a prefill whose pages are twice the decode's (``transfer_block_size``). The prefill's per-room log line ("room R sent: L layer writes,
+prefill's, one a prefill whose pages are twice the decode's (``transfer_block_size``). The prefill's
+per-room log line ("room R sent: L layer writes,
 C chunk writes") shows which path each request took. The disaggregated servers run with
 ``--enable-metrics``: kvbridge's ``sglang:kvbridge_*`` metrics on their ``/metrics``
 count each request once and exactly its KV bytes (computed from the model's config and
@@ -32,7 +33,8 @@ try:  # this directory runs in .venv-sglang only (make test); elsewhere: a clear
     import sglang_router  # noqa: F401
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
-        "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh, then .venv-sglang/bin/python -m pytest tests/integration_sglang"
+        "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh, then "
+        ".venv-sglang/bin/python -m pytest tests/integration_sglang"
     ) from exc
 
 from sglang_helpers import (
@@ -76,7 +78,8 @@ PROMPTS = {
 # 16 and the one with larger pages addresses each as 2 or 4 transfer pages (the bytes
 # moved are the prompt's 16-token pages, as between equal sizes): decodes of 32 and 64,
 # and prefills of 32 (per layer, and per chunk on the packed path; their decodes without
-# a radix cache: a hit would end inside one of the prefill's pages). Three decodes keep a radix cache of their own
+# a radix cache: a hit would end inside one of the prefill's pages). Three decodes keep a radix
+# cache of their own
 # (--disaggregation-decode-enable-radix-cache, off by default in SGLang) and ask the
 # prefill only for the pages past a hit.
 PAGE = 16
@@ -212,7 +215,8 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(
     want = kv_bytes(model, pd_router.prefill, len(second)) - kv_bytes(model, pd_router.prefill, hit)
     received = wait_received_bytes(pd_router.decode.url, before, want)
     assert received == want, (
-        f"the decode received {received} bytes; the {len(second) - hit} tokens past a {hit}-token hit are {want}"
+        f"the decode received {received} bytes; the {len(second) - hit} tokens past a {hit}-token "
+        f"hit are {want}"
     )
 
 
@@ -280,7 +284,8 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
         )
         want_bytes = fp8_bytes(model, len(input_ids))
         assert received == want_bytes, (
-            f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is {want_bytes}"
+            f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is "
+            f"{want_bytes}"
         )
         exact = kv_bytes(model, prefill, len(input_ids))
         assert (
@@ -288,7 +293,8 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
         )  # the test model: float16, head_dim 32: 64 bytes per row vs 36
     record_property("fp8_max_logprob_drift", worst)
     print(
-        f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} prompts; logprobs within {worst:.2f}"
+        f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} "
+        f"prompts; logprobs within {worst:.2f}"
     )
 
 

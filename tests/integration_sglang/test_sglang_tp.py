@@ -79,7 +79,8 @@ def test_greedy_output_between_tp_sizes_equals_colocated(
     got = generate_through(tp_pd[0], input_ids)
     assert len(want) == MAX_NEW_TOKENS
     assert got == want, (
-        f"{prompt} ({PROMPTS[prompt]} tokens), prefill TP {p_tp} -> decode TP {d_tp}: {got} != colocated {want}"
+        f"{prompt} ({PROMPTS[prompt]} tokens), prefill TP {p_tp} -> decode TP {d_tp}: {got} != "
+        f"colocated {want}"
     )
     lines = wait_sent_lines(prefill, offset, count=p_tp)  # one per prefill rank
     assert len({room for room, _, _ in lines}) == 1 and all(layer > 0 for _, layer, _ in lines), (

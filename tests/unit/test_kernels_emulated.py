@@ -353,7 +353,8 @@ def test_pack_equals_reference(
 
 
 UNPACK_CASES = [
-    # source (layout, dtype, bs), destination (layout, dtype, bs), heads: src, dst, packed range, dst offset; fp8, chunk
+    # source (layout, dtype, bs), destination (layout, dtype, bs), heads: src, dst, packed range,
+    # dst offset; fp8, chunk
     *[
         ((lay, dt, 16), (lay, dt, 16), 2, 2, None, 0, fp8, 0)
         for lay, dt, fp8 in itertools.product(("fused", "nhd", "hnd"), DTYPES, (False, True))
@@ -628,9 +629,11 @@ def test_emulator_catches_divergent_shuffles(tmp_path):
     src = tmp_path / "diverge.cpp"
     src.write_text(
         "#include <cstdio>\n"
-        "void k(int skip) { float x = threadIdx.x; if ((int)(threadIdx.x & 31) != skip) x = __shfl_xor_sync(0xffffffffu, x, 1);"
+        "void k(int skip) { float x = threadIdx.x; if ((int)(threadIdx.x & 31) != skip) x = "
+        "__shfl_xor_sync(0xffffffffu, x, 1);"
         " (void)x; }\n"
-        "int main(int argc, char**) { kvb_emu::launch(1, 64, 0, nullptr, [=] { k(argc > 1 ? 3 : -1); });\n"
+        "int main(int argc, char**) { kvb_emu::launch(1, 64, 0, nullptr, [=] { k(argc > 1 ? 3 : "
+        "-1); });\n"
         '  std::printf("%s\\n", kvb_emu::first_error().c_str()); return 0; }\n'
     )
     exe = tmp_path / "diverge"

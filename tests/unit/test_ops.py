@@ -315,7 +315,8 @@ def test_the_bindings_input_errors_are_raised_as_ours_and_launch_failures_as_the
 
     def refuse(*args):
         raise RuntimeError(
-            "kvbridge: block id 9 is out of range [0, 4)\nException raised from check_planes at csrc/api.cpp:130"
+            "kvbridge: block id 9 is out of range [0, 4)\nException raised from check_planes at "
+            "csrc/api.cpp:130"
         )
 
     monkeypatch.setattr(binding, "pack", refuse)

@@ -32,7 +32,8 @@ def test_layerwise_push_streams_layer_by_layer_across_chunks(pd) -> None:
     n, pblocks, dblocks = 200, list(range(13)), list(range(30, 43))  # 200 tokens: 13 blocks
     D.receiver.expect_push("r", P.address, dblocks, n)
     P.sender.track("r", pblocks, n)
-    # chunk 1: 64 tokens = 4 full blocks, layer by layer; each layer lands before the next is computed
+    # chunk 1: 64 tokens = 4 full blocks, layer by layer; each layer lands before the next is
+    # computed
     for layer in range(L):
         P.sender.layer_done("r", layer, 64)
         eventually(lambda: np.array_equal(da[layer, dblocks[:4]], pa[layer, pblocks[:4]]))

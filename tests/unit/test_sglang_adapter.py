@@ -306,7 +306,10 @@ def test_importing_the_adapter_imports_no_sglang() -> None:
     import subprocess
     import sys
 
-    code = "import sys, kvbridge.adapters.sglang, kvbridge.adapters.sglang.messages; print('sglang' in sys.modules)"
+    code = (
+        "import sys, kvbridge.adapters.sglang, kvbridge.adapters.sglang.messages; print('sglang' "
+        "in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()

@@ -44,9 +44,11 @@ def sglang_pool(seed: int | None, dtype: torch.dtype = torch.bfloat16):
     v = [make() for _ in range(LAYERS)]
     bufs = k + v
     geo = kv_geometry(
-        page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
+        page_size=PAGE,
+        ptrs=[b.data_ptr() for b in bufs],
+        lens=[b.numel() * b.element_size() for b in bufs],
         item_lens=[PAGE * HEADS * DIM * bufs[0].element_size()] * len(bufs),
-    )  # fmt: skip
+    )
     return k, v, geo
 
 
@@ -89,9 +91,12 @@ def mla_pool(seed: int | None, latent: int = 576, dtype: torch.dtype = torch.bfl
         for _ in range(LAYERS)
     ]
     geo = kv_geometry(
-        page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
-        item_lens=[PAGE * latent * bufs[0].element_size()] * LAYERS, mla=True,
-    )  # fmt: skip
+        page_size=PAGE,
+        ptrs=[b.data_ptr() for b in bufs],
+        lens=[b.numel() * b.element_size() for b in bufs],
+        item_lens=[PAGE * latent * bufs[0].element_size()] * LAYERS,
+        mla=True,
+    )
     return bufs, geo
 
 
@@ -228,9 +233,11 @@ def tp_pools(tp: int, seed: int | None) -> list:
     for r in range(tp):
         bufs = [b[:, r * n : (r + 1) * n].contiguous() for b in model]
         geo = kv_geometry(
-            page_size=PAGE, ptrs=[b.data_ptr() for b in bufs], lens=[b.numel() * b.element_size() for b in bufs],
+            page_size=PAGE,
+            ptrs=[b.data_ptr() for b in bufs],
+            lens=[b.numel() * b.element_size() for b in bufs],
             item_lens=[PAGE * n * DIM * bufs[0].element_size()] * len(bufs),
-        )  # fmt: skip
+        )
         pools.append((bufs, typed_geometry(geo, dtype="bfloat16", head_dim=DIM)))
     return pools
 

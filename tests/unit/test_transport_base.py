@@ -202,7 +202,8 @@ def test_missing_dependency_gives_install_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "kvb_fake_rdma.py").write_text(
-        "raise ImportError('libibverbs.so.1: cannot open shared object file: No such file or directory')\n"
+        "raise ImportError('libibverbs.so.1: cannot open shared object file: No such file or "
+        "directory')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     register_transport(

@@ -267,7 +267,10 @@ def test_a_state_space_layer_moves_its_state_from_the_memory_it_shares_with_atte
             assert ctypes.string_at(addr, length) == block_bytes(t[b].contiguous()), (layer, b)
     with pytest.raises(
         KVBridgeError,
-        match=r"state-space layer cache model.layers.0.mixer .*where 5 blocks 16384 bytes apart were expected",
+        match=(
+            r"state-space layer cache model.layers.0.mixer .*where 5 blocks 16384 bytes apart were "
+            r"expected"
+        ),
     ):
         geometry_from_tensors(
             {**kv, "model.layers.0.mixer": state[:, :, :, ::2]},

@@ -403,9 +403,7 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
     )
 
 
-def test_with_a_sliding_window_the_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> (
-    None
-):
+def test_sliding_window_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> None:
     """Every length is handed off, the window's edge (``N - W + 1`` a multiple of the
     block size) included: 103 tokens, the decode loads 102. A 1-token prompt is not:
     the decode computes it (no tokens to load), the prefill as a plain request (nothing

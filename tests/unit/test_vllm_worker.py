@@ -662,7 +662,10 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     cross = CrossAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     with pytest.raises(
         KVBridgeError,
-        match="group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and state-space",
+        match=(
+            "group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and "
+            "state-space"
+        ),
     ) as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(cross, "x")]))
     assert "--disable-hybrid-kv-cache-manager" in str(err.value)

@@ -138,9 +138,18 @@ def test_unknown_fields_from_newer_peers_are_tolerated() -> None:
 def test_compat_hash_changes_with_every_property() -> None:
     base = compat_hash(INFO)
     changes = {
-        "model": "other", "dtype": "bfloat16", "layout": "nhd", "block_size": 64, "num_layers": 3, "num_kv_heads": 4, "head_dim": 128,
-        "tp_size": 3, "total_kv_heads": 16, "layer_groups": (0, 1), "group_windows": (0, 40),
-    }  # fmt: skip
+        "model": "other",
+        "dtype": "bfloat16",
+        "layout": "nhd",
+        "block_size": 64,
+        "num_layers": 3,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "tp_size": 3,
+        "total_kv_heads": 16,
+        "layer_groups": (0, 1),
+        "group_windows": (0, 40),
+    }
     hashes = {compat_hash(msgspec.structs.replace(INFO, **{k: v})) for k, v in changes.items()}
     assert base not in hashes and len(hashes) == len(changes)
 

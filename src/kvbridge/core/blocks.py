@@ -90,7 +90,8 @@ class BlockTable:
         """
         if self.num_groups != 1:
             raise PlanError(
-                f"this path moves one block list per request; the request has {self.num_groups} KV cache groups"
+                f"this path moves one block list per request; the request has {self.num_groups} KV "
+                "cache groups"
             )
         return self.rows[0].tolist()
 
@@ -105,7 +106,8 @@ class BlockTable:
     def __add__(self, other: BlockTable) -> BlockTable:
         if other.num_groups != self.num_groups:
             raise PlanError(
-                f"cannot join block tables of {self.num_groups} and {other.num_groups} KV cache groups"
+                f"cannot join block tables of {self.num_groups} and {other.num_groups} KV cache "
+                "groups"
             )
         return BlockTable(np.concatenate([self.rows, other.rows], axis=1))
 

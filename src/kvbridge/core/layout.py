@@ -166,12 +166,14 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if self.layer_bytes:
             if len(self.layer_bytes) != self.spec.num_layers or self.spec.planes_per_layer != 1:
                 raise ValueError(
-                    f"CacheGeometry.layer_bytes needs one entry per layer ({self.spec.num_layers}) of a one-plane layout, "
+                    f"CacheGeometry.layer_bytes needs one entry per layer ({self.spec.num_layers}) "
+                    "of a one-plane layout, "
                     f"got {len(self.layer_bytes)} for {self.spec.layout}"
                 )
             if any(not 0 < n <= self.stride for n in self.layer_bytes):
                 raise ValueError(
-                    f"CacheGeometry.layer_bytes must be positive and at most the block stride ({self.stride}): {self.layer_bytes}"
+                    "CacheGeometry.layer_bytes must be positive and at most the block stride "
+                    f"({self.stride}): {self.layer_bytes}"
                 )
         expected = self.spec.num_layers * self.spec.planes_per_layer
         if len(self.plane_bases) != expected:
@@ -247,7 +249,8 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             )
         if not spec.heads_apart or spec.num_kv_heads % parts:
             raise PlanError(
-                f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} head ranges"
+                f"cannot cut {spec.layout} blocks of {spec.num_kv_heads} KV heads into {parts} "
+                "head ranges"
             )
         piece = spec.block_bytes // parts
         table = np.repeat(self.slot_table(), parts, axis=0)
@@ -262,8 +265,12 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         (:func:`sub_block_ids`). Only caches that keep a block's tokens one after the
         other, blocks back to back, can be cut so.
 
-        >>> spec = CacheSpec(num_layers=1, block_size=64, num_kv_heads=2, head_dim=8, dtype="float16", layout="nhd")
-        >>> geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000)).in_blocks_of(16)
+        >>> spec = CacheSpec(
+        ...     num_layers=1, block_size=64, num_kv_heads=2, head_dim=8, dtype="float16",
+        ...     layout="nhd",
+        ... )
+        >>> geo = CacheGeometry(spec=spec, num_blocks=4, plane_bases=(0x1000, 0x9000))
+        >>> geo = geo.in_blocks_of(16)
         >>> geo.spec.block_size, geo.num_blocks, hex(geo.slot_address(geo.slot(0, 1, 5)))
         (16, 16, '0x9a00')
 
@@ -278,15 +285,18 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             raise PlanError(f"{tokens} does not divide the cache's block size {spec.block_size}")
         if self.layer_bytes:
             raise PlanError(
-                f"a cache with state-space layers keeps one state per request: its blocks cannot be moved in blocks of {tokens} tokens"
+                "a cache with state-space layers keeps one state per request: its blocks cannot "
+                f"be moved in blocks of {tokens} tokens"
             )
         if not spec.token_major:
             raise PlanError(
-                f"a {spec.layout} cache does not store a block token by token: its blocks cannot be moved in blocks of {tokens} tokens"
+                f"a {spec.layout} cache does not store a block token by token: its blocks cannot "
+                f"be moved in blocks of {tokens} tokens"
             )
         if self.stride != spec.block_bytes:
             raise PlanError(
-                f"the cache's blocks are {self.stride} bytes apart, not back to back: they cannot be moved in blocks of {tokens} tokens"
+                f"the cache's blocks are {self.stride} bytes apart, not back to back: they cannot "
+                f"be moved in blocks of {tokens} tokens"
             )
         m = spec.block_size // tokens
         return msgspec.structs.replace(

@@ -179,7 +179,8 @@ class _Request(Generic[P]):
             raise StateError(f"{self.transfer_id}: blocks released while {self.phase.value}")
         if self._inflight:
             raise StateError(
-                f"{self.transfer_id}: blocks released with {len(self._inflight)} transfers in flight"
+                f"{self.transfer_id}: blocks released with {len(self._inflight)} transfers in "
+                "flight"
             )
         self._released = True
         return tuple(self._blocks)

@@ -121,7 +121,8 @@ def _paired_slots(
     """Slot indices of both block lists in ``layers`` (default all), position-matched."""
     if len(local_blocks) != len(remote_blocks):
         raise PlanError(
-            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
+            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} "
+            "remote"
         )
     layer_list = tuple(range(local.spec.num_layers)) if layers is None else tuple(layers)
     return (
@@ -285,7 +286,8 @@ def held_positions(src: np.ndarray, dst: np.ndarray, group: int = 0) -> np.ndarr
     lost = np.flatnonzero((src == NONE) & (dst != NONE))
     if lost.size:
         raise PlanError(
-            f"KV cache group {group}: the destination expects position {int(lost[0])} of the request's blocks, "
+            f"KV cache group {group}: the destination expects position {int(lost[0])} of the "
+            "request's blocks, "
             "which the source no longer holds (it left the source's sliding window)"
         )
     return np.flatnonzero(dst != NONE)
@@ -313,7 +315,9 @@ def plan_grouped(
     order within each group.
 
     >>> from kvbridge.core.layout import CacheSpec
-    >>> spec = CacheSpec(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused")
+    >>> spec = CacheSpec(
+    ...     num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16", layout="fused"
+    ... )
     >>> geo = CacheGeometry(spec=spec, num_blocks=10, plane_bases=(0x1000, 0x2000))
     >>> src = BlockTable.grouped([[1, 2, 3], [4, 5, 6]])
     >>> dst = BlockTable.grouped([[7, 8, 9], [NONE, NONE, 3]])    # layer 1 keeps its last block
@@ -329,12 +333,14 @@ def plan_grouped(
     groups = max(layer_groups, default=0) + 1
     if local_blocks.num_groups != groups or remote_blocks.num_groups != groups:
         raise PlanError(
-            f"block tables of {local_blocks.num_groups} (local) and {remote_blocks.num_groups} (remote) KV cache groups "
+            f"block tables of {local_blocks.num_groups} (local) and {remote_blocks.num_groups} "
+            "(remote) KV cache groups "
             f"for a cache whose layers form {groups}"
         )
     if len(local_blocks) != len(remote_blocks):
         raise PlanError(
-            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} remote"
+            f"block lists differ in length: {len(local_blocks)} local vs {len(remote_blocks)} "
+            "remote"
         )
     layer_list = list(range(local.spec.num_layers)) if layers is None else list(layers)
     lparts, rparts = [], []
@@ -380,7 +386,8 @@ def coalesce(src: np.ndarray, dst: np.ndarray, length: np.ndarray, *, sort: bool
     Order inside one transfer is irrelevant, so by default entries are first sorted by
     source address; pairs stay together. Zero-length entries are dropped.
 
-    >>> r = coalesce(np.array([0, 16, 32, 96]), np.array([100, 116, 200, 216]), np.array([16, 16, 16, 16]))
+    >>> src, dst = np.array([0, 16, 32, 96]), np.array([100, 116, 200, 216])
+    >>> r = coalesce(src, dst, np.full(4, 16))
     >>> r.src.tolist(), r.dst.tolist(), r.length.tolist()
     ([0, 32, 96], [100, 200, 216], [32, 16, 16])
     """

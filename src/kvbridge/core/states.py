@@ -15,7 +15,9 @@ A Mamba2 convolution state stored state-length first (``SD``, ``(L, channels)``)
 temporal state is one row of one section (heads of ``head_dim * d_state``).
 
 >>> m2 = StateLayout(kind="mamba2", tensors=(
-...     StateTensor(dtype="float32", rows=3, sections=(Section(8, 32), Section(1, 8), Section(1, 8))),
+...     StateTensor(
+...         dtype="float32", rows=3, sections=(Section(8, 32), Section(1, 8), Section(1, 8))
+...     ),
 ...     StateTensor(dtype="float32", rows=1, sections=(Section(8, 256),)),
 ... ))
 >>> m2.nbytes(1), m2.nbytes(2)      # B and C repeated on both ranks
@@ -73,7 +75,8 @@ class StateLayout(msgspec.Struct, frozen=True, kw_only=True):
                 or any(s.units <= 0 or s.width <= 0 for s in t.sections)
             ):
                 raise ValueError(
-                    f"a state tensor needs a known dtype, rows and sections of positive size, got {t}"
+                    "a state tensor needs a known dtype, rows and sections of positive size, got "
+                    f"{t}"
                 )
 
     def nbytes(self, tp: int) -> int:
@@ -117,7 +120,10 @@ def state_segments(
         if not layout.splits_over(tp):
             raise IncompatiblePeerError(
                 f"the {layout.kind} state's heads or groups do not split over {tp} ranks",
-                fix="give prefill and decode a --tensor-parallel-size that divides the model's state-space heads and groups",
+                fix=(
+                    "give prefill and decode a --tensor-parallel-size that divides the model's "
+                    "state-space heads and groups"
+                ),
             )
     out: list[Segment] = []
     p_base = d_base = 0

@@ -52,7 +52,10 @@ def _check(total: int, tp: int, side: str) -> None:
     if tp % total and total % tp:
         raise IncompatiblePeerError(
             f"{side}: tensor parallel size {tp} does not split {total} KV heads evenly",
-            fix=f"use a --tensor-parallel-size that divides the model's {total} KV heads, or a multiple of {total}",
+            fix=(
+                f"use a --tensor-parallel-size that divides the model's {total} KV heads, or a "
+                f"multiple of {total}"
+            ),
         )
 
 
@@ -71,13 +74,20 @@ def check_pairing(total: int, p_tp: int, d_tp: int, *, idle: bool = False) -> No
     if d_tp % p_tp and p_tp % d_tp:
         raise IncompatiblePeerError(
             f"prefill TP {p_tp}, decode TP {d_tp}: one TP size must be a multiple of the other",
-            fix="give the decode instance a --tensor-parallel-size that is a multiple or a divisor of the prefill's",
+            fix=(
+                "give the decode instance a --tensor-parallel-size that is a multiple or a divisor "
+                "of the prefill's"
+            ),
         )
     if p_tp > d_tp and p_tp > total and not idle:
         raise IncompatiblePeerError(
-            f"prefill TP {p_tp}, decode TP {d_tp}: the prefill's ranks hold replicas of the model's {total} KV heads, "
+            f"prefill TP {p_tp}, decode TP {d_tp}: the prefill's ranks hold replicas of the "
+            f"model's {total} KV heads, "
             "and the decode would read each head from one of them only",
-            fix=f"give the decode instance a --tensor-parallel-size of at least {p_tp}, or the prefill at most {total}",
+            fix=(
+                f"give the decode instance a --tensor-parallel-size of at least {p_tp}, or the "
+                f"prefill at most {total}"
+            ),
         )
 
 
@@ -202,5 +212,13 @@ def idle_prefill_ranks(total: int, p_tp: int, d_tp: int, d_rank: int) -> list[in
 
 
 __all__ = [
-    "HeadSlice", "Split", "check_pairing", "head_slices", "heads_per_rank", "idle_prefill_ranks", "pair_split", "prefill_ranks", "rank_heads",
-]  # fmt: skip
+    "HeadSlice",
+    "Split",
+    "check_pairing",
+    "head_slices",
+    "heads_per_rank",
+    "idle_prefill_ranks",
+    "pair_split",
+    "prefill_ranks",
+    "rank_heads",
+]

@@ -61,21 +61,45 @@ _TINY = {
 }
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": _TINY,
-    "bench": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "bench": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
     "window": {**_TINY, "sliding_window": 40},
     "mla": {
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
     },
     # a Mamba2 state (conv 3 x 272 + SSM 8 x 32 x 8 floats, 11456 bytes) fits in an
     # attention block of 32 tokens (16 KiB), so vLLM keeps --block-size 32
-    "hybrid": {**_TINY, "num_hidden_layers": 4, "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 8},
+    "hybrid": {
+        **_TINY,
+        "num_hidden_layers": 4,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 8,
+    },
     "gdn": {
-        **_TINY, "num_hidden_layers": 4, "head_dim": 64,
-        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        **_TINY,
+        "num_hidden_layers": 4,
+        "head_dim": 64,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
     },
     "shortconv": {**_TINY, "num_hidden_layers": 4, "conv_L_cache": 3},
-}  # fmt: skip
+}
 """Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
 (MLA), those with ``mamba_n_heads`` GraniteMoeHybrid (Mamba2 layers first, then every
 other layer), those with ``linear_num_value_heads`` Qwen3-Next (the same with Gated
@@ -253,32 +277,51 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
             **common,
             q_lora_rank=None,
             # dense MLPs in every layer (the experts are declared, never built)
-            first_k_dense_replace=shape["num_hidden_layers"], n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-            moe_intermediate_size=64, moe_layer_freq=1,  # SGLang reads moe_layer_freq
+            first_k_dense_replace=shape["num_hidden_layers"],
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=64,
+            moe_layer_freq=1,  # SGLang reads moe_layer_freq
             # SGLang's CPU rotary embedding is DeepSeek's YaRN only; factor 1 leaves the
             # frequencies as plain RoPE's
             rope_parameters={
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": MAX_POSITIONS,
-                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 1.0,
+                "original_max_position_embeddings": MAX_POSITIONS,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
             },
-        )  # fmt: skip
+        )
         model_cls = DeepseekV2ForCausalLM
     elif "mamba_n_heads" in shape:
         config = GraniteMoeHybridConfig(
             **common,
             layer_types=["mamba", "attention"] * (shape["num_hidden_layers"] // 2),
-            num_local_experts=0, shared_intermediate_size=shape["intermediate_size"],  # a dense MLP per layer
-            mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
-        )  # fmt: skip
+            num_local_experts=0,
+            shared_intermediate_size=shape["intermediate_size"],  # a dense MLP per layer
+            mamba_n_groups=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=64,
+            position_embedding_type="rope",
+        )
         model_cls = GraniteMoeHybridForCausalLM
     elif "linear_num_value_heads" in shape:
         layers = shape["num_hidden_layers"]
         config = Qwen3NextConfig(
             **common,
-            layer_types=["linear_attention", "full_attention"] * (layers // 2), linear_conv_kernel_dim=4,
-            mlp_only_layers=list(range(layers - 1)), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2),
+            linear_conv_kernel_dim=4,
+            mlp_only_layers=list(range(layers - 1)),
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
-        )  # fmt: skip
+        )
         model_cls = Qwen3NextForCausalLM
     elif "conv_L_cache" in shape:
         config = Lfm2Config(

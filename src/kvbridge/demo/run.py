@@ -84,7 +84,8 @@ def run(
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     logs.mkdir(parents=True, exist_ok=True)
     console.print(
-        f"[bold]kvbridge demo[/bold]: {shape} model, prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, {flow} flow, wire {wire_dtype}, "
+        f"[bold]kvbridge demo[/bold]: {shape} model, prefill/decode (TP {tp[0]} -> {tp[1]}) over "
+        f"{transport}, {flow} flow, wire {wire_dtype}, "
         f"data path {data_path}; logs in {logs}"
     )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
@@ -154,11 +155,18 @@ def run(
         stream(proxy_url, random_prompt(16, seed=1), 2)  # first contact: handshake
         ranks = tp[0]  # each prefill worker counts a request it sent (vLLM sums the workers' stats)
         before = wait_requests_sent(servers["prefill"].url, {}, ranks)  # the warm-up's stats are in
-        title = f"disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}) vs colocated, greedy, {max_tokens} output tokens"
+        title = (
+            f"disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}) vs colocated, greedy, "
+            f"{max_tokens} output tokens"
+        )
         matched = compare(
-            console, title, lengths, lambda p: stream(proxy_url, p, max_tokens), lambda p: stream(servers["colocated"].url, p, max_tokens),
+            console,
+            title,
+            lengths,
+            lambda p: stream(proxy_url, p, max_tokens),
+            lambda p: stream(servers["colocated"].url, p, max_tokens),
             exact=wire_dtype == "exact",
-        )  # fmt: skip
+        )
         after = wait_requests_sent(servers["prefill"].url, before, ranks * len(lengths))
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         transfers = d.get("vllm:kvbridge_transfer_seconds_count", 0.0)
@@ -170,16 +178,20 @@ def run(
         writing = d.get("vllm:kvbridge_transfer_seconds_sum", 0.0)
         hidden = max(0.0, 1 - exposed / writing) if writing else 0.0
         console.print(
-            f"KV moved: {d.get('vllm:kvbridge_bytes_sent_total', 0) / 1e6:.2f} MB for {requests:.0f} requests in {transfers:.0f} writes "
-            f"(one per layer and prefill chunk when streaming), {1e3 * writing / max(transfers, 1):.2f} ms per write on average, "
-            f"{1e3 * writing:.1f} ms of writing in all; first write to last byte landed {1e3 * total / max(ranks * requests, 1):.0f} ms per request. "
+            f"KV moved: {d.get('vllm:kvbridge_bytes_sent_total', 0) / 1e6:.2f} MB for "
+            f"{requests:.0f} requests in {transfers:.0f} writes "
+            "(one per layer and prefill chunk when streaming), "
+            f"{1e3 * writing / max(transfers, 1):.2f} ms per write on average, "
+            f"{1e3 * writing:.1f} ms of writing in all; first write to last byte landed "
+            f"{1e3 * total / max(ranks * requests, 1):.0f} ms per request. "
             f"Exposed (after the prefill finished): {1e3 * exposed:.1f} ms in all, "
             f"[bold]{100 * hidden:.0f}% of the writing hidden behind prefill compute[/bold]"
         )
         console.print(f"outputs equal to the colocated instance: {matched}/{len(lengths)}")
         if wire_dtype != "exact":
             console.print(
-                "(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)"
+                "(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; "
+                "see README)"
             )
             return 0
         return 0 if matched == len(lengths) else 1

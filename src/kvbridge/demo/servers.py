@@ -331,7 +331,11 @@ def start_proxy(
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", prefill_url, "--decode", decode_url, "--port", str(port), "--flow", flow],
+            [
+                sys.executable, "-m", "kvbridge.cli", "proxy",
+                "--prefill", prefill_url, "--decode", decode_url,
+                "--port", str(port), "--flow", flow,
+            ],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + timeout
@@ -495,7 +499,8 @@ class ServerProcess:
                 pass  # not listening yet
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(
-                    f"{self.name} on port {self.port} was not healthy within {time.monotonic() - self._started_at:.0f}s\n"
+                    f"{self.name} on port {self.port} was not healthy within "
+                    f"{time.monotonic() - self._started_at:.0f}s\n"
                     f"--- last lines of the server log ---\n{self.log_tail()}",
                     fix=f"read {self._log_path}; raise the timeout on a loaded machine",
                 )

@@ -56,7 +56,8 @@ def run(
     logs = logs or Path(tempfile.mkdtemp(prefix="kvbridge-demo-sglang-"))
     logs.mkdir(parents=True, exist_ok=True)
     console.print(
-        f"[bold]kvbridge demo[/bold]: SGLang, {shape} model, prefill/decode (TP {tp[0]} -> {tp[1]}) over {transport}, wire {wire_dtype}, "
+        f"[bold]kvbridge demo[/bold]: SGLang, {shape} model, prefill/decode (TP {tp[0]} -> "
+        f"{tp[1]}) over {transport}, wire {wire_dtype}, "
         f"data path {data_path}; logs in {logs}"
     )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
@@ -108,26 +109,39 @@ def run(
         )  # first contact: bootstrap, handshake
         ranks = tp[0]  # each prefill rank counts a request it sent (metric label tp_rank)
         before = wait_requests_sent(prefill.url, {}, ranks, engine="sglang")
-        title = f"SGLang disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}, wire {wire_dtype}) vs colocated, greedy, {max_tokens} output tokens"
+        title = (
+            f"SGLang disaggregated (kvbridge, {transport}, TP {tp[0]} -> {tp[1]}, wire "
+            f"{wire_dtype}) vs colocated, greedy, {max_tokens} output tokens"
+        )
         matched = compare(
-            console, title, lengths,
-            lambda p: router.call(stream_generate, p, max_tokens), lambda p: colocated.call(stream_generate, p, max_tokens),
+            console,
+            title,
+            lengths,
+            lambda p: router.call(stream_generate, p, max_tokens),
+            lambda p: colocated.call(stream_generate, p, max_tokens),
             exact=wire_dtype == "exact",
-        )  # fmt: skip
+        )
         after = wait_requests_sent(prefill.url, before, ranks * len(lengths), engine="sglang")
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         requests = max(d.get("sglang:kvbridge_requests_sent_total", 0.0) / ranks, 1.0)
+
+        def ms_per_request(histogram: str) -> str:
+            total = d.get(f"sglang:kvbridge_{histogram}_seconds_sum", 0.0)
+            return f"{1e3 * total / (ranks * requests):.1f} ms"
+
         console.print(
-            f"KV moved: {d.get('sglang:kvbridge_bytes_sent_total', 0.0) / 1e6:.2f} MB for {requests:.0f} requests in "
-            f"{d.get('sglang:kvbridge_transfers_total', 0.0):.0f} writes; per request, first write to the last one done "
-            f"{1e3 * d.get('sglang:kvbridge_request_transfer_seconds_sum', 0.0) / (ranks * requests):.1f} ms, of which "
-            f"[bold]{1e3 * d.get('sglang:kvbridge_exposed_transfer_seconds_sum', 0.0) / (ranks * requests):.1f} ms after the prefill's "
-            "last forward[/bold] (the rest was hidden behind its compute)"
+            f"KV moved: {d.get('sglang:kvbridge_bytes_sent_total', 0.0) / 1e6:.2f} MB for "
+            f"{requests:.0f} requests in "
+            f"{d.get('sglang:kvbridge_transfers_total', 0.0):.0f} writes; per request, first write "
+            f"to the last one done {ms_per_request('request_transfer')}, of which "
+            f"[bold]{ms_per_request('exposed_transfer')} after the prefill's last forward[/bold] "
+            "(the rest was hidden behind its compute)"
         )
         console.print(f"outputs equal to the colocated server: {matched}/{len(lengths)}")
         if wire_dtype != "exact":
             console.print(
-                "(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; see README)"
+                "(FP8 KV: ~3% error in the KV moves near-tied tokens of this random-weight model; "
+                "see README)"
             )
             return 0
         return 0 if matched == len(lengths) else 1

@@ -93,7 +93,8 @@ class SglangServer(ServerProcess):
         env: environment overrides, applied last (over :data:`CPU_ENV` and ours).
         mode: ``None`` (colocated), ``"prefill"`` or ``"decode"``.
         backend: ``--disaggregation-transfer-backend`` when disaggregated.
-        kvbridge_config: kvbridge's config (``KVBRIDGE_CONFIG``), e.g. ``{"transport": "mooncake"}``.
+        kvbridge_config: kvbridge's config (``KVBRIDGE_CONFIG``), e.g. ``{"transport":
+        "mooncake"}``.
         bootstrap_port: the prefill's ``--disaggregation-bootstrap-port``; default: a
             free one (prefill only; the router needs it, :attr:`bootstrap_port`).
         tp: ``--tp``; with more than one rank each is bound to its share of the cores

@@ -127,13 +127,15 @@ def kv_planes(
         dim = cache.shape[-1]
         if dim % 2 or cache.stride(-1) != 1 or cache.numel() % (block_size * dim):
             raise OpsInputError(
-                f"a latent cache holds blocks of {block_size} contiguous vectors of an even size, got shape {tuple(cache.shape)}, strides {cache.stride()}"
+                f"a latent cache holds blocks of {block_size} contiguous vectors of an even size, "
+                f"got shape {tuple(cache.shape)}, strides {cache.stride()}"
             )
         try:
             rows = cache.view(-1, block_size, 1, dim)
         except RuntimeError as exc:
             raise OpsInputError(
-                f"a latent cache of shape {tuple(cache.shape)}, strides {cache.stride()} is not blocks of {block_size} vectors"
+                f"a latent cache of shape {tuple(cache.shape)}, strides {cache.stride()} is not "
+                f"blocks of {block_size} vectors"
             ) from exc
         return rows[..., : dim // 2], rows[..., dim // 2 :]
     if not isinstance(cache, torch.Tensor):
@@ -153,7 +155,8 @@ def kv_planes(
     if layout in ("nhd_kv", "hnd_kv"):
         if cache.dim() != 4 or cache.shape[-1] % 2 or cache.stride(-1) != 1:
             raise OpsInputError(
-                f"a {layout} cache is (num_blocks, num_heads, block_size, 2 * head_dim) with each value row contiguous, got shape {tuple(cache.shape)}, strides {cache.stride()}"
+                f"a {layout} cache is (num_blocks, num_heads, block_size, 2 * head_dim) with each "
+                f"value row contiguous, got shape {tuple(cache.shape)}, strides {cache.stride()}"
             )
         d = cache.shape[-1] // 2
         rows = cache.transpose(1, 2)  # (blocks, tokens, heads, K|V)
@@ -161,7 +164,8 @@ def kv_planes(
     if layout == "fused":
         if cache.dim() != 4 or cache.shape[-1] % 2:
             raise OpsInputError(
-                f"a fused cache is (num_blocks, num_heads, block_size, 2 * head_dim), got shape {tuple(cache.shape)}"
+                "a fused cache is (num_blocks, num_heads, block_size, 2 * head_dim), got shape "
+                f"{tuple(cache.shape)}"
             )
         n, h, b, two_d = cache.shape
         five = cache.view(n, h, 2, b, two_d // 2)
@@ -218,12 +222,14 @@ def _layers(layers: Planes | Sequence[Planes]) -> list[Planes]:
         )
     if k.dim() != 4:
         raise OpsInputError(
-            f"planes must be 4-D (num_blocks, block_size, num_heads, head_dim), got shape {tuple(k.shape)}",
+            "planes must be 4-D (num_blocks, block_size, num_heads, head_dim), got shape "
+            f"{tuple(k.shape)}",
             fix="make them with kvbridge.ops.kv_planes(cache, layout)",
         )
     if k.dtype not in _CACHE_DTYPES:
         raise OpsInputError(
-            f"cache dtype {k.dtype} is not supported; supported: float32, float16, bfloat16, float8_e4m3fn"
+            f"cache dtype {k.dtype} is not supported; supported: float32, float16, bfloat16, "
+            "float8_e4m3fn"
         )
     if k.stride(3) != 1:
         raise OpsInputError(
@@ -245,7 +251,8 @@ def _check_all(layers: list[Planes]) -> None:
                 or t.device != k.device
             ):
                 raise OpsInputError(
-                    f"layer {i}'s planes differ from layer 0's K ({tuple(k.shape)}, strides {k.stride()}, {k.dtype}, {k.device}): "
+                    f"layer {i}'s planes differ from layer 0's K ({tuple(k.shape)}, strides "
+                    f"{k.stride()}, {k.dtype}, {k.device}): "
                     "every layer of one call must have the same shape, strides, dtype and device"
                 )
 
@@ -301,11 +308,13 @@ def _block_ids(
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
             raise OpsInputError(
-                f"block_ids must be a 1-D integer sequence, got {block_ids.dtype} of shape {tuple(block_ids.shape)}"
+                f"block_ids must be a 1-D integer sequence, got {block_ids.dtype} of shape "
+                f"{tuple(block_ids.shape)}"
             )
         if block_ids.numel() < needed:
             raise OpsInputError(
-                f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {block_ids.numel()}"
+                f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got "
+                f"{block_ids.numel()}"
             )
         ids = block_ids[:needed].to(torch.int64)
         if needed and not c.kernels:
@@ -320,7 +329,8 @@ def _block_ids(
         raise OpsInputError(f"block_ids must be a 1-D integer sequence, got shape {arr.shape}")
     if arr.size < needed:
         raise OpsInputError(
-            f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got {arr.size}"
+            f"{num_tokens} tokens in blocks of {c.block_size} need {needed} block ids, got "
+            f"{arr.size}"
         )
     arr = arr[:needed]
     # the binding checks host ids itself (a C++ loop): the kernels' path skips this pass
@@ -454,7 +464,8 @@ class PagedKV:
             return self.k, self.v
         if not layers or min(layers) < 0 or max(layers) >= len(self.k):
             raise OpsInputError(
-                f"layers {list(layers)} are not a non-empty selection of this cache's {len(self.k)} layers"
+                f"layers {list(layers)} are not a non-empty selection of this cache's "
+                f"{len(self.k)} layers"
             )
         return [self.k[i] for i in layers], [self.v[i] for i in layers]
 

@@ -69,7 +69,8 @@ class PackedFormat(NamedTuple):
                 raise PlanError(f"PackedFormat.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPE_SIZES:
             raise PlanError(
-                f"PackedFormat.dtype {self.dtype!r} is not supported; supported: {', '.join(sorted(DTYPE_SIZES))}"
+                f"PackedFormat.dtype {self.dtype!r} is not supported; supported: "
+                f"{', '.join(sorted(DTYPE_SIZES))}"
             )
         if self.scaled and self.dtype != FP8_DTYPE:
             raise PlanError(

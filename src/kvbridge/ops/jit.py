@@ -60,7 +60,10 @@ def source_dir() -> Path:
         if missing:
             raise KernelBuildError(
                 f"KVBRIDGE_CSRC_DIR={env} lacks {', '.join(missing)}",
-                fix="point KVBRIDGE_CSRC_DIR at kvbridge's csrc directory, or unset it to use the installed sources",
+                fix=(
+                    "point KVBRIDGE_CSRC_DIR at kvbridge's csrc directory, or unset it to use the "
+                    "installed sources"
+                ),
             )
         return Path(env)
     here = Path(__file__).resolve().parent

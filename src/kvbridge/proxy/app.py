@@ -216,7 +216,8 @@ class Proxy:
         if not params and self.flow == "pull":
             raise _error(
                 502,
-                f"prefill instance {p.url} returned no kv_transfer_params (is it running with kvbridge or NixlConnector as "
+                f"prefill instance {p.url} returned no kv_transfer_params (is it running with "
+                "kvbridge or NixlConnector as "
                 "kv_producer? connectors that share KV through storage need --flow sequential)",
             )
         d_resp = await self._open(
@@ -241,7 +242,8 @@ class Proxy:
         if p.address is None:
             raise _error(
                 502,
-                f"prefill instance {p.url} did not say where its kvbridge side channel is (is it running with kvbridge as kv_producer?)",
+                f"prefill instance {p.url} did not say where its kvbridge side channel is (is it "
+                "running with kvbridge as kv_producer?)",
             )
         return p.address
 

@@ -94,7 +94,8 @@ class OpsQueue:
             done.record(self._stream)
         if not wait_device_event(done, time.monotonic() + self.timeout_s):
             raise DeadlineExceeded(
-                f"{what} did not complete on {self.device} within timeouts.transfer_s ({self.timeout_s:g} s): is the GPU stalled?"
+                f"{what} did not complete on {self.device} within timeouts.transfer_s "
+                f"({self.timeout_s:g} s): is the GPU stalled?"
             )
 
 

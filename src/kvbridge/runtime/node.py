@@ -20,7 +20,8 @@ a multiple of the other) are paired at the handshake
 (:func:`kvbridge.core.tp.pair_split`): both sides then address blocks as head ranges
 (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
 those; on the packed path (``data_path: packed``, implied by ``wire_dtype: fp8``) they
-exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any layout). A model
+exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any
+layout). A model
 with state-space layers cuts both caches into the segments each pair of ranks shares
 (``Peer.cut``: attention head ranges, and the heads, groups and channels of each state,
 :mod:`kvbridge.core.states`), addressed per transfer (:meth:`Node.plan`). Pairings that
@@ -149,7 +150,8 @@ class Node:
             if config.packed:
                 if planes is None:
                     raise ConfigError(
-                        "the packed data path (wire_dtype 'fp8', data_path 'packed') needs the cache tensors, which this engine adapter does not pass",
+                        "the packed data path (wire_dtype 'fp8', data_path 'packed') needs the "
+                        "cache tensors, which this engine adapter does not pass",
                         key="data_path",
                         fix="use wire_dtype 'exact' and data_path 'direct'",
                     )
@@ -202,7 +204,8 @@ class Node:
     def _add(self, msg: Hello | Welcome, address: str | None, *, prefill: bool) -> Peer:
         if msg.transport != self.transport.name:
             raise IncompatiblePeerError(
-                f"peer {msg.peer} uses transport {msg.transport!r}, this instance {self.transport.name!r}",
+                f"peer {msg.peer} uses transport {msg.transport!r}, this instance "
+                f"{self.transport.name!r}",
                 differences={"transport": (self.transport.name, msg.transport)},
                 fix="set the same 'transport' in the kvbridge config of prefill and decode",
             )
@@ -235,13 +238,15 @@ class Node:
         if (self.packed is None) != (msg.staging is None):
             # the compat hash covers data_path; a mismatch here means a hand-made frame
             raise IncompatiblePeerError(
-                f"peer {msg.peer} disagrees on packed transfers (staging buffer {'missing' if msg.staging is None else 'unexpected'})"
+                f"peer {msg.peer} disagrees on packed transfers (staging buffer "
+                f"{'missing' if msg.staging is None else 'unexpected'})"
             )
         if msg.staging is not None and msg.staging.slot_bytes != (
             want := slot_format(msg.geometry, self.packed.fp8).nbytes
         ):
             raise IncompatiblePeerError(
-                f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache spec into {want}"
+                f"peer {msg.peer} packs blocks into {msg.staging.slot_bytes}-byte slots, its cache "
+                f"spec into {want}"
             )
         key = self._key(msg.peer)
         with self._lock:
@@ -341,7 +346,10 @@ class Node:
             if prefill
             else ((theirs, msg.peer.rank), (ours, self.id.rank))
         )
-        what = f"prefill TP {p.tp_size} ({p.num_kv_heads} KV heads per rank), decode TP {d.tp_size} ({d.num_kv_heads} per rank)"
+        what = (
+            f"prefill TP {p.tp_size} ({p.num_kv_heads} KV heads per rank), decode TP {d.tp_size} "
+            f"({d.num_kv_heads} per rank)"
+        )
         differences = {
             "tp_size": (ours.tp_size, theirs.tp_size),
             "num_kv_heads": (ours.num_kv_heads, theirs.num_kv_heads),
@@ -354,16 +362,25 @@ class Node:
             raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
         if not self.geometry.spec.heads_apart and self.packed is None:
             raise IncompatiblePeerError(
-                f"{what}: the KV cache layout {self.geometry.spec.layout} interleaves heads within a block, so a rank's heads cannot be cut out of it",
+                f"{what}: the KV cache layout {self.geometry.spec.layout} interleaves heads within "
+                "a block, so a rank's heads cannot be cut out of it",
                 differences=differences,
-                fix="use the same --tensor-parallel-size on both, an HND cache layout (vLLM: VLLM_KV_CACHE_LAYOUT=HND), or the packed path on both (data_path 'packed', exact values; or wire_dtype 'fp8'): it moves any head range",
+                fix=(
+                    "use the same --tensor-parallel-size on both, an HND cache layout (vLLM: "
+                    "VLLM_KV_CACHE_LAYOUT=HND), or the packed path on both (data_path 'packed', "
+                    "exact values; or wire_dtype 'fp8'): it moves any head range"
+                ),
             )
         split = pair_split(p.model_kv_heads, p.tp_size, d.tp_size, p_rank, d_rank, prefill=prefill)
         if split is None:
             raise IncompatiblePeerError(
-                f"{what}: decode rank {d_rank} gets none of its KV heads from prefill rank {p_rank}",
+                f"{what}: decode rank {d_rank} gets none of its KV heads from prefill rank "
+                f"{p_rank}",
                 differences=differences,
-                fix=f"decode rank {d_rank} reads from prefill ranks {prefill_ranks(p.model_kv_heads, p.tp_size, d.tp_size, d_rank)}",
+                fix=(
+                    f"decode rank {d_rank} reads from prefill ranks "
+                    f"{prefill_ranks(p.model_kv_heads, p.tp_size, d.tp_size, d_rank)}"
+                ),
             )
         return split
 
@@ -399,7 +416,8 @@ class Node:
                 }
             )
             raise IncompatiblePeerError(
-                f"peer {msg.peer} runs another tensor-parallel size ({theirs.tp_size} vs {ours.tp_size}); kvbridge moves the states of "
+                f"peer {msg.peer} runs another tensor-parallel size ({theirs.tp_size} vs "
+                f"{ours.tp_size}); kvbridge moves the states of "
                 f"{', '.join(kinds) or 'these'} state-space layers between equal TP sizes only",
                 differences=differences,
                 fix="give prefill and decode the same --tensor-parallel-size for this model",
@@ -412,8 +430,10 @@ class Node:
             state_ranks = state_prefill_ranks(layout, p.tp_size, d.tp_size, d_rank)
             if not state_ranks <= attention_ranks:
                 raise IncompatiblePeerError(
-                    f"prefill TP {p.tp_size}, decode TP {d.tp_size}: decode rank {d_rank} would need state-space states from prefill ranks "
-                    f"{sorted(state_ranks - attention_ranks)}, which hold none of its attention KV heads",
+                    f"prefill TP {p.tp_size}, decode TP {d.tp_size}: decode rank {d_rank} would "
+                    "need state-space states from prefill ranks "
+                    f"{sorted(state_ranks - attention_ranks)}, which hold none of its attention KV "
+                    "heads",
                     differences=differences,
                     fix="give prefill and decode the same --tensor-parallel-size for this model",
                 )
@@ -426,7 +446,8 @@ class Node:
                     if of == g
                 ):
                     raise IncompatiblePeerError(
-                        f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its state layout says at TP {tp}"
+                        f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its "
+                        f"state layout says at TP {tp}"
                     )
         piece = (
             self.geometry.spec.block_bytes // split.local_parts
@@ -474,7 +495,8 @@ class Node:
         """
         if peer.split is not None and self.packed is not None:
             raise KVBridgeError(
-                "a peer with another TP split exchanges packed head ranges through staging, not cache blocks"
+                "a peer with another TP split exchanges packed head ranges through staging, not "
+                "cache blocks"
             )
         local_t, remote_t = BlockTable.of(local_blocks), BlockTable.of(remote_blocks)
         groups = self.codec.compat.layer_groups
@@ -594,14 +616,16 @@ class Node:
                 steps = (asked - start, answered - asked, time.monotonic() - answered)
                 if sum(steps) > _SLOW_HANDSHAKE_S:
                     log.warning(
-                        "kvbridge: the handshake with %s took %.1f s: %.1f s waiting for another handshake with it, %.1f s for its reply, %.1f s adding it",
+                        "kvbridge: the handshake with %s took %.1f s: %.1f s waiting for another "
+                        "handshake with it, %.1f s for its reply, %.1f s adding it",
                         address,
                         sum(steps),
                         *steps,
                     )
         if epoch is not None and peer.id.epoch != epoch:
             raise KVBridgeError(
-                f"the prefill instance at {address} restarted (epoch {peer.id.epoch}, expected {epoch}); "
+                f"the prefill instance at {address} restarted (epoch {peer.id.epoch}, expected "
+                f"{epoch}); "
                 "the KV it held is gone",
             )
         return peer

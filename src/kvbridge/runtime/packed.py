@@ -168,13 +168,15 @@ class PackedPath:
         spec = geometry.spec
         if fp8 and spec.dtype not in _FLOAT_CACHES:
             raise ConfigError(
-                f"wire_dtype 'fp8' packs float16, bfloat16 or float32 caches; this cache is {spec.dtype}",
+                "wire_dtype 'fp8' packs float16, bfloat16 or float32 caches; this cache is "
+                f"{spec.dtype}",
                 key="wire_dtype",
                 fix="use wire_dtype 'exact' (a float8 cache is already as small)",
             )
         if spec.layout == "latent" and spec.head_dim % 2:
             raise ConfigError(
-                f"the packed data path packs a latent (MLA) cache as the two halves of each vector; this one has {spec.head_dim} values",
+                "the packed data path packs a latent (MLA) cache as the two halves of each "
+                f"vector; this one has {spec.head_dim} values",
                 key="wire_dtype" if fp8 else "data_path",
                 fix="use wire_dtype 'exact' and data_path 'direct' for this model",
             )
@@ -191,7 +193,8 @@ class PackedPath:
         num_slots = (staging_mb << 20) // self.slot.nbytes
         if num_slots < spec.num_layers:
             raise ConfigError(
-                f"staging_mb {staging_mb} holds {num_slots} packed blocks, fewer than one block per layer",
+                f"staging_mb {staging_mb} holds {num_slots} packed blocks, fewer than one block "
+                "per layer",
                 key="staging_mb",
                 fix="raise staging_mb",
             )

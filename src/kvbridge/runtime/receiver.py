@@ -394,7 +394,8 @@ class Receiver:
         if packed.slots_for(need, heads) > packed.allocator.num_slots:
             self._fail(
                 entry,
-                f"the request's packed KV ({need} blocks) exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb",
+                f"the request's packed KV ({need} blocks) exceeds the staging buffer "
+                f"({packed.allocator.num_slots} blocks): raise staging_mb",
             )
             return False
         run = packed.reserve(need, heads)
@@ -432,7 +433,9 @@ class Receiver:
                         entry
                     ):
                         raise KVBridgeError(
-                            f"prefill at {src.address} writes KV heads {peer.heads}, not {self._source_heads(entry)} of ours as one of {len(entry.sources)} sources"
+                            f"prefill at {src.address} writes KV heads {peer.heads}, not "
+                            f"{self._source_heads(entry)} of ours as one of {len(entry.sources)} "
+                            "sources"
                         )
                     first = entry.staging.first + i * self._layers * len(entry.block_ids)
                 block_ids, group_block_ids = entry.block_ids.to_wire()
@@ -454,7 +457,8 @@ class Receiver:
                 break
             if not isinstance(reply, Reply) or not reply.ok:
                 raise KVBridgeError(
-                    f"prefill at {src.address} refused the destination: {getattr(reply, 'detail', reply)}"
+                    f"prefill at {src.address} refused the destination: "
+                    f"{getattr(reply, 'detail', reply)}"
                 )
         except (KVBridgeError, WireError) as exc:
             with self._lock:
@@ -565,7 +569,8 @@ class Receiver:
                 raise WireError(f"unexpected {type(reply).__name__} to a heartbeat")
             if reply.epoch != epoch:
                 raise KVBridgeError(
-                    f"prefill at {address} restarted (epoch {reply.epoch}, was {epoch}); its KV is gone"
+                    f"prefill at {address} restarted (epoch {reply.epoch}, was {epoch}); its KV is "
+                    "gone"
                 )
         except (KVBridgeError, WireError) as exc:
             self.node.forget(address)

@@ -292,7 +292,8 @@ class Sender:
                 )
                 self._fail(
                     out,
-                    f"the engine's device did not finish computing {what} within timeouts.transfer_s "
+                    f"the engine's device did not finish computing {what} within "
+                    "timeouts.transfer_s "
                     f"({self.cfg.timeouts.transfer_s:g} s): is the GPU stalled?",
                     now,
                 )
@@ -355,7 +356,10 @@ class Sender:
                     return Reply(
                         ok=False,
                         code="error",
-                        detail=f"transfer {msg.transfer_id} already ended on this prefill worker ({how})",
+                        detail=(
+                            f"transfer {msg.transfer_id} already ended on this prefill worker "
+                            f"({how})"
+                        ),
                         epoch=self.node.id.epoch,
                     )
                 # D may see the request before this prefill worker does: keep it
@@ -367,7 +371,10 @@ class Sender:
                 return Reply(
                     ok=False,
                     code="error",
-                    detail=f"transfer {msg.transfer_id} already ended ({out.req.phase.value}: {out.req.reason})",
+                    detail=(
+                        f"transfer {msg.transfer_id} already ended ({out.req.phase.value}: "
+                        f"{out.req.reason})"
+                    ),
                 )
             if any(d.msg.peer == msg.peer for d in out.dests):
                 return Reply(
@@ -390,8 +397,10 @@ class Sender:
             or msg.skip_tokens % self._bs
         ):
             reason = (
-                f"destination of {msg.transfer_id} does not fit: {len(msg.block_ids)} blocks for tokens "
-                f"[{msg.skip_tokens}, {msg.num_tokens}), this prefill has {out.num_tokens} tokens in blocks of {self._bs}"
+                f"destination of {msg.transfer_id} does not fit: {len(msg.block_ids)} blocks for "
+                "tokens "
+                f"[{msg.skip_tokens}, {msg.num_tokens}), this prefill has {out.num_tokens} tokens "
+                f"in blocks of {self._bs}"
             )
             out.req.fail(reason, now)
             return reason
@@ -407,22 +416,32 @@ class Sender:
             return reason
         if blocks.num_groups != out.blocks.num_groups:
             reason = (
-                f"destination of {msg.transfer_id} from {msg.peer} has blocks of {blocks.num_groups} KV cache groups, "
+                f"destination of {msg.transfer_id} from {msg.peer} has blocks of "
+                f"{blocks.num_groups} KV cache groups, "
                 f"this prefill's request {out.blocks.num_groups}"
             )
             out.req.fail(reason, now)
             return reason
         if peer.split is not None and peer.split.idle:
-            reason = f"destination of {msg.transfer_id} from {msg.peer}, for which this prefill rank holds no KV heads (it is idle for it)"
+            reason = (
+                f"destination of {msg.transfer_id} from {msg.peer}, for which this prefill rank "
+                "holds no KV heads (it is idle for it)"
+            )
             out.req.fail(reason, now)
             return reason
         if len(out.dests) >= peer.fanout:
-            reason = f"destination of {msg.transfer_id} from {msg.peer}: this prefill rank already has the {peer.fanout} it sends to"
+            reason = (
+                f"destination of {msg.transfer_id} from {msg.peer}: this prefill rank already has "
+                f"the {peer.fanout} it sends to"
+            )
             out.req.fail(reason, now)
             return reason
         if out.pull:
             if self.node.packed is None:  # the decode side reads P-first requests itself
-                reason = f"destination of {msg.transfer_id} from {msg.peer}: the request is P-first, its decode side reads the blocks"
+                reason = (
+                    f"destination of {msg.transfer_id} from {msg.peer}: the request is P-first, "
+                    "its decode side reads the blocks"
+                )
                 out.req.fail(reason, now)
                 return reason
             out.pull = False  # packed: P-first requests are written like pushed ones
@@ -545,7 +564,8 @@ class Sender:
                     if packed.slots_for(need, heads) > packed.allocator.num_slots:
                         self._fail(
                             out,
-                            f"a post of {need} packed blocks exceeds the staging buffer ({packed.allocator.num_slots} blocks): raise staging_mb",
+                            f"a post of {need} packed blocks exceeds the staging buffer "
+                            f"({packed.allocator.num_slots} blocks): raise staging_mb",
                             self.clock(),
                         )
                         break

@@ -82,7 +82,10 @@ class SideChannelServer:
             self._ctx.term()
             raise KVBridgeError(
                 f"cannot bind the kvbridge side channel on {host}:{port}: {exc}",
-                fix="set 'side_channel_port' to a free port (0 picks one) and 'host' to an address of this machine",
+                fix=(
+                    "set 'side_channel_port' to a free port (0 picks one) and 'host' to an address "
+                    "of this machine"
+                ),
             ) from exc
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._stop = threading.Event()
@@ -208,7 +211,10 @@ class SideChannelClient:
                     self._reset(address)
                     raise PeerUnreachableError(
                         f"no reply from the kvbridge side channel at {address} within {timeout:g}s",
-                        fix="check that the prefill instance is running with kvbridge and that the address is reachable",
+                        fix=(
+                            "check that the prefill instance is running with kvbridge and that the "
+                            "address is reachable"
+                        ),
                     )
                 frames = sock.recv_multipart()
                 if len(frames) < 2 or frames[0] != rid:

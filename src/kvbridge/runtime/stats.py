@@ -4,7 +4,8 @@
 Prometheus; SGLang: Prometheus in SGLang's multiprocess registry). Thread-safe;
 recording is O(1).
 
-:data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`BUCKETS` and :data:`GAUGES` are the Prometheus catalogue
+:data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`BUCKETS` and :data:`GAUGES` are the Prometheus
+catalogue
 both engines export (each under its own prefix: ``vllm:kvbridge_...``,
 ``sglang:kvbridge_...``), so one dashboard reads either. :data:`REQUEST_GAUGES` (requests
 in flight per phase) come from the runtime's sender and receiver, which the vLLM
@@ -126,18 +127,31 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
 """Histogram fields of :class:`StatsSnapshot` -> (metric name, description)."""
 
 GAUGES: dict[str, str] = {
-    "staging_slots_used": "Staging slots (one packed block of one layer each) held by requests in flight (packed data path: wire_dtype fp8 or data_path packed)",
-    "staging_slots": "Staging slots of this rank's buffer (packed data path: wire_dtype fp8 or data_path packed)",
+    "staging_slots_used": (
+        "Staging slots (one packed block of one layer each) held by requests in flight (packed "
+        "data path: wire_dtype fp8 or data_path packed)"
+    ),
+    "staging_slots": (
+        "Staging slots of this rank's buffer (packed data path: wire_dtype fp8 or data_path packed)"
+    ),
 }
 """Levels an adapter reads from its own state: name -> description. The SGLang backend
 sets them directly; the vLLM connector reports them in every step's
 :class:`StatsSnapshot` (where a worker has a staging buffer), per instance."""
 
 REQUEST_GAUGES: dict[str, str] = {
-    "sends_held": "Prefill requests whose KV blocks are held until the decode side says where to write them (push) or reads them (pull)",
+    "sends_held": (
+        "Prefill requests whose KV blocks are held until the decode side says where to write them "
+        "(push) or reads them (pull)"
+    ),
     "sends_sending": "Prefill requests whose KV is being written to the decode side",
-    "receives_allocated": "Decode requests whose destination has not reached the prefill side yet (staging room, handshake)",
-    "receives_waiting": "Decode requests waiting for their first KV (the prefill's queue and compute)",
+    "receives_allocated": (
+        "Decode requests whose destination has not reached the prefill side yet (staging room, "
+        "handshake)"
+    ),
+    "receives_waiting": (
+        "Decode requests waiting for their first KV (the prefill's queue and compute)"
+    ),
     "receives_receiving": "Decode requests whose KV is arriving",
 }
 """Levels of the transfers in flight by lifecycle phase (:mod:`kvbridge.core.lifecycle`),

@@ -210,7 +210,8 @@ def as_descs(descs: np.ndarray | Sequence[Sequence[int]], default_device: int = 
     arr = np.asarray(descs, dtype=np.uint64)
     if arr.ndim != 2 or arr.shape[1] not in (2, 3):
         raise InvalidDescriptorError(
-            f"descriptors must be an (N, 2) or (N, 3) array of (address, length[, device]), got shape {arr.shape}"
+            "descriptors must be an (N, 2) or (N, 3) array of (address, length[, device]), got "
+            f"shape {arr.shape}"
         )
     if arr.shape[1] == 2:
         arr = np.concatenate(

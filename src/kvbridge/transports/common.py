@@ -354,7 +354,8 @@ class TransportBase(abc.ABC):
         with self._lock:
             if self._closed:
                 raise TransportError(
-                    f"{self.name} transport {self.agent_name!r} was closed while adding peer {md.agent!r}"
+                    f"{self.name} transport {self.agent_name!r} was closed while adding peer "
+                    f"{md.agent!r}"
                 )
             self._peers[md.agent] = index
             self._peer_metadata[md.agent] = metadata
@@ -434,7 +435,8 @@ class TransportBase(abc.ABC):
         if outside is not None:
             whose = "our" if peer is None else f"peer {peer!r}'s"
             raise InvalidDescriptorError(
-                f"descriptor at 0x{outside[0]:x} (+{outside[1]} bytes) is outside {whose} registered {memory} memory",
+                f"descriptor at 0x{outside[0]:x} (+{outside[1]} bytes) is outside {whose} "
+                f"registered {memory} memory",
                 fix="register the memory before preparing descriptors for it"
                 + ("" if peer is None else ", then re-send metadata to the peer"),
             )
@@ -531,8 +533,12 @@ class TransportBase(abc.ABC):
             now = time.monotonic()
             if now >= deadline:
                 raise DeadlineExceeded(
-                    f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within {timeout:g}s",
-                    fix="check that the peer is alive; raise timeouts.transfer_s for very large transfers",
+                    f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within "
+                    f"{timeout:g}s",
+                    fix=(
+                        "check that the peer is alive; raise timeouts.transfer_s for very large "
+                        "transfers"
+                    ),
                 )
             # the backends have no blocking completion call: sleep in proportion to the
             # time waited so far, so the wake-up overshoot stays a small share of it

@@ -96,7 +96,8 @@ class LoopbackTransport(TransportBase):
         regions = self._regions(local, lidx, remote, ridx)
         if local.memory != remote.memory:
             raise InvalidDescriptorError(
-                f"the loopback transport moves {local.memory} to {local.memory} memory only, not to {remote.memory}"
+                f"the loopback transport moves {local.memory} to {local.memory} memory only, not "
+                f"to {remote.memory}"
             )
         pairs = zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist())
         if op == "read":

@@ -178,12 +178,14 @@ class MooncakeTransport(TransportBase):
             devices = rdma_devices()
             if not devices:
                 raise TransportUnavailableError(
-                    "mooncake.protocol is 'rdma' but this machine has no RDMA device (/sys/class/infiniband is empty)",
+                    "mooncake.protocol is 'rdma' but this machine has no RDMA device "
+                    "(/sys/class/infiniband is empty)",
                     fix="set mooncake.protocol to 'tcp', or install the NIC's RDMA driver",
                 )
             if options.device_name and not set(options.device_name.split(",")) <= set(devices):
                 raise TransportUnavailableError(
-                    f"mooncake.device_name {options.device_name!r} names devices this machine lacks",
+                    f"mooncake.device_name {options.device_name!r} names devices this machine "
+                    "lacks",
                     fix=f"use some of: {', '.join(devices)}",
                 )
         _set_env("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(options.max_queued_transfers_per_peer))
@@ -202,7 +204,8 @@ class MooncakeTransport(TransportBase):
         rc = self._engine.initialize(host, "P2PHANDSHAKE", options.protocol, options.device_name)
         if rc != 0:
             raise TransportUnavailableError(
-                f"Mooncake TransferEngine.initialize({host!r}, protocol={options.protocol!r}) returned {rc}",
+                f"Mooncake TransferEngine.initialize({host!r}, protocol={options.protocol!r}) "
+                f"returned {rc}",
                 fix="check that 'host' is an address of this machine; run 'kvbridge doctor'",
             )
         self.protocol = options.protocol
@@ -305,7 +308,8 @@ class MooncakeTransport(TransportBase):
         if probe != 0:
             raise self._peer_lost(peer, what, f"Mooncake rc={rc}, the peer does not answer a probe")
         raise TransferFailedError(
-            f"Mooncake {what} to {peer!r} failed (rc={rc}) {len(RETRY_PAUSES_S) + 1} times although the peer answers a probe",
+            f"Mooncake {what} to {peer!r} failed (rc={rc}) {len(RETRY_PAUSES_S) + 1} times "
+            "although the peer answers a probe",
             fix="check that the target addresses are registered on the peer",
         )
 
@@ -322,7 +326,8 @@ class MooncakeTransport(TransportBase):
                 for a in done:
                     self._engine.unregister_memory(a)
                 raise TransportError(
-                    f"Mooncake could not register {length} bytes at 0x{addr:x} ({location}): rc={rc}"
+                    f"Mooncake could not register {length} bytes at 0x{addr:x} ({location}): "
+                    f"rc={rc}"
                 )
             done.append(addr)
         return done
@@ -447,8 +452,12 @@ class MooncakeTransport(TransportBase):
             cf.wait([xfer.handle], timeout=timeout)  # type: ignore[list-item]
         if not self.poll(xfer):
             raise DeadlineExceeded(
-                f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within {timeout:g}s",
-                fix="check that the peer is alive; raise timeouts.transfer_s for very large transfers",
+                f"transfer of {xfer.nbytes} bytes to {xfer.peer!r} did not complete within "
+                f"{timeout:g}s",
+                fix=(
+                    "check that the peer is alive; raise timeouts.transfer_s for very large "
+                    "transfers"
+                ),
             )
 
     def _release(self, xfer: Xfer) -> None:

@@ -109,7 +109,8 @@ class NixlTransport(TransportBase):
         if not self._agent.backends:
             plugins = self._agent.get_plugin_list()
             raise TransportUnavailableError(
-                f"none of the NIXL backends {list(options.backends)} could be created; available plugins: {plugins}",
+                f"none of the NIXL backends {list(options.backends)} could be created; available "
+                f"plugins: {plugins}",
                 fix=f"set nixl.backends to some of {plugins}",
             )
         self.progress_thread = progress

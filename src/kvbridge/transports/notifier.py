@@ -87,7 +87,8 @@ class ZmqNotifier:
                 sock.send_multipart([sender.encode(), payload], flags=zmq.NOBLOCK)
             except zmq.Again:
                 raise TransportError(
-                    f"{SEND_QUEUE} notifications to peer {peer!r} are queued unread; the peer is not consuming them",
+                    f"{SEND_QUEUE} notifications to peer {peer!r} are queued unread; the peer is "
+                    "not consuming them",
                     fix="check that the peer process is alive and not stopped",
                 ) from None
             except zmq.ZMQError as exc:

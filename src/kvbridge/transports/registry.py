@@ -6,10 +6,10 @@ Mooncake links against, ...), never a bare ImportError traceback.
 
 >>> sorted(available())
 ['loopback', 'mooncake', 'nixl']
->>> create_transport("nixel", None, agent_name="a")
+>>> create_transport("nixel", None, agent_name="a")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-kvbridge.errors.UnknownTransportError: unknown transport 'nixel' (fix: did you mean 'nixl'? choose one of: loopback, mooncake, nixl)
+kvbridge.errors.UnknownTransportError: unknown transport 'nixel' (fix: did you mean 'nixl'? ...)
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ register_transport(
             (r"libibverbs|libnl-|librdmacm", _MOONCAKE_DEBS),
             (
                 r"libcudart|libcuda\.so",
-                "pip uninstall -y mooncake-transfer-engine && pip install mooncake-transfer-engine-non-cuda",
+                "pip uninstall -y mooncake-transfer-engine && pip install "
+                "mooncake-transfer-engine-non-cuda",
             ),
         ),
     )

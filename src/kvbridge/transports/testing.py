@@ -173,7 +173,8 @@ class Peer:
         except EOFError:
             self.process.join(5)
             raise RuntimeError(
-                f"peer {self.agent_name} exited (code {self.process.exitcode}) before answering {what!r}"
+                f"peer {self.agent_name} exited (code {self.process.exitcode}) before answering "
+                f"{what!r}"
             ) from None
         if status != "ok":
             raise RuntimeError(f"peer {self.agent_name} failed {what!r}: {value}")

@@ -49,7 +49,7 @@ class Codec:
     ...                   num_layers=2, num_kv_heads=2, head_dim=64)
     >>> codec = Codec(info)
     >>> codec.decode(codec.encode(Done(transfer_id="r1", ok=False, reason="lease expired")))
-    Done(transfer_id='r1', ok=False, reason='lease expired')
+    Done(transfer_id='r1', ok=False, reason='lease expired', source=0)
     """
 
     _frame_encoder = msgspec.msgpack.Encoder()
@@ -78,7 +78,8 @@ class Codec:
             ) from exc
         if frame.v != PROTOCOL_VERSION:
             raise ProtocolVersionError(
-                f"peer speaks kvbridge wire protocol {frame.v}, this process speaks {PROTOCOL_VERSION}",
+                f"peer speaks kvbridge wire protocol {frame.v}, this process speaks "
+                f"{PROTOCOL_VERSION}",
                 fix="install the same kvbridge version on prefill and decode instances",
             )
         if frame.compat != self.compat_hash:
@@ -93,14 +94,18 @@ class Codec:
             theirs = self._handshake_decoder.decode(frame.body).compat
         except (msgspec.DecodeError, msgspec.ValidationError):
             return IncompatiblePeerError(
-                f"peer's KV cache is incompatible (compat hash {frame.compat} != ours {self.compat_hash})",
+                f"peer's KV cache is incompatible (compat hash {frame.compat} != ours "
+                f"{self.compat_hash})",
                 fix="run prefill and decode with the same model, dtype, block size and parallelism",
             )
         diffs = compat_diff(self.compat, theirs)
         detail = "; ".join(f"{k}: ours={a!r}, peer={b!r}" for k, (a, b) in diffs.items())
         fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
         if "block_size" in diffs:
-            fix += " (engines with different block sizes: set transfer_block_size to a common divisor of them, the same on both)"
+            fix += (
+                " (engines with different block sizes: set transfer_block_size to a common "
+                "divisor of them, the same on both)"
+            )
         return IncompatiblePeerError(
             f"peer's KV cache is incompatible: {detail or 'compat hash differs'}",
             differences=diffs,

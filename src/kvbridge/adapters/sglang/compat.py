@@ -21,7 +21,8 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   eager runner hands the layers a *copy* of the ``ForwardBatch``, built field by field
   into static buffers, so an attribute on the original does not reach them); an AROUND
   hook on ``layers.radix_attention.RadixAttention.forward`` (``self.layer_id``)
-  reports each finished layer of the active plan. :func:`extend_requests` and :func:`page_ids` read ``ScheduleBatch.reqs /
+  reports each finished layer of the active plan. :func:`extend_requests` and :func:`page_ids` read
+  ``ScheduleBatch.reqs /
   forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and ``Req.bootstrap_room
   / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len / kv.req_pool_idx``;
   ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
@@ -230,7 +231,8 @@ def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:
     name = str(getattr(kv_args, "kv_cache_dtype_str", None) or "auto").lower()
     if name not in _KV_DTYPE_NAMES:
         raise ConfigError(
-            f"wire_dtype 'fp8' packs float16, bfloat16 or float32 KV caches; this server's is {name!r}",
+            "wire_dtype 'fp8' packs float16, bfloat16 or float32 KV caches; this server's is "
+            f"{name!r}",
             key="wire_dtype",
             fix="use wire_dtype 'exact' (an 8-bit KV cache is already as small)",
         )

@@ -127,8 +127,10 @@ class DecodeSide:
                     verdict = self.epochs.observe(addr, epoch, refused=refused)
                 if verdict is Verdict.RESTARTED:
                     log.warning(
-                        "kvbridge: the prefill at %s restarted (instance %s -> %s): dropping its cached "
-                        "bootstrap info and failing its in-flight requests; new requests bootstrap again",
+                        "kvbridge: the prefill at %s restarted (instance %s -> %s): dropping its "
+                        "cached "
+                        "bootstrap info and failing its in-flight requests; new requests bootstrap "
+                        "again",
                         addr,
                         before.instance if before else "?",
                         epoch.instance if epoch else "?",
@@ -136,7 +138,8 @@ class DecodeSide:
                     self._handle_node_failure(addr)
                 elif verdict is Verdict.DOWN:
                     log.warning(
-                        "kvbridge: the prefill at %s refuses connections: failing its in-flight requests",
+                        "kvbridge: the prefill at %s refuses connections: failing its in-flight "
+                        "requests",
                         addr,
                     )
                     self._handle_node_failure(addr)
@@ -202,7 +205,8 @@ class DecodeSide:
             )  # reserved by the receiver's send_metadata
             if res is None:
                 log.warning(
-                    "kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill fails it",
+                    "kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill "
+                    "fails it",
                     bootstrap_room,
                     len(kv_indices) * self.page_ratio,
                     self.config.staging_mb,
@@ -255,7 +259,8 @@ class DecodeSide:
             res, last = self.reservations.arrive(room, index)
             if res is None:
                 log.warning(
-                    "kvbridge: Done for part %d of room %s, which holds no such staging run (cleared, aborted or repeated); ignored",
+                    "kvbridge: Done for part %d of room %s, which holds no such staging run "
+                    "(cleared, aborted or repeated); ignored",
                     index,
                     room,
                 )
@@ -361,7 +366,8 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
         )
         if not mgr.reservations.fits(int(pages.size), parts):
             log.warning(
-                "kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however empty",
+                "kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however "
+                "empty",
                 self.bootstrap_room,
                 pages.size,
                 mgr.config.staging_mb,
@@ -388,7 +394,8 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
             ) is not None or time.monotonic() >= wait.deadline:
                 if run is None:
                     log.warning(
-                        "kvbridge: room %s found no room in the staging buffer for timeouts.receive_s; the prefill fails it",
+                        "kvbridge: room %s found no room in the staging buffer for "
+                        "timeouts.receive_s; the prefill fails it",
                         self.bootstrap_room,
                     )
                 self._staging_wait = None

@@ -51,9 +51,13 @@ def refuse_pool_state(state_types: Sequence[object] | None) -> None:
     names = [str(getattr(s, "name", s)) for s in state_types or ()]
     if names:
         raise PlanError(
-            f"this model's SGLang KV pool carries state that kvbridge does not move yet ({', '.join(names)}); "
+            "this model's SGLang KV pool carries state that kvbridge does not move yet "
+            f"({', '.join(names)}); "
             "kvbridge supports MHA and MLA pools without it",
-            fix="serve this model with one of SGLang's own backends (--disaggregation-transfer-backend mooncake or nixl)",
+            fix=(
+                "serve this model with one of SGLang's own backends "
+                "(--disaggregation-transfer-backend mooncake or nixl)"
+            ),
         )
 
 
@@ -80,7 +84,9 @@ def kv_geometry(
     if n == 0 or n % planes or len(lens) != n or len(item_lens) != n:
         raise PlanError(
             f"SGLang KV pool has {n} buffers ({len(lens)} lengths, {len(item_lens)} page sizes); "
-            f"kvbridge supports {'MLA pools: one latent buffer' if mla else 'MHA pools: one K and one V buffer'} per layer"
+            "kvbridge supports "
+            f"{'MLA pools: one latent buffer' if mla else 'MHA pools: one K and one V buffer'} per "
+            "layer"
         )
     if len(set(item_lens)) != 1 or len(set(lens)) != 1:
         raise PlanError(
@@ -133,9 +139,12 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
     fix = None
     if theirs is not None and msgspec.structs.replace(theirs, block_size=mine.block_size) == mine:
         fix = (
-            f"its pages hold {theirs.block_size} tokens, this prefill's {mine.block_size}: set transfer_block_size "
-            f"{min(theirs.block_size, mine.block_size)} in KVBRIDGE_CONFIG on both instances (a prefill with larger pages "
-            "than its decode's also needs a decode without --disaggregation-decode-enable-radix-cache)"
+            f"its pages hold {theirs.block_size} tokens, this prefill's {mine.block_size}: set "
+            "transfer_block_size "
+            f"{min(theirs.block_size, mine.block_size)} in KVBRIDGE_CONFIG on both instances (a "
+            "prefill with larger pages "
+            "than its decode's also needs a decode without "
+            "--disaggregation-decode-enable-radix-cache)"
         )
     return IncompatiblePeerError(
         f"its KV pages ({theirs}) differ from this prefill's ({mine})", fix=fix
@@ -156,7 +165,8 @@ class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
     ) -> AuxLayout:
         if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
             raise PlanError(
-                f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} row sizes"
+                f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} "
+                "row sizes"
             )
         rows = {int(length) // int(item) for length, item in zip(lens, item_lens)}
         if len(rows) != 1:

@@ -167,7 +167,8 @@ def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
     body = unseal(secret, data)
     if body is None:
         raise AuthenticationError(
-            "a kvbridge notification failed authentication (its sender's secret differs, or it has none)",
+            "a kvbridge notification failed authentication (its sender's secret differs, or it has "
+            "none)",
             _unverified(data[:-MAC_BYTES]),
         )
     data = body
@@ -204,7 +205,8 @@ def decode(frames: Sequence[bytes], secret: bytes | None = None) -> Message:
         )
     if secret is None and len(frames) == 3:
         raise AuthenticationError(
-            "a kvbridge control message carries a MAC, but this instance has no 'secret' to check it",
+            "a kvbridge control message carries a MAC, but this instance has no 'secret' to check "
+            "it",
             _unverified(frames[1]),
         )
     return decode_payload(frames[1])

@@ -1,5 +1,6 @@
-"""The packed path (``wire_dtype: fp8`` or ``data_path: packed``) for the SGLang backend: SGLang's KV pool as typed planes, the
-packed slots of a room on both sides, and the decode's reservations. No SGLang imports.
+"""The packed path (``wire_dtype: fp8`` or ``data_path: packed``) for the SGLang backend:
+SGLang's KV pool as typed planes, the packed slots of a room on both sides, and the decode's
+reservations. No SGLang imports.
 
 The direct path moves SGLang's pages as opaque bytes (:func:`.layout.kv_geometry`). The
 packed path needs to read them as numbers, so it describes the same pool with its real
@@ -63,10 +64,14 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
         head_dim = row // size
     if size is None or head_dim <= 0 or row % (head_dim * size):
         raise ConfigError(
-            f"the packed data path: SGLang's KV pages hold {row} bytes per token, not whole heads of "
+            f"the packed data path: SGLang's KV pages hold {row} bytes per token, not whole heads "
+            "of "
             f"{head_dim} {dtype} values",
             key="wire_dtype",
-            fix="use wire_dtype 'exact' and data_path 'direct' for this model (a quantized or MLA KV cache is not packed)",
+            fix=(
+                "use wire_dtype 'exact' and data_path 'direct' for this model (a quantized or MLA "
+                "KV cache is not packed)"
+            ),
         )
     spec = CacheSpec(
         num_layers=opaque.spec.num_layers,
@@ -184,7 +189,8 @@ def room_part(
         return None
     if len(mine) != 1:  # cannot happen when one size is a multiple of the other
         raise IncompatiblePeerError(
-            f"prefill rank {p_rank} of TP {p_tp} and decode rank {d_rank} of TP {d_tp} share {len(mine)} head ranges"
+            f"prefill rank {p_rank} of TP {p_tp} and decode rank {d_rank} of TP {d_tp} share "
+            f"{len(mine)} head ranges"
         )
     s = mine[0]
     sources = prefill_ranks(total, p_tp, d_tp, d_rank)

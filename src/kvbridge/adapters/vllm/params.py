@@ -81,7 +81,8 @@ class PrefillAddress(msgspec.Struct, frozen=True):
             check_pairing(total_kv_heads, len(ranks), tp_size, idle=True)
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(
-                f"the prefill instance at {self.address} runs tensor parallel size {len(ranks)}, this decode instance {tp_size}: {exc.message}",
+                f"the prefill instance at {self.address} runs tensor parallel size {len(ranks)}, "
+                f"this decode instance {tp_size}: {exc.message}",
                 differences={"tp_size": (tp_size, len(ranks))},
                 fix=exc.fix,
             ) from None
@@ -139,14 +140,16 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
             kb = msgspec.convert(block, KVBridgeParams)
         except msgspec.ValidationError as exc:
             log.warning(
-                "kvbridge: request %s has malformed kv_transfer_params.kvbridge (%s); computing it locally",
+                "kvbridge: request %s has malformed kv_transfer_params.kvbridge (%s); computing it "
+                "locally",
                 request_id,
                 exc,
             )
             return None
         if kb.role == "decode" and (kb.prefill is None or kb.flow == "discover"):
             log.warning(
-                "kvbridge: request %s: decode params without a prefill address; computing it locally",
+                "kvbridge: request %s: decode params without a prefill address; computing it "
+                "locally",
                 request_id,
             )
             return None
@@ -165,7 +168,8 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
         return Handoff(role="prefill", flow="pull", transfer_id=request_id)
     if params.get("do_remote_prefill"):
         log.warning(
-            "kvbridge: request %s carries do_remote_prefill without kvbridge's block (params from another connector?); computing it locally",
+            "kvbridge: request %s carries do_remote_prefill without kvbridge's block (params from "
+            "another connector?); computing it locally",
             request_id,
         )
     return None

@@ -132,7 +132,10 @@ class SchedulerSide:
             raise ConfigError(
                 f"transfer_block_size {self.unit} does not divide vLLM's block size {block_size}",
                 key="transfer_block_size",
-                fix="use a divisor of both instances' --block-size, the same on prefill and decode (0: the engine's own)",
+                fix=(
+                    "use a divisor of both instances' --block-size, the same on prefill and decode "
+                    "(0: the engine's own)"
+                ),
             )
         self._ratio = block_size // self.unit
         self._grouped = bool(windows)
@@ -203,7 +206,8 @@ class SchedulerSide:
         req_id = request.request_id
         if request.num_prompt_tokens <= self.backoff:
             log.info(
-                "kvbridge: request %s (%d tokens) is computed without a handoff: its decode computes it too",
+                "kvbridge: request %s (%d tokens) is computed without a handoff: its decode "
+                "computes it too",
                 req_id,
                 request.num_prompt_tokens,
             )
@@ -211,7 +215,8 @@ class SchedulerSide:
             return
         else:
             log.warning(
-                "kvbridge: request %s has neither prompt token ids nor embeddings; it is computed without a handoff",
+                "kvbridge: request %s has neither prompt token ids nor embeddings; it is computed "
+                "without a handoff",
                 req_id,
             )
         self._handoffs[req_id] = _NONE
@@ -245,7 +250,8 @@ class SchedulerSide:
         owner = self._recv_owner.get(h.transfer_id)
         if owner is not None:
             log.info(
-                "kvbridge: request %s shares transfer %s with %s (n > 1?): it waits for that load, then reads its prefix cache",
+                "kvbridge: request %s shares transfer %s with %s (n > 1?): it waits for that load, "
+                "then reads its prefix cache",
                 req_id,
                 h.transfer_id,
                 owner,
@@ -254,7 +260,8 @@ class SchedulerSide:
             return None, False
         if h.transfer_id in self._recv_ended:
             log.info(
-                "kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its prefix cache",
+                "kvbridge: request %s names transfer %s, which ended here (n > 1?): it reads its "
+                "prefix cache",
                 req_id,
                 h.transfer_id,
             )
@@ -273,7 +280,8 @@ class SchedulerSide:
             if request.request_id not in self._prefill:
                 if h.transfer_id in self._send_owner or h.transfer_id in self._send_ended:
                     log.warning(
-                        "kvbridge: request %s names transfer %s, which another request sends or sent (n > 1 on a prefill?); computing it without a handoff",
+                        "kvbridge: request %s names transfer %s, which another request sends or "
+                        "sent (n > 1 on a prefill?); computing it without a handoff",
                         request.request_id,
                         h.transfer_id,
                     )
@@ -307,7 +315,9 @@ class SchedulerSide:
             all_ids = blocks.get_block_ids()[0]
             new_ids = blocks.get_unhashed_block_ids()
             skip_blocks = len(all_ids) - len(new_ids)  # prefix-cache hits come first
-        else:  # local hits (whole blocks) come first in every group; a sliding one pads with the null block
+        else:
+            # local hits (whole blocks) come first in every group; a sliding one pads with
+            # the null block
             skip_blocks = (num_tokens - num_external_tokens) // self.block_size
             new_ids = [ids[skip_blocks:] for ids in blocks.get_block_ids()]
         needed = math.ceil(num_tokens / self.block_size) - skip_blocks

@@ -110,10 +110,14 @@ class WorkerSide:
         state_layers = {name for g in self.groups or () if g.state for name in g.layer_names}
         if state_layers and self.config.packed:
             raise ConfigError(
-                "data_path packed (and wire_dtype fp8) moves attention KV through staging; this model has state-space layers, "
+                "data_path packed (and wire_dtype fp8) moves attention KV through staging; this "
+                "model has state-space layers, "
                 "whose states kvbridge moves on the direct path only",
                 key="wire_dtype" if self.config.wire_dtype == "fp8" else "data_path",
-                fix="leave data_path and wire_dtype at their defaults (direct, exact) for this model",
+                fix=(
+                    "leave data_path and wire_dtype at their defaults (direct, exact) for this "
+                    "model"
+                ),
             )
         geometry = geometry_from_tensors(
             kv_caches, ordered, self.block_size, mla=self.mla, state_layers=state_layers
@@ -165,7 +169,8 @@ class WorkerSide:
         )
         self._on_device = geometry.memory == "device"
         log.info(
-            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), side channel %s",
+            "kvbridge: worker %d ready (%s, %d layers, %d blocks, %s, wire %s, %s), "
+            "side channel %s",
             self.rank,
             self.config.transport,
             geometry.spec.num_layers,
@@ -224,7 +229,8 @@ class WorkerSide:
                 # the scheduler side lets one request send a transfer id at a time; if it
                 # ever did not, fail the newcomer here rather than inside vLLM's step
                 log.error(
-                    "kvbridge: request %s names transfer %s, which request %s sends from this worker; it is not sent",
+                    "kvbridge: request %s names transfer %s, which request %s sends from this "
+                    "worker; it is not sent",
                     step.req_id,
                     step.transfer_id,
                     self._send_req[step.transfer_id],
@@ -258,7 +264,8 @@ class WorkerSide:
         for task in meta.recv:
             if task.transfer_id in self._recv_req:  # see bind_send: one request per transfer id
                 log.error(
-                    "kvbridge: request %s names transfer %s, which request %s loads on this worker; its load fails",
+                    "kvbridge: request %s names transfer %s, which request %s loads on this "
+                    "worker; its load fails",
                     task.req_id,
                     task.transfer_id,
                     self._recv_req[task.transfer_id],
