@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang test test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
+.PHONY: setup setup-sglang lint test test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -11,8 +11,13 @@ setup:
 setup-sglang:
 	@bash scripts/setup-sglang.sh
 
-## the whole test suite (what CI runs): vLLM, transports, core in .venv; SGLang in .venv-sglang
-test: setup setup-sglang
+## ruff (pinned in the `lint` extra): the rules of pyproject.toml, and the formatter's layout
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+## the whole test suite (what CI runs): lint; vLLM, transports, core in .venv; SGLang in .venv-sglang
+test: setup setup-sglang lint
 	$(BIN)/python -m pytest tests -ra --durations=20 --ignore=tests/integration_sglang
 	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra --durations=20
 

@@ -102,8 +102,8 @@ def _check_kernels_agree(fns: dict, exact, fp8, fmt, qfmt, layers: int) -> None:
         for kernel in ops.KERNELS[1:]:
             buf.fill_(0x5A)
             fns[f"{name}_{kernel}"]()
-            for i, (got, w) in enumerate(zip(rows(buf, f), want)):
-                if not all(same(a, b) for a, b in zip(got, w)):
+            for i, (got, w) in enumerate(zip(rows(buf, f), want, strict=True)):
+                if not all(same(a, b) for a, b in zip(got, w, strict=True)):
                     raise SystemExit(
                         f"{name} with kernel {kernel!r} differs from 'rows' in layer {i}: fix the "
                         "kernel first"
@@ -156,11 +156,11 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
         copy_dst.copy_(copy_src)
 
     def index_select():
-        for c, out in zip(caches, gathered):
+        for c, out in zip(caches, gathered, strict=True):
             torch.index_select(c, 1, ids_dev, out=out)
 
     def index_copy():
-        for c, src in zip(caches, gathered):
+        for c, src in zip(caches, gathered, strict=True):
             c.index_copy_(1, ids_dev, src)
 
     fns: dict[str, Callable[[], None]] = {"copy": copy}

@@ -25,6 +25,7 @@ every layer in one call. Methods are timed round-robin, each sample the mean of
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -49,19 +50,25 @@ _SCHEMA = {
         "int num_heads, int kernel=0) -> ()"
     ),
 }
-_probe = None
+
+
+@functools.cache
+def _probe_library():
+    """The library defining ``kvbridge_probe`` (kept alive: its operators go with it)."""
+    import torch
+
+    lib = torch.library.Library("kvbridge_probe", "DEF")
+    for name, schema in _SCHEMA.items():
+        lib.define(schema)
+        lib.impl(name, lambda *args: None, "CPU")
+    return lib
 
 
 def _probe_binding():
     """``torch.ops.kvbridge_probe``: the binding's two operators, doing nothing on CPU."""
-    global _probe
     import torch
 
-    if _probe is None:
-        _probe = torch.library.Library("kvbridge_probe", "DEF")
-        for name, schema in _SCHEMA.items():
-            _probe.define(schema)
-            _probe.impl(name, lambda *args: None, "CPU")
+    _probe_library()
     return torch.ops.kvbridge_probe
 
 

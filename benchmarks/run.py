@@ -39,14 +39,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ops  # noqa: E402
-import ops_host  # noqa: E402
-import serving  # noqa: E402
-import sglang_serving  # noqa: E402
-import transfer  # noqa: E402
-import transport_costs  # noqa: E402
-from rich.console import Console, Group  # noqa: E402
-from rich.table import Table  # noqa: E402
+import ops
+import ops_host
+import serving
+import sglang_serving
+import transfer
+import transport_costs
+from rich.console import Console, Group
+from rich.table import Table
 
 console = Console(width=150)
 
@@ -175,7 +175,7 @@ def plot_transfer(doc: dict, path: Path) -> None:
     fig, axes = plt.subplots(
         1, len(transports), figsize=(6.5 * len(transports), 4.2), squeeze=False
     )
-    for ax, tname in zip(axes[0], transports):
+    for ax, tname in zip(axes[0], transports, strict=True):
         rows = [r for r in doc["results"] if r["transport"] == tname]
         groups = sorted({(r["block_kib"], r["scenario"]) for r in rows if r["scenario"] != "any"})
         width = 0.8 / len(methods)
@@ -183,7 +183,7 @@ def plot_transfer(doc: dict, path: Path) -> None:
         def best(kib: int, scenario: str, method: str) -> float:
             return next(
                 r["best_gbps"]
-                for r in rows
+                for r in rows  # noqa: B023 (called within this iteration only)
                 if r["block_kib"] == kib
                 and r["method"] == method
                 and r["scenario"] in (scenario, "any")
@@ -392,13 +392,17 @@ def sglang_table(doc: dict) -> Group:
     for (head, rows), title in (
         (
             sglang_serving.rows(doc),
-            f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, "
-            f"{doc['output_len']} output tokens: medians",
+            (
+                f"SGLang on CPU, one request at a time, {doc['prompts']} prompts per length, "
+                f"{doc['output_len']} output tokens: medians"
+            ),
         ),
         (
             sglang_serving.stage_rows(doc),
-            "SGLang's prefill stages (medians): transfer after the forward / "
-            "TTFT minus the forward",
+            (
+                "SGLang's prefill stages (medians): transfer after the forward / "
+                "TTFT minus the forward"
+            ),
         ),
     ):
         table = Table(title=title)
@@ -425,7 +429,7 @@ def plot_sglang(doc: dict, path: Path) -> None:
         ("tpot_median_ms", "TPOT (median)", "ms"),
     )
     for i, name in enumerate(doc["configs"]):
-        for ax, (key, _, _) in zip(axes, panels):
+        for ax, (key, _, _) in zip(axes, panels, strict=True):
             pts = []
             for n in doc["lengths"]:
                 s, base = by.get((name, n)), by.get(("colocated", n))
@@ -440,8 +444,8 @@ def plot_sglang(doc: dict, path: Path) -> None:
                 if value is not None:
                     pts.append((n, value))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name, color=f"C{i}")
-    for ax, (key, title, ylabel) in zip(axes, panels):
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name, color=f"C{i}")
+    for ax, (key, title, ylabel) in zip(axes, panels, strict=True):
         if ax.has_data():
             ax.set_xscale("log", base=2)
         if key == "transfer_median_ms" and ax.has_data():
@@ -579,7 +583,7 @@ def plot_ops(doc: dict, path: Path) -> None:
 
     geos = sorted({r["geometry"] for r in doc["results"]})
     fig, axes = plt.subplots(1, len(geos), figsize=(6.5 * len(geos), 4.2), squeeze=False)
-    for ax, geo in zip(axes[0], geos):
+    for ax, geo in zip(axes[0], geos, strict=True):
         rows = [r for r in doc["results"] if r["geometry"] == geo]
         labels = [
             f"b{r['block_size']}/"
@@ -755,8 +759,10 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
     busy = doc["waiter"][0]["busy_processes"] if doc["waiter"] else 0
     return [
         (
-            f"NIXL post, host us (medians of {doc['reps']} samples of {doc['calls_per_sample']} "
-            "posts)",
+            (
+                f"NIXL post, host us (medians of {doc['reps']} samples of "
+                f"{doc['calls_per_sample']} posts)"
+            ),
             ["descriptors", "prepared tables", "one-post lists (adhoc)", "adhoc / prepared"],
             post,
         ),
@@ -766,8 +772,10 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
             waiter,
         ),
         (
-            f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one batch each "
-            f"of {transport_costs.BLOCKS} x 64 KiB), medians of {doc['reps']}",
+            (
+                f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one batch "
+                f"each of {transport_costs.BLOCKS} x 64 KiB), medians of {doc['reps']}"
+            ),
             ["waiter_nice", "GB/s", "vs nice 0"],
             streaming,
         ),

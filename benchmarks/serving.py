@@ -39,11 +39,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
 from kvbridge.demo.run import prom, stream, wait_requests_sent
 from kvbridge.demo.servers import ServerError, VllmServer, free_port, random_prompt, start_proxy
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 BLOCK = 32
 BENCH_CLIENT = (
@@ -231,7 +234,7 @@ class Deployment:
             }
         self.url = ""
 
-    def __enter__(self) -> Deployment:
+    def __enter__(self) -> Self:
         try:
             for s in self.servers.values():
                 s.start()
@@ -411,7 +414,7 @@ def fresh_dir(path: Path) -> Path:
 def _tpots(doc: dict[str, Any]) -> list[float]:
     """Per request: (latency - TTFT) / (output tokens - 1), as vLLM defines TPOT."""
     out = []
-    for ttft, lat, n in zip(doc["ttfts"], doc["latencies"], doc["output_lens"]):
+    for ttft, lat, n in zip(doc["ttfts"], doc["latencies"], doc["output_lens"], strict=True):
         if ttft and lat and n > 1:
             out.append(1e3 * (lat - ttft) / (n - 1))
     return out

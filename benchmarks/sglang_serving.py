@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,6 +53,9 @@ from kvbridge.demo.model import build_tiny_model, default_model_dir
 from kvbridge.demo.servers import ServerProcess, random_prompt, start_all
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang, stream_generate
 from kvbridge.errors import KVBridgeError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 PAGE = 32
 START_TIMEOUT_S = 900.0
@@ -195,7 +198,7 @@ class Deployment:
         """The prefill server's URL (its ``/metrics``); None when colocated."""
         return self.servers[0].url if len(self.servers) > 1 else None
 
-    def __enter__(self) -> Deployment:
+    def __enter__(self) -> Self:
         try:
             engines, router = self.servers[:2], self.servers[2:]
             start_all(engines, START_TIMEOUT_S)
@@ -445,12 +448,14 @@ def markdown(doc: dict[str, Any]) -> str:
     if table:
         lines += [
             "",
-            "SGLang's own timing of each request on the prefill server (`--enable-metrics`, "
-            f"`{STAGE_METRIC}`), medians: *transfer* = stage `{STAGES['transfer_ms']}` (the "
-            "forward's end to the backend reporting the KV sent: the transfer time the prefill "
-            f"did not hide), *overhead* = TTFT minus stage `{STAGES['forward_ms']}` (what "
-            "disaggregation adds to the prefill's compute: bootstrap, transfer, hand-over, "
-            "the decode's first step, the router).",
+            (
+                "SGLang's own timing of each request on the prefill server (`--enable-metrics`, "
+                f"`{STAGE_METRIC}`), medians: *transfer* = stage `{STAGES['transfer_ms']}` (the "
+                "forward's end to the backend reporting the KV sent: the transfer time the prefill "
+                f"did not hide), *overhead* = TTFT minus stage `{STAGES['forward_ms']}` (what "
+                "disaggregation adds to the prefill's compute: bootstrap, transfer, hand-over, "
+                "the decode's first step, the router)."
+            ),
             "",
             *_md_table(head, table),
         ]

@@ -219,7 +219,7 @@ def run(
                     cases.append(
                         (
                             Result(name, kib, "any", "memcpy", request_bytes, 1),
-                            lambda: np.copyto(dst, loc.buf[:request_bytes]),
+                            lambda dst=dst, src=loc.buf[:request_bytes]: np.copyto(dst, src),
                         )
                     )
                     _measure(cases, reps)

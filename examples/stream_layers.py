@@ -73,7 +73,7 @@ def prefill(conn, transport_name: str) -> None:
     t = create_transport(
         transport_name, load_config({"transport": transport_name}), agent_name=str(me)
     )
-    cache, geo = make_cache(seed=1)
+    _cache, geo = make_cache(seed=1)
     t.register(geo.regions())
     local_table = t.prepare(geo.slot_table())
     conn.send_bytes(CODEC.encode(hello(Hello, me, t, geo)))

@@ -32,6 +32,7 @@ perturbs what it watches: beside it the stall stopped happening (notes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import time
@@ -156,10 +157,8 @@ def _own_cpu_share() -> None:
     for desktops and many VMs: ``/proc/sys/kernel/sched_autogroup_enabled``), CPU time is
     shared between sessions first and nice only orders threads within one, so a watcher
     in the shell's session waits seconds behind vLLM servers that each run in their own."""
-    try:
+    with contextlib.suppress(OSError):  # already a session leader
         os.setsid()
-    except OSError:
-        pass  # already a session leader
     try:
         with open("/proc/self/autogroup", "w") as f:
             f.write(str(os.nice(0)))

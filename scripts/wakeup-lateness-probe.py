@@ -13,6 +13,7 @@ compare its lines with the times in the engines' logs; stop it with Ctrl-C or ki
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -23,10 +24,8 @@ def main() -> None:
         "--report", type=float, default=0.5, help="print seconds whose worst lateness exceeds this"
     )
     args = parser.parse_args()
-    try:
+    with contextlib.suppress(OSError):  # already a session leader
         os.setsid()
-    except OSError:
-        pass  # already a session leader
     worst, second_start = 0.0, time.monotonic()
     while True:
         before = time.monotonic()

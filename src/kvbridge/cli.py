@@ -11,6 +11,7 @@ kvbridge demo [--engine vllm|sglang] [--transport nixl|mooncake]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -78,10 +79,8 @@ def _proxy(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     proxy = Proxy(args.prefill, args.decode, flow=args.flow, timeout=args.timeout)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(proxy, args.host, args.port))
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -81,7 +81,7 @@ class NixlOptions(_Section):
     backends: tuple[str, ...] = ("UCX",)
     """NIXL backend plugins to instantiate, in preference order."""
 
-    progress_thread: Union[bool, None] = None
+    progress_thread: bool | None = None
     """NIXL's own progress thread. ``None`` (default): off for host memory (on a few
     cores it spins a core and costs throughput), on for device memory. kvbridge's
     notification pump drives progress either way."""
@@ -121,7 +121,7 @@ class MooncakeOptions(_Section):
     2% at 19; it noticed completion 9-25, 24-35 and 88-140 ms after the peer resumed;
     a request's layers streamed at 1.73x the bytes per second at 10 than at 0."""
 
-    progress_timeout_s: Union[PositiveInt, None] = None
+    progress_timeout_s: PositiveInt | None = None
     """Sets ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless already set: how long a TCP lane may
     move no byte before Mooncake drops it and the batch fails, to be retried while the
     peer answers a probe. None: a third of ``timeouts.transfer_s`` (at least 2 s), so
@@ -142,7 +142,7 @@ class KVBridgeConfig(_Section):
     """Port of this instance's side channel (worker rank r uses port + r); 0 picks free
     ports. Peers learn it from ``kv_transfer_params``, so 0 suits most deployments."""
 
-    secret: Union[str, None] = None
+    secret: str | None = None
     """Shared secret: when set (identically on prefill and decode), kvbridge's messages
     between the two (the side channel and the transport's notifications; on SGLang its
     registrations, destinations and ``Done`` notifications) are authenticated with
@@ -296,7 +296,7 @@ def _check_keys(cls: type[msgspec.Struct], data: Mapping[str, Any], prefix: str)
             _check_keys(sub, value, prefix=f"{dotted}.")
 
 
-_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_PATH_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
 def _explain(exc: msgspec.ValidationError) -> ConfigError:

@@ -37,7 +37,7 @@ def scatter_expected(
     src: np.ndarray, src_off: np.ndarray, dst_off: np.ndarray, size: int, nbytes: int
 ) -> np.ndarray:
     out = np.zeros(nbytes, dtype=np.uint8)
-    for s, d in zip(src_off.tolist(), dst_off.tolist()):
+    for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
         out[d : d + size] = src[s : s + size]
     return out
 
@@ -97,7 +97,7 @@ def test_one_post_descriptor_lists_of_uneven_lengths_move_byte_for_byte(
     local.t.wait(x, 30)
     local.t.release(x)
     expected = np.zeros(500 * step, dtype=np.uint8)
-    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist(), strict=True):
         expected[d : d + n] = local.buf[s : s + n]
     assert peer.call("digest", 0, 500 * step) == digest(expected)
     assert x.nbytes == int(sizes.sum())
@@ -108,7 +108,7 @@ def test_one_post_descriptor_lists_of_uneven_lengths_move_byte_for_byte(
     local.t.wait(x, 30)
     local.t.release(x)
     got = np.zeros_like(expected)
-    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist()):
+    for s, d, n in zip(src_off.tolist(), dst_off.tolist(), sizes.tolist(), strict=True):
         got[d : d + n] = local.buf[s : s + n]
     np.testing.assert_array_equal(got, expected)
     local.t.release_table(lt)  # no-op for a one-post list; a prepared one is freed
@@ -181,7 +181,7 @@ def test_concurrent_transfers_from_threads(local: Local, peer: Peer) -> None:
                 x = local.t.post("write", lt, [i], rt, [i], notify=f"t{k}-{j}".encode())
                 local.t.wait(x, 30)
                 local.t.release(x)
-        except BaseException as exc:  # surfaced below
+        except BaseException as exc:  # noqa: BLE001 (surfaced below)
             errors.append(exc)
 
     pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
@@ -414,7 +414,7 @@ def test_process_using_the_transport_exits_cleanly(transport_name: str, close: b
     )
     for _ in range(1 if close else 5):
         proc = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=120
         )
         assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-2000:]}"
 

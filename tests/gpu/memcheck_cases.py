@@ -4,8 +4,8 @@ tests/gpu/test_kernels.py::test_memcheck_clean (exits non-zero on a wrong result
 from __future__ import annotations
 
 import torch
-
 from cases import block_ids, make_cache, planes
+
 from kvbridge import ops
 from kvbridge.ops import jit, reference
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cases import LAYOUTS, block_ids, make_cache, planes
+
 from kvbridge import ops
 from kvbridge.ops import jit, reference
 
@@ -229,7 +229,7 @@ def test_many_layers_in_one_call(kernel, fp8):
     ops.unpack(got, fmt, [planes(d, "nhd") for d in dst], block_ids(20, 10, 8))
     reference.unpack(got.cpu(), fmt, [planes(r, "nhd") for r in ref], block_ids(20, 10, 8), 0)
     torch.cuda.synchronize()
-    assert all(_bytes_equal(d, r) for d, r in zip(dst, ref))
+    assert all(_bytes_equal(d, r) for d, r in zip(dst, ref, strict=True))
 
 
 def test_device_block_ids_and_unaligned_views(kernel):
@@ -343,6 +343,7 @@ def test_memcheck_clean():
             sys.executable,
             str(script),
         ],
+        check=False,
         capture_output=True,
         text=True,
         timeout=900,

@@ -78,6 +78,6 @@ def round_trip(device: str, fp8: bool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "exact"])
 def test_a_gpu_pool_packs_and_unpacks_as_the_reference_does_on_cpu(fp8: bool) -> None:
     gpu, cpu = round_trip("cuda", fp8), round_trip("cpu", fp8)
-    for i, (g, c) in enumerate(zip(gpu, cpu)):
+    for i, (g, c) in enumerate(zip(gpu, cpu, strict=True)):
         assert torch.equal(g.view(torch.int16), c.view(torch.int16)), f"buffer {i}"
     assert any(c.any() for c in cpu), "nothing was unpacked"

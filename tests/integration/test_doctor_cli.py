@@ -17,7 +17,7 @@ KVBRIDGE = [sys.executable, "-m", "kvbridge.cli"]
 
 def test_doctor_reports_both_real_transports_working() -> None:
     proc = subprocess.run(
-        [*KVBRIDGE, "doctor", "--json"], capture_output=True, text=True, timeout=300
+        [*KVBRIDGE, "doctor", "--json"], check=False, capture_output=True, text=True, timeout=300
     )
     report = json.loads(proc.stdout)
     by_name = {c["transport"]: c for c in report["transports"]}
@@ -54,6 +54,7 @@ def test_doctor_names_the_fix_for_a_transport_that_does_not_import(
 def test_config_command_validates_and_prints(tmp_path: Path) -> None:
     ok = subprocess.run(
         [*KVBRIDGE, "config", '{"transport": "mooncake"}', "--json"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -62,7 +63,7 @@ def test_config_command_validates_and_prints(tmp_path: Path) -> None:
     cfg = tmp_path / "kv.json"
     cfg.write_text('{"timeouts": {"lease_s": "long"}}')
     bad = subprocess.run(
-        [*KVBRIDGE, "config", f"@{cfg}"], capture_output=True, text=True, timeout=60
+        [*KVBRIDGE, "config", f"@{cfg}"], check=False, capture_output=True, text=True, timeout=60
     )
     assert bad.returncode == 2
     assert "timeouts.lease_s" in bad.stderr and "takes float > 0" in bad.stderr

@@ -51,7 +51,7 @@ class ProxyProcess:
             args += ["--prefill", u]
         for u in decode:
             args += ["--decode", u]
-        self._log = open(log or "/dev/null", "wb")
+        self._log = open(log or "/dev/null", "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:  # the proxy has no readiness event to wait on: poll /health

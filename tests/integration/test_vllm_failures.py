@@ -29,6 +29,7 @@ from engine_helpers import (
 )
 
 from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, random_prompt
+from kvbridge.errors import DeadlineExceeded
 
 LEASE_S = 4
 P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
@@ -142,7 +143,7 @@ def test_decode_client_abort_releases_both_sides(cluster: Cluster, baseline) -> 
     tid = uuid.uuid4().hex
     prompt = random_prompt(3 * 32, seed=2)
     # D waits for a prefill that is never sent; the client gives up after 2 s
-    with pytest.raises(Exception):
+    with pytest.raises(DeadlineExceeded):
         complete(
             cluster.d.url,
             prompt,

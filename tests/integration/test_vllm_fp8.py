@@ -65,7 +65,7 @@ def fp8_pd(
         log_path=logs / "P.log",
     )
     # no prefix caching on D: a prompt sent twice (push, then P-first) moves all its KV twice
-    d_args = ["--no-enable-prefix-caching"] + kv_args("kv_consumer", request.param, extra)
+    d_args = ["--no-enable-prefix-caching", *kv_args("kv_consumer", request.param, extra)]
     d = VllmServer(model_dir, extra_args=COMMON_ARGS + d_args, log_path=logs / "D.log")
     start_all([p, d])
     yield p, d, discover(p.url)
@@ -98,12 +98,24 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
         )
         worst = max(worst, drift)
         same_tokens += next(
-            (i for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)) if x != y), MAX_TOKENS
+            (
+                i
+                for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids, strict=False))
+                if x != y
+            ),
+            MAX_TOKENS,
         )
         total_tokens += MAX_TOKENS
         same_first += out.token_ids[0] == ref.token_ids[0]
         blocks = math.ceil(len(prompt) / BLOCK)
-        got = wait_metric(d.url, RECEIVED, lambda v: v - before >= blocks * FP8_PER_BLOCK) - before
+        got = (
+            wait_metric(
+                d.url,
+                RECEIVED,
+                lambda v, before=before, blocks=blocks: v - before >= blocks * FP8_PER_BLOCK,
+            )
+            - before
+        )
         assert got == blocks * FP8_PER_BLOCK, f"{got} bytes for {blocks} blocks"
         assert EXACT_PER_BLOCK * blocks / got > 3.5
     for s in (p, d):  # the staging gauges: the buffer's slots, none held once the requests are done
@@ -141,7 +153,9 @@ def test_fp8_p_first_moves_the_same_kv_as_the_push_flow(fp8_pd) -> None:
         blocks = math.ceil(len(prompt) / BLOCK)
         got = (
             wait_metric(
-                d.url, RECEIVED, lambda v, blocks=blocks: v - before >= blocks * FP8_PER_BLOCK
+                d.url,
+                RECEIVED,
+                lambda v, before=before, blocks=blocks: v - before >= blocks * FP8_PER_BLOCK,
             )
             - before
         )

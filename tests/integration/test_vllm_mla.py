@@ -243,7 +243,11 @@ def test_mla_on_the_packed_path(
         out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, **ask)
         blocks = math.ceil(n / pd.unit)
         got = (
-            wait_metric(pd.d.url, RECEIVED, lambda v, want=blocks * per_block: v - before >= want)
+            wait_metric(
+                pd.d.url,
+                RECEIVED,
+                lambda v, before=before, want=blocks * per_block: v - before >= want,
+            )
             - before
         )
         assert got == blocks * per_block, (

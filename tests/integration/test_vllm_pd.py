@@ -133,12 +133,12 @@ def test_push_works_whichever_side_sees_the_request_first(
     prompt = fresh_prompt(3 * BLOCK + 3)
     ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
     tid = uuid.uuid4().hex
-    p_call = lambda: complete(
+    p_call = lambda: complete(  # noqa: E731
         pd.p.url,
         prompt,
         max_tokens=1,
         kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
-    )  # noqa: E731
+    )
     d_call = lambda: complete(  # noqa: E731
         pd.d.url,
         prompt,
@@ -199,9 +199,10 @@ def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer)
                 kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
             )
             assert fd.result().token_ids == ref.token_ids
-        assert wait_metric(pd.p.url, sent, lambda v: v > before_sent) == before_sent + 1, (
-            "P never reported the request as sent"
-        )
+        assert (
+            wait_metric(pd.p.url, sent, lambda v, before_sent=before_sent: v > before_sent)
+            == before_sent + 1
+        ), "P never reported the request as sent"
         counts.append(metric(pd.p.url, "vllm:kvbridge_transfers_total") - before)
         if counts[-1] >= 3:
             return
@@ -227,6 +228,7 @@ def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:
                     ),
                     cases,
                 ),
+                strict=False,
             )
         )
     assert outs == refs

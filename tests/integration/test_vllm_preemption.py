@@ -61,9 +61,11 @@ class Pair:
         # no prefix caching: D's own run of a prompt is a plain reference
         self.d = VllmServer(
             model,
-            extra_args=COMMON_ARGS
-            + ["--no-enable-prefix-caching"]
-            + kv_args("kv_consumer", "nixl", policy="recompute"),
+            extra_args=[
+                *COMMON_ARGS,
+                "--no-enable-prefix-caching",
+                *kv_args("kv_consumer", "nixl", policy="recompute"),
+            ],
             log_path=logs / "D.log",
         )
         start_all([self.p, self.d])

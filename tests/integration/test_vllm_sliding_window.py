@@ -151,7 +151,12 @@ def test_decode_equals_colocated_and_moves_the_window_only(
     assert out.token_ids == ref.token_ids
     want = expected_bytes(n)
     got = (
-        wait_metric(d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0)
+        wait_metric(
+            d.url,
+            RECEIVED,
+            lambda v, before=before, want=want: v - before >= want,
+            timeout=30 if want else 0,
+        )
         - before
     )
     assert got == want, (
@@ -174,7 +179,10 @@ def test_first_token_logprobs_equal_the_reference_at_window_boundaries(
         want = expected_bytes(n)
         got_bytes = (
             wait_metric(
-                cluster.d.url, RECEIVED, lambda v: v - before >= want, timeout=30 if want else 0
+                cluster.d.url,
+                RECEIVED,
+                lambda v, before=before, want=want: v - before >= want,
+                timeout=30 if want else 0,
             )
             - before
         )

@@ -335,7 +335,7 @@ def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_sam
                     handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address).token_ids
                     == complete(c.url, prompt, max_tokens=MAX_TOKENS).token_ids
                 )
-                assert wait_metric(d.url, RECEIVED, lambda v: v > before) > before, (
+                assert wait_metric(d.url, RECEIVED, lambda v, before=before: v > before) > before, (
                     f"{n} tokens, {flow}: D received nothing"
                 )
             for _ in range(2):

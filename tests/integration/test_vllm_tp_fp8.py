@@ -62,9 +62,12 @@ def cluster(
 ) -> Iterator[dict[str, VllmServer]]:
     """``a1``, ``b1`` (TP 1) and ``a2``, ``b2`` (TP 2)."""
     logs = tmp_path_factory.mktemp(f"tp-fp8-{request.param}")
-    args = ["--no-enable-prefix-caching"] + kv_args(
-        "kv_both", request.param, {"wire_dtype": "fp8", "staging_mb": STAGING_MB}, policy="fail"
-    )
+    args = [
+        "--no-enable-prefix-caching",
+        *kv_args(
+            "kv_both", request.param, {"wire_dtype": "fp8", "staging_mb": STAGING_MB}, policy="fail"
+        ),
+    ]
     tp = {1: [], 2: ["--tensor-parallel-size", "2"]}
     servers = {
         f"{x}{n}": VllmServer(
@@ -85,7 +88,8 @@ def _first_token_logprobs(c) -> dict[str, float]:
 
 def _agreement(a, b) -> int:
     return next(
-        (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids)
+        (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+        len(a.token_ids),
     )
 
 
@@ -124,7 +128,9 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
         same += _agreement(out, ref)
         expected = math.ceil(n / BLOCK) * FP8_PER_BLOCK
         got = (
-            wait_metric(d.url, RECEIVED, lambda v, expected=expected: v - before >= expected)
+            wait_metric(
+                d.url, RECEIVED, lambda v, before=before, expected=expected: v - before >= expected
+            )
             - before
         )
         assert got == expected, (

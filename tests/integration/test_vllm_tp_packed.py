@@ -53,9 +53,12 @@ def servers(
 ) -> Iterator[dict[int, VllmServer]]:
     """TP size -> instance."""
     logs = tmp_path_factory.mktemp("tp-packed")
-    args = ["--no-enable-prefix-caching"] + kv_args(
-        "kv_both", "nixl", {"data_path": "packed", "staging_mb": STAGING_MB}, policy="fail"
-    )
+    args = [
+        "--no-enable-prefix-caching",
+        *kv_args(
+            "kv_both", "nixl", {"data_path": "packed", "staging_mb": STAGING_MB}, policy="fail"
+        ),
+    ]
     tp = {1: [], 2: ["--tensor-parallel-size", "2"]}
     made = {
         n: VllmServer(

@@ -126,7 +126,7 @@ def test_a_foreign_answer_is_no_epoch(body: bytes) -> None:
     import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's API
+        def do_GET(self):
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)

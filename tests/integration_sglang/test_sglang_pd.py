@@ -139,7 +139,7 @@ def pd_router(
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_greedy_output_equals_colocated(pd_router: PD, colocated: Proc, prompt: str) -> None:
-    router, prefill, decode, layerwise = pd_router
+    _router, prefill, _decode, layerwise = pd_router
     input_ids = prompt_ids(PROMPTS[prompt], seed=len(prompt))
     want = generate_ids(colocated.url, input_ids)
     offset = prefill.log_path.stat().st_size

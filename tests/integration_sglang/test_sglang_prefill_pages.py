@@ -88,7 +88,7 @@ def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -
         attn_tp_size=1,
     )
     with pytest.raises(
-        IncompatiblePeerError, match="radix cache.*pages of 16 tokens.*hold 32"
+        IncompatiblePeerError, match=r"radix cache.*pages of 16 tokens.*hold 32"
     ) as err:
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=16))
     assert "--disaggregation-decode-enable-radix-cache" in (err.value.fix or "")

@@ -71,7 +71,7 @@ def tp_pd(
 def test_greedy_output_between_tp_sizes_equals_colocated(
     tp_pd: tuple[PD, int, int, str], colocated: Proc, model: Path, prompt: str
 ) -> None:
-    (router, prefill, decode, _), p_tp, d_tp, path = tp_pd
+    (_router, prefill, decode, _), p_tp, d_tp, path = tp_pd
     input_ids = prompt_ids(PROMPTS[prompt], seed=SEED + PROMPTS[prompt])
     want = generate_ids(colocated.url, input_ids)
     d0 = kvbridge_metrics(decode.url)

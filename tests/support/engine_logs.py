@@ -39,7 +39,7 @@ def attach_engine_logs(
         hits = [
             i
             for i, line in enumerate(lines)
-            if "Traceback" in line or "ERROR" in line or "kvbridge" in line and "WARNING" in line
+            if "Traceback" in line or "ERROR" in line or ("kvbridge" in line and "WARNING" in line)
         ]
         if hits:
             last = hits[-1]

@@ -46,7 +46,7 @@ def endpoint(
     spec: CacheSpec = SPEC,
     planes=None,
     groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
-    **cfg,  # noqa: ANN001
+    **cfg,
 ) -> Endpoint:
     """A prefill (``role`` "P"), decode ("D") or both ("PD") endpoint over ``arr_geo``'s cache (the
     array and its geometry) with the config keys ``cfg``; ``planes``: the cache's K and

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -34,7 +35,7 @@ def sse() -> Iterator[tuple[str, list[list[str]]]]:
     scripts: list[list[str]] = []
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -210,7 +211,7 @@ class _Script(servers.ServerProcess):
 
     name = "stand-in"
     stop_grace_s = 5.0
-    SCRIPTS = {
+    SCRIPTS: ClassVar[dict[str, str]] = {
         "healthy": _HEALTHY,
         "exits": "raise SystemExit(3)",
         "mute": "import time; time.sleep(600)",

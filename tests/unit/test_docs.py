@@ -1,14 +1,26 @@
-"""The README stays true to the code it documents."""
+"""The README and the docstrings' examples stay true to the code they document."""
 
 from __future__ import annotations
 
+import doctest
+import importlib
 from pathlib import Path
 
 import msgspec
+import pytest
 
+import kvbridge
 from kvbridge.config import KVBridgeConfig, config_keys
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+PACKAGE = Path(kvbridge.__file__).parent
+WITH_EXAMPLES = sorted(
+    ".".join(("kvbridge", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
+        ".__init__"
+    )
+    for path in PACKAGE.rglob("*.py")
+    if ">>> " in path.read_text()
+)
 
 
 def test_readme_documents_every_config_key_with_its_default() -> None:
@@ -23,3 +35,15 @@ def test_readme_documents_every_config_key_with_its_default() -> None:
         assert msgspec.json.decode(shown) == value, (
             f"README shows {key} = {shown}, code default is {value!r}"
         )
+
+
+def test_the_package_has_docstring_examples_to_run() -> None:
+    assert len(WITH_EXAMPLES) >= 20, WITH_EXAMPLES
+
+
+@pytest.mark.parametrize("module", WITH_EXAMPLES)
+def test_docstring_examples_run(module: str) -> None:
+    """Every ``>>>`` example in the module's docstrings gives the output written under it
+    (doctest prints a failing example's expected and actual output)."""
+    failed, attempted = doctest.testmod(importlib.import_module(module), report=True)
+    assert attempted > 0 and failed == 0, f"{failed} of {attempted} examples in {module} failed"

@@ -51,7 +51,7 @@ def fake_load(calls: list, fail: str | None = None):
         if fail:
             raise RuntimeError(fail)
         (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
-        return None
+        return
 
     return load
 

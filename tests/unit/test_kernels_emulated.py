@@ -52,7 +52,7 @@ FLAGS = [
     "-Werror",
     "-pthread",
 ]
-LAUNCH = re.compile(r"(\w+<[^<>;]*>)<<<(.*?)>>>\(([^;]*?)\)(?=;|\s*$)", re.M)
+LAUNCH = re.compile(r"(\w+<[^<>;]*>)<<<(.*?)>>>\(([^;]*?)\)(?=;|\s*$)", re.MULTILINE)
 
 
 def cuda_include_dirs() -> list[str]:
@@ -127,7 +127,7 @@ def emulator() -> Path:
             "-o",
             str(tmp),
         ]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True)
         assert r.returncode == 0, f"building the emulated kernels failed:\n{r.stderr[-6000:]}"
         tmp.replace(exe)
     return exe
@@ -214,11 +214,10 @@ def run_emulated(
     with open(call, "wb") as f:
         f.write(np.asarray(header + offsets, dtype=np.int64).tobytes())
         f.write(ids.to(torch.int64).numpy().tobytes())
-        for s in storages:
-            f.write(s.numpy().tobytes())
+        f.writelines(s.numpy().tobytes() for s in storages)
         f.write(packed.numpy().tobytes())
     r = subprocess.run(
-        [str(exe), str(call), str(result)], capture_output=True, text=True, timeout=600
+        [str(exe), str(call), str(result)], check=False, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, f"emulated {op} ({kernel}) failed:\n{r.stderr[-4000:]}"
     data = np.fromfile(result, dtype=np.uint8)
@@ -515,7 +514,9 @@ def test_many_layers_and_grid_sizes(emulator, tmp_path, kernel, fp8, num_sms):
         packed=want.clone(),
         num_sms=num_sms,
     )
-    assert all(torch.equal(d.view(torch.uint8), r.view(torch.uint8)) for d, r in zip(dst, ref))
+    assert all(
+        torch.equal(d.view(torch.uint8), r.view(torch.uint8)) for d, r in zip(dst, ref, strict=True)
+    )
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -654,7 +655,12 @@ def test_emulator_catches_divergent_shuffles(tmp_path):
         capture_output=True,
     )
     assert (
-        subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.strip() == ""
+        subprocess.run(
+            [str(exe)], check=False, capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+        == ""
     )
-    out = subprocess.run([str(exe), "diverge"], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [str(exe), "diverge"], check=False, capture_output=True, text=True, timeout=60
+    ).stdout
     assert "not warp-uniform" in out

@@ -137,7 +137,7 @@ def test_spec_rejects_unknown_dtype_and_layout() -> None:
         CacheSpec(
             num_layers=1, block_size=16, num_kv_heads=1, head_dim=8, dtype="float32", layout="nhwc"
         )  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="a latent .MLA. cache has one KV head, got 2"):
+    with pytest.raises(ValueError, match=r"a latent .MLA. cache has one KV head, got 2"):
         CacheSpec(
             num_layers=1,
             block_size=16,
@@ -151,7 +151,7 @@ def test_spec_rejects_unknown_dtype_and_layout() -> None:
 def naive_coalesce(src, dst, length):
     """Reference: walk the pairs sorted by source, extending the current run."""
     runs: list[list[int]] = []
-    for s, d, n in sorted(zip(src, dst, length)):
+    for s, d, n in sorted(zip(src, dst, length, strict=True)):
         if n == 0:
             continue
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
@@ -175,7 +175,7 @@ def test_coalesce_matches_reference(triples) -> None:
     lens = [t[2] for t in triples]
     r = coalesce(np.array(src), np.array(dst), np.array(lens))
     assert [
-        list(x) for x in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist())
+        list(x) for x in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist(), strict=True)
     ] == naive_coalesce(src, dst, lens)
     assert r.nbytes == sum(lens)
 
@@ -196,7 +196,7 @@ def test_coalesce_rejects_ragged_input() -> None:
 def test_plan_moves_the_right_bytes(layout, src_perm, dst_perm, count, layers) -> None:
     """Executing a plan with memmove equals copying block by block with numpy."""
     _, src_geo, src_block = make_cache(layout, 10)
-    dst_keep, dst_geo, dst_block = make_cache(layout, 11)
+    _dst_keep, dst_geo, dst_block = make_cache(layout, 11)
     src_blocks, dst_blocks = list(src_perm[:count]), list(dst_perm[:count])
     before = {
         (l, p, b): dst_block(l, p, b)
@@ -211,11 +211,13 @@ def test_plan_moves_the_right_bytes(layout, src_perm, dst_perm, count, layers) -
     )
     regions = plan_regions(plan, src_geo, dst_geo)
     assert regions.nbytes == plan.nbytes and len(regions) <= plan.num_descriptors
-    for s, d, n in zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist()):
+    for s, d, n in zip(
+        regions.src.tolist(), regions.dst.tolist(), regions.length.tolist(), strict=True
+    ):
         ctypes.memmove(d, s, n)
     moved = {
         (l, p, db): sb
-        for sb, db in zip(src_blocks, dst_blocks)
+        for sb, db in zip(src_blocks, dst_blocks, strict=True)
         for l in layers
         for p in range(src_geo.spec.planes_per_layer)
     }
@@ -267,7 +269,7 @@ def _run_slots(
     into_local: bool = False,
 ) -> None:
     """Execute paired slot indices with memmove (a write local -> remote, or a read)."""
-    for ls, rs in zip(lidx.tolist(), ridx.tolist()):
+    for ls, rs in zip(lidx.tolist(), ridx.tolist(), strict=True):
         src, dst = (
             (dst_geo.slot_address(rs), src_geo.slot_address(ls))
             if into_local
@@ -300,7 +302,7 @@ def test_grouped_plan_moves_each_layer_s_group_and_skips_what_the_destination_la
         (l, p, d): s
         for l in (0, 2)
         for p in range(planes)
-        for s, d in zip([0, 1, 2, 3], [5, 4, 3, 2])
+        for s, d in zip([0, 1, 2, 3], [5, 4, 3, 2], strict=True)
     }
     moved |= {(1, p, d): s for p in range(planes) for s, d in ((1, 0), (0, 1))}
     for key, old in before.items():
@@ -325,7 +327,7 @@ def test_grouped_plan_refuses_lost_blocks_and_tables_that_do_not_fit() -> None:
     dst = BlockTable.grouped([[3, 4], [5, 0]])
     with pytest.raises(
         PlanError,
-        match="group 1: the destination expects position 0 .* which the source no longer holds",
+        match=r"group 1: the destination expects position 0 .* which the source no longer holds",
     ):
         plan_grouped(a, b, src, dst, layer_groups=(0, 1, 0))
     lidx, _ = plan_grouped(
@@ -359,7 +361,7 @@ def test_block_tables_slice_join_and_cross_the_wire() -> None:
     ):
         t.flat_ids()
     with pytest.raises(PlanError, match="cannot join block tables of 2 and 1"):
-        t + BlockTable.flat([1])  # noqa: B018 - the join raises
+        t + BlockTable.flat([1])
 
 
 def test_grouped_plan_between_tp_splits_pairs_each_group_s_head_ranges() -> None:

@@ -216,20 +216,20 @@ def test_bad_input_is_rejected_with_a_clear_error():
         ops.pack((k, v), [0], 10, out=torch.empty(10, dtype=torch.uint8))
     with pytest.raises(OpsInputError, match="uint8"):
         ops.pack((k, v), [0], 10, out=torch.empty(10000, dtype=torch.float32))
-    with pytest.raises(OpsInputError, match="cache dtype torch.int32"):
+    with pytest.raises(OpsInputError, match=r"cache dtype torch.int32"):
         ops.pack((k.int(), v.int()), [0], 10)
     region, fmt = ops.pack((k, v), [0], 10, fp8=True)
     with pytest.raises(OpsInputError, match="head_dim 32 differs"):
         ops.unpack(region, fmt, ops.kv_planes(torch.zeros(2, 4, 16, 2, 16), "nhd"), [0])
     with pytest.raises(OpsInputError, match="cannot go into a float8 cache"):
         ops.unpack(region, fmt, ops.kv_planes(c.to(torch.float8_e4m3fn), "nhd"), [0])
-    with pytest.raises(OpsInputError, match="holds .* bytes, the regions need"):
+    with pytest.raises(OpsInputError, match=r"holds .* bytes, the regions need"):
         ops.unpack(region[:16], fmt, (k, v), [0])
     with pytest.raises(OpsInputError, match="a fused cache is"):
         ops.kv_planes(torch.zeros(2, 3, 4), "fused")
     with pytest.raises(OpsInputError, match="unknown layout"):
         ops.kv_planes(torch.zeros(2, 3, 4, 5, 6), "xyz")
-    with pytest.raises(OpsInputError, match="unknown kernel 'rowz'.*rows, tiles"):
+    with pytest.raises(OpsInputError, match=r"unknown kernel 'rowz'.*rows, tiles"):
         ops.pack((k, v), [0], 10, kernel="rowz")
     with pytest.raises(OpsInputError, match="unknown kernel 'x'"):
         ops.unpack(region, fmt, (k, v), [0], kernel="x")
@@ -238,10 +238,10 @@ def test_bad_input_is_rejected_with_a_clear_error():
 def test_kernel_choice_comes_from_the_environment_when_not_given(monkeypatch):
     k, v = ops.kv_planes(cache("nhd", 4, 16, 2, 32), "nhd")
     monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", "tilez")
-    with pytest.raises(OpsInputError, match="unknown kernel 'tilez'.*KVBRIDGE_PACK_KERNEL"):
+    with pytest.raises(OpsInputError, match=r"unknown kernel 'tilez'.*KVBRIDGE_PACK_KERNEL"):
         ops.pack((k, v), [0], 10)
     monkeypatch.setenv("KVBRIDGE_PACK_KERNEL", "tiles")
-    region, fmt = ops.pack((k, v), [0], 10)  # on the CPU both kernels are the reference
+    region, _fmt = ops.pack((k, v), [0], 10)  # on the CPU both kernels are the reference
     assert torch.equal(region, ops.pack((k, v), [0], 10, kernel="rows")[0])
 
 
@@ -387,7 +387,7 @@ def test_paged_kv_rejects_bad_layers_at_construction_and_bad_selections_per_call
     with pytest.raises(OpsInputError, match="out of range"):
         kv.pack([0, 4], 20)
     region, fmt = kv.pack([0], 10, layers=(1,))
-    with pytest.raises(OpsInputError, match="holds .* bytes, the regions need"):
+    with pytest.raises(OpsInputError, match=r"holds .* bytes, the regions need"):
         kv.unpack(region, fmt, [0], layers=(0, 1))
 
 

@@ -36,7 +36,9 @@ def test_layerwise_push_streams_layer_by_layer_across_chunks(pd) -> None:
     # computed
     for layer in range(L):
         P.sender.layer_done("r", layer, 64)
-        eventually(lambda: np.array_equal(da[layer, dblocks[:4]], pa[layer, pblocks[:4]]))
+        eventually(
+            lambda layer=layer: np.array_equal(da[layer, dblocks[:4]], pa[layer, pblocks[:4]])
+        )
         assert not da[layer, dblocks[4:]].any(), "blocks not computed yet were sent"
         if layer + 1 < L:
             assert not da[layer + 1].any(), "a layer was sent before it was computed"
@@ -150,7 +152,7 @@ def test_a_layer_queued_on_a_device_is_sent_only_once_its_event_completed(pd) ->
             f"layer {layer} or a later one was written before its compute finished"
         )
         events[layer].complete()
-        eventually(lambda: np.array_equal(da[layer, dblocks], pa[layer, pblocks]))
+        eventually(lambda layer=layer: np.array_equal(da[layer, dblocks], pa[layer, pblocks]))
     P.sender.prefill_done("g", ready=DeviceEvent())  # its event does not hold back what was sent
     assert D.receiver.wait_finished(5) == (["g"], [])
     np.testing.assert_array_equal(da[:, dblocks], pa[:, pblocks])
@@ -464,7 +466,7 @@ def test_activity_is_set_by_every_outcome_and_only_then(pd) -> None:
     assert D.receiver.take_finished() == (["a"], []) and P.sender.take_released() == ["a"]
 
 
-def _heartbeats_held_until(event, P):  # noqa: ANN001, ANN202, N803
+def _heartbeats_held_until(event, P):
     """A side-channel handler for ``P`` that holds each heartbeat until ``event`` is
     set (at most 10 s; the server thread waits meanwhile) and passes other messages
     through; install it as ``P.server._handler``."""
@@ -472,7 +474,7 @@ def _heartbeats_held_until(event, P):  # noqa: ANN001, ANN202, N803
 
     original = P.server._handler
 
-    def slow(msg):  # noqa: ANN001, ANN202
+    def slow(msg):
         if isinstance(msg, Heartbeat):
             event.wait(10)
         return original(msg)
@@ -496,7 +498,7 @@ def test_heartbeats_to_a_slow_prefill_do_not_pile_up() -> None:
     lock, running, most, beats = threading.Lock(), [0], [0], [0]
     beat = D.receiver._heartbeat
 
-    def counted(*args):  # noqa: ANN002, ANN202
+    def counted(*args):
         with lock:
             running[0] += 1
             beats[0] += 1
@@ -627,7 +629,7 @@ def test_a_decode_expecting_blocks_the_prefill_freed_fails_cleanly(
 ) -> None:
     """The decode holds a sliding block the prefill no longer has: the write fails with
     the reason, on both sides; nothing is read from a freed block."""
-    P, D, pa, da = hybrid
+    P, D, _pa, da = hybrid
     D.receiver.expect_push("f", P.address, BlockTable.grouped([[30, 31], [32, 33]]), 20)
     P.sender.track("f", BlockTable.grouped([[1, 2], [NONE, 3]]), 20)
     for layer in range(L):

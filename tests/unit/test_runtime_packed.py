@@ -84,8 +84,8 @@ def test_fp8_push_lands_every_layer_with_bounded_error_and_a_quarter_of_the_byte
     _prefill(P, "r", pblocks, n, (64, n), pa)
     assert D.receiver.wait_finished(5) == (["r"], [])
     assert P.sender.wait_released(5) == ["r"]
-    k_src, v_src = zip(*(ops.kv_planes(pa[i], "fused") for i in range(L)))
-    k_dst, v_dst = zip(*(ops.kv_planes(da[i], "fused") for i in range(L)))
+    k_src, v_src = zip(*(ops.kv_planes(pa[i], "fused") for i in range(L)), strict=True)
+    k_dst, v_dst = zip(*(ops.kv_planes(da[i], "fused") for i in range(L)), strict=True)
     for layer in range(L):
         src = torch.cat(
             [k_src[layer][pblocks].flatten(0, 1)[:n], v_src[layer][pblocks].flatten(0, 1)[:n]]

@@ -422,7 +422,7 @@ def test_idle_prefill_replicas_are_told_to_let_go(
     ranks += [*ps, *ds]
     idle = {d.rank: idle_prefill_ranks(total, p_tp, d_tp, d.rank) for d in ds}
     assert (
-        sorted(sum(idle.values(), []))
+        sorted(r for ranks in idle.values() for r in ranks)
         == sorted(set(range(p_tp)) - {s.p_rank for s in head_slices(total, p_tp, d_tp)})
         != []
     )

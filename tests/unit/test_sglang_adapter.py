@@ -112,7 +112,7 @@ def test_two_pools_pair_position_by_position() -> None:
     assert src.spec == dst.spec and dst.num_blocks == 2 * PAGES
     a, b = src.slots([1, 2]), dst.slots([7, 3])
     assert len(a) == len(b) == LAYERS * 2 * 2
-    for i, j in zip(a, b):
+    for i, j in zip(a, b, strict=True):
         assert (
             divmod(int(i), src.num_blocks)[0] == divmod(int(j), dst.num_blocks)[0]
         )  # same (layer, plane)
@@ -226,7 +226,7 @@ def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_wha
     }
     for what, (got, secret) in refusals.items():
         with pytest.raises(
-            wire.AuthenticationError, match="failed authentication|no 'secret'"
+            wire.AuthenticationError, match=r"failed authentication|no 'secret'"
         ) as info:
             wire.decode(got, secret)
         assert "set the same 'secret'" in str(info.value), what
@@ -254,7 +254,7 @@ def test_config_from_env(tmp_path) -> None:
     path.write_text(json.dumps({"transport": "mooncake", "timeouts": {"transfer_s": 5}}))
     cfg = config_from_env({CONFIG_ENV: f"@{path}"})
     assert (cfg.transport, cfg.timeouts.transfer_s) == ("mooncake", 5.0)
-    with pytest.raises(ConfigError, match="KVBRIDGE_CONFIG.*transprot"):
+    with pytest.raises(ConfigError, match=r"KVBRIDGE_CONFIG.*transprot"):
         config_from_env({CONFIG_ENV: '{"transprot": "nixl"}'})
     with pytest.raises(ConfigError, match="cannot read"):
         config_from_env({CONFIG_ENV: f"@{tmp_path / 'missing.json'}"})

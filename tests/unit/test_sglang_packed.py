@@ -250,7 +250,7 @@ def _copy_chunks(
     size = src.chunk(heads).nbytes
     assert dst.chunk(heads).nbytes == size
     s_tab, d_tab = staging_descs(src.info, size), staging_descs(dst.info, size)
-    for s, d in zip(src_chunks, dst_chunks):
+    for s, d in zip(src_chunks, dst_chunks, strict=True):
         ctypes.memmove(int(d_tab[d, 0]), int(s_tab[s, 0]), size)
 
 
@@ -368,7 +368,7 @@ def test_a_room_goes_through_packed_slots_into_the_decode_pages(fp8: bool) -> No
         prefill.pack(layers, src_pages[positions], first)
         src = np.arange(first, first + len(layers) * positions.size)
         dst = room_slots(res.first, dst_pages.size, layers, positions)
-        for s, d in zip(src, dst):
+        for s, d in zip(src, dst, strict=True):
             decode.view(int(d), 1).copy_(prefill.view(int(s), 1))
         prefill.allocator.free(first, len(layers) * positions.size)
 

@@ -66,7 +66,7 @@ def replay(prompt, page, chunk, radix_hit, decode_prefix, layers, hook_fires=lam
             )
             if hook_fires(forward) and hi > lo:
                 for layer in range(layers):
-                    for group, pos in progress.take([layer], lo, hi):
+                    for _group, pos in progress.take([layer], lo, hi):
                         count[layer, pos] += 1
             forward += 1
         else:

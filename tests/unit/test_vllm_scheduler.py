@@ -149,11 +149,11 @@ def test_transfer_blocks_cut_each_vllm_block_on_the_prefill_side_in_both_flows()
         s.after_alloc(reqs[rid], None, 0)
     # a chunked prefill: 40 tokens in 2 blocks, then 30 more in 1 new block
     first = s.build_meta(
-        _output(new=[(r, 0, [5, 2]) for r in reqs], scheduled={r: 40 for r in reqs})
+        _output(new=[(r, 0, [5, 2]) for r in reqs], scheduled=dict.fromkeys(reqs, 40))
     ).send
     assert [st.new_blocks for st in first] == [[20, 21, 22, 23, 8, 9, 10, 11]] * 2
     second = s.build_meta(
-        _output(cached=[(r, 40, [7]) for r in reqs], scheduled={r: 30 for r in reqs})
+        _output(cached=[(r, 40, [7]) for r in reqs], scheduled=dict.fromkeys(reqs, 30))
     ).send
     # 70 tokens fill 9 blocks of 8: the 9th is the first of vLLM block 7
     assert [st.new_blocks for st in second] == [[28]] * 2

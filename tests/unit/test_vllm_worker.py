@@ -18,7 +18,7 @@ from kvbridge.config import load_config
 from kvbridge.errors import IncompatiblePeerError
 
 
-def worker(ep, rank: int = 0, tp_size: int = 1) -> WorkerSide:  # noqa: ANN001
+def worker(ep, rank: int = 0, tp_size: int = 1) -> WorkerSide:
     ws = WorkerSide(
         load_config({}),
         "e",
@@ -514,7 +514,7 @@ def test_a_transfer_block_size_on_vllm_s_cpu_cache_is_refused_naming_the_key(
 
 def _register_groups(
     cache_config: dict, kv_caches: dict, groups, monkeypatch: pytest.MonkeyPatch
-) -> dict:  # noqa: ANN001
+) -> dict:
     seen: dict = {}
 
     class Recorder:
@@ -615,7 +615,7 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     from kvbridge.adapters.vllm.compat import cache_groups
     from kvbridge.errors import KVBridgeError
 
-    def group(spec, *names):  # noqa: ANN001, ANN202
+    def group(spec, *names):
         return SimpleNamespace(layer_names=list(names), kv_cache_spec=spec, enable_kv_transfer=True)
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -642,7 +642,7 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     aligned = MambaSpec(
         block_size=32, shapes=((3, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"
     )
-    with pytest.raises(KVBridgeError, match="group 1 per block .mamba_cache_mode 'align'") as err:
+    with pytest.raises(KVBridgeError, match=r"group 1 per block .mamba_cache_mode 'align'") as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(aligned, "m")]))
     assert err.value.fix == "start both instances with --no-enable-prefix-caching"
     drafts = MambaSpec(
@@ -663,8 +663,8 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     with pytest.raises(
         KVBridgeError,
         match=(
-            "group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and "
-            "state-space"
+            r"group 1 .* is CrossAttentionSpec; kvbridge moves full-attention, sliding-window and "
+            r"state-space"
         ),
     ) as err:
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(cross, "x")]))

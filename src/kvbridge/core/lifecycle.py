@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 from kvbridge.config import Timeouts
 from kvbridge.errors import StateError
@@ -196,7 +196,7 @@ class SendRequest(_Request[SendPhase]):
     """
 
     _terminal = _SEND_TERMINAL
-    _transitions = {
+    _transitions: ClassVar[dict[SendPhase, tuple[SendPhase, ...]]] = {
         SendPhase.HELD: (SendPhase.SENDING, SendPhase.EXPIRED, SendPhase.ABORTED, SendPhase.FAILED),
         SendPhase.SENDING: (SendPhase.DONE, SendPhase.ABORTED, SendPhase.FAILED),
     }
@@ -261,7 +261,7 @@ class RecvRequest(_Request[RecvPhase]):
     """
 
     _terminal = _RECV_TERMINAL
-    _transitions = {
+    _transitions: ClassVar[dict[RecvPhase, tuple[RecvPhase, ...]]] = {
         RecvPhase.ALLOCATED: (
             RecvPhase.WAITING,
             RecvPhase.RECEIVED,

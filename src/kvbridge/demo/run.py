@@ -56,7 +56,7 @@ def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
     body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for m in re.finditer(
-        rf"^({re.escape(prefix)}[A-Za-z0-9_:]*)(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$", body, re.M
+        rf"^({re.escape(prefix)}[A-Za-z0-9_:]*)(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$", body, re.MULTILINE
     ):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
@@ -234,7 +234,11 @@ def compare(
         same = pd.token_ids == ref.token_ids
         matched += same
         equal = next(
-            (j for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids)) if a != b),
+            (
+                j
+                for j, (a, b) in enumerate(zip(pd.token_ids, ref.token_ids, strict=False))
+                if a != b
+            ),
             len(ref.token_ids),
         )
         mark = "[green]yes[/green]" if same else ("[red]NO[/red]" if exact else f"first {equal}")

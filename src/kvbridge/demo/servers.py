@@ -27,6 +27,7 @@ standard library is used here; ``vllm`` runs in the child and is never imported.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -42,9 +43,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbridge.errors import DeadlineExceeded, KVBridgeError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 CPU_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",  # no model hub here; never try one
@@ -87,7 +91,6 @@ session the same test took 132 s instead of 161 s, without those stalls (0 of 3 
 against 4 of 7; docs/vllm-connector-notes.md)."""
 
 _live: set[ServerProcess] = set()
-_S = TypeVar("_S", bound="ServerProcess")
 T = TypeVar("T")
 
 
@@ -249,7 +252,7 @@ def get(url: str, timeout: float) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-    except (TimeoutError, socket.timeout) as exc:
+    except TimeoutError as exc:
         raise DeadlineExceeded(f"GET {url}: no answer within {timeout}s") from exc
     except (urllib.error.URLError, ConnectionError) as exc:
         raise ServerError(f"GET {url}: cannot reach the server ({exc})") from exc
@@ -264,7 +267,7 @@ def _request(req: urllib.request.Request, timeout: float) -> bytes:
         raise ServerError(
             f"{req.method} {req.full_url}: HTTP {exc.code}: {detail}", status=exc.code
         ) from exc
-    except (TimeoutError, socket.timeout) as exc:
+    except TimeoutError as exc:
         raise DeadlineExceeded(f"{req.method} {req.full_url}: no answer within {timeout}s") from exc
     except (urllib.error.URLError, ConnectionError) as exc:
         raise ServerError(f"{req.method} {req.full_url}: cannot reach the server ({exc})") from exc
@@ -445,7 +448,7 @@ class ServerProcess:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self: _S) -> _S:
+    def start(self) -> Self:
         """Launch the process tree and return at once; see :meth:`wait_ready`."""
         if self._proc is not None:
             raise KVBridgeError(
@@ -460,7 +463,8 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 **_GROUP,  # own process group: stop() signals all of it
-                preexec_fn=self._in_child if (self.cpus or self.nice) else None,
+                # affinity and nice only (async-signal-safe syscalls); no locks taken
+                preexec_fn=self._in_child if (self.cpus or self.nice) else None,  # noqa: PLW1509
             )
         self._started_at = time.monotonic()
         _live.add(self)
@@ -473,8 +477,8 @@ class ServerProcess:
             os.nice(self.nice)
 
     def wait_ready(
-        self: _S, timeout: float = 300.0, *, deadline: float | None = None, warm_up: bool = True
-    ) -> _S:
+        self, timeout: float = 300.0, *, deadline: float | None = None, warm_up: bool = True
+    ) -> Self:
         """Poll ``GET /health`` until it answers 200, then (``warm_up``) run :meth:`_warm_up`.
         ``deadline`` (a :func:`time.monotonic` value, for several servers sharing one)
         replaces ``timeout``. Raises :class:`ServerError` if the server exits first and
@@ -594,10 +598,8 @@ class ServerProcess:
     # --- internals -----------------------------------------------------------------------
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self._proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def _wait_gone(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -620,7 +622,7 @@ class ServerProcess:
         """True once :meth:`start` has run (whether or not the server still runs)."""
         return self._proc is not None
 
-    def __enter__(self: _S) -> _S:
+    def __enter__(self) -> Self:
         if self._proc is None:
             self.start()
         try:
@@ -760,7 +762,6 @@ def _group_members(pgid: int) -> list[int]:
 @atexit.register
 def _kill_all() -> None:
     for server in list(_live):
-        try:
+        # at exit: do what can be done for the others
+        with contextlib.suppress(Exception):
             server.kill()
-        except Exception:  # at exit: do what can be done for the others
-            pass

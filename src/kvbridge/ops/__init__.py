@@ -619,7 +619,7 @@ def _pack(
     if c.kernels:  # the binding checks every layer
         _launch("pack", ks, vs, ids, num_tokens, h0, h1 - h0, fp8, fmt.ct, out, code)
     else:
-        pairs = list(zip(ks, vs))
+        pairs = list(zip(ks, vs, strict=True))
         if not checked:
             _check_all(pairs)
         reference.pack(pairs, ids.to(c.device), fmt, h0, out)
@@ -667,7 +667,7 @@ def _unpack(
             code,
         )
     else:
-        pairs = list(zip(ks, vs))
+        pairs = list(zip(ks, vs, strict=True))
         if not checked:
             _check_all(pairs)
         reference.unpack(packed, fmt, pairs, ids.to(c.device), head_start)
@@ -675,10 +675,10 @@ def _unpack(
 
 __all__ = [
     "KERNELS",
+    "TILE_ROWS",
     "OpsInputError",
     "PackedFormat",
     "PagedKV",
-    "TILE_ROWS",
     "device_bytes",
     "kv_planes",
     "pack",

@@ -42,8 +42,8 @@ import msgspec
 import numpy as np
 
 from kvbridge.config import KVBridgeConfig
-from kvbridge.core.layout import CacheGeometry
 from kvbridge.core.blocks import BlockTable
+from kvbridge.core.layout import CacheGeometry
 from kvbridge.core.plan import Cut, plan_blocks, plan_grouped, plan_parts
 from kvbridge.core.states import StateLayout, state_prefill_ranks, state_segments
 from kvbridge.core.tp import Split, check_pairing, pair_split, prefill_ranks
@@ -191,7 +191,7 @@ class Node:
         with self._lock:
             return self._peers.get(self._key(pid))
 
-    def _hello(self, cls: type[Hello] | type[Welcome]):
+    def _hello(self, cls: type[Hello | Welcome]):
         return cls(
             peer=self.id,
             compat=self.codec.compat,
@@ -405,13 +405,16 @@ class Node:
         layouts = [StateLayout.decode(text) if text else None for text in ours.group_states]
         if (
             not any(layouts)
-            or any(text and layout is None for text, layout in zip(ours.group_states, layouts))
+            or any(
+                text and layout is None
+                for text, layout in zip(ours.group_states, layouts, strict=True)
+            )
             or self.geometry.spec.planes_per_layer != 1
         ):
             kinds = sorted(
                 {
                     text.split(" ")[0]
-                    for text, layout in zip(ours.group_states, layouts)
+                    for text, layout in zip(ours.group_states, layouts, strict=True)
                     if text and layout is None
                 }
             )
@@ -453,7 +456,7 @@ class Node:
             self.geometry.spec.block_bytes // split.local_parts
         )  # the same on both sides (pair_split)
         heads = tuple((a * piece, b * piece, n * piece) for a, b, n in split.runs)
-        cut = Cut([segments[g] if g in segments else heads for g in ours.layer_groups])
+        cut = Cut([segments.get(g, heads) for g in ours.layer_groups])
         try:
             cut.check(self.geometry, remote=False)
             cut.check(msg.geometry, remote=True)
@@ -657,7 +660,7 @@ def _warn_if_slow(start: float, what: str, *args: object) -> None:
     """Log ``what`` as slow if it began at ``start`` (monotonic) over ``_SLOW_HANDSHAKE_S`` ago."""
     took = time.monotonic() - start
     if took > _SLOW_HANDSHAKE_S:
-        log.warning("kvbridge: " + what + " took %.1f s", *args, took)
+        log.warning("kvbridge: %s took %.1f s", what % args, took)
 
 
 __all__ = ["Node", "Peer"]

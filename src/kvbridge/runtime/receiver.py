@@ -179,7 +179,7 @@ class Receiver:
         self,
         transfer_id: str,
         address: str | Sequence[str],
-        epoch: str | None | Sequence[str | None],
+        epoch: str | Sequence[str | None] | None,
         remote_blocks: BlockTable | list[int],
         block_ids: BlockTable | list[int],
         num_tokens: int,
@@ -633,7 +633,7 @@ class Receiver:
                 not 0 <= msg.source < len(entry.sources)
                 or msg.first_block < 0
                 or end > entry.coverage.shape[2]
-                or not all(0 <= l < self._layers for l in msg.layers)
+                or not all(0 <= layer < self._layers for layer in msg.layers)
             ):
                 log.warning(
                     "kvbridge: %s: notification for blocks outside the destination", msg.transfer_id

@@ -21,7 +21,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from kvbridge.transports.base import (
     decode_metadata,
     encode_metadata,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +252,7 @@ class TransportBase(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.agent_name!r} peers={len(self._peers)}>"
 
-    def __enter__(self) -> TransportBase:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -631,8 +634,8 @@ class TransportBase(abc.ABC):
         """Backend handle for a new table; backends that take raw addresses keep none."""
         return None
 
-    def _release_table(self, table: DescTable) -> None:
-        """Free what :meth:`_prepare` made."""
+    def _release_table(self, table: DescTable) -> None:  # noqa: B027 (optional hook)
+        """Free what :meth:`_prepare` made (backends whose tables hold nothing: no-op)."""
 
     @staticmethod
     def _regions(

@@ -99,7 +99,9 @@ class LoopbackTransport(TransportBase):
                 f"the loopback transport moves {local.memory} to {local.memory} memory only, not "
                 f"to {remote.memory}"
             )
-        pairs = zip(regions.src.tolist(), regions.dst.tolist(), regions.length.tolist())
+        pairs = zip(
+            regions.src.tolist(), regions.dst.tolist(), regions.length.tolist(), strict=True
+        )
         if op == "read":
             pairs = ((dst, src, n) for src, dst, n in pairs)
         if local.memory == "host":
@@ -121,7 +123,7 @@ class LoopbackTransport(TransportBase):
 
     def _notify(self, peer: str, payload: bytes) -> None:
         self._target(peer)._inbox.put([Notification(self.agent_name, payload)])
-        return None
+        return
 
     def _drain_notifications(self) -> list[Notification]:
         return []
@@ -140,7 +142,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _device_copy(pairs) -> None:  # noqa: ANN001
+def _device_copy(pairs) -> None:
     """Copy ``(src, dst, n)`` regions of GPU memory; returns once they have landed."""
     import torch
 

@@ -194,7 +194,7 @@ class MooncakeTransport(TransportBase):
         )
         _set_env("MC_LOG_LEVEL", "WARNING")  # INFO logs every batch
         _set_env(
-            "MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s))))
+            "MC_TRANSFER_TIMEOUT", str(max(5, round(transfer_timeout_s)))
         )  # follow this config
         self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
         _set_env(
@@ -465,7 +465,7 @@ class MooncakeTransport(TransportBase):
 
     def _notify(self, peer: str, payload: bytes) -> None:
         self._notifier.send(peer, self.agent_name, payload)
-        return None
+        return
 
     def _drain_notifications(self) -> list[Notification]:
         return self._notifier.receive(timeout_ms=20)

@@ -53,8 +53,8 @@ if "UCX_MODULES" not in os.environ and not rdma_devices():
     os.environ["UCX_MODULES"] = "^ib"
 
 try:
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     import nixl._bindings as _nixl_bindings
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 except ImportError as _exc:  # pragma: no cover - exercised through the registry
     raise ImportError(f"NIXL is not importable: {_exc}") from _exc
 
@@ -179,7 +179,7 @@ class NixlTransport(TransportBase):
     def _remove_peer(self, peer: str) -> None:
         try:
             self._agent.remove_remote_agent(peer)
-        except Exception as exc:  # an already-dead peer may fail to disconnect cleanly
+        except Exception as exc:  # noqa: BLE001 (a dead peer may fail to disconnect cleanly)
             log.debug("remove_remote_agent(%s): %s", peer, exc)
 
     def _prepare(self, table: DescTable) -> object:
@@ -239,7 +239,7 @@ class NixlTransport(TransportBase):
     def _release(self, xfer: Xfer) -> None:
         try:
             xfer.handle.release()  # type: ignore[attr-defined]
-        except Exception as exc:  # NIXL could not cancel an active transfer
+        except Exception as exc:  # noqa: BLE001 (NIXL could not cancel an active transfer)
             log.warning("NIXL could not release transfer to %s: %s", xfer.peer, exc)
 
     def _notify(self, peer: str, payload: bytes) -> None:
@@ -247,7 +247,7 @@ class NixlTransport(TransportBase):
             self._agent.send_notif(peer, payload)
         except Exception as exc:
             raise self._map(exc, "notify", peer) from exc
-        return None
+        return
 
     def _drain_notifications(self) -> list[Notification]:
         got = self._agent.get_new_notifs()

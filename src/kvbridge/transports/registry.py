@@ -83,8 +83,10 @@ register_transport(
             (r"libibverbs|libnl-|librdmacm", _MOONCAKE_DEBS),
             (
                 r"libcudart|libcuda\.so",
-                "pip uninstall -y mooncake-transfer-engine && pip install "
-                "mooncake-transfer-engine-non-cuda",
+                (
+                    "pip uninstall -y mooncake-transfer-engine && pip install "
+                    "mooncake-transfer-engine-non-cuda"
+                ),
             ),
         ),
     )

@@ -19,10 +19,12 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _names = itertools.count()
 
@@ -97,7 +99,7 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
         load(transport)  # threads a backend starts at import are not the transport's to stop
         baseline = (py_threads(), settled_os_threads())
         t = create_transport(transport, None, agent_name=agent_name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (reported to the parent process)
         conn.send(("err", f"{type(exc).__name__}: {exc}"))
         return
     buf = np.zeros(nbytes, dtype=np.uint8)
@@ -128,7 +130,7 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
         }
 
     commands = {
-        "add_peer": lambda md: t.add_peer(md),
+        "add_peer": t.add_peer,
         "fill": lambda seed: buf.__setitem__(slice(None), pattern(seed, buf.nbytes)),
         "zero": lambda: buf.fill(0),
         "digest": lambda off, n: digest(buf[off : off + n]),
@@ -141,7 +143,7 @@ def serve(conn: Connection, transport: str, agent_name: str, nbytes: int) -> Non
         name, args = conn.recv()
         try:
             result = commands[name](*args)
-        except Exception as exc:  # report, keep serving
+        except Exception as exc:  # noqa: BLE001 (report, keep serving)
             conn.send(("err", f"{type(exc).__name__}: {exc}"))
             continue
         conn.send(("ok", result))
@@ -209,15 +211,13 @@ class Peer:
 
     def stop(self) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(TimeoutError, RuntimeError, OSError, EOFError):
                 self.call("close", timeout=30)
-            except (TimeoutError, RuntimeError, OSError, EOFError):
-                pass
             self.process.join(10)
         if self.process.is_alive():
             self.kill()
 
-    def __enter__(self) -> Peer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,8 +21,6 @@ transport notifications, which arrive after the data written with them.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from kvbridge.core.layout import CacheGeometry
@@ -66,7 +64,7 @@ class Hello(_Msg, tag="hello"):
     transport_metadata: bytes
     """Opaque to the core; decoded by the named transport's ``add_peer``."""
     geometry: CacheGeometry
-    staging: Union[StagingInfo, None] = None
+    staging: StagingInfo | None = None
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -77,7 +75,7 @@ class Welcome(_Msg, tag="welcome"):
     transport: str
     transport_metadata: bytes
     geometry: CacheGeometry
-    staging: Union[StagingInfo, None] = None
+    staging: StagingInfo | None = None
 
 
 class Destination(_Msg, tag="dest"):
@@ -170,10 +168,10 @@ class Reply(_Msg, tag="reply"):
     code: str = "ok"
     detail: str = ""
     epoch: str = ""
-    compat: Union[CompatInfo, None] = None
+    compat: CompatInfo | None = None
 
 
-Message = Union[Hello, Welcome, Destination, Release, LayerDone, Done, Abort, Heartbeat, Reply]
+Message = Hello | Welcome | Destination | Release | LayerDone | Done | Abort | Heartbeat | Reply
 
 __all__ = [
     "Abort",
@@ -185,7 +183,7 @@ __all__ = [
     "Message",
     "PeerId",
     "Release",
-    "StagingInfo",
     "Reply",
+    "StagingInfo",
     "Welcome",
 ]

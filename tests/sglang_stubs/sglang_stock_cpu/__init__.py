@@ -74,8 +74,9 @@ def register() -> None:
     """Entry point (group ``sglang.srt.plugins``), run in every SGLang process. Registers
     through kvbridge's own SGLang shims (the same enum member and ``get_kv_class`` hook
     as the ``kvbridge`` backend)."""
-    from kvbridge.adapters.sglang import compat
     from sglang.srt.disaggregation.utils import TransferBackend
+
+    from kvbridge.adapters.sglang import compat
 
     for name in BACKENDS:
         if name in TransferBackend._value2member_map_:

@@ -168,7 +168,7 @@ class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
                 f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} "
                 "row sizes"
             )
-        rows = {int(length) // int(item) for length, item in zip(lens, item_lens)}
+        rows = {int(length) // int(item) for length, item in zip(lens, item_lens, strict=True)}
         if len(rows) != 1:
             raise PlanError(f"metadata buffers have different row counts: {sorted(rows)}")
         return cls(
@@ -178,13 +178,13 @@ class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     def regions(self) -> list[tuple[int, int]]:
-        return [(p, item * self.rows) for p, item in zip(self.ptrs, self.item_lens)]
+        return [(p, item * self.rows) for p, item in zip(self.ptrs, self.item_lens, strict=True)]
 
     def table(self, device: int = 0) -> np.ndarray:
         """``(buffers * rows, 3)`` uint64 descriptors ``(address, length, device)``."""
         rows = np.arange(self.rows, dtype=np.uint64)
         out = np.empty((len(self.ptrs) * self.rows, 3), dtype=np.uint64)
-        for j, (ptr, item) in enumerate(zip(self.ptrs, self.item_lens)):
+        for j, (ptr, item) in enumerate(zip(self.ptrs, self.item_lens, strict=True)):
             part = out[j * self.rows : (j + 1) * self.rows]
             part[:, 0] = np.uint64(ptr) + rows * np.uint64(item)
             part[:, 1] = item
@@ -203,7 +203,7 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
     """How many leading metadata buffers both sides have with equal row sizes (SGLang
     pairs them by position and transfers the shorter list)."""
     count = 0
-    for a, b in zip(local.item_lens, remote.item_lens):
+    for a, b in zip(local.item_lens, remote.item_lens, strict=False):
         if a != b:
             break
         count += 1

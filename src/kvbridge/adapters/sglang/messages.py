@@ -34,7 +34,6 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import msgspec
 import numpy as np
@@ -116,7 +115,7 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     unpacks only these); -1 from older senders: all."""
 
 
-Message = Union[Registration, Destination, Done]
+Message = Registration | Destination | Done
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -114,12 +114,14 @@ def pool_planes(geometry: CacheGeometry) -> list[tuple[torch.Tensor, torch.Tenso
     bases = geometry.plane_bases
     if s.layout == "latent":  # one buffer per layer
         return [
-            ops.kv_planes(view(bases[l]), "latent", block_size=s.block_size)
-            for l in range(s.num_layers)
+            ops.kv_planes(view(bases[layer]), "latent", block_size=s.block_size)
+            for layer in range(s.num_layers)
         ]
     return [
-        ops.kv_planes((view(bases[2 * l]), view(bases[2 * l + 1])), "nhd", block_size=s.block_size)
-        for l in range(s.num_layers)
+        ops.kv_planes(
+            (view(bases[2 * layer]), view(bases[2 * layer + 1])), "nhd", block_size=s.block_size
+        )
+        for layer in range(s.num_layers)
     ]
 
 

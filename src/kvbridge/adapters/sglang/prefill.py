@@ -640,7 +640,9 @@ class PrefillSide:
         """Pack ``part``'s heads of ``layers`` (default all) of ``src_pages`` into a run of
         chunks of our staging buffer, layer-major; the room holds the run until it is
         released. Returns the layer ids, the run's chunks and the table they index."""
-        layer_ids = list(range(self._num_layers)) if layers is None else [int(l) for l in layers]
+        layer_ids = (
+            list(range(self._num_layers)) if layers is None else [int(layer) for layer in layers]
+        )
         count = len(layer_ids) * int(src_pages.size)
         run = self.packed.reserve(count, part.heads)
         if run is None:
@@ -696,7 +698,7 @@ class PrefillSide:
         r = self.page_ratio
         start, stop = chunk.index_slice.start * r, chunk.index_slice.stop * r
         if dests:
-            stop = min(stop, min(d.pages.size for d in dests))
+            stop = min(stop, *(d.pages.size for d in dests))
         pages = transfer_pages(chunk.pages, r)[: max(0, stop - start)]
         return chunk._replace(pages=pages, index_slice=slice(start, start + pages.size))
 

@@ -176,7 +176,7 @@ class RoomProgress:
             raise PlanError(f"layers {rows.tolist()} outside [0, {num_layers})")
         groups: dict[bytes, list[int]] = {}
         todo = ~self.posted[rows, lo:hi]
-        for layer, row in zip(rows.tolist(), todo):
+        for layer, row in zip(rows.tolist(), todo, strict=True):
             if row.any():
                 groups.setdefault(row.tobytes(), []).append(layer)
         self.posted[rows, lo:hi] = True

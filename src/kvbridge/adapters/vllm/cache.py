@@ -61,7 +61,7 @@ def _gpu_view(
 ) -> tuple[CacheSpec, int]:
     """The spec and block stride (bytes) of a GPU backend's ``[blocks, heads, tokens,
     K|V]`` layer view, from its strides: a block must be one dense run of bytes."""
-    num_blocks, heads, tokens, two_d = first.shape
+    _num_blocks, heads, tokens, two_d = first.shape
     s = first.stride()
     if tokens != block_size:
         raise KVBridgeError(

@@ -12,6 +12,30 @@ import re
 from importlib import metadata
 from typing import NamedTuple
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+from vllm.v1.request import RequestStatus
+
 SUPPORTED = (0, 32)
 """Major, minor of the vLLM releases this adapter is tested with."""
 
@@ -42,31 +66,6 @@ def check_version() -> None:
                 "release for your vLLM"
             ),
         )
-
-
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
-from vllm.model_executor.models.utils import extract_layer_index  # noqa: E402
-from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)  # noqa: E402
-from vllm.v1.request import RequestStatus  # noqa: E402
 
 
 def is_mla(model_config) -> bool:
@@ -125,7 +124,7 @@ def state_description(spec) -> str:
     kind = getattr(spec.mamba_type, "name", spec.mamba_type)
     tensors = "+".join(
         f"{str(d).removeprefix('torch.')}{tuple(shape)}"
-        for d, shape in zip(spec.dtypes, spec.shapes)
+        for d, shape in zip(spec.dtypes, spec.shapes, strict=True)
     )
     return f"{str(kind).lower()} {tensors} conv {conv_state_layout()}"
 
@@ -167,7 +166,7 @@ def state_layout(spec, vllm_config) -> str:
                 _AtOneRank(vllm_config)
             )
         ]
-    except Exception:  # a model class without the hook, or one that reads more of the config
+    except Exception:  # noqa: BLE001 (a model class without the hook, or one reading more config)
         return state_description(spec)
     sd = conv_state_layout() == "SD"
     rows, channels = full[0] if sd else full[0][::-1]
@@ -327,14 +326,8 @@ def state_block(block_ids) -> int:
 __all__ = [
     "FINISHED_OK",
     "NULL_BLOCK_ID",
+    "SUPPORTED",
     "CacheGroup",
-    "SupportsHMA",
-    "cache_groups",
-    "conv_state_layout",
-    "drop_prompt_tail",
-    "state_block",
-    "state_description",
-    "state_layout",
     "KVConnectorBase_V1",
     "KVConnectorFactory",
     "KVConnectorHandshakeMetadata",
@@ -344,12 +337,18 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorTransferResults",
     "RequestStatus",
-    "SUPPORTED",
+    "SupportsHMA",
+    "cache_groups",
     "check_version",
+    "conv_state_layout",
     "create_metric_per_engine",
+    "drop_prompt_tail",
     "extract_layer_index",
     "is_mla",
     "model_kv_heads",
+    "state_block",
+    "state_description",
+    "state_layout",
     "vllm_version",
     "yield_req_data",
 ]

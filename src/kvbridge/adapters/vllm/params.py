@@ -16,7 +16,7 @@ locally): a client's typo costs compute, never correctness.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgspec
 
@@ -103,12 +103,12 @@ class KVBridgeParams(msgspec.Struct, frozen=True):
     transfer_id: str
     role: Literal["prefill", "decode"]
     flow: Flow = "push"
-    prefill: Union[PrefillAddress, None] = None
+    prefill: PrefillAddress | None = None
     """Decode side: the prefill instance to ask (push) or read from (pull)."""
-    remote_blocks: Union[list[int], None] = None
+    remote_blocks: list[int] | None = None
     """P-first decode side: the prefill's blocks holding the prompt, in order (with
     vLLM's hybrid manager, KV cache group 0's, -1 where it holds none)."""
-    remote_group_blocks: Union[list[list[int]], None] = None
+    remote_group_blocks: list[list[int]] | None = None
     """P-first decode side, hybrid manager: the other KV cache groups' blocks for the
     same positions (:mod:`kvbridge.core.blocks`)."""
 
@@ -119,9 +119,9 @@ class Handoff(msgspec.Struct, frozen=True):
     role: Literal["prefill", "decode"]
     flow: Flow
     transfer_id: str
-    prefill: Union[PrefillAddress, None] = None
-    remote_blocks: Union[list[int], None] = None
-    remote_group_blocks: Union[list[list[int]], None] = None
+    prefill: PrefillAddress | None = None
+    remote_blocks: list[int] | None = None
+    remote_group_blocks: list[list[int]] | None = None
 
     def remote_table(self) -> BlockTable | None:
         """P-first decode side: the prefill's blocks as a table (every KV cache group)."""

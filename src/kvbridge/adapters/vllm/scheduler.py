@@ -363,7 +363,7 @@ class SchedulerSide:
                 r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
             }
             cached = scheduler_output.scheduled_cached_reqs
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             preempted = scheduler_output.preempted_req_ids or set()
             for req_id, new_blocks, resumed in yield_req_data(scheduler_output):
                 p = self._prefill.get(req_id)
