@@ -123,7 +123,6 @@ class LoopbackTransport(TransportBase):
 
     def _notify(self, peer: str, payload: bytes) -> None:
         self._target(peer)._inbox.put([Notification(self.agent_name, payload)])
-        return
 
     def _drain_notifications(self) -> list[Notification]:
         return []

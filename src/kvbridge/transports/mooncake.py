@@ -465,7 +465,6 @@ class MooncakeTransport(TransportBase):
 
     def _notify(self, peer: str, payload: bytes) -> None:
         self._notifier.send(peer, self.agent_name, payload)
-        return
 
     def _drain_notifications(self) -> list[Notification]:
         return self._notifier.receive(timeout_ms=20)

@@ -247,7 +247,6 @@ class NixlTransport(TransportBase):
             self._agent.send_notif(peer, payload)
         except Exception as exc:
             raise self._map(exc, "notify", peer) from exc
-        return
 
     def _drain_notifications(self) -> list[Notification]:
         got = self._agent.get_new_notifs()
