@@ -86,9 +86,8 @@ def measure(geometry: str, tokens: int, per_call: str, reps: int, block_size: in
 
     num_layers, heads, dim = GEOMETRIES[geometry]
     nblk = -(-tokens // block_size)
-    cache = torch.zeros(
-        2 * nblk + 1, heads, block_size, 2 * dim, dtype=torch.bfloat16
-    )  # one cache for every layer: no copy is made
+    # one cache for every layer: no copy is made
+    cache = torch.zeros(2 * nblk + 1, heads, block_size, 2 * dim, dtype=torch.bfloat16)
     planes = [ops.kv_planes(cache, "nhd_kv")] * num_layers
     kv = ops.PagedKV(planes)
     ids = list(range(1, 2 * nblk + 1, 2))

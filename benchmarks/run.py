@@ -140,7 +140,6 @@ def markdown_transfer(doc: dict) -> str:
         (
             f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), nixl "
             f"{m['versions']['nixl']}, "
-        )(
             f"mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; GB/s, best of "
             f"{doc['reps']} interleaved runs."
         ),
@@ -550,14 +549,11 @@ def markdown_ops(doc: dict) -> str:
         (
             f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA "
             f"{d['cuda']}; "
-        )(
             f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the "
             "share "
             "of a "
-        )(
             "device-to-device copy's GB/s in the same run. `*_tiles`: the same op with the tile "
             "kernel; "
-        )(
             "host us/pack: host time to issue one pack call (ops.pack / PagedKV.pack where both "
             "were "
             "measured)."
@@ -607,9 +603,8 @@ def plot_ops(doc: dict, path: Path) -> None:
         ax.set_title(geo)
         ax.grid(alpha=0.3, axis="y")
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(
-        handles, names, loc="lower center", ncol=len(names), fontsize=7
-    )  # below the bars, not over them
+    # below the bars, not over them
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=7)
     fig.suptitle(
         f"kvbridge pack/unpack on {doc['device']['gpu']} ({doc['machine']['date']})", fontsize=10
     )

@@ -429,14 +429,14 @@ def markdown(doc: dict[str, Any]) -> str:
     v = m["versions"]
     head, table = rows(doc)
     lines = [
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), sglang {v.get('sglang')}, "(
+        (
+            f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), "
+            f"sglang {v.get('sglang')}, "
             f"sglang-router {v.get('sglang-router')}, nixl {v.get('nixl')}, mooncake "
             f"{v.get('mooncake-transfer-engine-non-cuda')}; "
-        )(
             f"model shape `{doc['shape']}`, `{' '.join(doc['engine_args'])}`; one request at a "
             "time, "
             f"{doc['prompts']} "
-        )(
             f"prompts per length, {doc['output_len']} output tokens; medians (ratio: TTFT / "
             "colocated "
             "TTFT)."

@@ -67,11 +67,12 @@ def test_layers_computed_on_the_gpu_arrive_packed_bit_for_bit(
     p, d = cache(dtype), cache(dtype)
     P, D = endpoint("P", p, wire_dtype), endpoint("D", d, wire_dtype)
     pa, da = p[0], d[0]
+    # 13 blocks, the last partial
     n, pblocks, dblocks = (
         200,
         list(range(3, 16)),
         list(range(40, 53)),
-    )  # 13 blocks, the last partial
+    )
     kv = torch.randn(
         (L, 2, len(pblocks), BS, H, HD), generator=torch.Generator().manual_seed(7)
     ).to(dtype)

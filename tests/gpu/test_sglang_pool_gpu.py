@@ -67,9 +67,8 @@ def round_trip(device: str, fp8: bool) -> list[torch.Tensor]:
     src_pages, dst_pages = np.array([4, 9, 1, 30]), np.array([0, 11, 3, 31])
     first, dfirst = prefill.allocator.alloc(LAYERS * 4), decode.allocator.alloc(LAYERS * 4)
     prefill.pack(list(range(LAYERS)), src_pages, first)
-    decode.view(dfirst, LAYERS * 4).copy_(
-        prefill.view(first, LAYERS * 4)
-    )  # what the transport moves
+    # what the transport moves
+    decode.view(dfirst, LAYERS * 4).copy_(prefill.view(first, LAYERS * 4))
     for layer in range(LAYERS):
         decode.unpack(layer, dst_pages, dfirst + layer * 4)
     return [b.cpu() for b in d_bufs]

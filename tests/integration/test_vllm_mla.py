@@ -56,9 +56,8 @@ LATENT = _MLA["kv_lora_rank"] + _MLA["qk_rope_head_dim"]
 BYTES_PER_TOKEN = _MLA["num_hidden_layers"] * LATENT * 4  # layers x latent x fp32
 BYTES_PER_BLOCK = BLOCK * BYTES_PER_TOKEN
 UNIT = 8  # transfer_block_size of the Mooncake pairs
-FP8_PER_BLOCK = (
-    _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)
-)  # a byte a value, a float32 scale per half vector
+# a byte a value, a float32 scale per half vector
+FP8_PER_BLOCK = _MLA["num_hidden_layers"] * BLOCK * (LATENT + 2 * 4)
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 
 _group: list[VllmServer] = []
@@ -179,9 +178,8 @@ def test_mla_between_tp_sizes(tp: TPCluster, pair: str, flow: str, n: int) -> No
     before = metric(d.url, RECEIVED)
     out = handoff(flow, p.url, d.url, prompt, MAX_TOKENS, tp.address[p.url])
     assert out.token_ids == want.token_ids
-    expect_received(
-        d, before, n, ranks=2 if pair != "2->1" else 1
-    )  # each decode rank holds the whole latent cache
+    # each decode rank holds the whole latent cache
+    expect_received(d, before, n, ranks=2 if pair != "2->1" else 1)
     for s in (p, d):  # both sides let go of the request's blocks, every prefill worker at once
         idle = usage[s.url] + 1e-9
         assert wait_metric(s.url, USAGE, lambda v, idle=idle: v <= idle) <= idle, (

@@ -153,9 +153,8 @@ def test_push_works_whichever_side_sees_the_request_first(
             out = pool.submit(d_call).result()
         else:
             fd = pool.submit(d_call)
-            destination_at_prefill(
-                pd.d.url
-            )  # deliberately late prefill: D's destination waits at P
+            # deliberately late prefill: D's destination waits at P
+            destination_at_prefill(pd.d.url)
             p_call()
             out = fd.result()
     assert out.token_ids == ref.token_ids

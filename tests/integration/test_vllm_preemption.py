@@ -111,9 +111,10 @@ def test_a_preempted_prefill_fails_the_load_at_once_and_the_prefill_lives_on(pai
         assert wait_metric(pair.d.url, FAILURES, lambda v: v > failures) == failures + 1, (
             "D's load of B did not fail"
         )
+        # frees A's blocks on P
         out_a = complete(
             pair.d.url, a, max_tokens=MAX_TOKENS, kv_transfer_params=held.kv_transfer_params
-        )  # frees A's blocks on P
+        )
         resumed = on_p.result(timeout=60)
     # vLLM counts a preemption once the request runs again
     assert wait_metric(pair.p.url, "vllm:num_preemptions_total", lambda v: v >= 1) >= 1

@@ -59,9 +59,8 @@ multiple of the block size; the scheduler side's module docstring)."""
 LENGTHS = [1, WINDOW - 1, WINDOW + 1, EDGE, 3 * BLOCK + 5, CHUNK + 88]
 MAX_TOKENS = 12
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
-LAYER_BLOCK_BYTES = (
-    2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4
-)  # K and V x heads x tokens x dim x fp32
+# K and V x heads x tokens x dim x fp32
+LAYER_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4
 SLIDING_LAYERS = _SHAPE["num_hidden_layers"] // 2  # every second layer (kvbridge.demo.model)
 FULL_LAYERS = _SHAPE["num_hidden_layers"] - SLIDING_LAYERS
 

@@ -84,9 +84,8 @@ SPECULATIVE = [
 ]
 TRANSPORTS = ["nixl", "mooncake"]
 HEAD_DIM = _SHAPE["hidden_size"] // _SHAPE["num_attention_heads"]
-ATTENTION_BLOCK_BYTES = (
-    2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4
-)  # K and V x heads x tokens x dim x fp32
+# K and V x heads x tokens x dim x fp32
+ATTENTION_BLOCK_BYTES = 2 * _SHAPE["num_key_value_heads"] * BLOCK * HEAD_DIM * 4
 _INNER = 2 * _SHAPE["hidden_size"]  # mamba_expand 2 (kvbridge.demo.model)
 MAMBA_LAYERS = ATTENTION_LAYERS = _SHAPE["num_hidden_layers"] // 2
 

@@ -21,9 +21,8 @@ from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, TPCluster, handoff,
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
-BYTES_PER_BLOCK = (
-    2 * 2 * 2 * BLOCK * 32 * 4
-)  # layers x KV x heads (all ranks) x tokens x head_dim x fp32
+# layers x KV x heads (all ranks) x tokens x head_dim x fp32
+BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 
 

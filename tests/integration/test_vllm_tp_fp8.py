@@ -47,9 +47,8 @@ from engine_helpers import (
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 32  # the tiny test model
-FP8_PER_BLOCK = LAYERS * (
-    2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4
-)  # values + scales, all ranks
+# values + scales, all ranks
+FP8_PER_BLOCK = LAYERS * (2 * BLOCK * HEADS * HEAD_DIM + 2 * BLOCK * HEADS * 4)
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 STAGING, STAGING_USED = "vllm:kvbridge_staging_slots", "vllm:kvbridge_staging_slots_used"
 STAGING_MB = 16
@@ -106,9 +105,8 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
         3 * BLOCK + 5,
         2 * CHUNK + 88,
     ):  # one block and a bit, a few blocks, a chunked prefill
-        prompt = random_prompt(
-            n, seed=7000 + 10 * n + p_tp
-        )  # fixed: TP 1 and TP 2 decodes round differently
+        # fixed: TP 1 and TP 2 decodes round differently
+        prompt = random_prompt(n, seed=7000 + 10 * n + p_tp)
         ref = handoff("push", p.url, same_tp.url, prompt, MAX_TOKENS, address, logprobs=5)
         before = metric(d.url, RECEIVED)
         usage = {s.url: metric(s.url, USAGE) for s in (p, d)}

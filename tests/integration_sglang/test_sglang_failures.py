@@ -111,9 +111,8 @@ class Pair:
             log_path=log_dir / "router.log",
             nice=19,
         ).start()
-        start_all(
-            self.servers(), START_TIMEOUT_S
-        )  # or none left running: the fixture never gets this pair
+        # or none left running: the fixture never gets this pair
+        start_all(self.servers(), START_TIMEOUT_S)
         self.idle = {
             "prefill": _busy(_loads(self.prefill.url)),
             "decode": _busy(_loads(self.decode.url)),
@@ -343,9 +342,8 @@ def test_prefill_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair)
     assert _failed(req), req
     pair.assert_settles(sides=("decode",))
     decode_log = pair.decode.log_path.read_text(errors="replace")
-    assert "kvbridge: the prefill at" in decode_log, pair.decode.log_tail(
-        60
-    )  # kvbridge's own detection
+    # kvbridge's own detection
+    assert "kvbridge: the prefill at" in decode_log, pair.decode.log_tail(60)
 
     pair.restart_prefill()  # same HTTP and bootstrap ports, new instance
     _next_request_works(pair)
@@ -374,9 +372,8 @@ def test_decode_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) 
     took = time.monotonic() - killed
     assert _failed(prefill_req), prefill_req
     answer = str(prefill_req["body"])
-    assert "kvbridge: peer" in answer and "disconnected" in answer, answer[
-        :800
-    ]  # kvbridge's own detection
+    # kvbridge's own detection
+    assert "kvbridge: peer" in answer and "disconnected" in answer, answer[:800]
     print(f"\nthe prefill's request failed {took:.1f} s after the decode died")
     pair.assert_settles(sides=("prefill",))
 

@@ -100,9 +100,8 @@ def test_restart_on_the_same_port_is_a_new_instance() -> None:
         first.close()
 
     assert fetch_epoch(addr, timeout=2) == (None, True)  # down: connection refused
-    assert (
-        watcher.observe(addr, None, refused=True) is Verdict.UNANSWERED
-    )  # one refusal is not death
+    # one refusal is not death
+    assert watcher.observe(addr, None, refused=True) is Verdict.UNANSWERED
 
     second = _start(port)  # the restarted prefill, same port, registering the same way
     try:

@@ -39,10 +39,11 @@ from sglang_helpers import (
 PROMPTS = [40, 200]  # three pages in one chunk; four chunks with a partial page
 
 pytestmark = pytest.mark.timeout(900)
+# servers killed on any exit
 colocated, pd_pair = (
     contextmanager(start_colocated),
     contextmanager(start_pd),
-)  # servers killed on any exit
+)
 
 
 @pytest.mark.parametrize("data_path", ["direct", "packed"])

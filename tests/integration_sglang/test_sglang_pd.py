@@ -269,9 +269,8 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
         assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
             f"the prefill's token differs: {got} vs {want}"
         )
-        drift = fp8_drift(
-            want_tops[1], got_tops[1]
-        )  # the decode's first token from the transferred KV
+        # the decode's first token from the transferred KV
+        drift = fp8_drift(want_tops[1], got_tops[1])
         assert drift < FP8_MAX_DRIFT, (
             f"{len(input_ids)} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
         )
@@ -288,9 +287,8 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
             f"{want_bytes}"
         )
         exact = kv_bytes(model, prefill, len(input_ids))
-        assert (
-            exact / received > 1.7
-        )  # the test model: float16, head_dim 32: 64 bytes per row vs 36
+        # the test model: float16, head_dim 32: 64 bytes per row vs 36
+        assert exact / received > 1.7
     record_property("fp8_max_logprob_drift", worst)
     print(
         f"\nSGLang FP8 on the wire: greedy output equal to colocated for {same}/{len(FP8_PROMPTS)} "

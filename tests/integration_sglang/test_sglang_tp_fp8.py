@@ -53,9 +53,8 @@ def test_fp8_between_tp_sizes_stays_within_fp8_noise(
             assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
                 f"the prefill's token differs: {got} vs {want}"
             )
-            drift = fp8_drift(
-                want_tops[1], got_tops[1]
-            )  # the decode's first token from the transferred KV
+            # the decode's first token from the transferred KV
+            drift = fp8_drift(want_tops[1], got_tops[1])
             assert drift < FP8_MAX_DRIFT, (
                 f"{n} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
             )

@@ -106,9 +106,8 @@ def test_failed_build_raises_with_fix_and_leaves_nothing(cache, monkeypatch):
         jit.build()
     assert "check nvcc" in str(err.value) and "KVBRIDGE_DISABLE_JIT" in str(err.value)
     assert not jit.library_path().parent.exists()
-    assert [p.name for p in cache.iterdir()] == [
-        jit.library_path().parent.name + ".lock"
-    ]  # no half-built directory
+    # no half-built directory
+    assert [p.name for p in cache.iterdir()] == [jit.library_path().parent.name + ".lock"]
     assert "TORCH_CUDA_ARCH_LIST" not in os.environ
 
 

@@ -330,9 +330,8 @@ def test_grouped_plan_refuses_lost_blocks_and_tables_that_do_not_fit() -> None:
         match=r"group 1: the destination expects position 0 .* which the source no longer holds",
     ):
         plan_grouped(a, b, src, dst, layer_groups=(0, 1, 0))
-    lidx, _ = plan_grouped(
-        b, a, dst, src, layer_groups=(0, 1, 0), into_local=False
-    )  # the other way nothing is lost
+    # the other way nothing is lost
+    lidx, _ = plan_grouped(b, a, dst, src, layer_groups=(0, 1, 0), into_local=False)
     assert lidx.size == (2 * 2 + 1) * 2
     with pytest.raises(
         PlanError,

@@ -94,9 +94,8 @@ def test_illegal_send_transitions() -> None:
 
 def test_recv_happy_path_and_deadlines() -> None:
     r = RecvRequest("b", [4, 5], T, now=0)
-    assert (
-        r.phase is RecvPhase.ALLOCATED and r.deadline == 20
-    )  # receive_s: may wait for staging room
+    # receive_s: may wait for staging room
+    assert r.phase is RecvPhase.ALLOCATED and r.deadline == 20
     r.destination_sent(now=0.5)
     assert r.deadline == 20.5
     r.layer_arrived(now=3)

@@ -495,9 +495,8 @@ def test_latent_fp8_error_is_bounded_per_half_vector(dtype):
     src = latent_cache((8, 16, LATENT), dtype, seed=4)
     ids = [1, 3, 6]
     region, fmt = ops.pack(ops.kv_planes(src, "latent", 16), ids, 40, fp8=True, chunk_tokens=16)
-    assert (
-        fmt.num_chunks * fmt.chunk_stride == region.numel() == 3 * (16 * LATENT + 2 * 16 * 4)
-    )  # 1 byte a value, 2 scales a token
+    # 1 byte a value, 2 scales a token
+    assert fmt.num_chunks * fmt.chunk_stride == region.numel() == 3 * (16 * LATENT + 2 * 16 * 4)
     dst = torch.zeros_like(src)
     ops.unpack(region, fmt, ops.kv_planes(dst, "latent", 16), ids)
     a, b = src[ids].reshape(-1, LATENT)[:40].float(), dst[ids].reshape(-1, LATENT)[:40].float()
@@ -517,10 +516,8 @@ def test_bad_latent_caches_are_rejected_with_a_clear_error():
     with pytest.raises(OpsInputError, match="an even size"):
         ops.kv_planes(torch.zeros(4, 16, 575), "latent", block_size=16)
     with pytest.raises(OpsInputError, match="an even size"):
-        ops.kv_planes(
-            torch.zeros(4, 10, LATENT), "latent", block_size=16
-        )  # 40 tokens are not blocks of 16
+        # 40 tokens are not blocks of 16
+        ops.kv_planes(torch.zeros(4, 10, LATENT), "latent", block_size=16)
     with pytest.raises(OpsInputError, match="not blocks of 16 vectors"):
-        ops.kv_planes(
-            torch.zeros(4, 8, 2, LATENT).transpose(1, 2), "latent", block_size=16
-        )  # tokens of a block not evenly strided
+        # tokens of a block not evenly strided
+        ops.kv_planes(torch.zeros(4, 8, 2, LATENT).transpose(1, 2), "latent", block_size=16)

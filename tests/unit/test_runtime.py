@@ -111,9 +111,8 @@ def test_pull_flow_reads_then_releases(pd) -> None:
     P.sender.track("q", [7, 8, 9], 40, pull=True)
     P.sender.prefill_done("q")
     assert P.sender.wait_released(0.2) == [], "held until the decode side read them"
-    D.receiver.expect_pull(
-        "q", P.address, P.epoch, [7, 8, 9], [8, 9], 40, skip_tokens=16
-    )  # D has block 0 cached
+    # D has block 0 cached
+    D.receiver.expect_pull("q", P.address, P.epoch, [7, 8, 9], [8, 9], 40, skip_tokens=16)
     assert D.receiver.wait_finished(5) == (["q"], [])
     np.testing.assert_array_equal(da[:, [8, 9]], pa[:, [8, 9]])
     assert P.sender.wait_released(5) == ["q"]
@@ -135,11 +134,12 @@ def test_a_layer_queued_on_a_device_is_sent_only_once_its_event_completed(pd) ->
     """On a GPU the host reports a layer when it has queued its kernels: nothing of it
     may be written before its compute event completes, layer by layer."""
     P, D, pa, da = pd
+    # streamed: >= layerwise_min_tokens
     n, pblocks, dblocks = (
         128,
         list(range(3, 11)),
         list(range(20, 28)),
-    )  # streamed: >= layerwise_min_tokens
+    )
     D.receiver.expect_push("g", P.address, dblocks, n)
     P.sender.track("g", pblocks, n)
     eventually(lambda: P.sender.phase("g").value == "sending")  # the destination came
@@ -384,10 +384,11 @@ def test_a_shared_secret_authenticates_the_handshake_and_a_different_one_is_refu
         D.receiver.expect_push("a", P.address, [3, 4], 20)
         P.sender.track("a", [7, 8], 20)
         P.sender.prefill_done("a")
+        # MACs on requests, replies and notifications
         assert D.receiver.wait_finished(5) == (
             ["a"],
             [],
-        )  # MACs on requests, replies and notifications
+        )
         np.testing.assert_array_equal(d_cache[0][:, [3, 4]], p_cache[0][:, [7, 8]])
         E.receiver.expect_push("b", P.address, [3], 10)
         assert E.receiver.wait_finished(5) == ([], ["b"])
@@ -577,9 +578,8 @@ def test_sliding_layers_move_only_the_blocks_the_decode_holds(hybrid) -> None:
     P.sender.track("h", BlockTable.grouped([full[:4], sliding[:4]]), n)
     for layer in (1, 3):  # the sliding layers first: a post of their own, all before the window
         P.sender.layer_done("h", layer, 64)
-    eventually(
-        lambda: D.receiver.phase("h") is RecvPhase.RECEIVING
-    )  # its notification arrived, with nothing written
+    # its notification arrived, with nothing written
+    eventually(lambda: D.receiver.phase("h") is RecvPhase.RECEIVING)
     assert not da.any()
     for layer in (0, 2):
         P.sender.layer_done("h", layer, 64)
@@ -603,9 +603,8 @@ def test_sliding_layers_move_only_the_blocks_the_decode_holds(hybrid) -> None:
 
 def test_pull_reads_each_group_s_blocks_into_the_decode_s(hybrid) -> None:
     P, D, pa, da = hybrid
-    P.sender.track(
-        "g", BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), 40, pull=True
-    )  # the prefill freed its first sliding block
+    # the prefill freed its first sliding block
+    P.sender.track("g", BlockTable.grouped([[7, 8, 9], [NONE, 10, 11]]), 40, pull=True)
     P.sender.prefill_done("g")
     D.receiver.expect_pull(
         "g",

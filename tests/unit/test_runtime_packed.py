@@ -156,11 +156,12 @@ def test_p_first_requests_are_written_like_pushed_ones(pd) -> None:
     for the tokens it lacks (here all but the first block), and the prefill writes every
     layer at once and lets go by itself."""
     P, D, pa, da = pd
+    # 6 blocks, the first cached on D
     n, pblocks, dblocks = (
         90,
         [5, 6, 7, 8, 9, 10],
         [20, 21, 22, 23, 24],
-    )  # 6 blocks, the first cached on D
+    )
     _prefill(P, "q", pblocks, n, (n,), pa, pull=True)
     assert P.sender.phase("q") is SendPhase.HELD
     D.receiver.expect_pull("q", P.address, P.epoch, pblocks, dblocks, n, skip_tokens=BS)
@@ -186,10 +187,11 @@ def test_a_p_first_request_larger_than_the_prefill_staging_goes_out_in_parts() -
     than all of them: the request goes out in posts of a quarter of the buffer (here
     one layer each) instead of failing."""
     p, d = make_cache(1, 160), make_cache(None, 160)
+    # 455 and 910 slots of 2304 bytes
     P, D = (
         endpoint("P", p, staging_mb=1),
         endpoint("D", d, staging_mb=2),
-    )  # 455 and 910 slots of 2304 bytes
+    )
     try:
         n, blocks = 120 * BS, list(range(120))
         assert L * len(blocks) > P.node.packed.allocator.num_slots
@@ -275,9 +277,8 @@ def test_packed_sliding_layers_move_only_the_blocks_the_decode_holds(flow: str) 
             P.sender.track("h", theirs, n)
             for layer in (1, 3):  # nothing of the sliding layers is in the first 64 tokens' window
                 P.sender.layer_done("h", layer, 64)
-            runtime_pair.eventually(
-                lambda: D.receiver.phase("h") is RecvPhase.RECEIVING
-            )  # its notification came, nothing written
+            # its notification came, nothing written
+            runtime_pair.eventually(lambda: D.receiver.phase("h") is RecvPhase.RECEIVING)
             assert P.node.packed.allocator.free_slots == P.node.packed.allocator.num_slots
         else:
             P.sender.track("h", theirs, n, pull=True)

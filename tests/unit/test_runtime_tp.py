@@ -229,11 +229,12 @@ def test_push_from_one_prefill_rank_to_every_decode_rank(
     p = Rank("P", 1, 0, layout, seed=1, wire=wire)
     ds = [Rank("D", d_tp, r, layout, wire=wire) for r in range(d_tp)]
     ranks += [p, *ds]
+    # 150 tokens: 10 blocks, streamed
     n, pblocks, dblocks = (
         150,
         list(range(10)),
         list(range(12, 22)),
-    )  # 150 tokens: 10 blocks, streamed
+    )
     for d in ds[1:]:  # all decode ranks but the first ask before the prefill starts
         d.ep.receiver.expect_push("r", p.ep.address, dblocks, n)
     _prefill_all(p, "r", pblocks, n, chunks=(64,))

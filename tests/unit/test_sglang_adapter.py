@@ -113,9 +113,8 @@ def test_two_pools_pair_position_by_position() -> None:
     a, b = src.slots([1, 2]), dst.slots([7, 3])
     assert len(a) == len(b) == LAYERS * 2 * 2
     for i, j in zip(a, b, strict=True):
-        assert (
-            divmod(int(i), src.num_blocks)[0] == divmod(int(j), dst.num_blocks)[0]
-        )  # same (layer, plane)
+        # same (layer, plane)
+        assert divmod(int(i), src.num_blocks)[0] == divmod(int(j), dst.num_blocks)[0]
 
 
 @pytest.mark.parametrize(
@@ -230,9 +229,8 @@ def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_wha
         ) as info:
             wire.decode(got, secret)
         assert "set the same 'secret'" in str(info.value), what
-        assert isinstance(info.value.unverified, wire.Destination), (
-            what
-        )  # for the refusal, untrusted
+        # for the refusal, untrusted
+        assert isinstance(info.value.unverified, wire.Destination), what
     assert issubclass(wire.AuthenticationError, WireError)  # control loops log and go on
     # Done notifications: the MAC follows the payload
     done = wire.Done(room=7, prefill_rank=1, epoch="e", bytes=10)
@@ -267,9 +265,8 @@ def test_transfer_pages_divide_the_server_s_pages() -> None:
     cfg = config_from_env({CONFIG_ENV: '{"transfer_block_size": 16}'})
     assert transfer_page_size(config_from_env({}), 32) == 32
     assert transfer_page_size(cfg, 16) == 16
-    assert (
-        transfer_page_size(cfg, 64) == 16
-    )  # either side's larger pages, as several transfer pages
+    # either side's larger pages, as several transfer pages
+    assert transfer_page_size(cfg, 64) == 16
     with pytest.raises(ConfigError, match="transfer_block_size 16 must divide") as err:
         transfer_page_size(cfg, 24)
     assert err.value.key == "transfer_block_size" and "--page-size" in str(err.value)

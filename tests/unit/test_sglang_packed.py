@@ -63,9 +63,8 @@ def test_typed_geometry_finds_the_heads_and_refuses_rows_that_do_not_split() -> 
     assert typed.plane_bases == opaque.plane_bases and typed.num_blocks == opaque.num_blocks
     assert typed.spec.block_bytes == opaque.spec.block_bytes
     with pytest.raises(ConfigError, match="wire_dtype"):
-        typed_geometry(
-            opaque, dtype="float32", head_dim=3 * DIM
-        )  # 64 bytes per token: no whole heads
+        # 64 bytes per token: no whole heads
+        typed_geometry(opaque, dtype="float32", head_dim=3 * DIM)
     with pytest.raises(ConfigError, match="wire_dtype"):
         typed_geometry(opaque, dtype="int4", head_dim=DIM)
 
@@ -108,9 +107,8 @@ def test_an_mla_pool_packs_as_its_vectors_halves_into_the_decode_pages(fp8: bool
     FP8 error, the other pages untouched."""
     p_bufs, p_opaque = mla_pool(5)
     d_bufs, d_opaque = mla_pool(None)
-    p_geo, d_geo = (
-        typed_geometry(g, dtype="bfloat16", head_dim=64) for g in (p_opaque, d_opaque)
-    )  # the model's head_dim: ignored
+    # the model's head_dim: ignored
+    p_geo, d_geo = (typed_geometry(g, dtype="bfloat16", head_dim=64) for g in (p_opaque, d_opaque))
     assert (p_geo.spec.layout, p_geo.spec.num_kv_heads, p_geo.spec.head_dim) == ("latent", 1, 576)
     planes = pool_planes(p_geo)
     k, v = planes[2]
@@ -123,9 +121,8 @@ def test_an_mla_pool_packs_as_its_vectors_halves_into_the_decode_pages(fp8: bool
     src_pages, dst_pages = np.array([4, 9, 1]), np.array([0, 11, 3])
     first, dfirst = prefill.allocator.alloc(LAYERS * 3), decode.allocator.alloc(LAYERS * 3)
     prefill.pack(list(range(LAYERS)), src_pages, first)
-    decode.view(dfirst, LAYERS * 3).copy_(
-        prefill.view(first, LAYERS * 3)
-    )  # what the transport moves
+    # what the transport moves
+    decode.view(dfirst, LAYERS * 3).copy_(prefill.view(first, LAYERS * 3))
     for layer in range(LAYERS):
         decode.unpack(layer, dst_pages, dfirst + layer * 3)
         src = p_bufs[layer].view(PAGES, PAGE, 576)[torch.as_tensor(src_pages)]

@@ -221,13 +221,14 @@ def test_a_decode_rank_of_another_tp_size_gets_its_heads_and_its_shard_of_the_st
     ps = [HybridRank("P", p_tp, r, state) for r in range(p_tp)]
     ds = [HybridRank("D", d_tp, r) for r in range(d_tp)]
     try:
+        # 40 tokens: 3 blocks, the state at the last
         n, p_attn, d_attn, p_state, d_state = (
             40,
             [1, 2, 3],
             [5, 6, 7],
             9,
             10,
-        )  # 40 tokens: 3 blocks, the state at the last
+        )
         p_blocks = BlockTable.grouped([[NONE, NONE, p_state], p_attn])
         d_blocks = BlockTable.grouped([[NONE, NONE, d_state], d_attn])
         for d in ds:
@@ -253,9 +254,8 @@ def test_a_decode_rank_of_another_tp_size_gets_its_heads_and_its_shard_of_the_st
         for p in ps:
             assert p.ep.sender.wait_released(5) == ["s"]
         per = KV_HEADS // d_tp
-        whole = np.concatenate(
-            [p.cache[0, p_attn] for p in ps], axis=1
-        )  # (blocks, all heads, tokens, 2 x dim)
+        # (blocks, all heads, tokens, 2 x dim)
+        whole = np.concatenate([p.cache[0, p_attn] for p in ps], axis=1)
         for d in ds:
             np.testing.assert_array_equal(
                 d.cache[0, d_attn],

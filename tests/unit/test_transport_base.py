@@ -108,9 +108,8 @@ def test_adjacent_registrations_accept_a_spanning_descriptor() -> None:
     )
     idx.remove([(1100, 100)], "host", 0)
     assert idx.first_outside(ok, "host") == (1050, 100)
-    idx.add(
-        [(5000, 100)], "host", 1
-    )  # rows of two devices in one list: each checked against its own
+    # rows of two devices in one list: each checked against its own
+    idx.add([(5000, 100)], "host", 1)
     mixed = np.array([[1010, 50, 0], [5010, 50, 1], [1020, 10, 0]], dtype=np.uint64)
     assert idx.first_outside(mixed, "host") is None
     assert idx.first_outside(

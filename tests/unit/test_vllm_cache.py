@@ -94,9 +94,8 @@ def test_an_unknown_shape_is_refused_with_what_was_seen(
 
 
 def test_a_latent_cache_whose_token_values_are_not_contiguous_is_refused() -> None:
-    kv = {
-        name: t.transpose(1, 2) for name, t in caches((BLOCKS, 576, BS)).items()
-    }  # (blocks, BS, 576) viewed dim-major
+    # (blocks, BS, 576) viewed dim-major
+    kv = {name: t.transpose(1, 2) for name, t in caches((BLOCKS, 576, BS)).items()}
     with pytest.raises(KVBridgeError, match="unsupported MLA KV cache layout"):
         geometry_from_tensors(kv, list(kv), BS, mla=True)
 
@@ -105,9 +104,8 @@ def test_mla_models_have_one_kv_head_whatever_their_config_says() -> None:
     from kvbridge.adapters.vllm.compat import model_kv_heads
 
     def config(use_mla: bool) -> SimpleNamespace:
-        return SimpleNamespace(
-            use_mla=use_mla, get_total_num_kv_heads=lambda: 4
-        )  # DeepSeek-V2's config: 4 (= attention heads)
+        # DeepSeek-V2's config: 4 (= attention heads)
+        return SimpleNamespace(use_mla=use_mla, get_total_num_kv_heads=lambda: 4)
 
     assert model_kv_heads(config(True)) == 1
     assert model_kv_heads(config(False)) == 4
@@ -124,9 +122,8 @@ def test_the_packed_path_packs_a_latent_cache_as_two_half_vectors_and_refuses_an
     for fp8 in (True, False):
         slot = slot_format(geo, fp8)
         assert (slot.num_heads, slot.head_dim, slot.num_tokens) == (1, 288, BS)
-        assert slot.nbytes == (
-            BS * 576 + 2 * BS * 4 if fp8 else BS * 576 * 4
-        )  # FP8: 1 byte a value, a scale per half
+        # FP8: 1 byte a value, a scale per half
+        assert slot.nbytes == (BS * 576 + 2 * BS * 4 if fp8 else BS * 576 * 4)
     odd = CacheGeometry(
         spec=msgspec.structs.replace(geo.spec, head_dim=575),
         num_blocks=BLOCKS,
@@ -179,9 +176,8 @@ def test_vllm_gpu_views_map_to_their_layout_and_every_block_s_bytes(name: str, l
             got = ctypes.string_at(address, geo.spec.block_bytes)
             assert sorted(got) == sorted(kv[n][b].contiguous().view(torch.int8).numpy().tobytes())
         k, v = kv_planes(kv[n], layout)
-        fk, fv = (
-            kv[n].transpose(1, 2).split(DIM, dim=-1)
-        )  # vLLM FlashAttention's key and value caches
+        # vLLM FlashAttention's key and value caches
+        fk, fv = kv[n].transpose(1, 2).split(DIM, dim=-1)
         for mine, theirs in ((k, fk), (v, fv)):  # the same memory, element for element
             assert (mine.data_ptr(), mine.shape, mine.stride()) == (
                 theirs.data_ptr(),
@@ -285,9 +281,8 @@ def test_a_state_space_layer_moves_its_state_from_the_memory_it_shares_with_atte
             BS,
             state_layers={"model.layers.0.mixer"},
         )
-    other = torch.zeros(BLOCKS, 2000, dtype=torch.int8).view(
-        BLOCKS, 1, 1, 2000
-    )  # its own memory, another stride
+    # its own memory, another stride
+    other = torch.zeros(BLOCKS, 2000, dtype=torch.int8).view(BLOCKS, 1, 1, 2000)
     with pytest.raises(KVBridgeError, match="blocks 16384 bytes apart"):
         geometry_from_tensors(
             {**kv, "model.layers.0.mixer": other},

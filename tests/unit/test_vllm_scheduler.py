@@ -393,9 +393,8 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
         _hybrid_output(cached=[("p", 96, ([7, 8], [9, 10]))], scheduled={"p": 54})
     ).send[0]
     assert second.new_blocks == BlockTable.grouped([[7, 8], [9, 10]]) and second.last
-    held, params = s.request_finished(
-        p, ([1, 2, 3, 7, 8], [0, 0, 0, 9, 10])
-    )  # vLLM freed what left the window
+    # vLLM freed what left the window
+    held, params = s.request_finished(p, ([1, 2, 3, 7, 8], [0, 0, 0, 9, 10]))
     assert held and params["remote_block_ids"] == [1, 2, 3, 7, 8]
     handoff = kvparams.parse(params, "d2")
     assert handoff is not None and handoff.remote_table() == BlockTable.grouped(

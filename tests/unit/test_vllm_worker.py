@@ -125,9 +125,8 @@ def test_a_preempted_prefill_s_transfer_is_aborted_and_never_reported(pd) -> Non
     p.bind_send(KVBridgeMetadata(send=[SendStep("rp", "t5", "push", 20, [5, 6], 0, 16, True)]))
     p.endpoint.sender.layer_done("t5", 0, 16)
     p.after_forward()
-    eventually(
-        lambda: bool(p.endpoint.sender._out["t5"].dests)
-    )  # P knows where D is (so it can tell D)
+    # P knows where D is (so it can tell D)
+    eventually(lambda: bool(p.endpoint.sender._out["t5"].dests))
     p.bind_send(KVBridgeMetadata(drop_send={"rp": "t5"}))
     seen = _until(d, set(), "rd", 2)  # D's load failed
     assert all("rd" not in s for s, _, _ in seen)
@@ -318,9 +317,10 @@ def test_staging_levels_reach_the_vllm_gauges_summed_over_ranks() -> None:
         prom.observe(merged.data, 0)
         assert registry.get_sample_value("vllm:kvbridge_staging_slots", {"engine": "0"}) == total
         assert registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10
+        # a step without levels
         prom.observe(
             KVBridgeStats({**merged.data, "staging_slots": 0, "staging_slots_used": 0}).data, 0
-        )  # a step without levels
+        )
         assert (
             registry.get_sample_value("vllm:kvbridge_staging_slots_used", {"engine": "0"}) == 10
         ), "a step without levels keeps the gauge"
@@ -504,9 +504,8 @@ def test_a_transfer_block_size_on_vllm_s_cpu_cache_is_refused_naming_the_key(
 
     from kvbridge.errors import ConfigError
 
-    caches = {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(6, 2, 16, 32) for i in range(2)
-    }  # fused: (blocks, heads, block_size, 2 * dim)
+    # fused: (blocks, heads, block_size, 2 * dim)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(6, 2, 16, 32) for i in range(2)}
     with pytest.raises(ConfigError, match="does not store a block token by token") as err:
         _register({"transfer_block_size": 8}, caches, monkeypatch)
     assert err.value.key == "transfer_block_size"
@@ -541,9 +540,8 @@ def test_each_layer_names_its_kv_cache_group_in_the_handshake(
     from kvbridge.adapters.vllm.compat import CacheGroup
     from kvbridge.errors import ConfigError
 
-    shared = [
-        torch.zeros(6, 2, 32, 64) for _ in range(2)
-    ]  # fused CPU layout; layers 2i and 2i+1 alias
+    # fused CPU layout; layers 2i and 2i+1 alias
+    shared = [torch.zeros(6, 2, 32, 64) for _ in range(2)]
     caches = {f"model.layers.{i}.self_attn.attn": shared[i // 2] for i in range(4)}
     groups = [
         CacheGroup([f"model.layers.{i}.self_attn.attn" for i in (1, 3)], 32, 40),

@@ -104,9 +104,8 @@ def run(
         console.print(
             f"router on {router.url}; sending {len(lengths)} requests of {max_tokens} tokens each"
         )
-        router.call(
-            stream_generate, random_prompt(16, seed=1), 2
-        )  # first contact: bootstrap, handshake
+        # first contact: bootstrap, handshake
+        router.call(stream_generate, random_prompt(16, seed=1), 2)
         ranks = tp[0]  # each prefill rank counts a request it sent (metric label tp_rank)
         before = wait_requests_sent(prefill.url, {}, ranks, engine="sglang")
         title = (

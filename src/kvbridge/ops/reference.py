@@ -87,7 +87,7 @@ def _scatter_chunks(dst: torch.Tensor, src: torch.Tensor, ct: int) -> None:
         dst[full, :, : total - full * ct] = src[:, full * ct :]
 
 
-def _gather_chunks(src: torch.Tensor, total: int, ct: int) -> torch.Tensor:
+def _gather_chunks(src: torch.Tensor, total: int) -> torch.Tensor:
     """The inverse of :func:`_scatter_chunks`: ``(2, total, ...)`` from chunk views."""
     merged = src.transpose(0, 1).flatten(1, 2)  # (2, num_chunks * ct, ...)
     return merged[:, :total]
@@ -102,8 +102,8 @@ def region_rows(buf: torch.Tensor, fmt: PackedFormat) -> tuple[torch.Tensor, tor
         )
         return empty, (torch.empty(2, 0, fmt.num_heads, device=buf.device) if fmt.scaled else None)
     values, scales = chunk_views(buf, fmt)
-    vals = _gather_chunks(values, fmt.num_tokens, fmt.ct)
-    return vals, None if scales is None else _gather_chunks(scales, fmt.num_tokens, fmt.ct)
+    vals = _gather_chunks(values, fmt.num_tokens)
+    return vals, None if scales is None else _gather_chunks(scales, fmt.num_tokens)
 
 
 def pack(

@@ -304,9 +304,8 @@ class Node:
                 split=split,
                 cut=cut,
             )
-        parts = (
-            split is not None and self.packed is None
-        )  # the exact path moves head ranges of blocks
+        # the exact path moves head ranges of blocks
+        parts = split is not None and self.packed is None
         table = self.transport.prepare(
             msg.geometry.part_table(split.remote_parts if parts else 1),
             memory=msg.geometry.memory,
@@ -355,9 +354,8 @@ class Node:
             "num_kv_heads": (ours.num_kv_heads, theirs.num_kv_heads),
         }
         try:
-            check_pairing(
-                p.model_kv_heads, p.tp_size, d.tp_size, idle=True
-            )  # the receiver tells idle prefill ranks to let go
+            # the receiver tells idle prefill ranks to let go
+            check_pairing(p.model_kv_heads, p.tp_size, d.tp_size, idle=True)
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(exc.message, differences=differences, fix=exc.fix) from None
         if not self.geometry.spec.heads_apart and self.packed is None:
@@ -452,9 +450,8 @@ class Node:
                         f"peer {msg.peer}: a {layout.kind} state block does not hold the bytes its "
                         f"state layout says at TP {tp}"
                     )
-        piece = (
-            self.geometry.spec.block_bytes // split.local_parts
-        )  # the same on both sides (pair_split)
+        # the same on both sides (pair_split)
+        piece = self.geometry.spec.block_bytes // split.local_parts
         heads = tuple((a * piece, b * piece, n * piece) for a, b, n in split.runs)
         cut = Cut([segments.get(g, heads) for g in ours.layer_groups])
         try:

@@ -583,9 +583,8 @@ class Receiver:
                         if src.address == address and _remote(i) in e.req._inflight_keys()
                     ]
                     for i in gone:
-                        self._writes_stopped(
-                            e, self.clock(), i
-                        )  # it is gone: no more writes from it
+                        # it is gone: no more writes from it
+                        self._writes_stopped(e, self.clock(), i)
                     if gone and not e.pull:
                         victims.append(e)
             for e in victims:
@@ -608,9 +607,8 @@ class Receiver:
                         entry = self._in.get(msg.transfer_id)
                         if entry is None:
                             continue
-                        self._writes_stopped(
-                            entry, self.clock(), msg.source
-                        )  # Done comes after its last write
+                        # Done comes after its last write
+                        self._writes_stopped(entry, self.clock(), msg.source)
                     if not msg.ok:
                         self._fail(entry, f"prefill gave up: {msg.reason}")
 
@@ -704,9 +702,8 @@ class Receiver:
         groups = self.node.codec.compat.layer_groups
         for layer in msg.layers:
             row = blocks.row(groups[layer] if groups else 0)
-            held = np.flatnonzero(
-                row != NONE
-            )  # a sliding group's positions before its window got nothing
+            # a sliding group's positions before its window got nothing
+            held = np.flatnonzero(row != NONE)
             for run in np.split(held, np.flatnonzero(np.diff(held) != 1) + 1) if held.size else ():
                 a, b = int(run[0]), int(run[-1]) + 1
                 packed.unpack(layer, row[a:b].tolist(), first + layer * nb + a, heads=heads)

@@ -193,9 +193,8 @@ class MooncakeTransport(TransportBase):
             "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", str(options.max_pending_admissions_per_peer)
         )
         _set_env("MC_LOG_LEVEL", "WARNING")  # INFO logs every batch
-        _set_env(
-            "MC_TRANSFER_TIMEOUT", str(max(5, round(transfer_timeout_s)))
-        )  # follow this config
+        # follow this config
+        _set_env("MC_TRANSFER_TIMEOUT", str(max(5, round(transfer_timeout_s))))
         self._engine_timeout_s = max(5.0, float(os.environ["MC_TRANSFER_TIMEOUT"]))
         _set_env(
             "MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s(options, transfer_timeout_s))

@@ -162,9 +162,8 @@ class NixlTransport(TransportBase):
     def _backend_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def _add_peer(
-        self, md: PeerMetadata, probe: bool
-    ) -> None:  # NIXL connects while loading, either way
+    def _add_peer(self, md: PeerMetadata, probe: bool) -> None:
+        # NIXL connects while loading the metadata, with or without `probe`
         try:
             name = self._agent.add_remote_agent(md.payload)
         except Exception as exc:

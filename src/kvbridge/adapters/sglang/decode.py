@@ -100,9 +100,8 @@ class DecodeSide:
         # Called by the decode scheduler per new request; fetches once per prefill.
         if bootstrap_addr in self.prefill_info_table:
             return True
-        epoch, _ = self._fetch_epoch(
-            bootstrap_addr
-        )  # before the info: a race errs towards "restarted"
+        # before the info: a race errs towards "restarted"
+        epoch, _ = self._fetch_epoch(bootstrap_addr)
         ok = super().try_ensure_parallel_info(bootstrap_addr)
         if ok and epoch is not None and epoch.ready:
             with self._epochs_lock:
@@ -200,9 +199,8 @@ class DecodeSide:
     ) -> list[bytes]:
         staging_first = None
         if self.packed is not None and not is_dummy:
-            res = self.reservations.get(
-                int(bootstrap_room)
-            )  # reserved by the receiver's send_metadata
+            # reserved by the receiver's send_metadata
+            res = self.reservations.get(int(bootstrap_room))
             if res is None:
                 log.warning(
                     "kvbridge: room %s: no staging run for %d pages (staging_mb %d); the prefill "
@@ -283,9 +281,8 @@ class DecodeSide:
                 return False
             finally:
                 if last:
-                    self.reservations.free(
-                        res
-                    )  # every source is done: none writes into it any more
+                    # every source is done: none writes into it any more
+                    self.reservations.free(res)
 
     def _decode_notify_loop(self) -> None:
         while not self._stop.is_set():

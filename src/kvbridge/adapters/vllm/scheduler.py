@@ -164,9 +164,8 @@ class SchedulerSide:
         self._abort_send: dict[str, str] = {}
         self._abort_recv: dict[str, str] = {}
         self._workers: dict[int, KVBridgeHandshake] = {}
-        self._not_handed: set[str] = (
-            set()
-        )  # P-first prefill requests too short to hand off (module docstring)
+        # P-first prefill requests too short to hand off (module docstring)
+        self._not_handed: set[str] = set()
 
     # --- handshake metadata from the workers ----------------------------------------------
 

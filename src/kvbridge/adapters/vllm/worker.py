@@ -89,13 +89,11 @@ class WorkerSide:
         self._send_req: dict[str, str] = {}  # transfer id -> req id, prefill side
         self._recv_req: dict[str, str] = {}  # transfer id -> req id, decode side
         self._aborted_recv: set[str] = set()  # decode req ids the scheduler finished early
-        self._released: set[str] = (
-            set()
-        )  # prefill req ids released, not yet finished by the scheduler
+        # prefill req ids released, not yet finished by the scheduler
+        self._released: set[str] = set()
         self._finished: set[str] = set()  # prefill req ids the scheduler finished, not yet released
-        self._refused_send: set[str] = (
-            set()
-        )  # prefill req ids whose transfer id was taken: never tracked
+        # prefill req ids whose transfer id was taken: never tracked
+        self._refused_send: set[str] = set()
         self._refused_recv: set[str] = set()  # decode req ids whose transfer id was taken: failed
         self._reported_levels: dict[
             str, int
@@ -236,9 +234,8 @@ class WorkerSide:
                     self._send_req[step.transfer_id],
                 )
                 self._refused_send.add(step.req_id)
-                self._released.add(
-                    step.req_id
-                )  # nothing held for it: reported once the scheduler finishes it
+                # nothing held for it: reported once the scheduler finishes it
+                self._released.add(step.req_id)
                 continue
             self._steps.append(step)
             if step.first:
