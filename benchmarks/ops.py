@@ -169,9 +169,8 @@ def measure(geometry: str, block_size: int, tokens: int, reps: int) -> dict:
         fns.update({name + suffix: fn for name, fn in ops_for(kernel).items()})
     fns.update(index_select=index_select, index_copy=index_copy)
     fns["pack_fp8"]()
-    fns[
-        "unpack_fp8"
-    ]()  # the caches now hold dequantized values: the exact ops move them the same way
+    # the caches now hold dequantized values: the exact ops move them the same way
+    fns["unpack_fp8"]()
     _check_kernels_agree(fns, exact, fp8, fmt, qfmt, layers)
     t = {name: _time(fn, reps) for name, fn in fns.items()}
     kv = layer_bytes * layers  # the request's KV over the timed layers

@@ -207,9 +207,8 @@ class Deployment:
                 return ["--kv-transfer-config", json.dumps({**cfg.connector, "kv_role": role})]
 
             env_p, env_d = dict(cfg.env), dict(cfg.env)
-            if (
-                cfg.connector["kv_connector"] == "NixlConnector"
-            ):  # its side channel has one default port
+            if cfg.connector["kv_connector"] == "NixlConnector":
+                # its side channel has one default port
                 env_p["VLLM_NIXL_SIDE_CHANNEL_PORT"], env_d["VLLM_NIXL_SIDE_CHANNEL_PORT"] = (
                     str(free_port()),
                     str(free_port()),

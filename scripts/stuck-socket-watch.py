@@ -183,9 +183,8 @@ def main() -> None:
     ports = tuple(int(p) for p in args.ports.split("-")) if args.ports else None
     os.makedirs(args.out, exist_ok=True)
     _own_cpu_share()
-    since: dict[
-        str, tuple[float, int]
-    ] = {}  # inode -> (non-empty and not shrinking since, last rx)
+    # inode -> (non-empty and not shrinking since, last rx)
+    since: dict[str, tuple[float, int]] = {}
     done, quiet_until, last = 0, 0.0, time.monotonic()
     while done < args.dumps:
         start = time.monotonic()

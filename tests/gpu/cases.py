@@ -27,9 +27,8 @@ def make_cache(
         shape = (num_blocks, heads, block_size, 2 * dim)
     elif layout == "nhd":
         shape = (2, num_blocks, block_size, heads, dim)
-    elif (
-        layout == "latent"
-    ):  # MLA: one vector of 2 * dim values per token; its halves are the planes
+    elif layout == "latent":
+        # MLA: one vector of 2 * dim values per token; its halves are the planes
         assert heads == 1, "a latent cache has one head"
         shape = (num_blocks, block_size, 2 * dim)
     else:

@@ -322,7 +322,6 @@ def test_incompatible_decode_is_refused_naming_the_difference(cluster: Cluster, 
     assert time.monotonic() - start < 10
     log = cluster.x.log_path.read_text(errors="replace")
     assert "block_size: ours=64, peer=32" in log, "the refusal must say what differs"
-    assert complete(
-        cluster.x.url, random_prompt(30, seed=8), max_tokens=2
-    ).token_ids  # still serving
+    # still serving
+    assert complete(cluster.x.url, random_prompt(30, seed=8), max_tokens=2).token_ids
     assert wait_metric(cluster.x.url, USAGE, lambda v: v <= x_before + 1e-9) <= x_before + 1e-9

@@ -100,11 +100,8 @@ def test_fp8_between_tp_sizes_moves_the_same_kv_as_between_equal_sizes(
     address = discover(p.url)
     agree = same = total = 0
     worst = 0.0
-    for n in (
-        BLOCK + 1,
-        3 * BLOCK + 5,
-        2 * CHUNK + 88,
-    ):  # one block and a bit, a few blocks, a chunked prefill
+    # one block and a bit, a few blocks, a chunked prefill
+    for n in (BLOCK + 1, 3 * BLOCK + 5, 2 * CHUNK + 88):
         # fixed: TP 1 and TP 2 decodes round differently
         prompt = random_prompt(n, seed=7000 + 10 * n + p_tp)
         ref = handoff("push", p.url, same_tp.url, prompt, MAX_TOKENS, address, logprobs=5)

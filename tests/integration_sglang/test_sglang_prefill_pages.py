@@ -98,9 +98,8 @@ def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -
     assert PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=64)) is None, (
         "its hits end on the prefill's pages too"
     )
-    with pytest.raises(
-        IncompatiblePeerError, match="radix cache"
-    ):  # a decode that does not say its page size
+    with pytest.raises(IncompatiblePeerError, match="radix cache"):
+        # a decode that does not say its page size
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=0))
     same_pages = SimpleNamespace(**{**vars(prefill), "kv_args": SimpleNamespace(page_size=UNIT)})
     assert PrefillSide._pairing(same_pages, _registration(prefix_cache=True, page_size=16)) is None

@@ -40,9 +40,8 @@ def fp8_latent_logprobs(
     model = _model(Path(model_dir))
     with torch.no_grad():
         kv = model(torch.tensor([cached]), use_cache=True).past_key_values
-        for layer in (
-            kv.layers
-        ):  # DeepSeek-V2 caches the normalised latent (keys) and its rope part (values)
+        for layer in kv.layers:
+            # DeepSeek-V2 caches the normalised latent (keys) and its rope part (values)
             latent = fp8_halves(torch.cat([layer.keys, layer.values], dim=-1))
             layer.keys.copy_(latent[..., : layer.keys.shape[-1]])
             layer.values.copy_(latent[..., layer.keys.shape[-1] :])

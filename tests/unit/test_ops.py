@@ -505,7 +505,8 @@ def test_latent_fp8_error_is_bounded_per_half_vector(dtype):
     for half in (
         slice(0, LATENT // 2),
         slice(LATENT // 2, LATENT),
-    ):  # one scale per half: each keeps its precision
+    ):
+        # one scale per half: each keeps its precision
         row_rel = ((a[:, half] - b[:, half]).norm(dim=-1) / a[:, half].norm(dim=-1)).max().item()
         assert row_rel < 0.07, row_rel
 

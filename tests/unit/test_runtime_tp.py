@@ -65,9 +65,8 @@ class Rank:
         self.block_axis = 1 if layout in ("fused", "latent") else 2
         if layout == "fused":  # vLLM's CPU cache: (block, head, token, 2 x dim) per layer
             shape = (L, N, self.heads, BS, 2 * HD)
-        elif (
-            layout == "latent"
-        ):  # MLA: (block, token, vector) per layer; its halves pack as planes of HD
+        elif layout == "latent":
+            # MLA: (block, token, vector) per layer; its halves pack as planes of HD
             assert total == 1, "an MLA model has one latent 'head'"
             shape = (L, N, BS, 2 * HD)
         else:  # (layer, K/V, block, ...): heads before tokens (hnd) or after (nhd)
@@ -676,9 +675,8 @@ def test_staging_runs_of_any_head_count_stay_inside_their_slots_and_apart() -> N
         slot = packed.slot.nbytes
         taken: list[tuple[int, int]] = []
         runs = []
-        for n, heads in itertools.cycle(
-            itertools.product(range(1, 9), (1, 3, 2, 4))
-        ):  # runs start at every slot phase
+        for n, heads in itertools.cycle(itertools.product(range(1, 9), (1, 3, 2, 4))):
+            # runs start at every slot phase
             run = packed.reserve(n, heads)
             if run is None:
                 break

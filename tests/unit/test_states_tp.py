@@ -371,9 +371,8 @@ def test_a_pair_of_other_tp_sizes_prepares_no_table_and_forgetting_it_drops_the_
             layers=[],
         )
         assert len(none[1]) == 0
-        with pytest.raises(
-            InvalidDescriptorError, match="empty transfer"
-        ):  # as for any plan that moves nothing
+        with pytest.raises(InvalidDescriptorError, match="empty transfer"):
+            # as for any plan that moves nothing
             d.ep.node.transport.post("read", *none)
         d.ep.node.forget(p.ep.address)
         assert peer.agent not in d.ep.node.transport.peers and not d.ep.node.knows(peer.id)

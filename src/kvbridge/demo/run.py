@@ -95,9 +95,8 @@ def run(
         if shape == "mla"
         else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
     )
-    if has_states(
-        shape
-    ):  # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
+    if has_states(shape):
+        # with prefix caching vLLM keeps Mamba states per block, which kvbridge does not move
         common.append("--no-enable-prefix-caching")
 
     def kv(role: str) -> list[str]:

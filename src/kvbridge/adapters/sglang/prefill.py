@@ -581,9 +581,8 @@ class PrefillSide:
         (a slice or an index array) of every destination's page list; returns the
         number of writes posted. The room's list of in-flight transfers owns them."""
         xfers = self._inflight.setdefault(room, [])
-        packed: dict[
-            tuple[int, int], tuple[list[int], np.ndarray, object]
-        ] = {}  # head range -> packed chunks
+        # head range -> packed chunks
+        packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}
         posted = 0
         for dest in dests:
             peer = self.peers.get(dest.agent)

@@ -150,9 +150,8 @@ class SchedulerSide:
         self._recv_new: list[RecvTask] = []
         self._forgo_new: list[Forgo] = []
         self._recv_active: dict[str, str] = {}  # req_id -> transfer_id, KV still arriving
-        self._recv_owner: dict[
-            str, str
-        ] = {}  # transfer_id -> req_id loading it (inverse of _recv_active)
+        # transfer_id -> req_id loading it (inverse of _recv_active)
+        self._recv_owner: dict[str, str] = {}
         self._sharing: dict[str, str] = {}  # req_id -> transfer_id another request is loading
         self._send_owner: dict[str, str] = {}  # transfer_id -> prefill req_id sending it
         self._send_tid: dict[str, str] = {}  # its inverse
@@ -386,9 +385,8 @@ class SchedulerSide:
                         if new_blocks
                         else []
                     )
-                except (
-                    PlanError
-                ) as exc:  # vLLM's groups out of step: give the transfer up, not the engine
+                except PlanError as exc:
+                    # vLLM's groups out of step: give the transfer up, not the engine
                     log.error(
                         "kvbridge: request %s: %s; its transfer %s is given up",
                         req_id,

@@ -95,9 +95,8 @@ class WorkerSide:
         # prefill req ids whose transfer id was taken: never tracked
         self._refused_send: set[str] = set()
         self._refused_recv: set[str] = set()  # decode req ids whose transfer id was taken: failed
-        self._reported_levels: dict[
-            str, int
-        ] = {}  # levels of the last snapshot returned (:meth:`stats`)
+        # levels of the last snapshot returned (:meth:`stats`)
+        self._reported_levels: dict[str, int] = {}
         self._on_device = False  # the cache is GPU memory: readiness behind compute events
 
     # --- start-up --------------------------------------------------------------------------
