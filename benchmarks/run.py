@@ -21,8 +21,7 @@
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
 machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
 README shows). ``--from-json FILE`` re-renders a saved run without measuring. Ratios compare methods
-measured in
-the same run on the same machine; absolute numbers vary run to run.
+measured in the same run on the same machine; absolute numbers vary run to run.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ layout), the same on every TP rank.
 - the packed path (staging buffers): exact values (``data_path: packed``, Mooncake, in
   blocks of 8 as above), output equal to colocated and exactly the latent bytes; FP8
   (``wire_dtype: fp8``, NIXL), each vector's halves quantized with a scale each: 3.9x fewer bytes,
-  first-token logprobs
-  equal to those of the model run in transformers on an FP8-rounded latent cache;
-  both: staging slots all free again.
+  first-token logprobs equal to those of the model run in transformers on an FP8-rounded latent
+  cache; both: staging slots all free again.
 
 vLLM's CPU MLA backend takes blocks of 16 tokens only and runs without chunked prefill
 or prefix caching."""

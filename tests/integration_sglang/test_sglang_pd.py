@@ -78,10 +78,9 @@ PROMPTS = {
 # 16 and the one with larger pages addresses each as 2 or 4 transfer pages (the bytes
 # moved are the prompt's 16-token pages, as between equal sizes): decodes of 32 and 64,
 # and prefills of 32 (per layer, and per chunk on the packed path; their decodes without
-# a radix cache: a hit would end inside one of the prefill's pages). Three decodes keep a radix
-# cache of their own
-# (--disaggregation-decode-enable-radix-cache, off by default in SGLang) and ask the
-# prefill only for the pages past a hit.
+# a radix cache: a hit would end inside one of the prefill's pages). Three decodes keep a
+# radix cache of their own (--disaggregation-decode-enable-radix-cache, off by default in
+# SGLang) and ask the prefill only for the pages past a hit.
 PAGE = 16
 PD_CONFIGS = [
     ("nixl", False, "direct", False, PAGE, PAGE, False),

@@ -21,9 +21,8 @@ a multiple of the other) are paired at the handshake
 (:meth:`~kvbridge.core.layout.CacheGeometry.part_table`) and :meth:`Node.plan` pairs
 those; on the packed path (``data_path: packed``, implied by ``wire_dtype: fp8``) they
 exchange the head range they pair on through their staging buffers instead (``Peer.heads``, any
-layout). A model
-with state-space layers cuts both caches into the segments each pair of ranks shares
-(``Peer.cut``: attention head ranges, and the heads, groups and channels of each state,
+layout). A model with state-space layers cuts both caches into the segments each pair of ranks
+shares (``Peer.cut``: attention head ranges, and the heads, groups and channels of each state,
 :mod:`kvbridge.core.states`), addressed per transfer (:meth:`Node.plan`). Pairings that
 cannot work are refused naming the fix.
 """

@@ -5,11 +5,10 @@ Prometheus; SGLang: Prometheus in SGLang's multiprocess registry). Thread-safe;
 recording is O(1).
 
 :data:`COUNTERS`, :data:`HISTOGRAMS`, :data:`BUCKETS` and :data:`GAUGES` are the Prometheus
-catalogue
-both engines export (each under its own prefix: ``vllm:kvbridge_...``,
-``sglang:kvbridge_...``), so one dashboard reads either. :data:`REQUEST_GAUGES` (requests
-in flight per phase) come from the runtime's sender and receiver, which the vLLM
-connector uses; SGLang's own queue gauges count its rooms."""
+catalogue both engines export (each under its own prefix: ``vllm:kvbridge_...``,
+``sglang:kvbridge_...``), so one dashboard reads either. :data:`REQUEST_GAUGES` (requests in flight
+per phase) come from the runtime's sender and receiver, which the vLLM connector uses; SGLang's own
+queue gauges count its rooms."""
 
 from __future__ import annotations
 

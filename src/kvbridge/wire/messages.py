@@ -159,9 +159,8 @@ class Reply(_Msg, tag="reply"):
 
     ``code``: ``ok``; ``stopped`` (to an Abort: P holds nothing for the transfer and
     will not write, D may reuse its blocks now); ``unknown_peer`` (P has no handshake with this D,
-    e.g. P restarted:
-    D must say Hello again); ``unknown_transfer``; ``incompatible`` (``compat`` carries
-    P's properties, so D's error names what differs); ``error`` (``detail`` says what).
+    e.g. P restarted: D must say Hello again); ``unknown_transfer``; ``incompatible`` (``compat``
+    carries P's properties, so D's error names what differs); ``error`` (``detail`` says what).
     """
 
     ok: bool

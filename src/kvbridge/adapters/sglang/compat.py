@@ -22,10 +22,9 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   into static buffers, so an attribute on the original does not reach them); an AROUND
   hook on ``layers.radix_attention.RadixAttention.forward`` (``self.layer_id``)
   reports each finished layer of the active plan. :func:`extend_requests` and :func:`page_ids` read
-  ``ScheduleBatch.reqs /
-  forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and ``Req.bootstrap_room
-  / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len / kv.req_pool_idx``;
-  ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
+  ``ScheduleBatch.reqs / forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and
+  ``Req.bootstrap_room / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len /
+  kv.req_pool_idx``; ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
 - The packed path (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
   .from_server_args`` (``.dtype``, ``.head_dim``) and ``KVArgs.kv_cache_dtype_str``
   (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache). A room waiting for staging

@@ -18,8 +18,8 @@ feeds the data to :class:`KVBridgePromMetrics`, which exports:
   has not reached the prefill yet), ``..._receives_waiting`` (waiting for the first
   KV), ``..._receives_receiving``;
 - on the packed path (``wire_dtype: fp8`` or ``data_path: packed``), gauges
-``vllm:kvbridge_staging_slots`` and
-  ``..._staging_slots_used`` (the instance's staging slots and those held, all ranks).
+  ``vllm:kvbridge_staging_slots`` and ``..._staging_slots_used`` (the instance's staging
+  slots and those held, all ranks).
 
 Workers report levels in the steps where one changed or is not zero
 (:meth:`~kvbridge.adapters.vllm.worker.WorkerSide.stats`).
