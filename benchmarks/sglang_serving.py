@@ -430,15 +430,11 @@ def markdown(doc: dict[str, Any]) -> str:
     head, table = rows(doc)
     lines = [
         (
-            f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), "
-            f"sglang {v.get('sglang')}, "
-            f"sglang-router {v.get('sglang-router')}, nixl {v.get('nixl')}, mooncake "
-            f"{v.get('mooncake-transfer-engine-non-cuda')}; "
-            f"model shape `{doc['shape']}`, `{' '.join(doc['engine_args'])}`; one request at a "
-            "time, "
-            f"{doc['prompts']} "
-            f"prompts per length, {doc['output_len']} output tokens; medians (ratio: TTFT / "
-            "colocated "
+            f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), sglang "
+            f"{v.get('sglang')}, sglang-router {v.get('sglang-router')}, nixl {v.get('nixl')}, "
+            f"mooncake {v.get('mooncake-transfer-engine-non-cuda')}; model shape `{doc['shape']}`, "
+            f"`{' '.join(doc['engine_args'])}`; one request at a time, {doc['prompts']} prompts "
+            f"per length, {doc['output_len']} output tokens; medians (ratio: TTFT / colocated "
             "TTFT)."
         ),
         "",

@@ -112,17 +112,15 @@ def _demo(args: argparse.Namespace) -> int:
     if has_states(args.model) and (args.engine == "sglang" or config.packed):
         print(
             f"kvbridge demo --model {args.model}: states move between vLLM instances on the direct "
-            "path "
-            "(fix: --engine vllm, leave --wire-dtype exact and --data-path auto)",
+            "path (fix: --engine vllm, leave --wire-dtype exact and --data-path auto)",
             file=sys.stderr,
         )
         return 2
     if mla and config.packed and args.engine == "sglang" and tp[0] > tp[1]:
         print(
             "kvbridge demo --model mla --engine sglang: the packed path moves latent caches to a "
-            "decode of at least the "
-            "prefill's TP size (fix: leave --wire-dtype exact and --data-path auto, or raise "
-            "--decode-tp)",
+            "decode of at least the prefill's TP size (fix: leave --wire-dtype exact and "
+            "--data-path auto, or raise --decode-tp)",
             file=sys.stderr,
         )
         return 2

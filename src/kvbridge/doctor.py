@@ -90,8 +90,7 @@ def check_transport(name: str, timeout: float = 60.0) -> Check:
             result.works = True
             result.detail = (
                 f"{PROBE_BYTES >> 20} MiB in {n} descriptors, first (cold) write "
-                f"{result.write_gbps} GB/s, "
-                f"notification {result.notify_ms} ms"
+                f"{result.write_gbps} GB/s, notification {result.notify_ms} ms"
             )
     except (KVBridgeError, RuntimeError, TimeoutError, OSError) as exc:
         result.detail = f"{type(exc).__name__}: {exc}"

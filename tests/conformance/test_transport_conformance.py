@@ -406,11 +406,9 @@ def test_process_using_the_transport_exits_cleanly(transport_name: str, close: b
     it. NIXL's bundled libraries once crashed every such process at exit; an unclosed
     agent aborted about one exit in five, hence several runs."""
     script = (
-        "import numpy as np\n"
-        "from kvbridge.transports.testing import Local\n"
-        f"loc = Local({transport_name!r}, nbytes=1 << 20)\n"
-        "loc.t.prepare(np.array([[loc.base, 4096]], dtype=np.uint64))\n"
-        + ("loc.close()\n" if close else "")
+        "import numpy as np\nfrom kvbridge.transports.testing import Local\nloc = "
+        f"Local({transport_name!r}, nbytes=1 << 20)\nloc.t.prepare(np.array([[loc.base, 4096]], "
+        "dtype=np.uint64))\n" + ("loc.close()\n" if close else "")
     )
     for _ in range(1 if close else 5):
         proc = subprocess.run(

@@ -128,11 +128,9 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_a_quarter_of_the_bytes
     record_property("fp8_first_token_logprob_drift", worst)
     print(
         "\nFP8 on the wire: first token equal to the exact colocated run for "
-        f"{same_first}/{len(PROMPTS)} prompts, "
-        f"greedy tokens equal before the first divergence {agreement:.0%}, first-token logprobs "
-        f"within {worst:.2f}; "
-        f"bytes per block {FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} "
-        f"({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)"
+        f"{same_first}/{len(PROMPTS)} prompts, greedy tokens equal before the first divergence "
+        f"{agreement:.0%}, first-token logprobs within {worst:.2f}; bytes per block "
+        f"{FP8_PER_BLOCK} vs {EXACT_PER_BLOCK} ({EXACT_PER_BLOCK / FP8_PER_BLOCK:.2f}x fewer)"
     )
 
 

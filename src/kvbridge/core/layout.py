@@ -167,8 +167,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
             if len(self.layer_bytes) != self.spec.num_layers or self.spec.planes_per_layer != 1:
                 raise ValueError(
                     f"CacheGeometry.layer_bytes needs one entry per layer ({self.spec.num_layers}) "
-                    "of a one-plane layout, "
-                    f"got {len(self.layer_bytes)} for {self.spec.layout}"
+                    f"of a one-plane layout, got {len(self.layer_bytes)} for {self.spec.layout}"
                 )
             if any(not 0 < n <= self.stride for n in self.layer_bytes):
                 raise ValueError(
@@ -178,9 +177,8 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
         expected = self.spec.num_layers * self.spec.planes_per_layer
         if len(self.plane_bases) != expected:
             raise ValueError(
-                f"CacheGeometry needs {expected} plane bases "
-                f"({self.spec.num_layers} layers x {self.spec.planes_per_layer} planes), "
-                f"got {len(self.plane_bases)}"
+                f"CacheGeometry needs {expected} plane bases ({self.spec.num_layers} layers x "
+                f"{self.spec.planes_per_layer} planes), got {len(self.plane_bases)}"
             )
         if self.num_blocks <= 0:
             raise ValueError(f"CacheGeometry.num_blocks must be positive, got {self.num_blocks}")

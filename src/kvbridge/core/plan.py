@@ -334,8 +334,7 @@ def plan_grouped(
     if local_blocks.num_groups != groups or remote_blocks.num_groups != groups:
         raise PlanError(
             f"block tables of {local_blocks.num_groups} (local) and {remote_blocks.num_groups} "
-            "(remote) KV cache groups "
-            f"for a cache whose layers form {groups}"
+            f"(remote) KV cache groups for a cache whose layers form {groups}"
         )
     if len(local_blocks) != len(remote_blocks):
         raise PlanError(

@@ -82,8 +82,7 @@ def check_pairing(total: int, p_tp: int, d_tp: int, *, idle: bool = False) -> No
     if p_tp > d_tp and p_tp > total and not idle:
         raise IncompatiblePeerError(
             f"prefill TP {p_tp}, decode TP {d_tp}: the prefill's ranks hold replicas of the "
-            f"model's {total} KV heads, "
-            "and the decode would read each head from one of them only",
+            f"model's {total} KV heads, and the decode would read each head from one of them only",
             fix=(
                 f"give the decode instance a --tensor-parallel-size of at least {p_tp}, or the "
                 f"prefill at most {total}"

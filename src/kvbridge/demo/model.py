@@ -112,11 +112,9 @@ UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
 
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ "
+    "message['content'] }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt "
+    "%}<|assistant|>\n{% endif %}"
 )
 
 _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed

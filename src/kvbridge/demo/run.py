@@ -85,8 +85,7 @@ def run(
     logs.mkdir(parents=True, exist_ok=True)
     console.print(
         f"[bold]kvbridge demo[/bold]: {shape} model, prefill/decode (TP {tp[0]} -> {tp[1]}) over "
-        f"{transport}, {flow} flow, wire {wire_dtype}, "
-        f"data path {data_path}; logs in {logs}"
+        f"{transport}, {flow} flow, wire {wire_dtype}, data path {data_path}; logs in {logs}"
     )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     # MLA on CPU: the only block size of vLLM's CPU MLA kernel, which prefills in one piece
@@ -178,13 +177,12 @@ def run(
         hidden = max(0.0, 1 - exposed / writing) if writing else 0.0
         console.print(
             f"KV moved: {d.get('vllm:kvbridge_bytes_sent_total', 0) / 1e6:.2f} MB for "
-            f"{requests:.0f} requests in {transfers:.0f} writes "
-            "(one per layer and prefill chunk when streaming), "
-            f"{1e3 * writing / max(transfers, 1):.2f} ms per write on average, "
+            f"{requests:.0f} requests in {transfers:.0f} writes (one per layer and prefill chunk "
+            f"when streaming), {1e3 * writing / max(transfers, 1):.2f} ms per write on average, "
             f"{1e3 * writing:.1f} ms of writing in all; first write to last byte landed "
-            f"{1e3 * total / max(ranks * requests, 1):.0f} ms per request. "
-            f"Exposed (after the prefill finished): {1e3 * exposed:.1f} ms in all, "
-            f"[bold]{100 * hidden:.0f}% of the writing hidden behind prefill compute[/bold]"
+            f"{1e3 * total / max(ranks * requests, 1):.0f} ms per request. Exposed (after the "
+            f"prefill finished): {1e3 * exposed:.1f} ms in all, [bold]{100 * hidden:.0f}% of the "
+            "writing hidden behind prefill compute[/bold]"
         )
         console.print(f"outputs equal to the colocated instance: {matched}/{len(lengths)}")
         if wire_dtype != "exact":

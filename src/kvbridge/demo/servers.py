@@ -69,12 +69,10 @@ LOG_TAIL_LINES = 40
 
 # Runs first in the child: ask for SIGTERM when the parent (thread) dies, then exec the server.
 _LAUNCHER = (
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
-    "    if os.getppid() != int(sys.argv[1]):\n"
-    "        sys.exit(1)  # the parent died before prctl\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "import ctypes, os, signal, sys\nif sys.platform.startswith('linux'):\n    "
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n    if os.getppid() != "
+    "int(sys.argv[1]):\n        sys.exit(1)  # the parent died before "
+    "prctl\nos.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
 _GROUP: dict[str, Any] = (

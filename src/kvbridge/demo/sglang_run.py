@@ -57,8 +57,7 @@ def run(
     logs.mkdir(parents=True, exist_ok=True)
     console.print(
         f"[bold]kvbridge demo[/bold]: SGLang, {shape} model, prefill/decode (TP {tp[0]} -> "
-        f"{tp[1]}) over {transport}, wire {wire_dtype}, "
-        f"data path {data_path}; logs in {logs}"
+        f"{tp[1]}) over {transport}, wire {wire_dtype}, data path {data_path}; logs in {logs}"
     )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     # pages cross prompts' ends and long prompts are prefilled in chunks, as in the vLLM demo

@@ -624,8 +624,7 @@ class Node:
         if epoch is not None and peer.id.epoch != epoch:
             raise KVBridgeError(
                 f"the prefill instance at {address} restarted (epoch {peer.id.epoch}, expected "
-                f"{epoch}); "
-                "the KV it held is gone",
+                f"{epoch}); the KV it held is gone",
             )
         return peer
 

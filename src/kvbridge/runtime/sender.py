@@ -398,9 +398,8 @@ class Sender:
         ):
             reason = (
                 f"destination of {msg.transfer_id} does not fit: {len(msg.block_ids)} blocks for "
-                "tokens "
-                f"[{msg.skip_tokens}, {msg.num_tokens}), this prefill has {out.num_tokens} tokens "
-                f"in blocks of {self._bs}"
+                f"tokens [{msg.skip_tokens}, {msg.num_tokens}), this prefill has {out.num_tokens} "
+                f"tokens in blocks of {self._bs}"
             )
             out.req.fail(reason, now)
             return reason

@@ -127,9 +127,8 @@ class DecodeSide:
                 if verdict is Verdict.RESTARTED:
                     log.warning(
                         "kvbridge: the prefill at %s restarted (instance %s -> %s): dropping its "
-                        "cached "
-                        "bootstrap info and failing its in-flight requests; new requests bootstrap "
-                        "again",
+                        "cached bootstrap info and failing its in-flight requests; new requests "
+                        "bootstrap again",
                         addr,
                         before.instance if before else "?",
                         epoch.instance if epoch else "?",

@@ -52,8 +52,7 @@ def refuse_pool_state(state_types: Sequence[object] | None) -> None:
     if names:
         raise PlanError(
             "this model's SGLang KV pool carries state that kvbridge does not move yet "
-            f"({', '.join(names)}); "
-            "kvbridge supports MHA and MLA pools without it",
+            f"({', '.join(names)}); kvbridge supports MHA and MLA pools without it",
             fix=(
                 "serve this model with one of SGLang's own backends "
                 "(--disaggregation-transfer-backend mooncake or nixl)"
@@ -140,11 +139,9 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
     if theirs is not None and msgspec.structs.replace(theirs, block_size=mine.block_size) == mine:
         fix = (
             f"its pages hold {theirs.block_size} tokens, this prefill's {mine.block_size}: set "
-            "transfer_block_size "
-            f"{min(theirs.block_size, mine.block_size)} in KVBRIDGE_CONFIG on both instances (a "
-            "prefill with larger pages "
-            "than its decode's also needs a decode without "
-            "--disaggregation-decode-enable-radix-cache)"
+            f"transfer_block_size {min(theirs.block_size, mine.block_size)} in KVBRIDGE_CONFIG on "
+            "both instances (a prefill with larger pages than its decode's also needs a decode "
+            "without --disaggregation-decode-enable-radix-cache)"
         )
     return IncompatiblePeerError(
         f"its KV pages ({theirs}) differ from this prefill's ({mine})", fix=fix

@@ -65,8 +65,7 @@ def typed_geometry(opaque: CacheGeometry, *, dtype: str, head_dim: int) -> Cache
     if size is None or head_dim <= 0 or row % (head_dim * size):
         raise ConfigError(
             f"the packed data path: SGLang's KV pages hold {row} bytes per token, not whole heads "
-            "of "
-            f"{head_dim} {dtype} values",
+            f"of {head_dim} {dtype} values",
             key="wire_dtype",
             fix=(
                 "use wire_dtype 'exact' and data_path 'direct' for this model (a quantized or MLA "

@@ -310,9 +310,8 @@ class PrefillSide:
         ):
             raise IncompatiblePeerError(
                 f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV "
-                "heads) does not pair with "
-                f"prefill rank {self.attn_tp_rank} of TP {p_tp} ({mine.num_kv_heads} KV heads) for "
-                f"a model of {total}"
+                f"heads) does not pair with prefill rank {self.attn_tp_rank} of TP {p_tp} "
+                f"({mine.num_kv_heads} KV heads) for a model of {total}"
             )
         return part
 

@@ -233,9 +233,8 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
                 # decode's first token from the moved state differs from a colocated one's
                 raise KVBridgeError(
                     f"vLLM keeps {spec.num_speculative_blocks} speculative-decoding states per "
-                    "request beside each state of KV "
-                    f"cache group {g} (--speculative-config); kvbridge does not move the states of "
-                    "speculative decoding yet",
+                    f"request beside each state of KV cache group {g} (--speculative-config); "
+                    "kvbridge does not move the states of speculative decoding yet",
                     fix="start both instances of this model without --speculative-config",
                 )
             state = (
