@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge import doctor
+from kvbridge.transports import registry
 from kvbridge.transports.registry import TransportEntry, register_transport
 
 KVBRIDGE = [sys.executable, "-m", "kvbridge.cli"]
@@ -36,6 +37,8 @@ def test_doctor_names_the_fix_for_a_transport_that_does_not_import(
         "raise ImportError('libibverbs.so.1: cannot open shared object file')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    # a registry of this test's own: "broken" must not outlive it
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_transport(
         TransportEntry(
             "broken",
