@@ -13,10 +13,11 @@ Example::
     >>> cfg = load_config({"transport": "mooncake", "timeouts": {"lease_s": 30}})
     >>> cfg.transport, cfg.timeouts.lease_s
     ('mooncake', 30.0)
-    >>> load_config({"transprot": "nixl"})  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    kvbridge.errors.ConfigError: unknown config key 'transprot' (fix: did you mean 'transport'? ...)
+    >>> try:
+    ...     load_config({"transprot": "nixl"})
+    ... except ConfigError as err:
+    ...     print(err)  # doctest: +ELLIPSIS
+    unknown config key 'transprot' (fix: did you mean 'transport'? valid keys: ...)
 """
 
 from __future__ import annotations
