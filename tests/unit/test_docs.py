@@ -11,6 +11,7 @@ import pytest
 
 import kvbridge
 from kvbridge.config import KVBridgeConfig, config_keys
+from kvbridge.runtime.stats import COUNTERS, GAUGES, HISTOGRAMS, REQUEST_GAUGES
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 PACKAGE = Path(kvbridge.__file__).parent
@@ -35,6 +36,30 @@ def test_readme_documents_every_config_key_with_its_default() -> None:
         assert msgspec.json.decode(shown) == value, (
             f"README shows {key} = {shown}, code default is {value!r}"
         )
+
+
+def _metrics_table() -> dict[str, tuple[str, str]]:
+    """README's metrics table: metric name -> (kind, engines)."""
+    start = README.index("\n## Metrics\n")
+    section = README[start : README.index("\n## ", start + 1)]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| `kvbridge_")]
+    return {row[1].strip().strip("`"): (row[2].strip(), row[3].strip()) for row in rows}
+
+
+def test_readme_lists_every_metric_with_its_kind() -> None:
+    """Every metric the adapters export (the catalogues of :mod:`kvbridge.runtime.stats`)
+    has a row of its kind in README's table, and the table names no other."""
+    expected = {
+        **{f"kvbridge_{name}_total": "counter" for name in COUNTERS},
+        **{f"kvbridge_{name}": "histogram" for name, _ in HISTOGRAMS.values()},
+        **{f"kvbridge_{name}": "gauge" for name in (*GAUGES, *REQUEST_GAUGES)},
+    }
+    table = _metrics_table()
+    assert {name: kind for name, (kind, _) in table.items()} == expected
+    # the in-flight gauges come from the vLLM connector's Sender and Receiver only
+    assert {name for name, (_, engines) in table.items() if engines == "vLLM"} >= {
+        f"kvbridge_{name}" for name in REQUEST_GAUGES
+    }
 
 
 def test_the_package_has_docstring_examples_to_run() -> None:
