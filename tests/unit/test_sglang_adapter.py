@@ -14,10 +14,11 @@ from prometheus_client import CollectorRegistry
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import (
     AuxLayout,
+    check_windows,
     kv_geometry,
     pages_differ,
     paired_count,
-    refuse_pool_state,
+    sliding_window_pool,
     transfer_pages,
 )
 from kvbridge.adapters.sglang.lifecycle import (
@@ -32,7 +33,7 @@ from kvbridge.adapters.sglang.lifecycle import (
 from kvbridge.adapters.sglang.metrics import PrometheusExport, exporter
 from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env, transfer_page_size
 from kvbridge.core.layout import CacheSpec
-from kvbridge.errors import ConfigError, PlanError, WireError
+from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError, WireError
 from kvbridge.runtime.stats import StatsSnapshot
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 3, 9, 4, 2, 8
@@ -130,20 +131,44 @@ def test_unsupported_pools_are_refused(ptrs, lens, item) -> None:
         kv_geometry(page_size=4, ptrs=ptrs, lens=lens, item_lens=item)
 
 
-def test_a_pool_with_state_is_refused_at_start_naming_sglangs_own_backends() -> None:
+def test_a_pool_with_state_other_than_a_sliding_window_is_refused_naming_sglangs_backends() -> None:
     import enum
 
     class StateType(enum.Enum):  # SGLang's names (sglang.srt.disaggregation.utils)
         SWA = "swa"
         MAMBA = "mamba"
 
-    refuse_pool_state([])  # an MHA or MLA pool: SGLang registers no state component
-    refuse_pool_state(None)
+    # an MHA or MLA pool: SGLang registers no state component
+    assert sliding_window_pool([]) is False
+    assert sliding_window_pool(None) is False
+    assert sliding_window_pool([StateType.SWA]) is True
+    for state in ([StateType.SWA, StateType.MAMBA], [StateType.MAMBA]):
+        names = ", ".join(s.name for s in state)
+        with pytest.raises(
+            PlanError, match=rf"state that kvbridge does not move yet \({names}\)"
+        ) as info:
+            sliding_window_pool(state)
+        assert "--disaggregation-transfer-backend mooncake or nixl" in str(info.value)
+
+
+def test_sliding_window_layers_pair_only_with_the_same_pages_on_both_sides() -> None:
+    _, _, ptrs, lens, item = sglang_pool(2)
+    window = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
+    check_windows(None, None)  # neither side has window layers
+    check_windows(window, window)
     with pytest.raises(
-        PlanError, match=r"state that kvbridge does not move yet \(SWA, MAMBA\)"
-    ) as info:
-        refuse_pool_state([StateType.SWA, StateType.MAMBA])
-    assert "--disaggregation-transfer-backend mooncake or nixl" in str(info.value)
+        IncompatiblePeerError, match="has sliding-window layers and this prefill's has none"
+    ):
+        check_windows(window, None)
+    with pytest.raises(
+        IncompatiblePeerError, match="has no sliding-window layers and this prefill's has"
+    ):
+        check_windows(None, window)
+    other = msgspec.structs.replace(
+        window, spec=msgspec.structs.replace(window.spec, head_dim=window.spec.head_dim // 2)
+    )
+    with pytest.raises(IncompatiblePeerError, match=r"sliding-window pages .* differ"):
+        check_windows(other, window)
 
 
 def test_aux_rows() -> None:
@@ -181,6 +206,21 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         port=5555,
     )
     assert wire.decode(wire.encode(reg)) == reg
+    # a sliding-window pool's registration and destination carry its window layers' pages
+    windowed = msgspec.structs.replace(reg, window=geo)
+    assert wire.decode(wire.encode(windowed)) == windowed
+    dst = wire.Destination(
+        room=3,
+        agent="d",
+        ip="127.0.0.1",
+        port=5,
+        pages=wire.encode_pages([7, 8, 9]),
+        aux_index=0,
+        required_dst_info_num=1,
+        window_pages=wire.encode_pages([4, 5]),
+    )
+    got = wire.decode(wire.encode(dst))
+    assert got == dst and wire.decode_pages(got.window_pages).tolist() == [4, 5]
     done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20, pages=9)
     assert wire.decode_payload(wire.encode_payload(done)) == done
     # a Done from a sender without the byte or page count still decodes (metrics count

@@ -16,7 +16,10 @@ layers alternating Gated DeltaNet linear attention and attention, the last layer
 a mixture of 4 experts as vLLM's Qwen3-Next needs one, hidden 128; vLLM's CPU kernel
 takes 128-value heads and bfloat16 only; about 7 MB) and ``shortconv`` (LFM2 as in
 Liquid AI's models, 4 layers alternating gated short convolutions of width 3 and
-attention, hidden 128; about 5 MB).
+attention, hidden 128; about 5 MB) and ``swa`` (Poolside's Laguna, 4 layers alternating
+full attention and a 40-token sliding window, dense MLPs, hidden 128: an architecture
+SGLang keeps in its hybrid sliding-window pool, whose window layers hold only their
+window's pages; about 4 MB).
 
 Contract:
 
@@ -99,14 +102,15 @@ SHAPES: dict[str, dict[str, int]] = {
         "linear_value_head_dim": 128,
     },
     "shortconv": {**_TINY, "num_hidden_layers": 4, "conv_L_cache": 3},
+    "swa": {**_TINY, "num_hidden_layers": 4, "sliding_window": 40, "head_dim": 32},
 }
 """Model shapes by name (float32, vocab 2048); those with ``kv_lora_rank`` are DeepSeek-V2
 (MLA), those with ``mamba_n_heads`` GraniteMoeHybrid (Mamba2 layers first, then every
 other layer), those with ``linear_num_value_heads`` Qwen3-Next (the same with Gated
 DeltaNet layers), those with ``conv_L_cache`` LFM2 (the same with short convolutions),
-the others Llama. With ``sliding_window``, every second layer attends to that many
-past tokens only (``layer_types`` in ``config.json``, which vLLM reads; transformers'
-Llama ignores it)."""
+those with ``head_dim`` and ``sliding_window`` Laguna, the others Llama. With
+``sliding_window``, every second layer attends to that many past tokens only
+(``layer_types`` in ``config.json``, which vLLM reads; transformers' Llama ignores it)."""
 MAX_POSITIONS = 8192
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
@@ -122,14 +126,20 @@ _TOKENIZER_SEED = 20240601  # the tokenizer does not depend on the model's seed
 
 def architecture(shape: str) -> str:
     """``"deepseek-v2"`` for the MLA shapes, ``"granitemoehybrid"``, ``"qwen3-next"`` and
-    ``"lfm2"`` for the hybrid ones, else ``"llama"``."""
+    ``"lfm2"`` for the hybrid ones, ``"laguna"`` for ``swa``, else ``"llama"``."""
     if "kv_lora_rank" in SHAPES[shape]:
         return "deepseek-v2"
     if "linear_num_value_heads" in SHAPES[shape]:
         return "qwen3-next"
     if "conv_L_cache" in SHAPES[shape]:
         return "lfm2"
+    if _is_laguna(SHAPES[shape]):
+        return "laguna"
     return "granitemoehybrid" if "mamba_n_heads" in SHAPES[shape] else "llama"
+
+
+def _is_laguna(shape: dict[str, int]) -> bool:
+    return "sliding_window" in shape and "head_dim" in shape
 
 
 def has_states(shape: str) -> bool:
@@ -248,6 +258,8 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         DeepseekV2ForCausalLM,
         GraniteMoeHybridConfig,
         GraniteMoeHybridForCausalLM,
+        LagunaConfig,
+        LagunaForCausalLM,
         Lfm2Config,
         Lfm2ForCausalLM,
         LlamaConfig,
@@ -330,6 +342,14 @@ def _build(out: Path, seed: int, shape: dict[str, int]) -> None:
         # what vLLM reads besides transformers' fields (LiquidAI's configs carry them)
         config.conv_dim = config.conv_dim_out = config.block_dim = shape["hidden_size"]
         model_cls = Lfm2ForCausalLM
+    elif _is_laguna(shape):
+        layers = shape["num_hidden_layers"]
+        config = LagunaConfig(
+            **common,
+            layer_types=["full_attention", "sliding_attention"] * (layers // 2),
+            mlp_layer_types=["dense"] * layers,  # no experts
+        )
+        model_cls = LagunaForCausalLM
     else:
         if "sliding_window" in shape:
             common["layer_types"] = ["full_attention", "sliding_attention"] * (

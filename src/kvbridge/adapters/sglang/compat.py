@@ -258,6 +258,17 @@ def start_layer(kv_args) -> int:
         return 0
 
 
+def full_attention_layers(model_runner) -> dict[int, int] | None:
+    """A hybrid sliding-window pool's full-attention layers: model layer id -> index among
+    them, the order of ``KVArgs.kv_data_ptrs`` (``SWAKVPool.layers_mapping`` in 0.5.23:
+    layer id -> (index in its sub-pool, is a window layer)); None when the runner's pool
+    has no such mapping."""
+    mapping = getattr(getattr(model_runner, "token_to_kv_pool", None), "layers_mapping", None)
+    if not isinstance(mapping, dict):
+        return None
+    return {int(layer): int(index) for layer, (index, window) in mapping.items() if not window}
+
+
 def hook_layerwise(plan_forward) -> None:
     """Wrap SGLang's forward so that per-layer streaming can see its layers.
 
@@ -324,6 +335,7 @@ __all__ = [
     "add_transfer_backend",
     "common",
     "extend_requests",
+    "full_attention_layers",
     "hook_get_kv_class",
     "hook_layerwise",
     "kv_dtype_and_head_dim",

@@ -164,6 +164,7 @@ class DecodeSide:
                 kv_heads=self._total_kv_heads(),
                 prefix_cache=self.decode_prefix_cache,
                 page_size=self.kv_args.page_size,
+                window=self.window_geometry,
             ),
             self.secret,
         )
@@ -210,6 +211,11 @@ class DecodeSide:
                 )
             else:
                 staging_first = res.first
+        window_pages = None
+        if self.window_geometry is not None and not is_dummy and state_indices:
+            # SGLang's SWA state indices: the window pages of the prompt's last window
+            # (``state_indices`` holds one entry per state type: the one, SWA)
+            window_pages = wire.encode_pages(np.asarray(state_indices[0], dtype=np.int64))
         return wire.encode(
             wire.Destination(
                 room=int(bootstrap_room),
@@ -222,6 +228,7 @@ class DecodeSide:
                 decode_prefix_len=None if decode_prefix_len is None else int(decode_prefix_len),
                 is_dummy=bool(is_dummy),
                 staging_first=staging_first,
+                window_pages=window_pages,
             ),
             self.secret,
         )

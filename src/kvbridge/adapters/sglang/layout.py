@@ -42,22 +42,33 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec, MemoryKind
 from kvbridge.errors import IncompatiblePeerError, PlanError
 
 
-def refuse_pool_state(state_types: Sequence[object] | None) -> None:
-    """Raise :class:`PlanError` when SGLang registered per-request state beside the KV
-    pool (``KVArgs.state_types``: sliding-window KV, Mamba states, sparse-attention
-    indexer tails, MXFP8 block scales, ...), which this backend does not move: without
-    this check the server would start and fail every request. Called once per rank,
-    when the manager starts."""
+def sliding_window_pool(state_types: Sequence[object] | None) -> bool:
+    """Whether SGLang registered its hybrid sliding-window pool (``KVArgs.state_types``
+    exactly ``[SWA]``: ``kv_data_ptrs`` then hold the full-attention layers, and
+    ``state_data_ptrs[0]`` the window layers' K and V, in the same ``[K.., V..]`` order,
+    whose pages hold only each request's last window of tokens). Called once per rank,
+    when the manager starts.
+
+    Raises:
+        PlanError: the pool carries other state beside its KV (Mamba states,
+            sparse-attention indexer tails, MXFP8 block scales, ...), which this backend
+            does not move: without this check the server would start and fail every
+            request.
+    """
     names = [str(getattr(s, "name", s)) for s in state_types or ()]
+    if names == ["SWA"]:
+        return True
     if names:
         raise PlanError(
             "this model's SGLang KV pool carries state that kvbridge does not move yet "
-            f"({', '.join(names)}); kvbridge supports MHA and MLA pools without it",
+            f"({', '.join(names)}); kvbridge supports MHA and MLA pools, and sliding-window "
+            "pools (SWA alone)",
             fix=(
                 "serve this model with one of SGLang's own backends "
                 "(--disaggregation-transfer-backend mooncake or nixl)"
             ),
         )
+    return False
 
 
 def kv_geometry(
@@ -148,6 +159,22 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
     )
 
 
+def check_windows(theirs: CacheGeometry | None, mine: CacheGeometry | None) -> None:
+    """Raise :class:`IncompatiblePeerError` unless a decode's sliding-window layers
+    (``theirs``, from its registration) and this prefill's (``mine``) are kept in pages
+    alike, or neither side has any (:func:`sliding_window_pool`)."""
+    if (mine is None) != (theirs is None):
+        raise IncompatiblePeerError(
+            f"its KV pool has {'no ' if theirs is None else ''}sliding-window layers and this "
+            f"prefill's {'has none' if mine is None else 'has'}: serve the same model on both"
+        )
+    if mine is not None and theirs.spec != mine.spec:
+        raise IncompatiblePeerError(
+            f"its sliding-window pages ({theirs.spec}) differ from this prefill's ({mine.spec}): "
+            "serve the same model with the same KV cache dtype on both"
+        )
+
+
 class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
     """SGLang's metadata buffers as one descriptor table: buffer ``j``'s row ``r`` is
     slot ``j * rows + r``. Both sides pair buffers by position."""
@@ -209,9 +236,10 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
 
 __all__ = [
     "AuxLayout",
+    "check_windows",
     "kv_geometry",
     "pages_differ",
     "paired_count",
-    "refuse_pool_state",
+    "sliding_window_pool",
     "transfer_pages",
 ]

@@ -20,6 +20,10 @@ acks. What kvbridge adds:
   transfer thread that posts each chunk's (or, streaming per layer, each layer's) K and
   V pages and, after the last chunk, the metadata row with a :class:`~.messages.Done`
   notification (:mod:`.prefill`);
+- a sliding-window pool (:func:`.layout.sliding_window_pool`): its window layers'
+  sub-pool registered as a second table; the prefill writes their pages of the
+  prompt's last window (SGLang's state indices on both sides) after the last chunk,
+  before ``Done`` (direct path, equal page sizes);
 - on the decode, a notification thread turning ``Done`` into SGLang's Success, a
   control thread applying failure statuses and abort acks, and an epoch thread that
   notices a restarted prefill (:mod:`.decode`);
@@ -54,7 +58,7 @@ import zmq
 from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, refuse_pool_state
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, sliding_window_pool
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
 from kvbridge.adapters.sglang.prefill import (
     KVBridgeKVSender,
@@ -63,7 +67,7 @@ from kvbridge.adapters.sglang.prefill import (
     stop_streaming,
 )
 from kvbridge.adapters.sglang.settings import config_from_env, transfer_page_size
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
@@ -103,7 +107,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         on_cpu = getattr(server_args, "device", "cuda") == "cpu"
         self.memory = "host" if on_cpu else "device"
         self.device_index = 0 if on_cpu else int(args.gpu_id)
-        refuse_pool_state(getattr(args, "state_types", None))
+        window = sliding_window_pool(getattr(args, "state_types", None))
+        if window:
+            self._refuse_window_options(unit, args.page_size)
         self.geometry = kv_geometry(
             page_size=args.page_size,
             ptrs=args.kv_data_ptrs,
@@ -113,6 +119,19 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             device=self.device_index,
             mla=is_mla_backend,
         ).in_blocks_of(unit)
+        self.window_geometry = None
+        """A hybrid sliding-window pool's window layers (their K and V pages, SGLang's
+        ``state_data_ptrs[0]``); ``geometry`` then holds the full-attention layers. None
+        for other pools."""
+        if window:
+            self.window_geometry = kv_geometry(
+                page_size=args.page_size,
+                ptrs=args.state_data_ptrs[0],
+                lens=args.state_data_lens[0],
+                item_lens=args.state_item_lens[0],
+                memory=self.memory,
+                device=self.device_index,
+            )
         self.aux_layout = AuxLayout.build(
             ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens
         )
@@ -135,6 +154,14 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             )
             self.transport.register(self.aux_layout.regions(), memory="host")
             self.kv_table = self.transport.prepare(self.geometry.slot_table(), memory=self.memory)
+            self.window_table = None
+            if self.window_geometry is not None:
+                self.transport.register(
+                    self.window_geometry.regions(), memory=self.memory, device=self.device_index
+                )
+                self.window_table = self.transport.prepare(
+                    self.window_geometry.slot_table(), memory=self.memory
+                )
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
             if self.config.packed:
@@ -153,19 +180,41 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self.transport.close()
             raise
         log.info(
-            "kvbridge %s rank %s: transport %s, agent %s, %d KV slots of %d B, %d metadata buffers",
+            "kvbridge %s rank %s: transport %s, agent %s, %d KV slots of %d B%s, %d metadata "
+            "buffers",
             role,
             args.engine_rank,
             self.config.transport,
             self.transport.agent_name,
             self.geometry.num_slots,
             self.geometry.spec.block_bytes,
+            ""
+            if self.window_geometry is None
+            else f", {self.window_geometry.num_slots} sliding-window slots",
             len(self.aux_layout.ptrs),
         )
         if disaggregation_mode == Mode.PREFILL:
             self._init_prefill(args)
         else:
             self._init_decode()
+
+    def _refuse_window_options(self, unit: int, page_size: int) -> None:
+        """A sliding-window pool moves on the direct path between equal page sizes only:
+        refuse the options that need more, naming the fix (the constructor, once)."""
+        if self.config.packed:
+            raise ConfigError(
+                "the packed data path (wire_dtype 'fp8', data_path 'packed') does not take "
+                "SGLang's sliding-window pools yet",
+                key="wire_dtype" if self.config.wire_dtype == "fp8" else "data_path",
+                fix="leave wire_dtype and data_path at their defaults for this model",
+            )
+        if unit != page_size:
+            raise ConfigError(
+                f"transfer_block_size {unit} with --page-size {page_size}: SGLang's "
+                "sliding-window pools move between equal page sizes only",
+                key="transfer_block_size",
+                fix="give prefill and decode the same --page-size and unset transfer_block_size",
+            )
 
     def _count(self, **fields) -> None:
         """Add to kvbridge's Prometheus metrics (:mod:`.metrics`; a no-op unless SGLang

@@ -80,6 +80,10 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     one of its page boundaries)."""
     page_size: int = 0
     """The decode's ``--page-size`` (its geometry counts transfer pages; 0: not given)."""
+    window: CacheGeometry | None = None
+    """A hybrid sliding-window pool (:func:`.layout.sliding_window_pool`): the window
+    layers' pages; ``geometry`` then holds the full-attention layers. None: no window
+    layers."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
@@ -98,6 +102,10 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     cut into chunks of the pairing's heads (:mod:`.packed`; ``sources * layers *
     pages`` chunks); None: the decode had no free run, the room fails naming
     ``staging_mb``."""
+    window_pages: bytes | None = None
+    """A sliding-window pool: the window layers' destination pages of the prompt's last
+    window (SGLang's state indices; :func:`encode_pages`), matched by position with the
+    prefill's; None: no window layers."""
 
 
 class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):

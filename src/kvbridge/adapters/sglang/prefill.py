@@ -16,10 +16,11 @@ Threads and who calls what:
 - the *transfer thread* (:meth:`PrefillSide._transfer_loop`) owns every posted
   transfer of this rank and all per-room bookkeeping: it posts each layer's or chunk's
   K and V pages (packed path: the decode rank's heads of them, packed into our staging
-  and written into its part of the room's run), after the last chunk the metadata row
-  with a :class:`~.messages.Done`, then marks the room sent and releases what it holds
-  (each transfer and staging run exactly once, :meth:`PrefillSide._release_room`). A
-  failed or aborted room posts nothing more; its transfers are released once drained.
+  and written into its part of the room's run), after the last chunk a sliding-window
+  pool's window pages and the metadata row with a :class:`~.messages.Done`, then marks
+  the room sent and releases what it holds (each transfer and staging run exactly once,
+  :meth:`PrefillSide._release_room`). A failed or aborted room posts nothing more; its
+  transfers are released once drained.
 """
 
 from __future__ import annotations
@@ -35,7 +36,13 @@ import numpy as np
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import AuxLayout, pages_differ, paired_count, transfer_pages
+from kvbridge.adapters.sglang.layout import (
+    AuxLayout,
+    check_windows,
+    pages_differ,
+    paired_count,
+    transfer_pages,
+)
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import Part, part_start, room_part, room_slots
 from kvbridge.adapters.sglang.rooms import SoleHolder
@@ -70,6 +77,9 @@ class _Chunk(NamedTuple):
     """SGLang's early send of a cached prefix under overlap scheduling (GPU): a device
     event after which the previous forward no longer writes these pages; None when
     the pages are final (always on CPU)."""
+    window_pages: np.ndarray | None = None
+    """A sliding-window pool's last chunk: the window layers' pages of the prompt's last
+    window (SGLang's state indices)."""
 
 
 class _Forget(NamedTuple):
@@ -97,9 +107,10 @@ def plan_forward(batch, model_runner) -> ForwardPlan | None:
     ]
     if not mine:
         return None
-    return mine[0].sender.kv_mgr.plan(
-        batch, [r for r in mine if r.sender.kv_mgr is mine[0].sender.kv_mgr]
-    )
+    mgr = mine[0].sender.kv_mgr
+    if mgr.window_geometry is not None and mgr._full_layers is None:
+        mgr._full_layers = compat.full_attention_layers(model_runner)
+    return mgr.plan(batch, [r for r in mine if r.sender.kv_mgr is mgr])
 
 
 def stop_streaming(mgr) -> None:
@@ -119,6 +130,8 @@ class _Peer(NamedTuple):
         None  # packed path: DescTable of the decode's staging, in chunks of part.heads
     )
     part: Part | None = None  # packed path: the heads this rank moves to the decode rank
+    window: object = None  # sliding-window pool: DescTable of the decode's window pages
+    window_geometry: object = None  # sliding-window pool: the decode's window layers' pages
 
 
 class _Dest(NamedTuple):
@@ -134,6 +147,7 @@ class _Dest(NamedTuple):
     decode_prefix_len: int | None
     is_dummy: bool
     staging_first: int | None = None
+    window_pages: np.ndarray | None = None
 
 
 class PrefillSide:
@@ -154,6 +168,10 @@ class PrefillSide:
         self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
         self._num_layers = self.geometry.spec.num_layers
         self._start_layer = compat.start_layer(args)
+        self._full_layers: dict[int, int] | None = None
+        """Sliding-window pool: model layer id -> index among the pool's full-attention
+        layers, read from the pool at the first planned forward (None until then: no
+        layer is streamed)."""
         self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
         self.tombstones = Tombstones()
         self._thread("kvbridge-prefill-control", self._prefill_control_loop)
@@ -218,11 +236,16 @@ class PrefillSide:
             if part is not None:
                 chunks = staging_descs(reg.staging, self.packed.chunk(part.heads).nbytes)
                 staging = self.transport.prepare(chunks, memory=reg.staging.memory, peer=peer)
+            window = None
+            if reg.window is not None:
+                window = self.transport.prepare(
+                    reg.window.slot_table(), memory=reg.window.memory, peer=peer
+                )
             count = paired_count(self.aux_layout, reg.aux)
             if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
                 self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
             self.peers[reg.agent] = _Peer(
-                reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part
+                reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part, window, reg.window
             )
             # A restarted decode (same address, new epoch) replaces its old agent.
             stale = [
@@ -272,6 +295,7 @@ class PrefillSide:
                     "a --page-size that is a multiple of the prefill's"
                 ),
             )
+        check_windows(reg.window, self.window_geometry)
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
         if self.packed is None:
             if p_tp != d_tp and self.geometry.spec.layout != "latent":
@@ -320,7 +344,7 @@ class PrefillSide:
             peer = self.peers.pop(agent, None)
         if peer is None:
             return
-        for table in (peer.kv, peer.aux, peer.staging):
+        for table in (peer.kv, peer.aux, peer.staging, peer.window):
             if table is not None:
                 self.transport.release_table(table)
         self.transport.remove_peer(peer.agent)
@@ -337,6 +361,7 @@ class PrefillSide:
             msg.decode_prefix_len,
             msg.is_dummy,
             msg.staging_first,
+            None if msg.window_pages is None else wire.decode_pages(msg.window_pages),
         )
         aborted = self.tombstones.reason(room)
         if aborted is not None:
@@ -452,11 +477,14 @@ class PrefillSide:
         indices_event=None,
         trace_ctx=None,
     ):
-        """Queue one chunk (never blocks the scheduler). ``state_indices`` is always
-        empty: a pool with state components is refused when the manager starts
-        (:func:`~kvbridge.adapters.sglang.layout.refuse_pool_state`)."""
+        """Queue one chunk (never blocks the scheduler). ``state_indices`` (last chunk):
+        a sliding-window pool's window pages, the one state kind a pool may carry
+        (:func:`~kvbridge.adapters.sglang.layout.sliding_window_pool`)."""
         if bootstrap_room not in self.transfer_infos:
             return  # dummy rank, or already cleared
+        window_pages = None
+        if self.window_geometry is not None and is_last_chunk and state_indices:
+            window_pages = np.asarray(state_indices[0], dtype=np.int64)
         # indices_event is only given to senders that take host tensors (we do not:
         # KVBridgeKVSender.supports_host_tensor_indices), so kv_indices are final here
         self._work.put(
@@ -468,6 +496,7 @@ class PrefillSide:
                 aux_index,
                 time.monotonic(),
                 wait_event,
+                window_pages,
             )
         )
         return
@@ -518,7 +547,10 @@ class PrefillSide:
     def layer_done(self, plan: ForwardPlan, layer_id: int) -> None:
         """Attention layer ``layer_id`` of ``plan``'s forward has written its K and V
         (forward thread, once per layer; O(1), never blocks)."""
-        layer = layer_id - self._start_layer
+        if self.window_geometry is None:
+            layer = layer_id - self._start_layer
+        else:  # the pool's full-attention layers; a window layer's pages go after the last chunk
+            layer = self._full_layers.get(layer_id, -1) if self._full_layers is not None else -1
         if not 0 <= layer < self._num_layers:
             return
         event = record_device_event() if self.memory == "device" else None
@@ -623,14 +655,42 @@ class PrefillSide:
                         self.packed.chunk(part.heads).nbytes,
                     )
                 xfers.append(self.transport.post("write", src_table, src, dst_table, dst))
-                self._staging_outstanding[room] += 1
+                self._posted(room, dest, int(src.size) * slot_bytes)
                 posted += 1
-                nbytes = int(src.size) * slot_bytes
-                sent = self._room_bytes.setdefault(room, {})
-                sent[dest.agent] = sent.get(dest.agent, 0) + nbytes
-                self._first_post.setdefault(room, time.monotonic())
-                self._count(transfers=1, bytes_sent=nbytes)
         return posted
+
+    def _posted(self, room: int, dest: _Dest, nbytes: int) -> None:
+        """Account one write of ``nbytes`` to ``dest`` just posted for ``room`` (its
+        abort waits for it; the decode's metrics count its bytes)."""
+        self._staging_outstanding[room] += 1
+        sent = self._room_bytes.setdefault(room, {})
+        sent[dest.agent] = sent.get(dest.agent, 0) + nbytes
+        self._first_post.setdefault(room, time.monotonic())
+        self._count(transfers=1, bytes_sent=nbytes)
+
+    def _post_window(self, room: int, dests: list[_Dest], src_pages: np.ndarray | None) -> None:
+        """A sliding-window pool, after the room's last chunk: write the window layers'
+        pages of the prompt's last window (SGLang's state indices on both sides, matched
+        by position) into every destination's. Transfer thread."""
+        if src_pages is None:
+            raise PlanError("the last chunk carries no sliding-window pages (state indices)")
+        xfers = self._inflight.setdefault(room, [])
+        src = self.window_geometry.slots(src_pages)
+        for dest in dests:
+            peer = self.peers.get(dest.agent)
+            if peer is None:
+                raise PlanError(f"decode peer {dest.agent} is gone")
+            dst_pages = dest.window_pages
+            if dst_pages is None or dst_pages.size != src_pages.size:
+                raise PlanError(
+                    f"{src_pages.size} sliding-window pages map to "
+                    f"{'no' if dst_pages is None else dst_pages.size} destination pages"
+                )
+            if not src_pages.size:
+                continue
+            dst = peer.window_geometry.slots(dst_pages)
+            xfers.append(self.transport.post("write", self.window_table, src, peer.window, dst))
+            self._posted(room, dest, int(src.size) * self.window_geometry.spec.block_bytes)
 
     def _pack(
         self, room: int, src_pages: np.ndarray, layers, part: Part
@@ -736,6 +796,8 @@ class PrefillSide:
                 )
         if not chunk.is_last:
             return
+        if self.window_geometry is not None:
+            self._post_window(room, dests, chunk.window_pages)
         deadline = time.monotonic() + self.config.timeouts.transfer_s
         self._wait_room(room, deadline)
         if self._release_if_inactive(room):
