@@ -116,6 +116,14 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.model == "swa" and (args.engine != "sglang" or config.packed):
+        print(
+            "kvbridge demo --model swa: the sliding-window model (Laguna) runs on SGLang, on "
+            "the direct path (fix: --engine sglang, leave --wire-dtype exact and --data-path "
+            "auto)",
+            file=sys.stderr,
+        )
+        return 2
     if mla and config.packed and args.engine == "sglang" and tp[0] > tp[1]:
         print(
             "kvbridge demo --model mla --engine sglang: the packed path moves latent caches to a "
@@ -278,13 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--model",
-        choices=("tiny", "mla", "hybrid", "shortconv"),
+        choices=("tiny", "mla", "hybrid", "shortconv", "swa"),
         default="tiny",
         help=(
             "the demo model: tiny (Llama, default), mla (DeepSeek-V2: multi-head latent "
             "attention, one latent vector per token), hybrid (GraniteMoeHybrid: Mamba2 layers "
-            "between attention layers; vLLM only) or shortconv (LFM2: short convolutions "
-            "between attention layers; vLLM only)"
+            "between attention layers; vLLM only), shortconv (LFM2: short convolutions "
+            "between attention layers; vLLM only) or swa (Laguna: full-attention and "
+            "sliding-window layers, in SGLang's sliding-window pool; SGLang only)"
         ),
     )
     p.set_defaults(func=_demo)

@@ -45,8 +45,8 @@ def run(
     fails, 2 when SGLang is not installed here. ``tp``: the prefill's and the decode's
     ``--tp`` (the colocated reference runs TP 1). ``shape``: the model
     (:data:`kvbridge.demo.model.SHAPES`; ``mla`` needs the test plugin that runs
-    DeepSeek's attention on SGLang's CPU ``torch_native`` backend, installed by
-    ``make setup-sglang``)."""
+    DeepSeek's attention on SGLang's CPU ``torch_native`` backend, ``swa`` the one that
+    fixes its sliding-window reads, both installed by ``make setup-sglang``)."""
     console = Console()
     try:
         require_sglang()
