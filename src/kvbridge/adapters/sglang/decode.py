@@ -215,7 +215,7 @@ class DecodeSide:
         if self.window_geometry is not None and not is_dummy and state_indices:
             # SGLang's SWA state indices: the window pages of the prompt's last window
             # (``state_indices`` holds one entry per state type: the one, SWA)
-            window_pages = wire.encode_pages(np.asarray(state_indices[0], dtype=np.int64))
+            window_pages = wire.encode_pages(state_indices[0])
         return wire.encode(
             wire.Destination(
                 room=int(bootstrap_room),
