@@ -12,7 +12,8 @@ decode waits for its KV and the prefill holds its pages), then breaks something:
   servers, so the prefill's request stays open and kvbridge's failing writes end it).
 
 And a request with ``n > 1``, which SGLang sends as several requests on one bootstrap
-room: refused on both sides at once, naming the fix.
+room: refused on both sides at once, naming the fix; then bursts of them, two at a
+time, which must not bring either server down.
 
 Each time the client gets its answer well before SGLang's own 300 s waiting/bootstrap
 timeouts, both servers' KV pools return to their idle baseline (``/v1/loads``: used
@@ -327,6 +328,54 @@ def test_parallel_sampling_is_refused_at_once_naming_the_fix(pair: Pair) -> None
     ]
     assert refused, f"neither server refused the second sample\n{pair.tails()}"
     print(f"\nn = 2 refused with {status} after {took:.2f} s (by the {' and the '.join(refused)})")
+    pair.assert_settles()
+    _next_request_works(pair)
+
+
+BURSTS = 12
+
+
+def test_parallel_sampling_in_bursts_leaves_both_servers_serving(pair: Pair) -> None:
+    """Requests with n = 2 and 8, two at a time, so that a room's samples meet its
+    holder in every state: bootstrapping, mid-transfer, failed and waiting for its
+    deferred release. A fresh-clone CI run lost the decode in the test above: SGLang
+    clears a failed receiver twice, in ``failure_exception`` and again when it releases
+    the pages, and the second clear popped the status of the sample that held the room
+    by then, whose next poll raised ``KeyError`` in SGLang's scheduler
+    (``SoleHolder._clear_once`` in ``adapters/sglang/rooms.py``). Without the fix, 8
+    bursts like these lost the decode in 1 run of 3 (hence 12, on each of the three
+    pairs). Every request gets an error answer in time, no scheduler raises, both
+    servers settle and serve the next request."""
+    answers: list[tuple[int, bytes]] = []
+
+    def one(i: int) -> None:
+        body = {
+            "input_ids": prompt_ids(40 + 30 * (i % 4), seed=30 + i),
+            "sampling_params": {
+                "temperature": 1.0,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "n": (2, 8, 8)[i % 3],
+            },
+        }
+        answers.append(http(f"{pair.router.url}/generate", body, timeout=REFUSED_WITHIN_S))
+
+    for burst in range(BURSTS):
+        threads = [threading.Thread(target=one, args=(2 * burst + k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(REFUSED_WITHIN_S + 10)
+    sent = 2 * BURSTS
+    assert len(answers) == sent, f"{sent - len(answers)} requests got no answer\n{pair.tails()}"
+    statuses = sorted(status for status, _ in answers)
+    assert 0 not in statuses and 200 not in statuses, f"{statuses}\n{pair.tails()}"
+    named = sum(
+        "send n requests with n = 1" in data.decode(errors="replace") for _, data in answers
+    )
+    print(f"\n{sent} requests with n > 1: statuses {statuses}, {named} name the fix")
+    for server in (pair.prefill, pair.decode):
+        text = server.log_path.read_text(errors="replace")
+        assert "Scheduler hit an exception" not in text, server.log_tail(80)
     pair.assert_settles()
     _next_request_works(pair)
 

@@ -69,6 +69,8 @@ class Endpoint(SoleHolder, SGLangEndpoint):
         self.refused = self._hold_or_refuse(holder, "decode")
 
     def clear(self) -> None:
+        if not self._clear_once():
+            return
         self._let_go()
         super().clear()
 
@@ -136,3 +138,21 @@ def test_an_endpoint_dropped_without_clear_lets_go() -> None:
     mgr.request_status.clear()
     assert ROOM not in mgr.room_holders
     assert Endpoint(mgr, ROOM).refused is None
+
+
+def test_a_second_clear_leaves_the_rooms_next_holder_alone() -> None:
+    """SGLang clears a failed receiver in ``failure_exception`` and again when it
+    releases the pages (after a deferred release: later). In between another sample
+    takes the room; the repeat clear must not pop that sample's status (its poll
+    raised ``KeyError`` in SGLang's scheduler and killed the decode)."""
+    mgr = Manager()
+    failed = Endpoint(mgr, ROOM)
+    mgr.update_status(ROOM, KVPoll.Failed)
+    failed.clear()  # from failure_exception
+    sample = Endpoint(mgr, ROOM)
+    assert sample.refused is None and mgr.room_holders[ROOM] is sample
+    failed.clear()  # the deferred release resolved
+    assert mgr.request_status[ROOM] == KVPoll.Bootstrapping
+    assert mgr.room_holders[ROOM] is sample
+    sample.clear()
+    assert ROOM not in mgr.request_status and ROOM not in mgr.room_holders

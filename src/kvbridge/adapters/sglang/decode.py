@@ -406,6 +406,8 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
         return super().poll()
 
     def clear(self) -> None:
+        if not self._clear_once():
+            return  # cleared already: the room's state may be another request's now
         mgr = self.kv_mgr
         self._let_go()
         if mgr.packed is None:

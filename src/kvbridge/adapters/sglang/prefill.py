@@ -942,6 +942,8 @@ class KVBridgeKVSender(SoleHolder, _c.Sender):
     def clear(self) -> None:
         if self.duplicate is not None:
             return  # the room is another sender's
+        if not self._clear_once():
+            return  # cleared already: the room's state may be another request's now
         self._let_go()
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)

@@ -46,9 +46,9 @@ def duplicate_reason(room: int, side: str) -> str:
 class SoleHolder:
     """Mixed into kvbridge's sender and receiver, before SGLang's class. The subclass
     calls :meth:`_holder` before SGLang's ``__init__`` and :meth:`_hold_or_refuse`
-    after it, and :meth:`_let_go` from ``clear`` (the sender from ``abort`` too; a
-    receiver holds its room through an abort until SGLang clears it after the deferred
-    release).
+    after it, and :meth:`_clear_once` then :meth:`_let_go` from ``clear`` (the sender
+    from ``abort`` too; a receiver holds its room through an abort until SGLang first
+    clears it).
 
     Holders are kept in the manager's ``room_holders`` (a weak mapping: an endpoint
     SGLang drops without clearing lets go too). SGLang's status table does not tell:
@@ -58,6 +58,8 @@ class SoleHolder:
     duplicate: str | None = None
     """Why this endpoint was refused as a second request on its room (None: it holds
     the room, or failed otherwise)."""
+
+    _cleared: bool = False
 
     @staticmethod
     def _holder(mgr, room) -> SoleHolder | None:
@@ -88,6 +90,22 @@ class SoleHolder:
         mgr = self.kv_mgr
         mgr.record_failure(self.bootstrap_room, reason)
         mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+
+    def _clear_once(self) -> bool:
+        """True at an endpoint's first ``clear`` (the caller clears it), False after.
+
+        SGLang clears a failed decode receiver twice: in ``failure_exception`` and
+        again when it releases the request's pages, which after a deferred release
+        comes later (once the prefill acknowledged the abort). The first clear lets go
+        of the room, so by the second another request may hold it; SGLang's clear pops
+        the room's status and response trackers, which are then that request's, and
+        its next poll raised in SGLang's scheduler (``KeyError`` in ``check_status``),
+        killing the decode. SGLang's own ``prefill_complete`` policy makes clear
+        one-shot the same way (``_owns_bootstrap_room``)."""
+        if self._cleared:
+            return False
+        self._cleared = True
+        return True
 
     def _let_go(self) -> None:
         holders = self.kv_mgr.room_holders
