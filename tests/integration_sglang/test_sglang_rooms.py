@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
+from types import MethodType, SimpleNamespace
 
 import pytest
 
@@ -156,3 +157,60 @@ def test_a_second_clear_leaves_the_rooms_next_holder_alone() -> None:
     assert mgr.room_holders[ROOM] is sample
     sample.clear()
     assert ROOM not in mgr.request_status and ROOM not in mgr.room_holders
+
+
+def test_a_done_for_an_earlier_request_of_the_room_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each holder of a room gets its own nonce; the decode names it in its destination
+    and the prefill's ``Done`` echoes it. A ``Done`` naming a failed, cleared request of
+    the room reaches neither SGLang's status table nor the packed path's unpack once
+    another sample holds the room (``DecodeSide._meant_for_holder``)."""
+    from kvbridge.adapters.sglang import messages as wire
+    from kvbridge.adapters.sglang.decode import DecodeSide
+
+    mgr = Manager()
+    side = SimpleNamespace(room_holders=mgr.room_holders)
+    side._holder_nonce = MethodType(DecodeSide._holder_nonce, side)
+
+    def meant(nonce):
+        done = wire.Done(room=ROOM, prefill_rank=0, epoch="e", nonce=nonce)
+        return DecodeSide._meant_for_holder(side, done)
+
+    failed = Endpoint(mgr, ROOM)
+    mgr.update_status(ROOM, KVPoll.Failed)
+    failed.clear()
+    sample = Endpoint(mgr, ROOM)
+    assert None not in (failed.nonce, sample.nonce) and failed.nonce != sample.nonce
+    assert meant(sample.nonce)
+    with caplog.at_level(logging.WARNING):
+        assert not meant(failed.nonce)
+    assert "meant for an earlier request" in caplog.text
+    assert meant(None)  # a prefill of an older kvbridge: not checked
+    duplicate = Endpoint(mgr, ROOM)  # refused: no nonce, never sends a destination
+    assert duplicate.refused is not None and duplicate.nonce is None
+    sample.clear()
+    assert not meant(sample.nonce)  # nobody holds the room
+
+
+def test_a_destination_from_another_request_of_the_room_is_told_apart() -> None:
+    """On the prefill: a sample's destination must not replace the one an earlier
+    request of the room (same decode rank) still writes to; the prefill refuses it
+    (``PrefillSide._another_request_of``, used by ``_add_destination``)."""
+    import numpy as np
+
+    from kvbridge.adapters.sglang.prefill import PrefillSide, _Dest
+
+    def dest(agent: str, nonce: int | None) -> _Dest:
+        return _Dest(agent, "127.0.0.1", 1, np.array([1]), 0, 1, None, False, nonce=nonce)
+
+    side = SimpleNamespace(transfer_infos={ROOM: {"d0": dest("d0", 1)}})
+
+    def another(d: _Dest, room: int = ROOM) -> bool:
+        return PrefillSide._another_request_of(side, room, d)
+
+    assert another(dest("d0", 2))  # same decode rank, another request
+    assert not another(dest("d0", 1))  # the same request again
+    assert not another(dest("d1", 2))  # another decode rank (TP): its own destination
+    assert not another(dest("d0", None))  # a decode of an older kvbridge: not compared
+    assert not another(dest("d0", 2), room=ROOM + 1)  # no destination kept for the room

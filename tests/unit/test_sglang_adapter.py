@@ -218,16 +218,18 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         aux_index=0,
         required_dst_info_num=1,
         window_pages=wire.encode_pages([4, 5]),
+        nonce=2**40,
     )
     got = wire.decode(wire.encode(dst))
     assert got == dst and wire.decode_pages(got.window_pages).tolist() == [4, 5]
-    done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20, pages=9)
+    assert got.nonce == 2**40
+    done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20, pages=9, nonce=3)
     assert wire.decode_payload(wire.encode_payload(done)) == done
     # a Done from a sender without the byte or page count still decodes (metrics count
     # 0 bytes, the decode unpacks every page)
     old = msgspec.msgpack.encode({"type": "done", "room": 7, "prefill_rank": 1, "epoch": "e"})
     assert wire.decode_payload(old) == wire.Done(
-        room=7, prefill_rank=1, epoch="e", bytes=0, pages=-1
+        room=7, prefill_rank=1, epoch="e", bytes=0, pages=-1, nonce=None
     )
     with pytest.raises(WireError, match="same kvbridge version"):
         wire.decode([b"KVBRIDGE/999", wire.encode_payload(done)])

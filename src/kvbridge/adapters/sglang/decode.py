@@ -229,9 +229,30 @@ class DecodeSide:
                 is_dummy=bool(is_dummy),
                 staging_first=staging_first,
                 window_pages=window_pages,
+                nonce=self._holder_nonce(bootstrap_room),
             ),
             self.secret,
         )
+
+    def _holder_nonce(self, room) -> int | None:
+        holder = self.room_holders.get(int(room))
+        return None if holder is None else holder.nonce
+
+    def _meant_for_holder(self, done: wire.Done) -> bool:
+        """Whether ``done`` answers the request holding its room now (notification
+        thread). One that names another request (an earlier one on the room, failed and
+        cleared: SGLang's parallel sampling sends every sample on one room) is dropped:
+        SGLang would count it toward the new request (a Success before its pages were
+        even sent, which its scheduler does not expect) and the packed path would
+        unpack it into the new request's pages. A ``Done`` without a nonce (older
+        prefill) is not checked."""
+        if done.nonce is None or self._holder_nonce(done.room) == done.nonce:
+            return True
+        log.warning(
+            "kvbridge: dropped a Done for room %s meant for an earlier request of the room",
+            done.room,
+        )
+        return False
 
     # --- decode: control and notification threads -------------------------------------------
 
@@ -302,6 +323,8 @@ class DecodeSide:
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                     continue
                 if isinstance(msg, wire.Done):
+                    if not self._meant_for_holder(msg):
+                        continue
                     if self.packed is not None and not self._unpack(msg.room, msg.part, msg.pages):
                         continue
                     self.apply_prefill_status(

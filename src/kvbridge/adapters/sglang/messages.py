@@ -106,6 +106,11 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     """A sliding-window pool: the window layers' destination pages of the prompt's last
     window (SGLang's state indices; :func:`encode_pages`), matched by position with the
     prefill's; None: no window layers."""
+    nonce: int | None = None
+    """Which decode request of the room this is (unique per decode process): a room can
+    carry one request after another (SGLang's parallel sampling sends every sample on
+    the request's room). The prefill echoes it in :class:`Done`; None from older
+    decodes."""
 
 
 class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
@@ -121,6 +126,9 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     """How many positions of the room's page list the prefill wrote (the last ones of
     a decode with larger pages than the prefill's may hold no prompt token: the decode
     unpacks only these); -1 from older senders: all."""
+    nonce: int | None = None
+    """The :attr:`Destination.nonce` this answers: a decode drops a ``Done`` meant for
+    an earlier request of the room; None from older senders (not checked)."""
 
 
 Message = Registration | Destination | Done

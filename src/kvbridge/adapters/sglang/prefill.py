@@ -45,7 +45,7 @@ from kvbridge.adapters.sglang.layout import (
 )
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import Part, part_start, room_part, room_slots
-from kvbridge.adapters.sglang.rooms import SoleHolder
+from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
     LayerReady,
@@ -148,6 +148,7 @@ class _Dest(NamedTuple):
     is_dummy: bool
     staging_first: int | None = None
     window_pages: np.ndarray | None = None
+    nonce: int | None = None
 
 
 class PrefillSide:
@@ -362,6 +363,7 @@ class PrefillSide:
             msg.is_dummy,
             msg.staging_first,
             None if msg.window_pages is None else wire.decode_pages(msg.window_pages),
+            msg.nonce,
         )
         aborted = self.tombstones.reason(room)
         if aborted is not None:
@@ -388,6 +390,8 @@ class PrefillSide:
                 "kvbridge: the decode's staging buffer had no room for this request (packed data "
                 "path); raise staging_mb on the decode"
             )
+        elif self._another_request_of(room, dest):
+            reason = duplicate_reason(room, "prefill")
         if reason is not None:
             self._refuse_room(msg, reason)
             return
@@ -399,6 +403,15 @@ class PrefillSide:
                 (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
             )
             self.update_status(room, KVPoll.WaitingForInput)
+
+    def _another_request_of(self, room: int, dest: _Dest) -> bool:
+        """Whether this prefill still keeps a destination for ``room`` from the same
+        decode rank but from another of its requests (their nonces differ): SGLang's
+        parallel sampling sends every sample on one room, and a sample's destination
+        must not replace the one an earlier request's writes and ``Done`` go to.
+        Destinations without a nonce (older decodes) are not compared."""
+        prior = self.transfer_infos.get(room, {}).get(dest.agent)
+        return None not in (dest.nonce, getattr(prior, "nonce", None)) and prior.nonce != dest.nonce
 
     def _refuse_room(self, msg: wire.Destination, reason: str) -> None:
         """Fail the room of a destination this prefill refuses: at the decode (a status
@@ -812,6 +825,7 @@ class PrefillSide:
                 bytes=sent.get(dest.agent, 0),
                 part=0 if peer.part is None else peer.part.index,
                 pages=chunk.index_slice.stop,
+                nonce=dest.nonce,
             )
             if chunk.aux_index is None or dest.aux_index is None:
                 raise PlanError("the last chunk carries no metadata row")

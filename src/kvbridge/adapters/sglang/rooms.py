@@ -17,7 +17,8 @@ the same reason, unless its transfer already succeeded: its partner on the other
 cannot tell which sample it pairs with. On the decode, SGLang then releases the
 holder's pages only after the prefill acknowledged the abort (deferred release), so
 no write lands in reused pages. A room whose holder finished and was cleared may be
-used again (the primer's room is, by the samples).
+used again (the primer's room is, by the samples); each holder's :attr:`SoleHolder.nonce`
+keeps an earlier request's destination and ``Done`` from reaching the next one.
 
 Who calls: :class:`~.prefill.KVBridgeKVSender` and :class:`~.decode.KVBridgeKVReceiver`
 (SGLang's scheduler thread), at construction and from SGLang's calls.
@@ -25,6 +26,7 @@ Who calls: :class:`~.prefill.KVBridgeKVSender` and :class:`~.decode.KVBridgeKVRe
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 from kvbridge.adapters.sglang import compat
@@ -32,6 +34,7 @@ from kvbridge.adapters.sglang import compat
 log = logging.getLogger(__name__)
 _c = compat.common()
 KVPoll = _c.KVPoll
+_nonces = itertools.count(1)
 
 
 def duplicate_reason(room: int, side: str) -> str:
@@ -59,6 +62,12 @@ class SoleHolder:
     """Why this endpoint was refused as a second request on its room (None: it holds
     the room, or failed otherwise)."""
 
+    nonce: int | None = None
+    """Set when this endpoint becomes its room's holder, unique in this process: a
+    decode names it in its destination and the prefill's ``Done`` echoes it, so a
+    ``Done`` meant for an earlier request of the room is told apart
+    (:meth:`.decode.DecodeSide._meant_for_holder`)."""
+
     _cleared: bool = False
 
     @staticmethod
@@ -76,6 +85,7 @@ class SoleHolder:
             return None
         if holder is None:
             mgr.room_holders[room] = self
+            self.nonce = next(_nonces)
             return None
         reason = duplicate_reason(room, side)
         self.duplicate = reason
