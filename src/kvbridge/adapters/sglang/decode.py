@@ -235,7 +235,7 @@ class DecodeSide:
         )
 
     def _holder_nonce(self, room) -> int | None:
-        holder = self.room_holders.get(int(room))
+        holder = SoleHolder._holder(self, int(room))
         return None if holder is None else holder.nonce
 
     def _meant_for_holder(self, done: wire.Done) -> bool:

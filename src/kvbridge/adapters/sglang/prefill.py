@@ -411,7 +411,9 @@ class PrefillSide:
         must not replace the one an earlier request's writes and ``Done`` go to.
         Destinations without a nonce (older decodes) are not compared."""
         prior = self.transfer_infos.get(room, {}).get(dest.agent)
-        return None not in (dest.nonce, getattr(prior, "nonce", None)) and prior.nonce != dest.nonce
+        if prior is None or None in (prior.nonce, dest.nonce):
+            return False
+        return prior.nonce != dest.nonce
 
     def _refuse_room(self, msg: wire.Destination, reason: str) -> None:
         """Fail the room of a destination this prefill refuses: at the decode (a status
