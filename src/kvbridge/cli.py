@@ -116,11 +116,10 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.model == "swa" and (args.engine != "sglang" or config.packed):
+    if args.model == "swa" and args.engine != "sglang":
         print(
-            "kvbridge demo --model swa: the sliding-window model (Laguna) runs on SGLang, on "
-            "the direct path (fix: --engine sglang, leave --wire-dtype exact and --data-path "
-            "auto)",
+            "kvbridge demo --model swa: the sliding-window model (Laguna) runs on SGLang "
+            "(fix: --engine sglang)",
             file=sys.stderr,
         )
         return 2

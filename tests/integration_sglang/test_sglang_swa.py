@@ -4,12 +4,17 @@ full-attention layers' KV in one sub-pool and the window layers' in another whos
 hold only each request's last window. The test model: the tiny Laguna of
 ``kvbridge.demo.model`` (4 layers alternating full attention and a 40-token window).
 
-NIXL per layer and Mooncake per chunk: greedy output equals a colocated server's token
-for token for prompts shorter and longer than the window, the prefill's log shows the
-path each request took, and the decode received exactly the full layers' pages of the
-prompt plus the window layers' pages of its last window (SGLang's window start, rounded
-down to a page). Options the window pool does not take yet (the packed path) are
-refused when the server starts, naming the fix.
+Three pairs: the direct path over NIXL per layer; the packed path with exact values
+over Mooncake per chunk from a prefill of two attention TP ranks into a decode of one
+(each prefill rank moves its half of the KV heads, of the window layers too); FP8 on
+the wire over NIXL per layer. For prompts shorter and
+longer than the window: greedy output equals a colocated server's token for token
+(FP8: the decode's first computed token's logprobs stay within FP8 noise), the
+prefill's log shows the path each request took, and the decode received exactly the
+full layers' pages of the prompt plus the window layers' pages of its last window
+(SGLang's window start, rounded down to a page), as bytes of the path's format
+(csrc/PACKED_FORMAT.md for FP8). An option the window pool does not take
+(``transfer_block_size``) is refused when the server starts, naming the fix.
 """
 
 from __future__ import annotations
@@ -18,15 +23,19 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from sglang_helpers import (
     ENGINE_FLAGS,
+    FP8_MAX_DRIFT,
     MAX_NEW_TOKENS,
     PD,
     START_TIMEOUT_S,
     Proc,
+    fp8_drift,
     generate_ids,
+    generate_logprobs,
     generate_through,
     kv_itemsize,
     kvbridge_metrics,
@@ -36,8 +45,10 @@ from sglang_helpers import (
     start_colocated,
     start_pd,
     start_server,
+    tp_sides,
     wait_received_bytes,
-    wait_sent_line,
+    wait_sent_lines,
+    wait_staging_idle,
 )
 
 from kvbridge.demo.servers import ServerError
@@ -59,31 +70,50 @@ def colocated_swa(swa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     yield from start_colocated(swa_model, tmp_path_factory.mktemp("swa-colocated"))
 
 
-PD_CONFIGS = [("nixl", True), ("mooncake", False)]
+# (transport, per layer, wire, prefill TP): the packed pair's prefill has two attention
+# TP ranks, each moving its half of the KV heads (window layers too) into the decode's one
+PD_CONFIGS = [
+    ("nixl", True, "direct", 1),
+    ("mooncake", False, "packed", 2),
+    ("nixl", True, "fp8", 1),
+]
+WIRE = {"direct": {}, "packed": {"data_path": "packed"}, "fp8": {"wire_dtype": "fp8"}}
+
+
+class SwaPD(NamedTuple):
+    pd: PD
+    wire: str
+    prefill_tp: int
 
 
 @pytest.fixture(
     scope="module",
     params=PD_CONFIGS,
-    ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS],
+    ids=[f"{t}-{'layer' if lw else 'chunk'}-{w}-p{tp}" for t, lw, w, tp in PD_CONFIGS],
 )
 def swa_pd(
     request: pytest.FixtureRequest, swa_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PD]:
-    transport, layerwise = request.param
-    log_dir = tmp_path_factory.mktemp(f"swa-{transport}")
-    yield from start_pd(swa_model, log_dir, server_env(pd_config(transport, layerwise)), layerwise)
+) -> Iterator[SwaPD]:
+    transport, layerwise, wire, p_tp = request.param
+    log_dir = tmp_path_factory.mktemp(f"swa-{transport}-{wire}")
+    sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, p_tp, 1)
+    env = sides.pop("env")
+    for pd in start_pd(swa_model, log_dir, env, layerwise, **sides):
+        yield SwaPD(pd, wire, p_tp)
 
 
-def expected_bytes(model: Path, server: Proc, n: int) -> int:
+def expected_bytes(model: Path, server: Proc, n: int, *, fp8: bool = False) -> int:
     """KV bytes of an ``n``-token prompt in SGLang's sliding-window pool, from the model's
     config: every page of the prompt in each full-attention layer, and in each window
     layer the pages from SGLang's window start (``n`` minus its window of
     ``sliding_window - 1`` tokens, HF's inclusive window made exclusive, rounded down to
-    a page) to the prompt's end."""
+    a page) to the prompt's end. A row (one token's one head of K or V) is ``head_dim``
+    values of the server's KV dtype, or with ``fp8`` as many FP8 bytes and a float32
+    scale (csrc/PACKED_FORMAT.md)."""
     cfg = json.loads((model / "config.json").read_text())
     kinds = cfg["layer_types"]
-    page_bytes = PAGE * cfg["num_key_value_heads"] * cfg["head_dim"] * kv_itemsize(server)
+    row = cfg["head_dim"] + 4 if fp8 else cfg["head_dim"] * kv_itemsize(server)
+    page_bytes = PAGE * cfg["num_key_value_heads"] * row
     pages = math.ceil(n / PAGE)
     window_start = max(0, n - (cfg["sliding_window"] - 1)) // PAGE
     full = kinds.count("full_attention") * pages
@@ -92,37 +122,57 @@ def expected_bytes(model: Path, server: Proc, n: int) -> int:
 
 
 @pytest.mark.parametrize("n", PROMPTS)
-def test_sliding_window_greedy_output_equals_colocated(
-    swa_pd: PD, colocated_swa: Proc, swa_model: Path, n: int
+def test_sliding_window_output_equals_colocated(
+    swa_pd: SwaPD, colocated_swa: Proc, swa_model: Path, n: int
 ) -> None:
+    pd, fp8 = swa_pd.pd, swa_pd.wire == "fp8"
     input_ids = prompt_ids(n, seed=900 + n)
-    want = generate_ids(colocated_swa.url, input_ids)
-    assert len(want) == MAX_NEW_TOKENS
-    offset = swa_pd.prefill.log_path.stat().st_size
-    before = kvbridge_metrics(swa_pd.decode.url)
-    got = generate_through(swa_pd, input_ids)
-    assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
-    room, layer_writes, chunk_writes = wait_sent_line(swa_pd.prefill, offset)
-    if swa_pd.layerwise:
-        # the full-attention layers go per layer; the window layers' pages after the last chunk
-        assert layer_writes > 0, f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk"
-    else:
-        assert layer_writes == 0 and chunk_writes > 0, (
-            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+    offset = pd.prefill.log_path.stat().st_size
+    before = kvbridge_metrics(pd.decode.url)
+    if fp8:
+        want, want_tops = generate_logprobs(colocated_swa.url, input_ids)
+        got, got_tops = generate_logprobs(pd.router.url, input_ids)
+        assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
+            f"the prefill's token differs: {got} vs {want}"
         )
-    expected = expected_bytes(swa_model, swa_pd.decode, n)
-    received = wait_received_bytes(swa_pd.decode.url, before, expected)
+        # the decode's first token from the transferred KV
+        drift = fp8_drift(want_tops[1], got_tops[1])
+        assert drift < FP8_MAX_DRIFT, (
+            f"{n} tokens: logprobs moved by {drift:.2f}\n{pd.decode.log_tail()}"
+        )
+    else:
+        want = generate_ids(colocated_swa.url, input_ids)
+        assert len(want) == MAX_NEW_TOKENS
+        got = generate_through(pd, input_ids)
+        assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
+    # one line per prefill rank
+    for room, layer_writes, chunk_writes in wait_sent_lines(pd.prefill, offset, swa_pd.prefill_tp):
+        if pd.layerwise:
+            # the full-attention layers go per layer; the window layers' pages after the last
+            # chunk
+            assert layer_writes > 0, (
+                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk"
+            )
+        else:
+            assert layer_writes == 0 and chunk_writes > 0, (
+                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+            )
+    expected = expected_bytes(swa_model, pd.decode, n, fp8=fp8)
+    received = wait_received_bytes(pd.decode.url, before, expected)
     assert received == expected, (
         f"{n} tokens: the decode received {received} bytes, the prompt's full pages and last "
-        f"window are {expected}"
+        f"window are {expected} (every head once)"
     )
+    if swa_pd.wire != "direct":  # every staging run comes back on both sides
+        wait_staging_idle(pd.prefill)
+        wait_staging_idle(pd.decode)
 
 
-def test_the_packed_path_is_refused_at_start_naming_the_fix(
+def test_transfer_block_size_is_refused_at_start_naming_the_fix(
     swa_model: Path, tmp_path: Path
 ) -> None:
     server = start_server(
-        "prefill-packed",
+        "prefill-transfer-pages",
         swa_model,
         tmp_path,
         [
@@ -131,13 +181,13 @@ def test_the_packed_path_is_refused_at_start_naming_the_fix(
             "--disaggregation-transfer-backend",
             "kvbridge",
         ],
-        server_env({"data_path": "packed"}),
+        server_env({"transfer_block_size": PAGE // 2}),
     )
     try:
         with pytest.raises(ServerError):
             server.wait_ready(START_TIMEOUT_S)
         log = server.log_path.read_text(errors="replace")
-        assert "does not take SGLang's sliding-window pools yet" in log, server.log_tail()
-        assert "leave wire_dtype and data_path at their defaults" in log, server.log_tail()
+        assert "sliding-window pools move between equal page sizes only" in log, server.log_tail()
+        assert "unset transfer_block_size" in log, server.log_tail()
     finally:
         server.kill()

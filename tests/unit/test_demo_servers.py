@@ -167,7 +167,7 @@ def test_demo_refuses_a_contradictory_data_path_before_starting_anything(
         ),
         (["--model", "hybrid", "--engine", "sglang"], "--engine vllm"),
         (["--model", "swa"], "--model swa: the sliding-window model (Laguna) runs on SGLang"),
-        (["--model", "swa", "--engine", "sglang", "--wire-dtype", "fp8"], "--engine sglang"),
+        (["--model", "swa", "--wire-dtype", "fp8"], "--model swa: the sliding-window model"),
     ],
 )
 def test_demo_refuses_what_it_cannot_run_before_starting_anything(

@@ -169,6 +169,21 @@ def test_sliding_window_layers_pair_only_with_the_same_pages_on_both_sides() -> 
     )
     with pytest.raises(IncompatiblePeerError, match=r"sliding-window pages .* differ"):
         check_windows(other, window)
+    # the packed path: rows may differ (another TP size), layers and pages may not
+    check_windows(other, window, packed=True)
+    n = len(ptrs) // 2  # [K..., V...]: one layer fewer
+    fewer = kv_geometry(
+        page_size=PAGE,
+        ptrs=ptrs[: n - 1] + ptrs[n : 2 * n - 1],
+        lens=lens[2:],
+        item_lens=item[2:],
+    )
+    larger = kv_geometry(page_size=2 * PAGE, ptrs=ptrs, lens=lens, item_lens=[2 * i for i in item])
+    for theirs in (fewer, larger):
+        with pytest.raises(IncompatiblePeerError, match="sliding-window layers in pages of"):
+            check_windows(theirs, window, packed=True)
+    with pytest.raises(IncompatiblePeerError, match="has no sliding-window layers"):
+        check_windows(None, window, packed=True)
 
 
 def test_aux_rows() -> None:

@@ -20,10 +20,12 @@ from kvbridge.adapters.sglang.packed import (
     Part,
     RoomReservations,
     decode_parts,
+    part_start,
     pool_planes,
     room_part,
     room_slots,
     typed_geometry,
+    window_start,
 )
 from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError
 from kvbridge.runtime.packed import PackedPath, staging_descs
@@ -432,3 +434,161 @@ def test_reservations_end_once_and_retired_runs_wait_out_their_hold() -> None:
     )
     r.retire(4, now=0.0)  # cleared with one part in: held, then freed once
     assert r.arrive(4, 0) == (None, False) and r.reap(now=10.0) == 1 and alloc.free_slots == total
+
+
+# --- a hybrid sliding-window pool (SGLang's SWAKVPool): window layers in a sub-pool of
+# their own, fewer pages, the same rows; each part of a room run holds their chunks of
+# the room's window pages after its full-attention layers.
+
+WINDOW_LAYERS, WINDOW_PAGES = 2, 5
+
+
+@pytest.mark.parametrize(("sources", "pages", "window_pages"), [(1, 3, 2), (2, 4, 1), (4, 1, 0)])
+def test_window_chunks_follow_each_parts_full_layers_and_fill_the_run(
+    sources: int, pages: int, window_pages: int
+) -> None:
+    """Every chunk of a room run belongs to exactly one (part, layer, position), full
+    or window, and the run holds them all: what the prefill writes and the decode
+    unpacks never overlap, nor reach past the run."""
+    _, _, opaque = sglang_pool(None)
+    path = PackedPath(
+        typed_geometry(opaque, dtype="bfloat16", head_dim=DIM),
+        pool_planes(typed_geometry(opaque, dtype="bfloat16", head_dim=DIM)),
+        1,
+        LoopbackTransport("d"),
+        fp8=False,
+    )
+    r = RoomReservations(path, num_layers=LAYERS, hold_s=1.0, window_layers=WINDOW_LAYERS)
+    parts = decode_parts(sources * HEADS, sources, 1, 0)
+    res = r.reserve(9, np.arange(pages), parts, np.arange(window_pages))
+    assert res is not None
+    size = LAYERS * pages + WINDOW_LAYERS * window_pages
+    seen: list[int] = []
+    for part in parts:
+        first = res.part_first(part.index, LAYERS)
+        assert first == part_start(res.first, part.index, LAYERS, pages, res.window_chunks)
+        seen += room_slots(first, pages, range(LAYERS), np.arange(pages)).tolist()
+        seen += room_slots(
+            window_start(first, LAYERS, pages),
+            window_pages,
+            range(WINDOW_LAYERS),
+            np.arange(window_pages),
+        ).tolist()
+    assert sorted(seen) == list(range(res.first, res.first + sources * size))
+    assert path.slots_for(sources * size, parts[0].heads) == res.run.slots
+    with pytest.raises(PlanError, match="no sliding-window pages"):
+        r.reserve(10, np.arange(pages), parts)  # a window pool's room without them
+    with pytest.raises(PlanError, match="some sliding-window pages"):
+        RoomReservations(path, num_layers=LAYERS, hold_s=1.0).reserve(
+            11, np.arange(pages), parts, np.arange(1)
+        )
+
+
+def window_pools(tp: int, seed: int | None, heads: int = TOTAL) -> list:
+    """Per rank of a TP-``tp`` instance: its window sub-pool of ``heads`` KV heads over
+    ``WINDOW_PAGES`` pages, its share of the same model KV (zeros: ``seed`` None)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    rows = WINDOW_PAGES * PAGE
+    model = [
+        torch.randn(rows, heads, DIM, generator=gen).to(torch.bfloat16)
+        if seed is not None
+        else torch.zeros(rows, heads, DIM, dtype=torch.bfloat16)
+        for _ in range(2 * WINDOW_LAYERS)
+    ]
+    n = heads // tp
+    pools = []
+    for r in range(tp):
+        bufs = [b[:, r * n : (r + 1) * n].contiguous() for b in model]
+        geo = kv_geometry(
+            page_size=PAGE,
+            ptrs=[b.data_ptr() for b in bufs],
+            lens=[b.numel() * b.element_size() for b in bufs],
+            item_lens=[PAGE * n * DIM * 2] * len(bufs),
+        )
+        pools.append((model, bufs, typed_geometry(geo, dtype="bfloat16", head_dim=DIM)))
+    return pools
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_a_rooms_window_pages_cross_between_tp_sizes_after_its_full_layers(
+    p_tp: int, d_tp: int
+) -> None:
+    """The window layers of a room, as the manager moves them on the packed path: each
+    prefill rank packs the decode rank's heads of its window pages (the window pool
+    seen through :meth:`PackedPath.sibling`) into chunks, written at
+    :func:`window_start` of its part; the decode unpacks them into its window pages.
+    Exact values, the other window pages untouched; full-attention chunks unread."""
+    full_p, full_d = tp_pools(p_tp, 5), tp_pools(d_tp, None)
+    win_p, win_d = window_pools(p_tp, 6), window_pools(d_tp, None)
+    model = win_p[0][0]
+
+    def sides(full, win, name):
+        out = []
+        for r, ((_, g), (_, bufs, wg)) in enumerate(zip(full, win, strict=True)):
+            path = PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"{name}{r}"), fp8=False)
+            out.append((path, path.sibling(pool_planes(wg)), bufs))
+        return out
+
+    prefill, decode = sides(full_p, win_p, "p"), sides(full_d, win_d, "d")
+    pages, src_win, dst_win = np.arange(3), np.array([4, 1]), np.array([0, 3])
+    rooms = []
+    for d, (path, _, _) in enumerate(decode):
+        r = RoomReservations(path, num_layers=LAYERS, hold_s=1.0, window_layers=WINDOW_LAYERS)
+        rooms.append(r.reserve(5, pages, decode_parts(TOTAL, p_tp, d_tp, d), dst_win))
+    for p, (path, window_kv, _) in enumerate(prefill):
+        for d in range(d_tp):
+            part = room_part(TOTAL, p_tp, d_tp, p, d)
+            if part is None:
+                continue
+            res = rooms[d]
+            count = WINDOW_LAYERS * src_win.size
+            run = path.reserve(count, part.heads)
+            whole = part.heads == path.slot.num_heads
+            path.pack(
+                range(WINDOW_LAYERS),
+                src_win,
+                run.first,
+                heads=None if whole else part.p_heads,
+                kv=window_kv,
+            )
+            first = window_start(res.part_first(part.index, LAYERS), LAYERS, pages.size)
+            dst = room_slots(first, dst_win.size, range(WINDOW_LAYERS), np.arange(dst_win.size))
+            _copy_chunks(
+                path, np.arange(run.first, run.first + count), decode[d][0], dst, part.heads
+            )
+            path.release(run)
+    for d, (path, window_kv, bufs) in enumerate(decode):
+        res = rooms[d]
+        for part in res.parts:
+            first = window_start(res.part_first(part.index, LAYERS), LAYERS, pages.size)
+            whole = part.heads == path.slot.num_heads
+            for layer in range(WINDOW_LAYERS):
+                path.unpack(
+                    layer,
+                    dst_win,
+                    first + layer * dst_win.size,
+                    heads=None if whole else part.d_heads,
+                    kv=window_kv,
+                )
+        n = TOTAL // d_tp
+        for i, buf in enumerate(bufs):
+            want = model[i].view(WINDOW_PAGES, PAGE, TOTAL, DIM)[
+                torch.as_tensor(src_win), :, d * n : (d + 1) * n
+            ]
+            got = buf.view(WINDOW_PAGES, PAGE, n, DIM)
+            assert torch.equal(got[torch.as_tensor(dst_win)], want), f"decode rank {d}, buffer {i}"
+            others = np.setdiff1d(np.arange(WINDOW_PAGES), dst_win)
+            assert got[torch.as_tensor(others)].abs().sum().item() == 0
+
+
+def test_a_window_pool_packs_beside_the_full_one_only_with_the_same_rows() -> None:
+    """:meth:`PackedPath.sibling` takes a pool of other page count with the same rows,
+    and refuses one whose rows differ (another head count), naming the direct path."""
+    ((_, g),) = tp_pools(1, 1)
+    path = PackedPath(g, pool_planes(g), 1, LoopbackTransport("p"), fp8=True)
+    ((_, _, same),) = window_pools(1, 2)
+    assert path.sibling(pool_planes(same)).num_layers == WINDOW_LAYERS
+    ((_, _, wider),) = window_pools(1, 2, heads=2 * TOTAL)
+    with pytest.raises(ConfigError, match="same rows") as err:
+        path.sibling(pool_planes(wider))
+    assert err.value.key == "wire_dtype" and "direct path" in str(err.value)

@@ -44,6 +44,7 @@ from kvbridge.wire.messages import StagingInfo
 if TYPE_CHECKING:
     import torch
 
+    from kvbridge import ops
     from kvbridge.transports.common import TransportBase
 
 _FLOAT_CACHES = ("float16", "bfloat16", "float32")
@@ -293,12 +294,41 @@ class PackedPath:
             k[block_id].zero_()
             v[block_id].zero_()
 
+    def sibling(self, planes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ops.PagedKV:
+        """Another pool of this worker whose blocks pack into the same slots: its rows
+        have this cache's block size, KV heads, head dim, dtype and device (SGLang's
+        sliding-window sub-pool beside its full-attention one). Pass the result as
+        ``kv`` to :meth:`pack` and :meth:`unpack`. Called once, when the pool is
+        registered; the engine owns the planes, as it does :attr:`planes`.
+
+        Raises:
+            ConfigError: the pool's blocks differ (naming the direct path as the fix).
+        """
+        from kvbridge import ops
+
+        mine, theirs = self.planes[0][0], planes[0][0] if planes else None
+        if theirs is None or (theirs.shape[1:], theirs.dtype, theirs.device) != (
+            mine.shape[1:],
+            mine.dtype,
+            mine.device,
+        ):
+            raise ConfigError(
+                "the packed data path packs a second pool of this cache only when its blocks "
+                f"hold the same rows as the first ({tuple(mine.shape[1:])}, {mine.dtype}); this "
+                f"one has {None if theirs is None else (tuple(theirs.shape[1:]), theirs.dtype)}",
+                key="wire_dtype" if self.fp8 else "data_path",
+                fix="leave wire_dtype and data_path at their defaults (the direct path) for this "
+                "model",
+            )
+        return ops.PagedKV(list(planes))
+
     def pack(
         self,
         layers: Sequence[int],
         block_ids: Sequence[int],
         first: int,
         heads: tuple[int, int] | None = None,
+        kv: ops.PagedKV | None = None,
     ) -> None:
         """Pack the whole ``block_ids`` of each of ``layers`` into chunks from ``first``:
         layer ``layers[i]``'s block ``j`` in chunk ``first + i * len(block_ids) + j``.
@@ -308,12 +338,14 @@ class PackedPath:
         Whole blocks, like the exact path: the order of tokens inside a block is the
         attention kernel's business (vLLM's CPU kernel keeps a block's keys dim-major),
         so a block is moved as ``block_size`` opaque rows per head and plane, whatever
-        they hold; only a row's ``head_dim`` values must be contiguous."""
+        they hold; only a row's ``head_dim`` values must be contiguous. ``kv``: the
+        pool to read (default this cache; another from :meth:`sibling`)."""
         n = len(block_ids)
         fmt = self.chunk(self.slot.num_heads if heads is None else heads[1] - heads[0])
         out = self._chunks(fmt, first, len(layers) * n)
+        kv = self.kv if kv is None else kv
         self.queue.run(
-            lambda: self.kv.pack(
+            lambda: kv.pack(
                 block_ids,
                 n * self.block_size,
                 layers=layers,
@@ -326,17 +358,23 @@ class PackedPath:
         )
 
     def unpack(
-        self, layer: int, block_ids: Sequence[int], first: int, heads: tuple[int, int] | None = None
+        self,
+        layer: int,
+        block_ids: Sequence[int],
+        first: int,
+        heads: tuple[int, int] | None = None,
+        kv: ops.PagedKV | None = None,
     ) -> None:
         """Unpack chunks ``[first, first + len(block_ids))`` of one layer into the whole
-        ``block_ids`` of this cache, into our KV heads ``heads`` (default all). Returns
-        once the cache holds them."""
+        ``block_ids`` of this cache (or of ``kv``, from :meth:`sibling`), into our KV
+        heads ``heads`` (default all). Returns once the cache holds them."""
         h0, h1 = (0, self.slot.num_heads) if heads is None else heads
         chunk = self.chunk(h1 - h0)
         fmt = chunk._replace(num_tokens=len(block_ids) * self.block_size)
         region = self._chunks(chunk, first, len(block_ids))
+        kv = self.kv if kv is None else kv
         self.queue.run(
-            lambda: self.kv.unpack(region, fmt, block_ids, layers=(layer,), head_start=h0),
+            lambda: kv.unpack(region, fmt, block_ids, layers=(layer,), head_start=h0),
             f"unpacking {len(block_ids)} blocks of layer {layer}",
         )
 

@@ -37,7 +37,7 @@ from kvbridge.adapters.sglang.lifecycle import (
     Verdict,
     decode_epoch,
 )
-from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts
+from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts, window_start
 from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError
 
@@ -85,6 +85,9 @@ class DecodeSide:
                 self.packed,
                 num_layers=self.geometry.spec.num_layers,
                 hold_s=self.config.timeouts.transfer_s,
+                window_layers=(
+                    0 if self.window_geometry is None else self.window_geometry.spec.num_layers
+                ),
             )
         # held while a room is unpacked, and by the receiver's clear/abort: SGLang never
         # frees a room's pages while kvbridge writes into them
@@ -176,6 +179,16 @@ class DecodeSide:
         writes the positions it has, and names how many in its ``Done``)."""
         return transfer_pages(kv_indices, self.page_ratio)
 
+    def window_pages(self, state_indices) -> np.ndarray | None:
+        """A sliding-window pool: a room's window pages of the prompt's last window
+        (SGLang's SWA state indices; ``state_indices`` holds one entry per state type:
+        the one, SWA), empty when SGLang gave none; None for other pools."""
+        if self.window_geometry is None:
+            return None
+        if not state_indices or state_indices[0] is None:
+            return np.empty(0, dtype=np.int64)
+        return np.asarray(state_indices[0], dtype=np.int64)
+
     def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
         of attention TP ``prefill_tp``. Raises
@@ -212,10 +225,8 @@ class DecodeSide:
             else:
                 staging_first = res.first
         window_pages = None
-        if self.window_geometry is not None and not is_dummy and state_indices:
-            # SGLang's SWA state indices: the window pages of the prompt's last window
-            # (``state_indices`` holds one entry per state type: the one, SWA)
-            window_pages = wire.encode_pages(state_indices[0])
+        if not is_dummy and (pages := self.window_pages(state_indices)) is not None:
+            window_pages = wire.encode_pages(pages)
         return wire.encode(
             wire.Destination(
                 room=int(bootstrap_room),
@@ -299,6 +310,13 @@ class DecodeSide:
                 pages = res.pages if not 0 <= written < res.pages.size else res.pages[:written]
                 for layer in range(layers):
                     self.packed.unpack(layer, pages, first + layer * res.pages.size, heads=heads)
+                if res.window_chunks:  # a sliding-window pool's window layers, after them
+                    first = window_start(first, layers, int(res.pages.size))
+                    size = int(res.window_pages.size)
+                    for layer in range(res.window_layers):
+                        self.packed.unpack(
+                            layer, res.window_pages, first + layer * size, heads, self.window_kv
+                        )
                 return True
             except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
                 log.warning("kvbridge: room %s: unpacking failed: %s", room, exc)
@@ -343,6 +361,7 @@ class _StagingWait(NamedTuple):
     pages: np.ndarray
     parts: tuple[Part, ...]
     deadline: float
+    window_pages: np.ndarray | None = None
 
 
 class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
@@ -383,14 +402,17 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
             log.warning("kvbridge: room %s: %s", self.bootstrap_room, exc)
             super().send_metadata(kv_indices, aux_index, *args, **kwargs)
             return
+        window_pages = mgr.window_pages(args[0] if args else kwargs.get("state_indices"))
         wait = _StagingWait(
             (kv_indices, aux_index, *args),
             kwargs,
             pages,
             parts,
             time.monotonic() + mgr.config.timeouts.receive_s,
+            window_pages,
         )
-        if not mgr.reservations.fits(int(pages.size), parts):
+        windows = 0 if window_pages is None else int(window_pages.size)
+        if not mgr.reservations.fits(int(pages.size), parts, windows):
             log.warning(
                 "kvbridge: room %s: %d pages exceed the staging buffer (staging_mb %d) however "
                 "empty",
@@ -398,7 +420,7 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
                 pages.size,
                 mgr.config.staging_mb,
             )
-        elif mgr.reservations.reserve(int(self.bootstrap_room), pages, parts) is None:
+        elif mgr.reservations.reserve(int(self.bootstrap_room), pages, parts, window_pages) is None:
             log.info(
                 "kvbridge: room %s waits for room in the staging buffer (%d pages)",
                 self.bootstrap_room,
@@ -415,7 +437,7 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
                 self._staging_wait = None
             elif (
                 run := self.kv_mgr.reservations.reserve(
-                    int(self.bootstrap_room), wait.pages, wait.parts
+                    int(self.bootstrap_room), wait.pages, wait.parts, wait.window_pages
                 )
             ) is not None or time.monotonic() >= wait.deadline:
                 if run is None:

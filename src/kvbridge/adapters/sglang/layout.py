@@ -159,16 +159,32 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
     )
 
 
-def check_windows(theirs: CacheGeometry | None, mine: CacheGeometry | None) -> None:
+def check_windows(
+    theirs: CacheGeometry | None, mine: CacheGeometry | None, *, packed: bool = False
+) -> None:
     """Raise :class:`IncompatiblePeerError` unless a decode's sliding-window layers
     (``theirs``, from its registration) and this prefill's (``mine``) are kept in pages
-    alike, or neither side has any (:func:`sliding_window_pool`)."""
+    alike, or neither side has any (:func:`sliding_window_pool`). ``packed``: the
+    packed path, where each side's window rows equal its full-attention rows (checked
+    at its start) and the packed format's check covers them, so only the layer count
+    and page size must agree (the rows' bytes differ between TP sizes)."""
     if (mine is None) != (theirs is None):
         raise IncompatiblePeerError(
             f"its KV pool has {'no ' if theirs is None else ''}sliding-window layers and this "
             f"prefill's {'has none' if mine is None else 'has'}: serve the same model on both"
         )
-    if mine is not None and theirs.spec != mine.spec:
+    if mine is None:
+        return
+    if packed:
+        ours, other = mine.spec, theirs.spec
+        if (ours.num_layers, ours.block_size) != (other.num_layers, other.block_size):
+            raise IncompatiblePeerError(
+                f"its {other.num_layers} sliding-window layers in pages of {other.block_size} "
+                f"tokens differ from this prefill's {ours.num_layers} in pages of "
+                f"{ours.block_size}: serve the same model with the same --page-size on both"
+            )
+        return
+    if theirs.spec != mine.spec:
         raise IncompatiblePeerError(
             f"its sliding-window pages ({theirs.spec}) differ from this prefill's ({mine.spec}): "
             "serve the same model with the same KV cache dtype on both"

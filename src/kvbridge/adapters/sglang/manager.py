@@ -23,7 +23,8 @@ acks. What kvbridge adds:
 - a sliding-window pool (:func:`.layout.sliding_window_pool`): its window layers'
   sub-pool registered as a second table; the prefill writes their pages of the
   prompt's last window (SGLang's state indices on both sides) after the last chunk,
-  before ``Done`` (direct path, equal page sizes);
+  before ``Done`` (equal page sizes; on the packed path through the room's staging run,
+  after its full-attention layers);
 - on the decode, a notification thread turning ``Done`` into SGLang's Success, a
   control thread applying failure statuses and abort acks, and an epoch thread that
   notices a restarted prefill (:mod:`.decode`);
@@ -164,6 +165,10 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 )
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
+            self.window_kv = None
+            """Packed path with a sliding-window pool: its window layers' planes, packed
+            into the same staging chunks as the full-attention layers
+            (:meth:`~kvbridge.runtime.packed.PackedPath.sibling`)."""
             if self.config.packed:
                 dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
@@ -175,6 +180,11 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                     fp8=self.config.wire_dtype == "fp8",
                     timeout_s=self.config.timeouts.transfer_s,
                 )
+                if self.window_geometry is not None:
+                    typed_window = typed_geometry(
+                        self.window_geometry, dtype=dtype, head_dim=head_dim
+                    )
+                    self.window_kv = self.packed.sibling(pool_planes(typed_window))
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
         except Exception:
             self.transport.close()
@@ -199,15 +209,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self._init_decode()
 
     def _refuse_window_options(self, unit: int, page_size: int) -> None:
-        """A sliding-window pool moves on the direct path between equal page sizes only:
-        refuse the options that need more, naming the fix (the constructor, once)."""
-        if self.config.packed:
-            raise ConfigError(
-                "the packed data path (wire_dtype 'fp8', data_path 'packed') does not take "
-                "SGLang's sliding-window pools yet",
-                key="wire_dtype" if self.config.wire_dtype == "fp8" else "data_path",
-                fix="leave wire_dtype and data_path at their defaults for this model",
-            )
+        """A sliding-window pool moves between equal page sizes only: refuse
+        ``transfer_block_size``, naming the fix (the constructor, once)."""
         if unit != page_size:
             raise ConfigError(
                 f"transfer_block_size {unit} with --page-size {page_size}: SGLang's "

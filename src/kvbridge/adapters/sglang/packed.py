@@ -21,10 +21,14 @@ sizes a chunk is a slot: one page of one layer, all heads). The decode reserves 
 of ``sources * layers * pages`` chunks per room (:class:`RoomReservations`) and sends
 its first chunk in its ``Destination``; source ``k``'s layer ``l`` page at position
 ``p`` of the room's page list goes to chunk ``first + (k * layers + l) * pages + p``
-(:func:`room_slots`). The prefill packs what a post covers, for each destination its
-head range, into chunks of its own buffer in the same layer-major order, and writes
-them there. The decode unpacks each source's part into its heads when that source's
-``Done`` arrives, before SGLang sees the room as received (SGLang counts the sources).
+(:func:`room_slots`). A hybrid sliding-window pool adds to each part, after its
+full-attention layers, its window layers over the room's window pages (SGLang's state
+indices, :func:`window_start`), in the same chunk format: a server whose window layers'
+rows differ from its full-attention layers' is refused when it starts. The prefill
+packs what a post covers, for each destination its head range, into chunks of its own
+buffer in the same layer-major order, and writes them there. The decode unpacks each
+source's part into its heads when that source's ``Done`` arrives, before SGLang sees
+the room as received (SGLang counts the sources).
 
 A reservation ends exactly once: freed once every source's part is unpacked, or retired
 when SGLang clears a room that never completed (failure, abort, timeout). A retired run
@@ -228,15 +232,29 @@ def decode_parts(
     return parts  # type: ignore[return-value]
 
 
-def part_start(first: int, index: int, num_layers: int, pages: int) -> int:
+def part_start(first: int, index: int, num_layers: int, pages: int, window: int = 0) -> int:
     """The first chunk of source ``index``'s part of a room run starting at chunk
-    ``first`` (``num_layers * pages`` chunks per part): where the prefill writes and the
-    decode unpacks, so both sides use this one rule.
+    ``first`` (``num_layers * pages + window`` chunks per part; ``window``: a
+    sliding-window pool's chunks of the part, :func:`window_start`): where the prefill
+    writes and the decode unpacks, so both sides use this one rule.
 
     >>> part_start(100, 1, 2, 4)
     108
+    >>> part_start(100, 1, 2, 4, window=6)
+    114
     """
-    return first + index * num_layers * pages
+    return first + index * (num_layers * pages + window)
+
+
+def window_start(part_first: int, num_layers: int, pages: int) -> int:
+    """The first chunk of a part's sliding-window layers (a hybrid sliding-window pool,
+    packed path): they follow the part's full-attention layers, layer-major over the
+    room's window pages (:func:`room_slots` with the window's page count).
+
+    >>> window_start(114, 2, 4)
+    122
+    """
+    return part_first + num_layers * pages
 
 
 def room_slots(first: int, pages: int, layers: Sequence[int], positions: np.ndarray) -> np.ndarray:
@@ -262,6 +280,11 @@ class Reservation(NamedTuple):
     """The room's decode page ids (its ``Destination``), position order."""
     parts: tuple[Part, ...]
     """One per source, in source order (:func:`decode_parts`)."""
+    window_pages: np.ndarray | None = None
+    """A sliding-window pool: the room's window page ids (its ``Destination``'s
+    ``window_pages``), position order; None for other pools."""
+    window_layers: int = 0
+    """The pool's sliding-window layers (0: none)."""
 
     @property
     def first(self) -> int:
@@ -269,9 +292,16 @@ class Reservation(NamedTuple):
         ``Destination`` names."""
         return self.run.first
 
+    @property
+    def window_chunks(self) -> int:
+        """Chunks of a part's sliding-window layers."""
+        return 0 if self.window_pages is None else self.window_layers * int(self.window_pages.size)
+
     def part_first(self, index: int, num_layers: int) -> int:
         """The first chunk of source ``index``'s part."""
-        return part_start(self.run.first, index, num_layers, int(self.pages.size))
+        return part_start(
+            self.run.first, index, num_layers, int(self.pages.size), self.window_chunks
+        )
 
 
 class RoomReservations:
@@ -286,38 +316,66 @@ class RoomReservations:
     Args:
         packed: the decode's staging buffer (its chunk runs: ``reserve``, ``release``,
             ``slots_for``).
-        num_layers: layers of the pool.
+        num_layers: layers of the pool (a sliding-window pool: its full-attention
+            layers).
         hold_s: how long a retired run is held before its chunks are reused.
+        window_layers: a sliding-window pool's window layers (0: none); each part of a
+            room then also holds their chunks of the room's window pages.
     """
 
-    def __init__(self, packed: PackedPath, *, num_layers: int, hold_s: float) -> None:
+    def __init__(
+        self, packed: PackedPath, *, num_layers: int, hold_s: float, window_layers: int = 0
+    ) -> None:
         self.packed = packed
         self.num_layers = num_layers
+        self.window_layers = window_layers
         self.hold_s = hold_s
         self._rooms: dict[int, Reservation] = {}
         self._arrived: dict[int, set[int]] = {}
         self._retired: list[tuple[float, Run]] = []  # (free at, run)
         self._lock = threading.Lock()
 
-    def _chunks(self, pages: int, parts: Sequence[Part]) -> int:
-        return len(parts) * self.num_layers * pages
+    def _chunks(self, pages: int, parts: Sequence[Part], window_pages: int = 0) -> int:
+        return len(parts) * (self.num_layers * pages + self.window_layers * window_pages)
 
-    def fits(self, pages: int, parts: Sequence[Part]) -> bool:
-        """Whether a room of ``pages`` pages fits the buffer at all (an empty one)."""
+    def fits(self, pages: int, parts: Sequence[Part], window_pages: int = 0) -> bool:
+        """Whether a room of ``pages`` pages (and ``window_pages`` sliding-window pages)
+        fits the buffer at all (an empty one)."""
         return (
-            self.packed.slots_for(self._chunks(pages, parts), parts[0].heads)
+            self.packed.slots_for(self._chunks(pages, parts, window_pages), parts[0].heads)
             <= self.packed.allocator.num_slots
         )
 
-    def reserve(self, room: int, pages: np.ndarray, parts: Sequence[Part]) -> Reservation | None:
-        """A run for ``room``'s pages (all layers, every source's part), or None when no
-        run is free."""
+    def reserve(
+        self,
+        room: int,
+        pages: np.ndarray,
+        parts: Sequence[Part],
+        window_pages: np.ndarray | None = None,
+    ) -> Reservation | None:
+        """A run for ``room``'s pages (all layers, every source's part; with a
+        sliding-window pool its ``window_pages`` of the window layers too), or None when
+        no run is free."""
         if pages.size == 0:
             raise PlanError(f"room {room}: no pages to reserve staging for")
-        run = self.packed.reserve(self._chunks(int(pages.size), parts), parts[0].heads)
+        if (window_pages is None) != (self.window_layers == 0):
+            raise PlanError(
+                f"room {room}: {'no' if window_pages is None else 'some'} sliding-window pages "
+                f"for a pool of {self.window_layers} window layers"
+            )
+        if window_pages is not None:
+            window_pages = np.asarray(window_pages, dtype=np.int64)
+        n = self._chunks(int(pages.size), parts, 0 if window_pages is None else window_pages.size)
+        run = self.packed.reserve(n, parts[0].heads)
         if run is None:
             return None
-        res = Reservation(run, np.asarray(pages, dtype=np.int64), tuple(parts))
+        res = Reservation(
+            run,
+            np.asarray(pages, dtype=np.int64),
+            tuple(parts),
+            window_pages,
+            self.window_layers,
+        )
         with self._lock:
             old = self._rooms.pop(room, None)
             self._arrived.pop(room, None)
@@ -390,4 +448,5 @@ __all__ = [
     "room_part",
     "room_slots",
     "typed_geometry",
+    "window_start",
 ]

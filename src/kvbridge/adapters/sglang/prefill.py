@@ -44,7 +44,13 @@ from kvbridge.adapters.sglang.layout import (
     transfer_pages,
 )
 from kvbridge.adapters.sglang.lifecycle import Tombstones
-from kvbridge.adapters.sglang.packed import Part, part_start, room_part, room_slots
+from kvbridge.adapters.sglang.packed import (
+    Part,
+    part_start,
+    room_part,
+    room_slots,
+    window_start,
+)
 from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
@@ -296,7 +302,7 @@ class PrefillSide:
                     "a --page-size that is a multiple of the prefill's"
                 ),
             )
-        check_windows(reg.window, self.window_geometry)
+        check_windows(reg.window, self.window_geometry, packed=self.packed is not None)
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
         if self.packed is None:
             if p_tp != d_tp and self.geometry.spec.layout != "latent":
@@ -663,7 +669,11 @@ class PrefillSide:
                     (layer_ids, src, src_table), dst_table = packed[part.p_heads], peer.staging
                     at = np.arange(dest.pages.size, dtype=np.int64)[positions]
                     first = part_start(
-                        dest.staging_first, part.index, self._num_layers, int(dest.pages.size)
+                        dest.staging_first,
+                        part.index,
+                        self._num_layers,
+                        int(dest.pages.size),
+                        self._window_chunks(dest),
                     )
                     dst, slot_bytes = (
                         room_slots(first, dest.pages.size, layer_ids, at),
@@ -686,11 +696,14 @@ class PrefillSide:
     def _post_window(self, room: int, dests: list[_Dest], src_pages: np.ndarray | None) -> None:
         """A sliding-window pool, after the room's last chunk: write the window layers'
         pages of the prompt's last window (SGLang's state indices on both sides, matched
-        by position) into every destination's. Transfer thread."""
+        by position) into every destination's: the pages themselves, or on the packed
+        path the decode rank's heads of them into its part of the room's run, after the
+        part's full-attention layers (:func:`.packed.window_start`). Transfer thread."""
         if src_pages is None:
             raise PlanError("the last chunk carries no sliding-window pages (state indices)")
         xfers = self._inflight.setdefault(room, [])
-        src = self.window_geometry.slots(src_pages)
+        window_layers = self.window_geometry.spec.num_layers
+        packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}
         for dest in dests:
             peer = self.peers.get(dest.agent)
             if peer is None:
@@ -703,16 +716,57 @@ class PrefillSide:
                 )
             if not src_pages.size:
                 continue
-            dst = peer.window_geometry.slots(dst_pages)
-            xfers.append(self.transport.post("write", self.window_table, src, peer.window, dst))
-            self._posted(room, dest, int(src.size) * self.window_geometry.spec.block_bytes)
+            if peer.part is None:  # the pages themselves
+                src = self.window_geometry.slots(src_pages)
+                x = self.transport.post(
+                    "write",
+                    self.window_table,
+                    src,
+                    peer.window,
+                    peer.window_geometry.slots(dst_pages),
+                )
+                nbytes = int(src.size) * self.window_geometry.spec.block_bytes
+            else:  # the decode rank's heads of them, packed, into its part of the room's run
+                part = peer.part
+                if part.p_heads not in packed:
+                    packed[part.p_heads] = self._pack(
+                        room, src_pages, range(window_layers), part, kv=self.window_kv
+                    )
+                layer_ids, src, src_table = packed[part.p_heads]
+                pages = int(dest.pages.size)
+                first = part_start(
+                    dest.staging_first,
+                    part.index,
+                    self._num_layers,
+                    pages,
+                    self._window_chunks(dest),
+                )
+                dst = room_slots(
+                    window_start(first, self._num_layers, pages),
+                    dst_pages.size,
+                    layer_ids,
+                    np.arange(dst_pages.size),
+                )
+                x = self.transport.post("write", src_table, src, peer.staging, dst)
+                nbytes = int(src.size) * self.packed.chunk(part.heads).nbytes
+            xfers.append(x)
+            self._posted(room, dest, nbytes)
+
+    def _window_chunks(self, dest: _Dest) -> int:
+        """Packed path: the staging chunks of each part of ``dest``'s room run that hold
+        a sliding-window pool's window layers (0 without one)."""
+        if self.window_geometry is None or dest.window_pages is None:
+            return 0
+        return self.window_geometry.spec.num_layers * int(dest.window_pages.size)
 
     def _pack(
-        self, room: int, src_pages: np.ndarray, layers, part: Part
+        self, room: int, src_pages: np.ndarray, layers, part: Part, kv=None
     ) -> tuple[list[int], np.ndarray, object]:
         """Pack ``part``'s heads of ``layers`` (default all) of ``src_pages`` into a run of
         chunks of our staging buffer, layer-major; the room holds the run until it is
-        released. Returns the layer ids, the run's chunks and the table they index."""
+        released. ``kv``: the pool (default the full-attention one; a sliding-window
+        pool's :attr:`window_kv`). Returns the layer ids, the run's chunks and the table
+        they index."""
         layer_ids = (
             list(range(self._num_layers)) if layers is None else [int(layer) for layer in layers]
         )
@@ -725,7 +779,9 @@ class PrefillSide:
             )
         self._packed_runs.setdefault(room, []).append(run)
         whole = part.heads == self.packed.slot.num_heads
-        self.packed.pack(layer_ids, src_pages, run.first, heads=None if whole else part.p_heads)
+        self.packed.pack(
+            layer_ids, src_pages, run.first, heads=None if whole else part.p_heads, kv=kv
+        )
         return (
             layer_ids,
             np.arange(run.first, run.first + count, dtype=np.int64),
