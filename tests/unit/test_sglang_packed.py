@@ -217,17 +217,20 @@ def rows_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 TOTAL = 4  # the model's KV heads in the TP tests below
 
 
-def tp_pools(tp: int, seed: int | None) -> list:
-    """One SGLang pool per rank of a TP-``tp`` instance: rank ``r`` holds heads
-    ``[r * TOTAL / tp, ...)`` of the same random model KV (zeros: ``seed`` None)."""
+def tp_pools(
+    tp: int, seed: int | None, *, pages: int = PAGES, layers: int = LAYERS, heads: int = TOTAL
+) -> list:
+    """One SGLang pool of ``layers`` layers over ``pages`` pages per rank of a
+    TP-``tp`` instance: rank ``r`` holds heads ``[r * heads / tp, ...)`` of the same
+    random model KV (zeros: ``seed`` None)."""
     gen = torch.Generator().manual_seed(seed or 0)
     model = [
-        torch.randn(PAGES * PAGE, TOTAL, DIM, generator=gen).to(torch.bfloat16)
-        for _ in range(2 * LAYERS)
+        torch.randn(pages * PAGE, heads, DIM, generator=gen).to(torch.bfloat16)
+        for _ in range(2 * layers)
     ]
     if seed is None:
         model = [torch.zeros_like(b) for b in model]
-    n = TOTAL // tp
+    n = heads // tp
     pools = []
     for r in range(tp):
         bufs = [b[:, r * n : (r + 1) * n].contiguous() for b in model]
@@ -485,28 +488,9 @@ def test_window_chunks_follow_each_parts_full_layers_and_fill_the_run(
 
 
 def window_pools(tp: int, seed: int | None, heads: int = TOTAL) -> list:
-    """Per rank of a TP-``tp`` instance: its window sub-pool of ``heads`` KV heads over
-    ``WINDOW_PAGES`` pages, its share of the same model KV (zeros: ``seed`` None)."""
-    gen = torch.Generator().manual_seed(seed or 0)
-    rows = WINDOW_PAGES * PAGE
-    model = [
-        torch.randn(rows, heads, DIM, generator=gen).to(torch.bfloat16)
-        if seed is not None
-        else torch.zeros(rows, heads, DIM, dtype=torch.bfloat16)
-        for _ in range(2 * WINDOW_LAYERS)
-    ]
-    n = heads // tp
-    pools = []
-    for r in range(tp):
-        bufs = [b[:, r * n : (r + 1) * n].contiguous() for b in model]
-        geo = kv_geometry(
-            page_size=PAGE,
-            ptrs=[b.data_ptr() for b in bufs],
-            lens=[b.numel() * b.element_size() for b in bufs],
-            item_lens=[PAGE * n * DIM * 2] * len(bufs),
-        )
-        pools.append((model, bufs, typed_geometry(geo, dtype="bfloat16", head_dim=DIM)))
-    return pools
+    """Per rank of a TP-``tp`` instance: its window sub-pool (:func:`tp_pools` of
+    ``WINDOW_LAYERS`` layers over ``WINDOW_PAGES`` pages)."""
+    return tp_pools(tp, seed, pages=WINDOW_PAGES, layers=WINDOW_LAYERS, heads=heads)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
@@ -520,11 +504,11 @@ def test_a_rooms_window_pages_cross_between_tp_sizes_after_its_full_layers(
     Exact values, the other window pages untouched; full-attention chunks unread."""
     full_p, full_d = tp_pools(p_tp, 5), tp_pools(d_tp, None)
     win_p, win_d = window_pools(p_tp, 6), window_pools(d_tp, None)
-    model = win_p[0][0]
+    model = window_pools(1, 6)[0][0]
 
     def sides(full, win, name):
         out = []
-        for r, ((_, g), (_, bufs, wg)) in enumerate(zip(full, win, strict=True)):
+        for r, ((_, g), (bufs, wg)) in enumerate(zip(full, win, strict=True)):
             path = PackedPath(g, pool_planes(g), 1, LoopbackTransport(f"{name}{r}"), fp8=False)
             out.append((path, path.sibling(pool_planes(wg)), bufs))
         return out
@@ -584,11 +568,10 @@ def test_a_rooms_window_pages_cross_between_tp_sizes_after_its_full_layers(
 def test_a_window_pool_packs_beside_the_full_one_only_with_the_same_rows() -> None:
     """:meth:`PackedPath.sibling` takes a pool of other page count with the same rows,
     and refuses one whose rows differ (another head count), naming the direct path."""
-    ((_, g),) = tp_pools(1, 1)
-    path = PackedPath(g, pool_planes(g), 1, LoopbackTransport("p"), fp8=True)
-    ((_, _, same),) = window_pools(1, 2)
-    assert path.sibling(pool_planes(same)).num_layers == WINDOW_LAYERS
-    ((_, _, wider),) = window_pools(1, 2, heads=2 * TOTAL)
+    # each pool's buffers stay referenced: the geometries only point at them
+    (full,), (same,), (wider,) = tp_pools(1, 1), window_pools(1, 2), window_pools(1, 2, 2 * TOTAL)
+    path = PackedPath(full[1], pool_planes(full[1]), 1, LoopbackTransport("p"), fp8=True)
+    assert path.sibling(pool_planes(same[1])).num_layers == WINDOW_LAYERS
     with pytest.raises(ConfigError, match="same rows") as err:
-        path.sibling(pool_planes(wider))
+        path.sibling(pool_planes(wider[1]))
     assert err.value.key == "wire_dtype" and "direct path" in str(err.value)
