@@ -1,8 +1,10 @@
-"""One request per bootstrap room (``adapters/sglang/rooms.py``): the holder bookkeeping
-of kvbridge's sender and receiver, on an endpoint that does what SGLang's
+"""Bootstrap rooms (``adapters/sglang/rooms.py``): the holder bookkeeping of kvbridge's
+sender and receiver, on an endpoint that does what SGLang's
 ``CommonKVSender/Receiver.__init__`` and ``clear`` do to the manager's status table.
-The real servers' behaviour (an ``n > 1`` request refused on both sides) is in
-``test_sglang_failures.py``. Runs in .venv-sglang (``rooms`` imports SGLang's classes)."""
+The real servers' behaviour (``n > 1`` requests answered through lanes, in bursts too)
+is in ``test_sglang_failures.py``, the lanes' unit tests in
+``tests/unit/test_sglang_adapter.py``. Runs in .venv-sglang (``rooms`` imports
+SGLang's classes)."""
 
 from __future__ import annotations
 
@@ -86,19 +88,19 @@ def test_a_second_request_on_a_held_room_fails_and_so_does_the_holder(
         second = Endpoint(mgr, ROOM)
     assert (
         second.refused is not None
-        and "n > 1" in second.refused
+        and "give every request its own bootstrap room" in second.refused
         and "on this decode" in second.refused
     )
     assert second.refused in caplog.text
     assert second.conclude_state == KVPoll.Failed and not second._owns_bootstrap_room
     assert mgr.request_status[ROOM] == KVPoll.Failed  # the holder polls Failed ...
     assert mgr.failure_records[ROOM] == second.refused  # ... with the same reason
-    with pytest.raises(_c.KVTransferError, match="n > 1"):
+    with pytest.raises(_c.KVTransferError, match="its own bootstrap room"):
         second.failure_exception()
     assert ROOM in mgr.failure_records  # the holder's record stays for the holder
     second.clear()
     assert mgr.request_status[ROOM] == KVPoll.Failed and mgr.room_holders[ROOM] is first
-    with pytest.raises(_c.KVTransferError, match="n > 1"):
+    with pytest.raises(_c.KVTransferError, match="its own bootstrap room"):
         first.failure_exception()
     first.clear()
     assert ROOM not in mgr.request_status and ROOM not in mgr.room_holders

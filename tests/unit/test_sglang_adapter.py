@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import messages as wire
+from kvbridge.adapters.sglang.lanes import RoomLanes, lane_room
 from kvbridge.adapters.sglang.layout import (
     AuxLayout,
     check_windows,
@@ -469,3 +470,29 @@ def test_prometheus_export_sets_staging_levels() -> None:
 def test_no_export_without_sglang_metrics(monkeypatch) -> None:
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert exporter(role="decode", tp_rank=0, transport="nixl") is None
+
+
+# --- lanes: the samples of a request with n > 1 on one bootstrap room ------------------
+
+
+def test_each_endpoint_of_a_room_gets_its_lane_and_both_servers_agree() -> None:
+    """The k-th endpoint made for a room works under ``lane_room(room, k)``, the first
+    under the room itself; a prefill and a decode that see the room's requests in the
+    same order (primer, then samples) pair lane for lane. Lane rooms stay distinct,
+    below 2**63 and keep the room's residue modulo every data-parallel size up to 16."""
+    for room in (12345, (1 << 63) - 3):  # the second: lane ids count down from the top
+        prefill, decode = RoomLanes(), RoomLanes()
+        lanes = [prefill.take(room) for _ in range(9)]  # a primer and 8 samples
+        assert lanes == [decode.take(room) for _ in range(9)]
+        assert lanes[0] == room and lanes == [lane_room(room, k) for k in range(9)]
+        assert len(set(lanes)) == 9 and all(0 <= r < 1 << 63 for r in lanes)
+        for dp in range(1, 17):
+            assert {r % dp for r in lanes} == {room % dp}, dp
+    assert RoomLanes().take(None) is None  # no room (SGLang's fake transfers)
+
+
+def test_lanes_are_kept_for_the_recent_rooms_only() -> None:
+    lanes = RoomLanes(capacity=2)
+    assert [lanes.take(r) for r in (1, 2, 1)] == [1, 2, lane_room(1, 1)]
+    lanes.take(3)  # room 2, the least recently used, is forgotten
+    assert lanes.take(1) == lane_room(1, 2) and lanes.take(2) == 2

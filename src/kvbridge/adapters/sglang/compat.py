@@ -23,7 +23,7 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   hook on ``layers.radix_attention.RadixAttention.forward`` (``self.layer_id``)
   reports each finished layer of the active plan. :func:`extend_requests` and :func:`page_ids` read
   ``ScheduleBatch.reqs / forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and
-  ``Req.bootstrap_room / disagg_kv_sender / origin_input_ids / disagg_decode_prefix_len /
+  ``Req.disagg_kv_sender (its bootstrap_room) / origin_input_ids / disagg_decode_prefix_len /
   kv.req_pool_idx``; ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
 - The packed path (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
   .from_server_args`` (``.dtype``, ``.head_dim``) and ``KVArgs.kv_cache_dtype_str``
@@ -184,7 +184,8 @@ def extend_requests(batch, model_runner) -> list[ExtendReq]:
     out = []
     for i, req in enumerate(reqs):
         sender = getattr(req, "disagg_kv_sender", None)
-        room = getattr(req, "bootstrap_room", None)
+        # the sender's room: kvbridge's senders work under their lane's (adapters/sglang/rooms.py)
+        room = getattr(sender, "bootstrap_room", None)
         if sender is None or room is None:
             continue
         out.append(

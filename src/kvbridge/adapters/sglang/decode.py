@@ -365,8 +365,9 @@ class _StagingWait(NamedTuple):
 
 
 class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
-    """SGLang's receiver. A second request on a room another receiver holds fails at
-    once, and so does the holder (:mod:`.rooms`). On the packed path (``wire_dtype:
+    """SGLang's receiver. Works under its lane's room id (:mod:`.rooms`: the samples of a
+    request with ``n > 1`` share its bootstrap room); a second request on a lane another
+    receiver holds fails at once, and so does the holder. On the packed path (``wire_dtype:
     fp8``, ``data_path: packed``):
 
     - ``send_metadata`` first reserves the room's staging run (a part per prefill rank
@@ -386,6 +387,7 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
     _staging_wait: _StagingWait | None = None
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room=None, *args, **kwargs):
+        bootstrap_room = mgr.room_lanes.take(bootstrap_room)  # this request's lane
         holder = self._holder(mgr, bootstrap_room)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
         self._hold_or_refuse(holder, "decode")

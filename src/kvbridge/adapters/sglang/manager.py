@@ -5,7 +5,8 @@ share), then :mod:`.prefill` (the prefill rank's threads and SGLang's sender) an
 :mod:`.decode` (the decode rank's threads and SGLang's receiver), :mod:`.bootstrap`
 (the prefill's bootstrap server), then the pure pieces: :mod:`.messages` (the wire),
 :mod:`.layout` (pools as slot tables), :mod:`.streaming` (per-layer plans),
-:mod:`.packed` (staging runs and TP parts), :mod:`.lifecycle` (epochs, tombstones).
+:mod:`.packed` (staging runs and TP parts), :mod:`.lifecycle` (epochs, tombstones),
+:mod:`.lanes` (room ids for several requests on one room; :mod:`.rooms` says why).
 
 What comes from SGLang (``common/conn.py``, subclassed): the bootstrap server and the
 rank registry, the ZMQ control sockets, the per-room status table and its poll
@@ -59,6 +60,7 @@ import zmq
 from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
+from kvbridge.adapters.sglang.lanes import RoomLanes
 from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, sliding_window_pool
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
 from kvbridge.adapters.sglang.prefill import (
@@ -149,6 +151,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         self._stop = threading.Event()
         self.room_holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         """Room -> the sender or receiver holding it (:mod:`.rooms`); scheduler thread."""
+        self.room_lanes = RoomLanes()
+        """Each new sender's or receiver's room id: its lane of its bootstrap room
+        (:mod:`.lanes`, :mod:`.rooms`)."""
         try:
             self.transport.register(
                 self.geometry.regions(), memory=self.memory, device=self.device_index

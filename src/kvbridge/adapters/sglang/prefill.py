@@ -980,13 +980,15 @@ def _raise(exc: BaseException) -> None:
 
 
 class KVBridgeKVSender(SoleHolder, _c.Sender):
-    """SGLang's sender (scheduler thread). A second request on a room another sender
-    holds fails at once, and so does the holder (:mod:`.rooms`)."""
+    """SGLang's sender (scheduler thread). Works under its lane's room id (:mod:`.rooms`:
+    the samples of a request with ``n > 1`` share its bootstrap room); a second request
+    on a lane another sender holds fails at once, and so does the holder."""
 
     # The scheduler must hand page ids as numpy arrays (its host-tensor path needs CUDA).
     supports_host_tensor_indices = False
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room, *args, **kwargs):
+        bootstrap_room = mgr.room_lanes.take(bootstrap_room)  # this request's lane
         holder = self._holder(mgr, bootstrap_room)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
         refused = self._hold_or_refuse(holder, "prefill")

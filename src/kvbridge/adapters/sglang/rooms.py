@@ -1,24 +1,36 @@
-"""One request per bootstrap room at a time: what kvbridge's SGLang sender and receiver
-do when a second request arrives on a room that another one holds.
+"""Bootstrap rooms shared by several requests: SGLang's parallel sampling, and what
+kvbridge's SGLang sender and receiver do when a second request arrives on a room that
+another one holds.
 
 SGLang keys every piece of a transfer by its bootstrap room (the manager's status
 table, the decode's destinations, failure reasons, abort acknowledgements), so a room
 can carry one request at a time on each server. SGLang 0.5.23 breaks that with
 parallel sampling in disaggregated mode: the tokenizer manager sends a prefix primer
 and then each of the ``n`` samples under the request's one room, on both servers.
-With the default decode allocation policy SGLang does not check for this (its
-``prefill_complete`` policy does); the samples then share one status and one set of
-destinations, and the request hangs until the timeouts (measured: no answer in 120 s).
+With SGLang's own backends such a request hangs until the timeouts (measured: no
+answer in 120 s).
 
-kvbridge makes the second request on a held room fail at once, on either side, naming
-the fix. It never holds the room: its ``clear`` and ``abort`` touch none of the room's
-state and its ``failure_exception`` raises its own reason. The holder fails too, with
-the same reason, unless its transfer already succeeded: its partner on the other side
-cannot tell which sample it pairs with. On the decode, SGLang then releases the
-holder's pages only after the prefill acknowledged the abort (deferred release), so
-no write lands in reused pages. A room whose holder finished and was cleared may be
-used again (the primer's room is, by the samples); each holder's :attr:`SoleHolder.nonce`
-keeps an earlier request's destination and ``Done`` from reaching the next one.
+*Lanes* (:mod:`.lanes`): each server creates the endpoints of a room in the same
+order (the primer, then the samples, as its tokenizer sends them; every attention TP
+rank alike), so the ``k``-th sender of a room on the prefill and the ``k``-th receiver
+of that room on the decode are partners. kvbridge gives the ``k``-th endpoint of room
+``R`` its own room id, :func:`.lanes.lane_room` ``(R, k)`` (``R`` itself for the first, so a
+request with ``n = 1`` keeps its room), under which SGLang's tables and kvbridge's
+messages keep it apart from the other samples. Every sample has the same prompt, so
+whichever prefill sample a decode sample pairs with gives it the same KV and a first
+token sampled from the same distribution. This relies on rooms being unique per
+request (SGLang's router draws a random 63-bit room for each), as SGLang itself does.
+
+Should a lane's room be held by another endpoint still (only if two requests share a
+room, against that rule), kvbridge makes the second fail at once, on either side,
+naming the cause. It never holds the room: its ``clear`` and ``abort`` touch none of
+the room's state and its ``failure_exception`` raises its own reason. The holder fails
+too, with the same reason, unless its transfer already succeeded: its partner on the
+other side cannot tell which request it pairs with. On the decode, SGLang then
+releases the holder's pages only after the prefill acknowledged the abort (deferred
+release), so no write lands in reused pages. Each holder's :attr:`SoleHolder.nonce`
+keeps an earlier request's destination and ``Done`` from reaching a later holder of
+the same room.
 
 Who calls: :class:`~.prefill.KVBridgeKVSender` and :class:`~.decode.KVBridgeKVReceiver`
 (SGLang's scheduler thread), at construction and from SGLang's calls.
@@ -39,10 +51,9 @@ _nonces = itertools.count(1)
 
 def duplicate_reason(room: int, side: str) -> str:
     return (
-        f"kvbridge: bootstrap room {room} already carries another request on this {side}. "
-        "A room pairs one prefill request with one decode request, and SGLang gives every "
-        "sample of a request with n > 1 (parallel sampling) the request's one room: send "
-        "n requests with n = 1 instead"
+        f"kvbridge: bootstrap room {room} already carries another request on this {side}: "
+        "a room pairs the requests of one prompt (its samples one by one); give every "
+        "request its own bootstrap room (SGLang's router draws a random one)"
     )
 
 
