@@ -19,7 +19,9 @@ request with ``n = 1`` keeps its room), under which SGLang's tables and kvbridge
 messages keep it apart from the other samples. Every sample has the same prompt, so
 whichever prefill sample a decode sample pairs with gives it the same KV and a first
 token sampled from the same distribution. This relies on rooms being unique per
-request (SGLang's router draws a random 63-bit room for each), as SGLang itself does.
+request (SGLang's router draws a random 63-bit room for each), as SGLang itself does,
+and, with SGLang's data parallelism, on each server handing all requests of a room to
+one DP rank (its ``follow_bootstrap_room`` balancing; not run here).
 
 Should a lane's room be held by another endpoint still (only if two requests share a
 room, against that rule), kvbridge makes the second fail at once, on either side,
