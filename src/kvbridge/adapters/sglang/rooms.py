@@ -61,10 +61,11 @@ def duplicate_reason(room: int, side: str) -> str:
 
 class SoleHolder:
     """Mixed into kvbridge's sender and receiver, before SGLang's class. The subclass
-    calls :meth:`_holder` before SGLang's ``__init__`` and :meth:`_hold_or_refuse`
-    after it, and :meth:`_clear_once` then :meth:`_let_go` from ``clear`` (the sender
-    from ``abort`` too; a receiver holds its room through an abort until SGLang first
-    clears it).
+    takes its lane's room id (:class:`.lanes.RoomLanes`; ``bootstrap_room`` is that id
+    from then on), calls :meth:`_holder` before SGLang's ``__init__`` and
+    :meth:`_hold_or_refuse` after it, and :meth:`_clear_once` then :meth:`_let_go`
+    from ``clear`` (the sender from ``abort`` too; a receiver holds its room through an
+    abort until SGLang first clears it).
 
     Holders are kept in the manager's ``room_holders`` (a weak mapping: an endpoint
     SGLang drops without clearing lets go too). SGLang's status table does not tell:
