@@ -23,6 +23,7 @@ disaggregated SGLang server drains in-flight requests on SIGTERM, possibly forev
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from sglang_helpers import (
     generate_ids,
     generate_logprobs,
     generate_through,
+    http,
     kv_bytes,
     kvbridge_metrics,
     pd_config,
@@ -216,6 +218,38 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(
     assert received == want, (
         f"the decode received {received} bytes; the {len(second) - hit} tokens past a {hit}-token "
         f"hit are {want}"
+    )
+
+
+def test_parallel_sampling_moves_the_prompt_once_into_a_decode_radix_cache(
+    pd_router: PD, colocated: Proc, model: Path, request: pytest.FixtureRequest
+) -> None:
+    """``n = 4``: SGLang runs the prefix primer and then each sample on the request's
+    one bootstrap room, each a transfer of its own (``adapters/sglang/lanes.py``). A
+    decode with its own radix cache keeps the primer's pages, so each sample finds
+    them and receives only the pages past the hit (SGLang never matches a prompt's last
+    token); without one, each sample receives the whole prompt again. Greedy: every
+    sample decodes as colocated does."""
+    d_page, radix = request.node.callspec.params["pd_router"][5:7]
+    n, input_ids = 4, prompt_ids(300, seed=4343)  # not sent before: the primer moves it all
+    want = generate_ids(colocated.url, input_ids)
+    before = kvbridge_metrics(pd_router.decode.url)
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "n": n},
+    }
+    status, data = http(f"{pd_router.router.url}/generate", body, timeout=REQUEST_TIMEOUT_S)
+    assert status == 200, f"{status}: {data[:500]!r}"
+    samples = [out["output_ids"] for out in json.loads(data)]
+    assert samples == [want] * n, f"{samples} != {n} x colocated {want}"
+    whole = kv_bytes(model, pd_router.prefill, len(input_ids))
+    hit = (len(input_ids) - 1) // d_page * d_page if radix else 0
+    per_sample = whole - kv_bytes(model, pd_router.prefill, hit)
+    expected = whole + n * per_sample
+    received = wait_received_bytes(pd_router.decode.url, before, expected)
+    assert received == expected, (
+        f"the decode received {received} bytes: the primer's {whole} and {n} samples past a "
+        f"{hit}-token hit are {expected}"
     )
 
 
