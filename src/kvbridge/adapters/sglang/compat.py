@@ -184,9 +184,9 @@ def extend_requests(batch, model_runner) -> list[ExtendReq]:
     out = []
     for i, req in enumerate(reqs):
         sender = getattr(req, "disagg_kv_sender", None)
-        # the sender's room: kvbridge's senders work under their lane's (adapters/sglang/rooms.py)
-        room = getattr(sender, "bootstrap_room", None)
-        if sender is None or room is None:
+        # the sender's room: kvbridge's senders work under their lane's (adapters/sglang/lanes.py)
+        room = getattr(sender, "bootstrap_room", None)  # None without a sender
+        if room is None:
             continue
         out.append(
             ExtendReq(

@@ -246,6 +246,17 @@ def part_start(first: int, index: int, num_layers: int, pages: int, window: int 
     return first + index * (num_layers * pages + window)
 
 
+def window_chunks(window_layers: int, window_pages: np.ndarray | None) -> int:
+    """The chunks of a part of a room run that hold a sliding-window pool's
+    ``window_layers`` over the room's ``window_pages`` (None, or no window layers: 0):
+    the ``window`` of :func:`part_start`, counted by both sides with this one rule.
+
+    >>> window_chunks(2, np.array([7, 9, 4])), window_chunks(2, None)
+    (6, 0)
+    """
+    return 0 if window_pages is None else window_layers * int(window_pages.size)
+
+
 def window_start(part_first: int, num_layers: int, pages: int) -> int:
     """The first chunk of a part's sliding-window layers (a hybrid sliding-window pool,
     packed path): they follow the part's full-attention layers, layer-major over the
@@ -295,7 +306,7 @@ class Reservation(NamedTuple):
     @property
     def window_chunks(self) -> int:
         """Chunks of a part's sliding-window layers."""
-        return 0 if self.window_pages is None else self.window_layers * int(self.window_pages.size)
+        return window_chunks(self.window_layers, self.window_pages)
 
     def part_first(self, index: int, num_layers: int) -> int:
         """The first chunk of source ``index``'s part."""
@@ -448,5 +459,6 @@ __all__ = [
     "room_part",
     "room_slots",
     "typed_geometry",
+    "window_chunks",
     "window_start",
 ]

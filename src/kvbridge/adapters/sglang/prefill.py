@@ -49,6 +49,7 @@ from kvbridge.adapters.sglang.packed import (
     part_start,
     room_part,
     room_slots,
+    window_chunks,
     window_start,
 )
 from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
@@ -703,6 +704,7 @@ class PrefillSide:
             raise PlanError("the last chunk carries no sliding-window pages (state indices)")
         xfers = self._inflight.setdefault(room, [])
         window_layers = self.window_geometry.spec.num_layers
+        src_slots = self.window_geometry.slots(src_pages)  # the direct path's sources
         packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}
         for dest in dests:
             peer = self.peers.get(dest.agent)
@@ -717,15 +719,14 @@ class PrefillSide:
             if not src_pages.size:
                 continue
             if peer.part is None:  # the pages themselves
-                src = self.window_geometry.slots(src_pages)
                 x = self.transport.post(
                     "write",
                     self.window_table,
-                    src,
+                    src_slots,
                     peer.window,
                     peer.window_geometry.slots(dst_pages),
                 )
-                nbytes = int(src.size) * self.window_geometry.spec.block_bytes
+                nbytes = int(src_slots.size) * self.window_geometry.spec.block_bytes
             else:  # the decode rank's heads of them, packed, into its part of the room's run
                 part = peer.part
                 if part.p_heads not in packed:
@@ -755,9 +756,9 @@ class PrefillSide:
     def _window_chunks(self, dest: _Dest) -> int:
         """Packed path: the staging chunks of each part of ``dest``'s room run that hold
         a sliding-window pool's window layers (0 without one)."""
-        if self.window_geometry is None or dest.window_pages is None:
+        if self.window_geometry is None:
             return 0
-        return self.window_geometry.spec.num_layers * int(dest.window_pages.size)
+        return window_chunks(self.window_geometry.spec.num_layers, dest.window_pages)
 
     def _pack(
         self, room: int, src_pages: np.ndarray, layers, part: Part, kv=None
