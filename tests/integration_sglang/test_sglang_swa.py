@@ -13,7 +13,9 @@ longer than the window: greedy output equals a colocated server's token for toke
 prefill's log shows the path each request took, and the decode received exactly the
 full layers' pages of the prompt plus the window layers' pages of its last window
 (SGLang's window start, rounded down to a page), as bytes of the path's format
-(csrc/PACKED_FORMAT.md for FP8). An option the window pool does not take
+(csrc/PACKED_FORMAT.md for FP8). The decodes keep a radix cache of their own: a
+conversation's next turn moves only the pages past SGLang's hit and the new window's.
+An option the window pool does not take
 (``transfer_block_size``) is refused when the server starts, naming the fix.
 """
 
@@ -98,25 +100,34 @@ def swa_pd(
     log_dir = tmp_path_factory.mktemp(f"swa-{transport}-{wire}")
     sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, p_tp, 1)
     env = sides.pop("env")
+    # the decode keeps finished requests in its radix cache (random prompts: no hits but
+    # those of test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks)
+    sides["decode_args"] = [*sides["decode_args"], "--disaggregation-decode-enable-radix-cache"]
     for pd in start_pd(swa_model, log_dir, env, layerwise, **sides):
         yield SwaPD(pd, wire, p_tp)
 
 
-def expected_bytes(model: Path, server: Proc, n: int, *, fp8: bool = False) -> int:
-    """KV bytes of an ``n``-token prompt in SGLang's sliding-window pool, from the model's
-    config: every page of the prompt in each full-attention layer, and in each window
-    layer the pages from SGLang's window start (``n`` minus its window of
-    ``sliding_window - 1`` tokens, HF's inclusive window made exclusive, rounded down to
-    a page) to the prompt's end. A row (one token's one head of K or V) is ``head_dim``
-    values of the server's KV dtype, or with ``fp8`` as many FP8 bytes and a float32
-    scale (csrc/PACKED_FORMAT.md)."""
+def window_size(model: Path) -> int:
+    """SGLang's sliding window of the test model: Laguna's ``sliding_window - 1`` (HF's
+    inclusive window made exclusive)."""
+    return json.loads((model / "config.json").read_text())["sliding_window"] - 1
+
+
+def expected_bytes(model: Path, server: Proc, n: int, *, hit: int = 0, fp8: bool = False) -> int:
+    """KV bytes of an ``n``-token prompt in SGLang's sliding-window pool whose first
+    ``hit`` tokens (a page multiple) the decode holds already, from the model's config:
+    each full-attention layer's pages of the prompt past the hit, and each window
+    layer's pages from SGLang's window start (``n`` minus :func:`window_size`, or the hit
+    if later, rounded down to a page) to the prompt's end. A row (one token's one head of
+    K or V) is ``head_dim`` values of the server's KV dtype, or with ``fp8`` as many FP8
+    bytes and a float32 scale (csrc/PACKED_FORMAT.md)."""
     cfg = json.loads((model / "config.json").read_text())
     kinds = cfg["layer_types"]
     row = cfg["head_dim"] + 4 if fp8 else cfg["head_dim"] * kv_itemsize(server)
     page_bytes = PAGE * cfg["num_key_value_heads"] * row
     pages = math.ceil(n / PAGE)
-    window_start = max(0, n - (cfg["sliding_window"] - 1)) // PAGE
-    full = kinds.count("full_attention") * pages
+    window_start = max(hit, n - window_size(model)) // PAGE
+    full = kinds.count("full_attention") * (pages - hit // PAGE)
     window = kinds.count("sliding_attention") * (pages - window_start)
     return 2 * (full + window) * page_bytes  # K and V
 
@@ -191,3 +202,60 @@ def test_transfer_block_size_is_refused_at_start_naming_the_fix(
         assert "unset transfer_block_size" in log, server.log_tail()
     finally:
         server.kill()
+
+
+def decode_hit(model: Path, previous: int, n: int) -> int:
+    """Tokens of an ``n``-token prompt that SGLang's decode radix cache serves after it
+    finished a request of ``previous`` tokens (prompt and output) that the prompt
+    extends: the previous request's KV (all but its last token, which no forward saw)
+    in whole pages, but no further than the last page before the decode's window tail
+    (``n - 1 - max(window, page)`` rounded down to a page; the window layers' pages of
+    that tail the decode allocates afresh and receives, ``disaggregation/decode.py::
+    _swa_tail_len``)."""
+    cached = (previous - 1) // PAGE * PAGE
+    tail_start = max(0, n - 1 - max(window_size(model), PAGE)) // PAGE * PAGE
+    return min(cached, tail_start)
+
+
+# new tokens per turn: past the window (the hit ends at the previous request's last
+# page), then under it (the window tail caps the hit)
+TURNS = [200, 60, 100, 20]
+
+
+def test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks(
+    swa_pd: SwaPD, colocated_swa: Proc, swa_model: Path
+) -> None:
+    """A conversation: each turn's prompt is the previous prompt, the pair's answer to
+    it and new tokens. The decode keeps each finished request's pages in its radix cache
+    (``--disaggregation-decode-enable-radix-cache``), full-attention and window layers,
+    and matches the next turn against them: it receives only the pages past the hit
+    (and the window layers' pages of the new window), yet decodes as a colocated server
+    does (FP8: the decode's first computed token within FP8 noise). A hit that kvbridge
+    wrote past, or whose window pages it sent to the wrong place, decodes other tokens."""
+    pd, fp8 = swa_pd.pd, swa_pd.wire == "fp8"
+    prompt: list[int] = []
+    previous = 0
+    for turn, new in enumerate(TURNS):
+        prompt = prompt + prompt_ids(new, seed=5150 + turn)
+        hit = decode_hit(swa_model, previous, len(prompt)) if turn else 0
+        before = kvbridge_metrics(pd.decode.url)
+        if fp8:
+            want, want_tops = generate_logprobs(colocated_swa.url, prompt)
+            got, got_tops = generate_logprobs(pd.router.url, prompt)
+            drift = fp8_drift(want_tops[1], got_tops[1])
+            assert drift < FP8_MAX_DRIFT, f"turn {turn}: logprobs moved by {drift:.2f}"
+        else:
+            want = generate_ids(colocated_swa.url, prompt)
+            got = generate_through(pd, prompt)
+            assert got == want, f"turn {turn} ({len(prompt)} tokens, {hit} hit): {got} != {want}"
+        expected = expected_bytes(swa_model, pd.decode, len(prompt), hit=hit, fp8=fp8)
+        received = wait_received_bytes(pd.decode.url, before, expected)
+        assert received == expected, (
+            f"turn {turn}: the decode received {received} bytes; the {len(prompt)}-token "
+            f"prompt past a {hit}-token hit is {expected}"
+        )
+        previous = len(prompt) + len(got)
+        prompt = prompt + got
+    if swa_pd.wire != "direct":
+        wait_staging_idle(pd.prefill)
+        wait_staging_idle(pd.decode)
