@@ -7,8 +7,9 @@ hold only each request's last window. The test model: the tiny Laguna of
 Three pairs: the direct path over NIXL per layer; the packed path with exact values
 over Mooncake per chunk from a prefill of two attention TP ranks into a decode of one
 (each prefill rank moves its half of the KV heads, of the window layers too); FP8 on
-the wire over NIXL per layer. For prompts shorter and
-longer than the window: greedy output equals a colocated server's token for token
+the wire over NIXL per layer from a prefill of one attention TP rank into a decode of
+two (each decode rank receives its half). For prompts shorter and longer than the
+window: greedy output equals a colocated server's token for token
 (FP8: the decode's first computed token's logprobs stay within FP8 noise), the
 prefill's log shows the path each request took, and the decode received exactly the
 full layers' pages of the prompt plus the window layers' pages of its last window
@@ -72,12 +73,13 @@ def colocated_swa(swa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     yield from start_colocated(swa_model, tmp_path_factory.mktemp("swa-colocated"))
 
 
-# (transport, per layer, wire, prefill TP): the packed pair's prefill has two attention
-# TP ranks, each moving its half of the KV heads (window layers too) into the decode's one
+# (transport, per layer, wire, prefill TP, decode TP): the packed pair's prefill has two
+# attention TP ranks, each moving its half of the KV heads (window layers too) into the
+# decode's one; the FP8 pair's one prefill rank feeds each of two decode ranks its half
 PD_CONFIGS = [
-    ("nixl", True, "direct", 1),
-    ("mooncake", False, "packed", 2),
-    ("nixl", True, "fp8", 1),
+    ("nixl", True, "direct", 1, 1),
+    ("mooncake", False, "packed", 2, 1),
+    ("nixl", True, "fp8", 1, 2),
 ]
 WIRE = {"direct": {}, "packed": {"data_path": "packed"}, "fp8": {"wire_dtype": "fp8"}}
 
@@ -91,14 +93,14 @@ class SwaPD(NamedTuple):
 @pytest.fixture(
     scope="module",
     params=PD_CONFIGS,
-    ids=[f"{t}-{'layer' if lw else 'chunk'}-{w}-p{tp}" for t, lw, w, tp in PD_CONFIGS],
+    ids=[f"{t}-{'layer' if lw else 'chunk'}-{w}-p{p}d{d}" for t, lw, w, p, d in PD_CONFIGS],
 )
 def swa_pd(
     request: pytest.FixtureRequest, swa_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SwaPD]:
-    transport, layerwise, wire, p_tp = request.param
+    transport, layerwise, wire, p_tp, d_tp = request.param
     log_dir = tmp_path_factory.mktemp(f"swa-{transport}-{wire}")
-    sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, p_tp, 1)
+    sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, p_tp, d_tp)
     env = sides.pop("env")
     # the decode keeps finished requests in its radix cache (random prompts: no hits but
     # those of test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks)
