@@ -4,20 +4,20 @@ full-attention layers' KV in one sub-pool and the window layers' in another whos
 hold only each request's last window. The test model: the tiny Laguna of
 ``kvbridge.demo.model`` (4 layers alternating full attention and a 40-token window).
 
-Three pairs: the direct path over NIXL per layer; the packed path with exact values
-over Mooncake per chunk from a prefill of two attention TP ranks into a decode of one
-(each prefill rank moves its half of the KV heads, of the window layers too); FP8 on
-the wire over NIXL per layer from a prefill of one attention TP rank into a decode of
-two (each decode rank receives its half). For prompts shorter and longer than the
+Three pairs (:data:`PD_CONFIGS`): the direct path over NIXL per layer; the packed path
+with exact values over Mooncake per chunk from a prefill of two attention TP ranks into
+a decode of one (each prefill rank moves its half of the KV heads, of the window layers
+too); FP8 on the wire over NIXL per layer from a prefill of one attention TP rank into a
+decode of two (each decode rank receives its half). For prompts shorter and longer than the
 window: greedy output equals a colocated server's token for token
 (FP8: the decode's first computed token's logprobs stay within FP8 noise), the
 prefill's log shows the path each request took, and the decode received exactly the
 full layers' pages of the prompt plus the window layers' pages of its last window
 (SGLang's window start, rounded down to a page), as bytes of the path's format
-(csrc/PACKED_FORMAT.md for FP8). The decodes keep a radix cache of their own: a
+(csrc/PACKED_FORMAT.md for FP8). Two decodes keep a radix cache of their own: a
 conversation's next turn moves only the pages past SGLang's hit and the new window's.
-An option the window pool does not take
-(``transfer_block_size``) is refused when the server starts, naming the fix.
+Two pairs run with other page sizes on each side (``transfer_block_size``), one with
+the prefill's pages larger, one with the decode's; both compare greedy output exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from sglang_helpers import (
     FP8_MAX_DRIFT,
     MAX_NEW_TOKENS,
     PD,
-    START_TIMEOUT_S,
     Proc,
     fp8_drift,
     generate_ids,
@@ -44,20 +43,17 @@ from sglang_helpers import (
     kvbridge_metrics,
     pd_config,
     prompt_ids,
-    server_env,
     start_colocated,
     start_pd,
-    start_server,
     tp_sides,
     wait_received_bytes,
     wait_sent_lines,
     wait_staging_idle,
 )
 
-from kvbridge.demo.servers import ServerError
-
-# under a page, two pages (inside the window), one chunk, four chunks past the window
-PROMPTS = [12, 32, 64, 200]
+# under a page, two pages (inside the window), one chunk, four chunks past the window;
+# the last two's windows start in the second half of a 32-token page
+PROMPTS = [12, 32, 64, 216]
 PAGE = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
 
 
@@ -73,13 +69,22 @@ def colocated_swa(swa_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     yield from start_colocated(swa_model, tmp_path_factory.mktemp("swa-colocated"))
 
 
-# (transport, per layer, wire, prefill TP, decode TP): the packed pair's prefill has two
-# attention TP ranks, each moving its half of the KV heads (window layers too) into the
-# decode's one; the FP8 pair's one prefill rank feeds each of two decode ranks its half
+# (transport, per layer, wire, prefill TP, decode TP, prefill page, decode page, decode
+# radix cache). Two pairs have other page sizes on each side (transfer_block_size 16:
+# each side addresses its pages in 16-token transfer pages, and the larger pages' window
+# list starts up to a page earlier than SGLang's window start rounded to 16, at
+# positions no window attention reads). Direct over NIXL per layer, the prefill's pages
+# twice the decode's (its earlier window pages go nowhere; no decode radix cache, whose
+# hits would end inside the prefill's pages). Packed exact over Mooncake per chunk from
+# a prefill of two attention TP ranks (each moves its half of the KV heads, window
+# layers too) into a decode of one whose pages are twice the prefill's (the decode
+# unpacks only the window pages the prefill wrote) and which keeps a radix cache of its
+# own. FP8 over NIXL per layer between equal pages from a prefill of one rank into a
+# decode of two (each receives its half), with a decode radix cache.
 PD_CONFIGS = [
-    ("nixl", True, "direct", 1, 1),
-    ("mooncake", False, "packed", 2, 1),
-    ("nixl", True, "fp8", 1, 2),
+    ("nixl", True, "direct", 1, 1, 2 * PAGE, PAGE, False),
+    ("mooncake", False, "packed", 2, 1, PAGE, 2 * PAGE, True),
+    ("nixl", True, "fp8", 1, 2, PAGE, PAGE, True),
 ]
 WIRE = {"direct": {}, "packed": {"data_path": "packed"}, "fp8": {"wire_dtype": "fp8"}}
 
@@ -88,25 +93,40 @@ class SwaPD(NamedTuple):
     pd: PD
     wire: str
     prefill_tp: int
+    decode_page: int
+    radix: bool
 
 
-@pytest.fixture(
-    scope="module",
-    params=PD_CONFIGS,
-    ids=[f"{t}-{'layer' if lw else 'chunk'}-{w}-p{p}d{d}" for t, lw, w, p, d in PD_CONFIGS],
-)
+def _pd_id(transport, layerwise, wire, p_tp, d_tp, p_page, d_page, radix) -> str:
+    return (
+        f"{transport}-{'layer' if layerwise else 'chunk'}-{wire}-p{p_tp}d{d_tp}"
+        + (f"-pages-{p_page}-{d_page}" if p_page != d_page else "")
+        + ("-decode-radix" if radix else "")
+    )
+
+
+@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
 def swa_pd(
     request: pytest.FixtureRequest, swa_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SwaPD]:
-    transport, layerwise, wire, p_tp, d_tp = request.param
+    transport, layerwise, wire, p_tp, d_tp, p_page, d_page, radix = request.param
     log_dir = tmp_path_factory.mktemp(f"swa-{transport}-{wire}")
-    sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, p_tp, d_tp)
+    config = {**pd_config(transport, layerwise), **WIRE[wire]}
+    if p_page != d_page:
+        config["transfer_block_size"] = min(p_page, d_page)
+    sides = tp_sides(config, p_tp, d_tp)
     env = sides.pop("env")
-    # the decode keeps finished requests in its radix cache (random prompts: no hits but
-    # those of test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks)
-    sides["decode_args"] = [*sides["decode_args"], "--disaggregation-decode-enable-radix-cache"]
+    sides["prefill_args"] = [*sides["prefill_args"], "--page-size", str(p_page)]
+    # a decode radix cache keeps finished requests (random prompts: no hits but those of
+    # test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks)
+    sides["decode_args"] = [
+        *sides["decode_args"],
+        "--page-size",
+        str(d_page),
+        *(["--disaggregation-decode-enable-radix-cache"] if radix else []),
+    ]
     for pd in start_pd(swa_model, log_dir, env, layerwise, **sides):
-        yield SwaPD(pd, wire, p_tp)
+        yield SwaPD(pd, wire, p_tp, d_page, radix)
 
 
 def window_size(model: Path) -> int:
@@ -120,7 +140,9 @@ def expected_bytes(model: Path, server: Proc, n: int, *, hit: int = 0, fp8: bool
     ``hit`` tokens (a page multiple) the decode holds already, from the model's config:
     each full-attention layer's pages of the prompt past the hit, and each window
     layer's pages from SGLang's window start (``n`` minus :func:`window_size`, or the hit
-    if later, rounded down to a page) to the prompt's end. A row (one token's one head of
+    if later, rounded down to a page) to the prompt's end; pages of :data:`PAGE` tokens,
+    the smaller of the two sides' (the window's positions all lie in the smaller pages'
+    window list, which is paired whole). A row (one token's one head of
     K or V) is ``head_dim`` values of the server's KV dtype, or with ``fp8`` as many FP8
     bytes and a float32 scale (csrc/PACKED_FORMAT.md)."""
     cfg = json.loads((model / "config.json").read_text())
@@ -181,65 +203,47 @@ def test_sliding_window_output_equals_colocated(
         wait_staging_idle(pd.decode)
 
 
-def test_transfer_block_size_is_refused_at_start_naming_the_fix(
-    swa_model: Path, tmp_path: Path
-) -> None:
-    server = start_server(
-        "prefill-transfer-pages",
-        swa_model,
-        tmp_path,
-        [
-            "--disaggregation-mode",
-            "prefill",
-            "--disaggregation-transfer-backend",
-            "kvbridge",
-        ],
-        server_env({"transfer_block_size": PAGE // 2}),
-    )
-    try:
-        with pytest.raises(ServerError):
-            server.wait_ready(START_TIMEOUT_S)
-        log = server.log_path.read_text(errors="replace")
-        assert "sliding-window pools move between equal page sizes only" in log, server.log_tail()
-        assert "unset transfer_block_size" in log, server.log_tail()
-    finally:
-        server.kill()
-
-
-def decode_hit(model: Path, previous: int, n: int) -> int:
-    """Tokens of an ``n``-token prompt that SGLang's decode radix cache serves after it
-    finished a request of ``previous`` tokens (prompt and output) that the prompt
-    extends: the previous request's KV (all but its last token, which no forward saw)
-    in whole pages, but no further than the last page before the decode's window tail
-    (``n - 1 - max(window, page)`` rounded down to a page; the window layers' pages of
-    that tail the decode allocates afresh and receives, ``disaggregation/decode.py::
-    _swa_tail_len``)."""
-    cached = (previous - 1) // PAGE * PAGE
-    tail_start = max(0, n - 1 - max(window_size(model), PAGE)) // PAGE * PAGE
+def most_hit(model: Path, previous: int, n: int, page: int) -> int:
+    """The most tokens of an ``n``-token prompt that SGLang's decode radix cache can
+    serve after it finished a request of ``previous`` tokens (prompt and output) that
+    the prompt extends: the previous request's KV (all but its last token, which no
+    forward saw) in whole pages of the decode's ``page`` tokens, but no further than the
+    last page before the decode's window tail (``n - 1 - max(window, page)`` rounded
+    down to a page; the window layers' pages of that tail the decode allocates afresh
+    and receives, ``disaggregation/decode.py::_swa_tail_len``). SGLang's tree may match
+    less: it ends a match only where a whole window of window-layer slots precedes it
+    (``unified_cache/components/swa.py``), which depends on how earlier inserts split
+    its nodes."""
+    cached = (previous - 1) // page * page
+    tail_start = max(0, n - 1 - max(window_size(model), page)) // page * page
     return min(cached, tail_start)
 
 
 # new tokens per turn: past the window (the hit ends at the previous request's last
 # page), then under it (the window tail caps the hit)
-TURNS = [200, 60, 100, 20]
+TURNS = [216, 60, 100, 20]
 
 
 def test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks(
     swa_pd: SwaPD, colocated_swa: Proc, swa_model: Path
 ) -> None:
     """A conversation: each turn's prompt is the previous prompt, the pair's answer to
-    it and new tokens. The decode keeps each finished request's pages in its radix cache
-    (``--disaggregation-decode-enable-radix-cache``), full-attention and window layers,
-    and matches the next turn against them: it receives only the pages past the hit
-    (and the window layers' pages of the new window), yet decodes as a colocated server
-    does (FP8: the decode's first computed token within FP8 noise). A hit that kvbridge
-    wrote past, or whose window pages it sent to the wrong place, decodes other tokens."""
+    it and new tokens. A decode with a radix cache of its own
+    (``--disaggregation-decode-enable-radix-cache``) keeps each finished request's
+    pages, full-attention and window layers, and matches the next turn against them: it
+    receives only the pages past the hit (and the window layers' pages of the new
+    window; the bytes tell how far SGLang matched, at most :func:`most_hit`, and must
+    name a hit where one could be), yet decodes as a colocated server does (FP8: the
+    decode's first computed token within FP8 noise). A hit that kvbridge wrote past,
+    or whose window pages it sent to the wrong place, decodes other tokens. A decode
+    without one receives each turn whole."""
     pd, fp8 = swa_pd.pd, swa_pd.wire == "fp8"
     prompt: list[int] = []
-    previous = 0
+    previous, page = 0, swa_pd.decode_page
     for turn, new in enumerate(TURNS):
         prompt = prompt + prompt_ids(new, seed=5150 + turn)
-        hit = decode_hit(swa_model, previous, len(prompt)) if turn else 0
+        n = len(prompt)
+        most = most_hit(swa_model, previous, n, page) if turn and swa_pd.radix else 0
         before = kvbridge_metrics(pd.decode.url)
         if fp8:
             want, want_tops = generate_logprobs(colocated_swa.url, prompt)
@@ -249,14 +253,23 @@ def test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks(
         else:
             want = generate_ids(colocated_swa.url, prompt)
             got = generate_through(pd, prompt)
-            assert got == want, f"turn {turn} ({len(prompt)} tokens, {hit} hit): {got} != {want}"
-        expected = expected_bytes(swa_model, pd.decode, len(prompt), hit=hit, fp8=fp8)
-        received = wait_received_bytes(pd.decode.url, before, expected)
-        assert received == expected, (
-            f"turn {turn}: the decode received {received} bytes; the {len(prompt)}-token "
-            f"prompt past a {hit}-token hit is {expected}"
+            assert got == want, f"turn {turn} ({n} tokens): {got} != {want}"
+        # the decode counted its bytes before SGLang saw the room received: final now
+        least = expected_bytes(swa_model, pd.decode, n, hit=most, fp8=fp8)
+        received = wait_received_bytes(pd.decode.url, before, least)
+        moved = {
+            hit: expected_bytes(swa_model, pd.decode, n, hit=hit, fp8=fp8)
+            for hit in range(0, most + 1, page)
+        }
+        hits = [hit for hit, nbytes in moved.items() if nbytes == received]
+        assert hits, (
+            f"turn {turn}: the decode received {received} bytes; the {n}-token prompt past a "
+            f"hit of a multiple of {page} tokens up to {most} is one of {moved}"
         )
-        previous = len(prompt) + len(got)
+        assert (hits[0] > 0) == (most > 0), (
+            f"turn {turn}: {received} bytes are a {hits[0]}-token hit, the most is {most}"
+        )
+        previous = n + len(got)
         prompt = prompt + got
     if swa_pd.wire != "direct":
         wait_staging_idle(pd.prefill)

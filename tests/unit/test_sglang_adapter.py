@@ -9,6 +9,8 @@ import json
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import messages as wire
@@ -21,6 +23,7 @@ from kvbridge.adapters.sglang.layout import (
     paired_count,
     sliding_window_pool,
     transfer_pages,
+    window_overlap,
 )
 from kvbridge.adapters.sglang.lifecycle import (
     EpochWatcher,
@@ -341,6 +344,44 @@ def test_a_decode_addresses_each_of_its_pages_as_several_transfer_pages() -> Non
         halves.slot_address(halves.slot(0, 1, int(transfer_pages([1], 2)[1])))
         == pages.slot_address(pages.slot(0, 1, 1)) + pages.spec.block_bytes // 2
     )
+
+
+def _window_positions(n: int, hit: int, window: int, page: int, unit: int) -> tuple[list, int]:
+    """One side of SGLang's sliding-window transfer, position by position: the first
+    position of each transfer page of its window page list (SGLang's rule on both
+    sides: from ``max(hit, n - window)`` rounded down to this side's page, to the end of
+    the page holding position ``n - 1``), and the end of its full-attention page list in
+    transfer pages counted from the hit."""
+    start = max(hit, n - window) // page * page
+    end = -(-n // page) * page
+    return list(range(start, end, unit)), (end - hit) // unit
+
+
+@given(
+    n=st.integers(1, 600),
+    hit_pages=st.integers(0, 8),
+    window=st.integers(1, 200),
+    unit=st.sampled_from([1, 4, 16]),
+    ratios=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4])),
+)
+@settings(max_examples=300, deadline=None)
+def test_window_pages_pair_by_position_between_page_sizes(
+    n: int, hit_pages: int, window: int, unit: int, ratios: tuple[int, int]
+) -> None:
+    """``transfer_block_size`` with a sliding-window pool: every pair ``window_overlap``
+    makes is one position on both sides, and the pairs cover the window the decode
+    reads (``[n - window, n)``) whole."""
+    p_page, d_page = unit * ratios[0], unit * ratios[1]
+    hit = hit_pages * max(p_page, d_page)
+    if hit >= n:
+        return
+    src, src_end = _window_positions(n, hit, window, p_page, unit)
+    dst, dst_end = _window_positions(n, hit, window, d_page, unit)
+    s, d = window_overlap(len(src), src_end, len(dst), dst_end)
+    assert src[s] == dst[d], "the pairs are the same positions on both sides"
+    assert len(src[s]) == min(len(src), len(dst)), "the smaller pages' list is paired whole"
+    covered = {pos for first in src[s] for pos in range(first, first + unit)}
+    assert covered >= set(range(max(hit, n - window), n)), "the window the decode reads"
 
 
 def test_a_decode_with_other_pages_is_refused_naming_transfer_block_size() -> None:

@@ -182,12 +182,13 @@ class DecodeSide:
     def window_pages(self, state_indices) -> np.ndarray | None:
         """A sliding-window pool: a room's window pages of the prompt's last window
         (SGLang's SWA state indices; ``state_indices`` holds one entry per state type:
-        the one, SWA), empty when SGLang gave none; None for other pools."""
+        the one, SWA) as transfer pages (:meth:`transfer_pages`), empty when SGLang gave
+        none; None for other pools."""
         if self.window_geometry is None:
             return None
         if not state_indices or state_indices[0] is None:
             return np.empty(0, dtype=np.int64)
-        return np.asarray(state_indices[0], dtype=np.int64)
+        return transfer_pages(state_indices[0], self.page_ratio)
 
     def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
@@ -286,11 +287,15 @@ class DecodeSide:
             bootstrap_room=room, status=value, prefill_rank=prefill_rank, failure_reason=reason
         )
 
-    def _unpack(self, room: int, index: int, written: int = -1) -> bool:
+    def _unpack(
+        self, room: int, index: int, written: int = -1, window: tuple[int, int] = (0, -1)
+    ) -> bool:
         """Unpack source ``index``'s part of a room whose ``Done`` from that source
         arrived into its pages' heads: the first ``written`` of the room's pages (-1:
-        all) (notification thread, before SGLang counts the source). False: the room is
-        gone or failed, or the part unknown."""
+        all), and of a sliding-window pool's window pages the ``window`` ``(first,
+        count)`` the source wrote (-1: all from ``first``) (notification thread, before
+        SGLang counts the source). False: the room is gone or failed, or the part
+        unknown."""
         with self._unpack_lock:
             res, last = self.reservations.arrive(room, index)
             if res is None:
@@ -313,9 +318,11 @@ class DecodeSide:
                 if res.window_chunks:  # a sliding-window pool's window layers, after them
                     first = window_start(first, layers, int(res.pages.size))
                     size = int(res.window_pages.size)
+                    lo, count = window
+                    wrote = res.window_pages[lo : size if count < 0 else lo + count]
                     for layer in range(res.window_layers):
                         self.packed.unpack(
-                            layer, res.window_pages, first + layer * size, heads, self.window_kv
+                            layer, wrote, first + layer * size + lo, heads, self.window_kv
                         )
                 return True
             except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
@@ -343,7 +350,9 @@ class DecodeSide:
                 if isinstance(msg, wire.Done):
                     if not self._meant_for_holder(msg):
                         continue
-                    if self.packed is not None and not self._unpack(msg.room, msg.part, msg.pages):
+                    if self.packed is not None and not self._unpack(
+                        msg.room, msg.part, msg.pages, (msg.window_first, msg.window_pages)
+                    ):
                         continue
                     self.apply_prefill_status(
                         bootstrap_room=msg.room,

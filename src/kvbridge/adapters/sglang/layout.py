@@ -143,6 +143,32 @@ def transfer_pages(pages, ratio: int) -> np.ndarray:
     return (pages[:, None] * ratio + np.arange(ratio)).reshape(-1)
 
 
+def window_overlap(src: int, src_end: int, dst: int, dst_end: int) -> tuple[slice, slice]:
+    """A sliding-window pool's window pages between sides with other page sizes
+    (``transfer_block_size``): which of a prefill's ``src`` window pages and of a
+    decode's ``dst`` (transfer pages, position order) hold the same positions, as a
+    ``(src, dst)`` pair of equally long slices. Each list ends with the last page of the
+    room's page list on its side, transfer page ``src_end`` / ``dst_end`` of it (both
+    counted from the decode's prefix): SGLang starts each side's window at the same
+    position rounded down to that side's own page, so the list with the larger pages
+    starts earlier (at positions no window attention reads) and may end later (past the
+    prompt, as its last full-attention page does). Equal page sizes: both lists whole.
+
+    A 220-token prompt, a window from position 181, transfer pages of 16 tokens:
+
+    >>> window_overlap(3, 14, 3, 14)   # pages of 16 on both sides: 176..223
+    (slice(0, 3, None), slice(0, 3, None))
+    >>> window_overlap(4, 14, 3, 14)   # the prefill's pages of 32 from 160, the decode's from 176
+    (slice(1, 4, None), slice(0, 3, None))
+    >>> window_overlap(3, 14, 4, 14)   # and the other way round
+    (slice(0, 3, None), slice(1, 4, None))
+    """
+    lo = max(src_end - src, dst_end - dst)
+    hi = max(lo, min(src_end, dst_end))
+    s0, d0 = lo - (src_end - src), lo - (dst_end - dst)
+    return slice(s0, s0 + hi - lo), slice(d0, d0 + hi - lo)
+
+
 def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerError:
     """Why a decode's KV pages (``theirs``) cannot take this prefill's (``mine``),
     naming ``transfer_block_size`` when only the page size differs."""

@@ -70,7 +70,7 @@ from kvbridge.adapters.sglang.prefill import (
     stop_streaming,
 )
 from kvbridge.adapters.sglang.settings import config_from_env, transfer_page_size
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
@@ -111,8 +111,6 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         self.memory = "host" if on_cpu else "device"
         self.device_index = 0 if on_cpu else int(args.gpu_id)
         window = sliding_window_pool(getattr(args, "state_types", None))
-        if window:
-            self._refuse_window_options(unit, args.page_size)
         self.geometry = kv_geometry(
             page_size=args.page_size,
             ptrs=args.kv_data_ptrs,
@@ -124,8 +122,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         ).in_blocks_of(unit)
         self.window_geometry = None
         """A hybrid sliding-window pool's window layers (their K and V pages, SGLang's
-        ``state_data_ptrs[0]``); ``geometry`` then holds the full-attention layers. None
-        for other pools."""
+        ``state_data_ptrs[0]``, in transfer pages as ``geometry``); ``geometry`` then
+        holds the full-attention layers. None for other pools."""
         if window:
             self.window_geometry = kv_geometry(
                 page_size=args.page_size,
@@ -134,7 +132,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 item_lens=args.state_item_lens[0],
                 memory=self.memory,
                 device=self.device_index,
-            )
+            ).in_blocks_of(unit)
         self.aux_layout = AuxLayout.build(
             ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens
         )
@@ -212,17 +210,6 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self._init_prefill(args)
         else:
             self._init_decode()
-
-    def _refuse_window_options(self, unit: int, page_size: int) -> None:
-        """A sliding-window pool moves between equal page sizes only: refuse
-        ``transfer_block_size``, naming the fix (the constructor, once)."""
-        if unit != page_size:
-            raise ConfigError(
-                f"transfer_block_size {unit} with --page-size {page_size}: SGLang's "
-                "sliding-window pools move between equal page sizes only",
-                key="transfer_block_size",
-                fix="give prefill and decode the same --page-size and unset transfer_block_size",
-            )
 
     def _count(self, **fields) -> None:
         """Add to kvbridge's Prometheus metrics (:mod:`.metrics`; a no-op unless SGLang

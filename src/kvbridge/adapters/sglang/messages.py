@@ -126,6 +126,13 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     """How many positions of the room's page list the prefill wrote (the last ones of
     a decode with larger pages than the prefill's may hold no prompt token: the decode
     unpacks only these); -1 from older senders: all."""
+    window_first: int = 0
+    window_pages: int = -1
+    """A sliding-window pool on the packed path: the prefill wrote the window pages
+    ``window_first`` to ``window_first + window_pages`` of the room's list (with
+    ``transfer_block_size`` the decode's list may start earlier than the prefill's, at
+    positions outside the window, or end later; the decode unpacks only these); -1
+    from older senders: all."""
     nonce: int | None = None
     """The :attr:`Destination.nonce` this answers: a decode drops a ``Done`` meant for
     an earlier request of the room; None from older senders (not checked)."""

@@ -42,6 +42,7 @@ from kvbridge.adapters.sglang.layout import (
     pages_differ,
     paired_count,
     transfer_pages,
+    window_overlap,
 )
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import (
@@ -86,7 +87,7 @@ class _Chunk(NamedTuple):
     the pages are final (always on CPU)."""
     window_pages: np.ndarray | None = None
     """A sliding-window pool's last chunk: the window layers' pages of the prompt's last
-    window (SGLang's state indices)."""
+    window (SGLang's state indices), as transfer pages."""
 
 
 class _Forget(NamedTuple):
@@ -506,7 +507,7 @@ class PrefillSide:
             return  # dummy rank, or already cleared
         window_pages = None
         if self.window_geometry is not None and is_last_chunk and state_indices:
-            window_pages = np.asarray(state_indices[0], dtype=np.int64)
+            window_pages = transfer_pages(state_indices[0], self.page_ratio)
         # indices_event is only given to senders that take host tensors (we do not:
         # KVBridgeKVSender.supports_host_tensor_indices), so kv_indices are final here
         self._work.put(
@@ -694,46 +695,64 @@ class PrefillSide:
         self._first_post.setdefault(room, time.monotonic())
         self._count(transfers=1, bytes_sent=nbytes)
 
-    def _post_window(self, room: int, dests: list[_Dest], src_pages: np.ndarray | None) -> None:
+    def _post_window(
+        self, room: int, dests: list[_Dest], src_pages: np.ndarray | None, src_end: int
+    ) -> dict[str, tuple[int, int]]:
         """A sliding-window pool, after the room's last chunk: write the window layers'
-        pages of the prompt's last window (SGLang's state indices on both sides, matched
-        by position) into every destination's: the pages themselves, or on the packed
-        path the decode rank's heads of them into its part of the room's run, after the
-        part's full-attention layers (:func:`.packed.window_start`). Transfer thread."""
+        pages of the prompt's last window (SGLang's state indices on both sides, in
+        transfer pages, matched by position: :func:`.layout.window_overlap`, the room's
+        page list ending at transfer page ``src_end`` here) into every destination's:
+        the pages themselves, or on the packed path the decode rank's heads of them into
+        its part of the room's run, after the part's full-attention layers
+        (:func:`.packed.window_start`). Returns each destination's ``(first, count)`` of
+        its window pages written, for its ``Done``. Transfer thread."""
         if src_pages is None:
             raise PlanError("the last chunk carries no sliding-window pages (state indices)")
         xfers = self._inflight.setdefault(room, [])
         window_layers = self.window_geometry.spec.num_layers
-        src_slots = self.window_geometry.slots(src_pages)  # the direct path's sources
-        packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}
+        written: dict[str, tuple[int, int]] = {}
+        packed: dict[tuple, tuple[list[int], np.ndarray, object]] = {}
         for dest in dests:
             peer = self.peers.get(dest.agent)
             if peer is None:
                 raise PlanError(f"decode peer {dest.agent} is gone")
             dst_pages = dest.window_pages
-            if dst_pages is None or dst_pages.size != src_pages.size:
+            if dst_pages is None:
+                raise PlanError(f"{src_pages.size} sliding-window pages map to no destination")
+            src_sl, dst_sl = window_overlap(
+                src_pages.size, src_end, dst_pages.size, int(dest.pages.size)
+            )
+            count = src_sl.stop - src_sl.start
+            # the side with the smaller pages holds the window's positions in fewer pages,
+            # all of them among the other side's
+            if count != min(src_pages.size, dst_pages.size):
                 raise PlanError(
-                    f"{src_pages.size} sliding-window pages map to "
-                    f"{'no' if dst_pages is None else dst_pages.size} destination pages"
+                    f"{src_pages.size} sliding-window pages ending at page {src_end} share "
+                    f"{count} with the destination's {dst_pages.size} ending at page "
+                    f"{dest.pages.size}"
                 )
-            if not src_pages.size:
+            written[dest.agent] = (dst_sl.start, count)
+            if not count:
                 continue
+            src = src_pages[src_sl]
             if peer.part is None:  # the pages themselves
+                src_slots = self.window_geometry.slots(src)
                 x = self.transport.post(
                     "write",
                     self.window_table,
                     src_slots,
                     peer.window,
-                    peer.window_geometry.slots(dst_pages),
+                    peer.window_geometry.slots(dst_pages[dst_sl]),
                 )
                 nbytes = int(src_slots.size) * self.window_geometry.spec.block_bytes
             else:  # the decode rank's heads of them, packed, into its part of the room's run
                 part = peer.part
-                if part.p_heads not in packed:
-                    packed[part.p_heads] = self._pack(
-                        room, src_pages, range(window_layers), part, kv=self.window_kv
+                key = (part.p_heads, src_sl.start, src_sl.stop)
+                if key not in packed:
+                    packed[key] = self._pack(
+                        room, src, range(window_layers), part, kv=self.window_kv
                     )
-                layer_ids, src, src_table = packed[part.p_heads]
+                layer_ids, src_slots, src_table = packed[key]
                 pages = int(dest.pages.size)
                 first = part_start(
                     dest.staging_first,
@@ -746,12 +765,13 @@ class PrefillSide:
                     window_start(first, self._num_layers, pages),
                     dst_pages.size,
                     layer_ids,
-                    np.arange(dst_pages.size),
+                    np.arange(dst_sl.start, dst_sl.stop),
                 )
-                x = self.transport.post("write", src_table, src, peer.staging, dst)
-                nbytes = int(src.size) * self.packed.chunk(part.heads).nbytes
+                x = self.transport.post("write", src_table, src_slots, peer.staging, dst)
+                nbytes = int(src_slots.size) * self.packed.chunk(part.heads).nbytes
             xfers.append(x)
             self._posted(room, dest, nbytes)
+        return written
 
     def _window_chunks(self, dest: _Dest) -> int:
         """Packed path: the staging chunks of each part of ``dest``'s room run that hold
@@ -846,6 +866,7 @@ class PrefillSide:
                 f"{self.config.timeouts.transfer_s:g}s"
             )
         dests = self._dests(room)
+        end = chunk.index_slice.stop * self.page_ratio  # in transfer pages, uncut
         if self.page_ratio > 1:
             chunk = self._in_transfer_pages(chunk, dests)
         progress = self._progress.get(room)
@@ -868,8 +889,9 @@ class PrefillSide:
                 )
         if not chunk.is_last:
             return
+        windows = {}
         if self.window_geometry is not None:
-            self._post_window(room, dests, chunk.window_pages)
+            windows = self._post_window(room, dests, chunk.window_pages, end)
         deadline = time.monotonic() + self.config.timeouts.transfer_s
         self._wait_room(room, deadline)
         if self._release_if_inactive(room):
@@ -877,6 +899,7 @@ class PrefillSide:
         sent = self._room_bytes.get(room, {})
         for dest in dests:
             peer = self.peers[dest.agent]
+            window_first, window_pages = windows.get(dest.agent, (0, -1))
             done = wire.Done(
                 room=room,
                 prefill_rank=self._prefill_unique_rank(),
@@ -884,6 +907,8 @@ class PrefillSide:
                 bytes=sent.get(dest.agent, 0),
                 part=0 if peer.part is None else peer.part.index,
                 pages=chunk.index_slice.stop,
+                window_first=window_first,
+                window_pages=window_pages,
                 nonce=dest.nonce,
             )
             if chunk.aux_index is None or dest.aux_index is None:
