@@ -711,6 +711,9 @@ class PrefillSide:
         xfers = self._inflight.setdefault(room, [])
         window_layers = self.window_geometry.spec.num_layers
         written: dict[str, tuple[int, int]] = {}
+        # sources per window slice (every decode rank of one page size shares one), and
+        # on the packed path per head range too
+        direct: dict[tuple[int, int], np.ndarray] = {}
         packed: dict[tuple, tuple[list[int], np.ndarray, object]] = {}
         for dest in dests:
             peer = self.peers.get(dest.agent)
@@ -736,7 +739,10 @@ class PrefillSide:
                 continue
             src = src_pages[src_sl]
             if peer.part is None:  # the pages themselves
-                src_slots = self.window_geometry.slots(src)
+                key = (src_sl.start, src_sl.stop)
+                if key not in direct:
+                    direct[key] = self.window_geometry.slots(src)
+                src_slots = direct[key]
                 x = self.transport.post(
                     "write",
                     self.window_table,
