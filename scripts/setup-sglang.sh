@@ -106,9 +106,10 @@ quiet "${PIP[@]}" "${KVB_DEPS[@]}"
 # on sys.path, so edits to them take effect without re-running this script.
 SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$STUBS" > "$SITE/kvbridge-sglang-stubs.pth"
-# The test-only plugins, SGLang's own backends fixed for CPU (mooncake_cpu, nixl_cpu) and
-# DeepSeek's MLA on the torch_native attention backend: installed as a distribution,
-# because SGLang finds plugins by entry point.
+# The test-only plugins, SGLang's own backends fixed for CPU (mooncake_cpu, nixl_cpu),
+# DeepSeek's MLA and sliding-window reads on the torch_native attention backend, and
+# short convolutions in torch: installed as a distribution, because SGLang finds plugins
+# by entry point.
 quiet "${PIP[@]}" --no-deps -e tests/sglang_stubs
 
 PYTHONWARNINGS=ignore "$PY" - "$STUBS" <<'EOF' || { echo "SGLang environment check failed" >&2; exit 1; }
@@ -123,7 +124,7 @@ assert importlib.util.find_spec("torchaudio") is None, "torchaudio must be absen
 import torch, sgl_kernel, torchvision, sglang, sglang_router, nixl, mooncake.engine, kvbridge  # noqa: F401
 import sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn  # noqa: F401
 import sglang_router.launch_router, sglang_router.mini_lb  # noqa: F401
-import sglang_stock_cpu, sglang_cpu_mla, sglang_cpu_swa  # noqa: F401
+import sglang_stock_cpu, sglang_cpu_mla, sglang_cpu_swa, sglang_cpu_conv, sgl_kernel.mamba  # noqa: F401
 assert torch.version.cuda is None, "expected a CPU build of torch"
 for stub in (sgl_kernel, torchvision):
     assert stub.__file__.startswith(sys.argv[1]), f"{stub.__name__} is not the stand-in: {stub.__file__}"

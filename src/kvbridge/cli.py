@@ -109,10 +109,27 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if has_states(args.model) and (args.engine == "sglang" or config.packed):
+    if has_states(args.model) and args.engine == "sglang":
+        if args.model != "shortconv":
+            print(
+                f"kvbridge demo --model {args.model} --engine sglang: SGLang computes Mamba2 and "
+                "Gated DeltaNet layers on CPU with native kernels that are not installable here "
+                "(fix: --model shortconv, or --engine vllm)",
+                file=sys.stderr,
+            )
+            return 2
+        if tp[0] != tp[1]:
+            print(
+                f"kvbridge demo --model {args.model} --engine sglang: states move between equal "
+                "TP sizes (fix: the same --prefill-tp and --decode-tp)",
+                file=sys.stderr,
+            )
+            return 2
+    elif has_states(args.model) and config.packed:
         print(
             f"kvbridge demo --model {args.model}: states move between vLLM instances on the direct "
-            "path (fix: --engine vllm, leave --wire-dtype exact and --data-path auto)",
+            "path (fix: leave --wire-dtype exact and --data-path auto, or --engine sglang with "
+            "--model shortconv)",
             file=sys.stderr,
         )
         return 2

@@ -337,6 +337,44 @@ def fp8_drift(want: dict[int, float], got: dict[int, float]) -> float:
     return max(abs(want[t] - got[t]) for t in common)
 
 
+def generate_as_colocated(pd: PD, colocated: Proc, input_ids: list[int], *, fp8: bool) -> None:
+    """Assert that ``pd`` answers ``input_ids`` as ``colocated`` does: greedy output
+    token for token, or with ``fp8`` (FP8 KV moves near-tied tokens of the random-weight
+    models) the prefill's token equal and the decode's first computed token's top-5
+    logprobs within :data:`FP8_MAX_DRIFT`."""
+    n = len(input_ids)
+    if fp8:
+        want, want_tops = generate_logprobs(colocated.url, input_ids)
+        got, got_tops = generate_logprobs(pd.router.url, input_ids)
+        assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
+            f"the prefill's token differs: {got} vs {want}"
+        )
+        drift = fp8_drift(want_tops[1], got_tops[1])  # the decode's first token
+        assert drift < FP8_MAX_DRIFT, (
+            f"{n} tokens: logprobs moved by {drift:.2f}\n{pd.decode.log_tail()}"
+        )
+    else:
+        want = generate_ids(colocated.url, input_ids)
+        assert len(want) == MAX_NEW_TOKENS
+        got = generate_through(pd, input_ids)
+        assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
+
+
+def check_sent_lines(pd: PD, offset: int, ranks: int) -> None:
+    """Each of the prefill's ``ranks`` logged the room sent (after ``offset`` of its
+    log) by the pair's path: per layer, some layer writes; per chunk, chunk writes
+    only."""
+    for room, layer_writes, chunk_writes in wait_sent_lines(pd.prefill, offset, ranks):
+        if pd.layerwise:
+            assert layer_writes > 0, (
+                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk"
+            )
+        else:
+            assert layer_writes == 0 and chunk_writes > 0, (
+                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
+            )
+
+
 def wait_received_bytes(url: str, before: dict[str, float], expected: float) -> float:
     """KV bytes a decode server received since ``before`` (its kvbridge metrics), once
     they reach ``expected`` (each decode rank counts just after its notification:
@@ -355,11 +393,13 @@ TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 and, unless told how, asserts ranks <= NUMA nodes."""
 
 
-def start_colocated(model: Path, log_dir: Path, tp: int = 1) -> Iterator[Proc]:
-    """A colocated server of TP ``tp`` (1 or 2) with the tests' engine flags, ready;
-    yields it, kills it at the end."""
-    extra, env = (["--tp", "2"], dict(TWO_RANKS)) if tp == 2 else ([], {})
-    proc = start_server(f"colocated-tp{tp}", model, log_dir, extra, env)
+def start_colocated(
+    model: Path, log_dir: Path, tp: int = 1, extra: Sequence[str] = ()
+) -> Iterator[Proc]:
+    """A colocated server of TP ``tp`` (1 or 2) with the tests' engine flags (and
+    ``extra``), ready; yields it, kills it at the end."""
+    args, env = (["--tp", "2"], dict(TWO_RANKS)) if tp == 2 else ([], {})
+    proc = start_server(f"colocated-tp{tp}", model, log_dir, [*args, *extra], env)
     try:
         proc.wait_ready(START_TIMEOUT_S)
         yield proc

@@ -32,10 +32,11 @@ import pytest
 from sglang_helpers import (
     ENGINE_FLAGS,
     FP8_MAX_DRIFT,
-    MAX_NEW_TOKENS,
     PD,
     Proc,
+    check_sent_lines,
     fp8_drift,
+    generate_as_colocated,
     generate_ids,
     generate_logprobs,
     generate_through,
@@ -47,7 +48,6 @@ from sglang_helpers import (
     start_pd,
     tp_sides,
     wait_received_bytes,
-    wait_sent_lines,
     wait_staging_idle,
 )
 
@@ -164,34 +164,10 @@ def test_sliding_window_output_equals_colocated(
     input_ids = prompt_ids(n, seed=900 + n)
     offset = pd.prefill.log_path.stat().st_size
     before = kvbridge_metrics(pd.decode.url)
-    if fp8:
-        want, want_tops = generate_logprobs(colocated_swa.url, input_ids)
-        got, got_tops = generate_logprobs(pd.router.url, input_ids)
-        assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
-            f"the prefill's token differs: {got} vs {want}"
-        )
-        # the decode's first token from the transferred KV
-        drift = fp8_drift(want_tops[1], got_tops[1])
-        assert drift < FP8_MAX_DRIFT, (
-            f"{n} tokens: logprobs moved by {drift:.2f}\n{pd.decode.log_tail()}"
-        )
-    else:
-        want = generate_ids(colocated_swa.url, input_ids)
-        assert len(want) == MAX_NEW_TOKENS
-        got = generate_through(pd, input_ids)
-        assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
-    # one line per prefill rank
-    for room, layer_writes, chunk_writes in wait_sent_lines(pd.prefill, offset, swa_pd.prefill_tp):
-        if pd.layerwise:
-            # the full-attention layers go per layer; the window layers' pages after the last
-            # chunk
-            assert layer_writes > 0, (
-                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk"
-            )
-        else:
-            assert layer_writes == 0 and chunk_writes > 0, (
-                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
-            )
+    generate_as_colocated(pd, colocated_swa, input_ids, fp8=fp8)
+    # one line per prefill rank; per layer: the full-attention layers (the window
+    # layers' pages go after the last chunk)
+    check_sent_lines(pd, offset, swa_pd.prefill_tp)
     expected = expected_bytes(swa_model, pd.decode, n, fp8=fp8)
     received = wait_received_bytes(pd.decode.url, before, expected)
     assert received == expected, (

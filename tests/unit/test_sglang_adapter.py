@@ -17,11 +17,12 @@ from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.lanes import RoomLanes, lane_room
 from kvbridge.adapters.sglang.layout import (
     AuxLayout,
+    check_states,
     check_windows,
     kv_geometry,
     pages_differ,
     paired_count,
-    sliding_window_pool,
+    pool_states,
     transfer_pages,
     window_overlap,
 )
@@ -135,24 +136,80 @@ def test_unsupported_pools_are_refused(ptrs, lens, item) -> None:
         kv_geometry(page_size=4, ptrs=ptrs, lens=lens, item_lens=item)
 
 
-def test_a_pool_with_state_other_than_a_sliding_window_is_refused_naming_sglangs_backends() -> None:
+def test_a_pool_with_other_state_than_a_window_or_states_is_refused_naming_sglangs_backends() -> (
+    None
+):
     import enum
 
     class StateType(enum.Enum):  # SGLang's names (sglang.srt.disaggregation.utils)
         SWA = "swa"
         MAMBA = "mamba"
+        DSA = "dsa"
 
     # an MHA or MLA pool: SGLang registers no state component
-    assert sliding_window_pool([]) is False
-    assert sliding_window_pool(None) is False
-    assert sliding_window_pool([StateType.SWA]) is True
-    for state in ([StateType.SWA, StateType.MAMBA], [StateType.MAMBA]):
+    assert pool_states([]) is None
+    assert pool_states(None) is None
+    assert pool_states([StateType.SWA]) == "swa"
+    assert pool_states([StateType.MAMBA]) == "mamba"
+    for state in ([StateType.SWA, StateType.MAMBA], [StateType.DSA]):
         names = ", ".join(s.name for s in state)
         with pytest.raises(
             PlanError, match=rf"state that kvbridge does not move yet \({names}\)"
         ) as info:
-            sliding_window_pool(state)
+            pool_states(state)
         assert "--disaggregation-transfer-backend mooncake or nixl" in str(info.value)
+
+
+def sglang_states(slots: int, seed: int):
+    """A state-space pool's states as SGLang registers them: per layer a conv state
+    ``(slots, channels, width - 1)`` bfloat16-sized (here int16) and an SSM state
+    ``(slots, heads, head_dim, state)`` float32, listed tensor-major (every layer's conv
+    state, then every layer's SSM state); and their ``AuxLayout``."""
+    rng = np.random.default_rng(seed)
+    conv = [rng.integers(-99, 99, (slots, 6, 2), dtype=np.int16) for _ in range(2)]
+    ssm = [rng.standard_normal((slots, 2, 4, 3)).astype(np.float32) for _ in range(2)]
+    tensors = conv + ssm
+    layout = AuxLayout.build(
+        ptrs=[t.ctypes.data for t in tensors],
+        lens=[t.nbytes for t in tensors],
+        item_lens=[t[0].nbytes for t in tensors],
+        what="state-space state tensors",
+    )
+    return tensors, layout
+
+
+def test_a_state_slot_is_one_row_of_every_state_tensor() -> None:
+    tensors, states = sglang_states(5, 0)
+    table = states.table()
+    got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in states.slots(3)]
+    assert got == [t[3].tobytes() for t in tensors]
+    with pytest.raises(PlanError, match="state-space state tensors have different row counts"):
+        AuxLayout.build(
+            ptrs=[1, 2], lens=[5 * 24, 6 * 24], item_lens=[24, 24], what="state-space state tensors"
+        )
+
+
+def test_state_space_states_pair_only_alike_and_between_equal_tp_sizes() -> None:
+    _, states = sglang_states(5, 1)
+    check_states(None, None, prefill_tp=1, decode_tp=2)  # neither side has any
+    check_states(states, states, prefill_tp=2, decode_tp=2)
+    with pytest.raises(
+        IncompatiblePeerError, match="has state-space layers and this prefill's has none"
+    ):
+        check_states(states, None, prefill_tp=1, decode_tp=1)
+    with pytest.raises(
+        IncompatiblePeerError, match="has no state-space layers and this prefill's has"
+    ):
+        check_states(None, states, prefill_tp=1, decode_tp=1)
+    with pytest.raises(IncompatiblePeerError, match="between equal TP sizes only") as info:
+        check_states(states, states, prefill_tp=1, decode_tp=2)
+    assert "--tp-size" in str(info.value)
+    # another state dtype (float16 SSM states): rows of other bytes
+    halved = msgspec.structs.replace(
+        states, item_lens=states.item_lens[:2] + tuple(i // 2 for i in states.item_lens[2:])
+    )
+    with pytest.raises(IncompatiblePeerError, match="--mamba-ssm-dtype"):
+        check_states(halved, states, prefill_tp=1, decode_tp=1)
 
 
 def test_sliding_window_layers_pair_only_with_the_same_pages_on_both_sides() -> None:
@@ -228,6 +285,9 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
     # a sliding-window pool's registration and destination carry its window layers' pages
     windowed = msgspec.structs.replace(reg, window=geo)
     assert wire.decode(wire.encode(windowed)) == windowed
+    # a state-space pool's registration carries its state tensors, a destination its slot
+    stateful = msgspec.structs.replace(reg, states=sglang_states(3, 2)[1])
+    assert wire.decode(wire.encode(stateful)) == stateful
     dst = wire.Destination(
         room=3,
         agent="d",
@@ -238,10 +298,11 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         required_dst_info_num=1,
         window_pages=wire.encode_pages([4, 5]),
         nonce=2**40,
+        state_row=6,
     )
     got = wire.decode(wire.encode(dst))
     assert got == dst and wire.decode_pages(got.window_pages).tolist() == [4, 5]
-    assert got.nonce == 2**40
+    assert got.nonce == 2**40 and got.state_row == 6
     done = wire.Done(room=2**62, prefill_rank=0, epoch="e", bytes=3 << 20, pages=9, nonce=3)
     assert wire.decode_payload(wire.encode_payload(done)) == done
     # a Done from a sender without the byte or page count still decodes (metrics count

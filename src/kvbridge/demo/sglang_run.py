@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvbridge.demo.model import build_tiny_model, default_model_dir
+from kvbridge.demo.model import build_tiny_model, default_model_dir, has_states
 from kvbridge.demo.run import compare, wait_requests_sent
 from kvbridge.demo.servers import random_prompt, start_all
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang, stream_generate
@@ -27,6 +27,10 @@ from kvbridge.errors import KVBridgeError
 
 PAGE = 32
 CHUNK = 512
+STATE_ARGS = ["--max-mamba-cache-size", "64", "--disable-radix-cache"]
+"""A model with state-space layers (``shortconv``): SGLang sizes its state pool from
+free memory otherwise (3 GB here), and its radix cache for such models needs state
+snapshots (CUDA and a few other platforms) or pages of one token on a CPU."""
 
 
 def run(
@@ -46,7 +50,8 @@ def run(
     ``--tp`` (the colocated reference runs TP 1). ``shape``: the model
     (:data:`kvbridge.demo.model.SHAPES`; ``mla`` needs the test plugin that runs
     DeepSeek's attention on SGLang's CPU ``torch_native`` backend, ``swa`` the one that
-    fixes its sliding-window reads, both installed by ``make setup-sglang``)."""
+    fixes its sliding-window reads, ``shortconv`` the one that computes its
+    convolutions in torch, all installed by ``make setup-sglang``)."""
     console = Console()
     try:
         require_sglang()
@@ -62,6 +67,8 @@ def run(
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     # pages cross prompts' ends and long prompts are prefilled in chunks, as in the vLLM demo
     common = ["--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK)]
+    if has_states(shape):
+        common += STATE_ARGS
     config = {"transport": transport, "wire_dtype": wire_dtype, "data_path": data_path}
     pd_args = [*common, "--enable-metrics"]  # kvbridge's metrics on the servers' /metrics
     # with 2+ cores: prefill on core 0, decode and the colocated reference on core 1

@@ -260,14 +260,20 @@ def start_layer(kv_args) -> int:
 
 
 def full_attention_layers(model_runner) -> dict[int, int] | None:
-    """A hybrid sliding-window pool's full-attention layers: model layer id -> index among
-    them, the order of ``KVArgs.kv_data_ptrs`` (``SWAKVPool.layers_mapping`` in 0.5.23:
-    layer id -> (index in its sub-pool, is a window layer)); None when the runner's pool
-    has no such mapping."""
-    mapping = getattr(getattr(model_runner, "token_to_kv_pool", None), "layers_mapping", None)
-    if not isinstance(mapping, dict):
-        return None
-    return {int(layer): int(index) for layer, (index, window) in mapping.items() if not window}
+    """A hybrid pool's layers that its KV pages hold: model layer id -> index among
+    them, the order of ``KVArgs.kv_data_ptrs``. In 0.5.23 a sliding-window pool
+    (``SWAKVPool.layers_mapping``: layer id -> (index in its sub-pool, is a window
+    layer)) holds its full-attention layers, a pool with state-space layers
+    (``HybridLinearKVPool.full_attention_layer_id_mapping``: layer id -> index) its
+    attention layers. None when the runner's pool has neither mapping."""
+    pool = getattr(model_runner, "token_to_kv_pool", None)
+    mapping = getattr(pool, "layers_mapping", None)
+    if isinstance(mapping, dict):
+        return {int(layer): int(index) for layer, (index, window) in mapping.items() if not window}
+    mapping = getattr(pool, "full_attention_layer_id_mapping", None)
+    if isinstance(mapping, dict):
+        return {int(layer): int(index) for layer, index in mapping.items()}
+    return None
 
 
 def hook_layerwise(plan_forward) -> None:

@@ -29,7 +29,7 @@ import requests
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import transfer_pages
+from kvbridge.adapters.sglang.layout import state_slot, transfer_pages
 from kvbridge.adapters.sglang.lifecycle import (
     EPOCH_PATH,
     EpochWatcher,
@@ -168,6 +168,7 @@ class DecodeSide:
                 prefix_cache=self.decode_prefix_cache,
                 page_size=self.kv_args.page_size,
                 window=self.window_geometry,
+                states=self.state_layout,
             ),
             self.secret,
         )
@@ -189,6 +190,22 @@ class DecodeSide:
         if not state_indices or state_indices[0] is None:
             return np.empty(0, dtype=np.int64)
         return transfer_pages(state_indices[0], self.page_ratio)
+
+    def state_row(self, state_indices) -> int | None:
+        """A pool with state-space layers: a room's state slot
+        (:func:`.layout.state_slot`). None for other pools, and (logged) when SGLang
+        named no slot or several: the prefill then fails the room, naming why
+        (scheduler thread: never raises)."""
+        if self.state_layout is None:
+            return None
+        row = state_slot(state_indices)
+        if row is None:
+            log.warning(
+                "kvbridge: SGLang named no state slot or several for a request (%r); kvbridge "
+                "moves one state per request",
+                state_indices,
+            )
+        return row
 
     def decode_parts(self, prefill_tp: int) -> tuple[Part, ...]:
         """Decode, packed path: every source's part of this rank's rooms from a prefill
@@ -228,6 +245,7 @@ class DecodeSide:
         window_pages = None
         if not is_dummy and (pages := self.window_pages(state_indices)) is not None:
             window_pages = wire.encode_pages(pages)
+        state_row = None if is_dummy else self.state_row(state_indices)
         return wire.encode(
             wire.Destination(
                 room=int(bootstrap_room),
@@ -241,6 +259,7 @@ class DecodeSide:
                 is_dummy=bool(is_dummy),
                 staging_first=staging_first,
                 window_pages=window_pages,
+                state_row=state_row,
                 nonce=self._holder_nonce(bootstrap_room),
             ),
             self.secret,

@@ -34,6 +34,7 @@ and layout of both sides before any transfer (``try_ensure_parallel_info``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -41,34 +42,43 @@ import numpy as np
 from kvbridge.core.layout import CacheGeometry, CacheSpec, MemoryKind
 from kvbridge.errors import IncompatiblePeerError, PlanError
 
+PoolStates = Literal["swa", "mamba"]
 
-def sliding_window_pool(state_types: Sequence[object] | None) -> bool:
-    """Whether SGLang registered its hybrid sliding-window pool (``KVArgs.state_types``
-    exactly ``[SWA]``: ``kv_data_ptrs`` then hold the full-attention layers, and
-    ``state_data_ptrs[0]`` the window layers' K and V, in the same ``[K.., V..]`` order,
-    whose pages hold only each request's last window of tokens). Called once per rank,
-    when the manager starts.
+
+def pool_states(state_types: Sequence[object] | None) -> PoolStates | None:
+    """Which state SGLang registered beside a KV pool (``KVArgs.state_types``); called
+    once per rank, when the manager starts.
+
+    - None: an MHA or MLA pool, nothing beside it;
+    - ``"swa"`` (exactly ``[SWA]``): its hybrid sliding-window pool. ``kv_data_ptrs``
+      hold the full-attention layers, ``state_data_ptrs[0]`` the window layers' K and
+      V, in the same ``[K.., V..]`` order, whose pages hold only each request's last
+      window of tokens;
+    - ``"mamba"`` (exactly ``[MAMBA]``): a hybrid pool with state-space layers
+      (Mamba2, Gated DeltaNet, short convolutions). ``kv_data_ptrs`` hold the attention
+      layers, ``state_data_ptrs[0]`` one tensor per (state, layer) (e.g. conv then
+      SSM states), one row of ``state_item_lens[0][j]`` bytes per state slot; a request
+      owns one slot on each side (its state index): :class:`AuxLayout` describes them.
 
     Raises:
-        PlanError: the pool carries other state beside its KV (Mamba states,
-            sparse-attention indexer tails, MXFP8 block scales, ...), which this backend
-            does not move: without this check the server would start and fail every
-            request.
+        PlanError: the pool carries other state (sparse-attention indexer tails, MXFP8
+            block scales, several kinds at once, ...), which this backend does not
+            move: without this check the server would start and fail every request.
     """
     names = [str(getattr(s, "name", s)) for s in state_types or ()]
-    if names == ["SWA"]:
-        return True
-    if names:
-        raise PlanError(
-            "this model's SGLang KV pool carries state that kvbridge does not move yet "
-            f"({', '.join(names)}); kvbridge supports MHA and MLA pools, and sliding-window "
-            "pools (SWA alone)",
-            fix=(
-                "serve this model with one of SGLang's own backends "
-                "(--disaggregation-transfer-backend mooncake or nixl)"
-            ),
-        )
-    return False
+    if not names:
+        return None
+    if names in (["SWA"], ["MAMBA"]):
+        return names[0].lower()
+    raise PlanError(
+        "this model's SGLang KV pool carries state that kvbridge does not move yet "
+        f"({', '.join(names)}); kvbridge supports MHA and MLA pools, sliding-window pools "
+        "(SWA alone) and state-space pools (MAMBA alone)",
+        fix=(
+            "serve this model with one of SGLang's own backends "
+            "(--disaggregation-transfer-backend mooncake or nixl)"
+        ),
+    )
 
 
 def kv_geometry(
@@ -190,7 +200,7 @@ def check_windows(
 ) -> None:
     """Raise :class:`IncompatiblePeerError` unless a decode's sliding-window layers
     (``theirs``, from its registration) and this prefill's (``mine``) are kept in pages
-    alike, or neither side has any (:func:`sliding_window_pool`). ``packed``: the
+    alike, or neither side has any (:func:`pool_states`). ``packed``: the
     packed path, where each side's window rows equal its full-attention rows (checked
     at its start) and the packed format's check covers them, so only the layer count
     and page size must agree (the rows' bytes differ between TP sizes)."""
@@ -217,9 +227,60 @@ def check_windows(
         )
 
 
+def state_slot(state_indices) -> int | None:
+    """A state-space pool's state slot of a request from SGLang's ``state_indices`` (one
+    entry per state type, here the one, MAMBA: the request's slot, as a one-element
+    array or a list of one); None when it names no slot or several (kvbridge moves one
+    state per request).
+
+    >>> state_slot([[np.array(7)]]), state_slot([np.array([3])]), state_slot([[1, 2]])
+    (7, 3, None)
+    """
+    if not state_indices or state_indices[0] is None:
+        return None
+    rows = np.asarray(state_indices[0], dtype=np.int64).reshape(-1)
+    return int(rows[0]) if rows.size == 1 else None
+
+
+def check_states(
+    theirs: AuxLayout | None, mine: AuxLayout | None, *, prefill_tp: int, decode_tp: int
+) -> None:
+    """Raise :class:`IncompatiblePeerError` unless a decode's state-space states
+    (``theirs``, from its registration) take this prefill's row for row (a request's
+    state is one slot's row of every tensor on each side), or neither side has any
+    (:func:`pool_states`). Called by the prefill's control thread per registration.
+
+    A state is split by heads (channels) over the attention TP ranks, so the sizes
+    must be equal: each rank then moves its own rows to the decode rank of its rank.
+    """
+    if (mine is None) != (theirs is None):
+        raise IncompatiblePeerError(
+            f"its KV pool has {'no ' if theirs is None else ''}state-space layers and this "
+            f"prefill's {'has none' if mine is None else 'has'}: serve the same model on both"
+        )
+    if mine is None:
+        return
+    if prefill_tp != decode_tp:
+        raise IncompatiblePeerError(
+            f"prefill attention TP {prefill_tp}, decode TP {decode_tp}: kvbridge moves the "
+            "states of state-space layers (split by heads over the ranks) between equal TP "
+            "sizes only",
+            fix="serve prefill and decode with the same --tp-size",
+        )
+    if theirs.item_lens != mine.item_lens:
+        raise IncompatiblePeerError(
+            f"its {len(theirs.item_lens)} state tensors of {sorted(set(theirs.item_lens))} bytes "
+            f"per slot differ from this prefill's {len(mine.item_lens)} of "
+            f"{sorted(set(mine.item_lens))}: serve the same model with the same state dtypes "
+            "(--mamba-ssm-dtype, SGLANG_MAMBA_CONV_DTYPE) on both"
+        )
+
+
 class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """SGLang's metadata buffers as one descriptor table: buffer ``j``'s row ``r`` is
-    slot ``j * rows + r``. Both sides pair buffers by position."""
+    """Buffers of equally many rows as one descriptor table: buffer ``j``'s row ``r`` is
+    slot ``j * rows + r``. SGLang's metadata buffers (a row per request slot; both
+    sides pair buffers by position) and a state-space pool's states (a row per state
+    slot, :func:`pool_states`)."""
 
     ptrs: tuple[int, ...]
     item_lens: tuple[int, ...]
@@ -227,16 +288,21 @@ class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def build(
-        cls, *, ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int]
+        cls,
+        *,
+        ptrs: Sequence[int],
+        lens: Sequence[int],
+        item_lens: Sequence[int],
+        what: str = "metadata buffers",
     ) -> AuxLayout:
+        """From SGLang's ``KVArgs`` lists (``what`` names them in errors)."""
         if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
             raise PlanError(
-                f"metadata buffers: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} "
-                "row sizes"
+                f"{what}: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} row sizes"
             )
         rows = {int(length) // int(item) for length, item in zip(lens, item_lens, strict=True)}
         if len(rows) != 1:
-            raise PlanError(f"metadata buffers have different row counts: {sorted(rows)}")
+            raise PlanError(f"{what} have different row counts: {sorted(rows)}")
         return cls(
             ptrs=tuple(int(p) for p in ptrs),
             item_lens=tuple(int(i) for i in item_lens),
@@ -278,10 +344,13 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
 
 __all__ = [
     "AuxLayout",
+    "PoolStates",
+    "check_states",
     "check_windows",
     "kv_geometry",
     "pages_differ",
     "paired_count",
-    "sliding_window_pool",
+    "pool_states",
+    "state_slot",
     "transfer_pages",
 ]

@@ -21,11 +21,16 @@ acks. What kvbridge adds:
   transfer thread that posts each chunk's (or, streaming per layer, each layer's) K and
   V pages and, after the last chunk, the metadata row with a :class:`~.messages.Done`
   notification (:mod:`.prefill`);
-- a sliding-window pool (:func:`.layout.sliding_window_pool`): its window layers'
+- a sliding-window pool (:func:`.layout.pool_states`): its window layers'
   sub-pool registered as a second table; the prefill writes their pages of the
   prompt's last window (SGLang's state indices on both sides) after the last chunk,
-  before ``Done`` (equal page sizes; on the packed path through the room's staging run,
-  after its full-attention layers);
+  before ``Done`` (on the packed path through the room's staging run, after its
+  full-attention layers);
+- a pool with state-space layers (Mamba2, Gated DeltaNet, short convolutions;
+  :func:`.layout.pool_states`): their state tensors registered as a third table; the
+  prefill writes the request's state slot (SGLang's state index) into the decode's
+  after the last chunk, before ``Done``, directly on either data path (equal attention
+  TP sizes);
 - on the decode, a notification thread turning ``Done`` into SGLang's Success, a
   control thread applying failure statuses and abort acks, and an epoch thread that
   notices a restarted prefill (:mod:`.decode`);
@@ -61,7 +66,7 @@ from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
 from kvbridge.adapters.sglang.lanes import RoomLanes
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, sliding_window_pool
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pool_states
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
 from kvbridge.adapters.sglang.prefill import (
     KVBridgeKVSender,
@@ -110,7 +115,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         on_cpu = getattr(server_args, "device", "cuda") == "cpu"
         self.memory = "host" if on_cpu else "device"
         self.device_index = 0 if on_cpu else int(args.gpu_id)
-        window = sliding_window_pool(getattr(args, "state_types", None))
+        states = pool_states(getattr(args, "state_types", None))
+        window = states == "swa"
         self.geometry = kv_geometry(
             page_size=args.page_size,
             ptrs=args.kv_data_ptrs,
@@ -133,6 +139,20 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 memory=self.memory,
                 device=self.device_index,
             ).in_blocks_of(unit)
+        self.state_layout = None
+        """A pool with state-space layers: their states (SGLang's ``state_data_ptrs[0]``,
+        one row per state slot). None for other pools."""
+        if states == "mamba":
+            self.state_layout = AuxLayout.build(
+                ptrs=args.state_data_ptrs[0],
+                lens=args.state_data_lens[0],
+                item_lens=args.state_item_lens[0],
+                what="state-space state tensors",
+            )
+        self.layer_subset = states is not None
+        """The KV pool holds some of the model's layers only (a hybrid pool: its
+        attention layers, or its full-attention ones): per-layer streaming maps a
+        model layer id to its index among them (:func:`.compat.full_attention_layers`)."""
         self.aux_layout = AuxLayout.build(
             ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens
         )
@@ -166,6 +186,14 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 self.window_table = self.transport.prepare(
                     self.window_geometry.slot_table(), memory=self.memory
                 )
+            self.state_table = None
+            if self.state_layout is not None:
+                self.transport.register(
+                    self.state_layout.regions(), memory=self.memory, device=self.device_index
+                )
+                self.state_table = self.transport.prepare(
+                    self.state_layout.table(self.device_index), memory=self.memory
+                )
             self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
             self.window_kv = None
@@ -193,7 +221,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self.transport.close()
             raise
         log.info(
-            "kvbridge %s rank %s: transport %s, agent %s, %d KV slots of %d B%s, %d metadata "
+            "kvbridge %s rank %s: transport %s, agent %s, %d KV slots of %d B%s%s, %d metadata "
             "buffers",
             role,
             args.engine_rank,
@@ -204,6 +232,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             ""
             if self.window_geometry is None
             else f", {self.window_geometry.num_slots} sliding-window slots",
+            ""
+            if self.state_layout is None
+            else f", {len(self.state_layout.ptrs)} state tensors of {self.state_layout.rows} slots",
             len(self.aux_layout.ptrs),
         )
         if disaggregation_mode == Mode.PREFILL:

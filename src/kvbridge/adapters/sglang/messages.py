@@ -81,9 +81,13 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     page_size: int = 0
     """The decode's ``--page-size`` (its geometry counts transfer pages; 0: not given)."""
     window: CacheGeometry | None = None
-    """A hybrid sliding-window pool (:func:`.layout.sliding_window_pool`): the window
+    """A hybrid sliding-window pool (:func:`.layout.pool_states`): the window
     layers' pages; ``geometry`` then holds the full-attention layers. None: no window
     layers."""
+    states: AuxLayout | None = None
+    """A pool with state-space layers (:func:`.layout.pool_states`): their state
+    tensors, one row per state slot; ``geometry`` then holds the attention layers.
+    None: no state-space layers."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
@@ -106,6 +110,10 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     """A sliding-window pool: the window layers' destination pages of the prompt's last
     window (SGLang's state indices; :func:`encode_pages`), matched by position with the
     prefill's; None: no window layers."""
+    state_row: int | None = None
+    """A pool with state-space layers: the room's state slot (SGLang's state index),
+    whose row of every state tensor the prefill writes after the last chunk; None: no
+    state-space layers."""
     nonce: int | None = None
     """Which decode request of the room this is (unique per decode process): a room can
     carry one request after another (SGLang's parallel sampling sends every sample on

@@ -17,7 +17,8 @@ Threads and who calls what:
   transfer of this rank and all per-room bookkeeping: it posts each layer's or chunk's
   K and V pages (packed path: the decode rank's heads of them, packed into our staging
   and written into its part of the room's run), after the last chunk a sliding-window
-  pool's window pages and the metadata row with a :class:`~.messages.Done`, then marks
+  pool's window pages or a state-space pool's state slot and the metadata row with a
+  :class:`~.messages.Done`, then marks
   the room sent and releases what it holds (each transfer and staging run exactly once,
   :meth:`PrefillSide._release_room`). A failed or aborted room posts nothing more; its
   transfers are released once drained.
@@ -38,9 +39,11 @@ from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import (
     AuxLayout,
+    check_states,
     check_windows,
     pages_differ,
     paired_count,
+    state_slot,
     transfer_pages,
     window_overlap,
 )
@@ -88,6 +91,9 @@ class _Chunk(NamedTuple):
     window_pages: np.ndarray | None = None
     """A sliding-window pool's last chunk: the window layers' pages of the prompt's last
     window (SGLang's state indices), as transfer pages."""
+    state_row: int | None = None
+    """A pool with state-space layers, last chunk: the request's state slot (SGLang's
+    state index)."""
 
 
 class _Forget(NamedTuple):
@@ -116,7 +122,7 @@ def plan_forward(batch, model_runner) -> ForwardPlan | None:
     if not mine:
         return None
     mgr = mine[0].sender.kv_mgr
-    if mgr.window_geometry is not None and mgr._full_layers is None:
+    if mgr.layer_subset and mgr._full_layers is None:
         mgr._full_layers = compat.full_attention_layers(model_runner)
     return mgr.plan(batch, [r for r in mine if r.sender.kv_mgr is mgr])
 
@@ -140,6 +146,8 @@ class _Peer(NamedTuple):
     part: Part | None = None  # packed path: the heads this rank moves to the decode rank
     window: object = None  # sliding-window pool: DescTable of the decode's window pages
     window_geometry: object = None  # sliding-window pool: the decode's window layers' pages
+    states: object = None  # state-space layers: DescTable of the decode's state rows
+    state_layout: AuxLayout | None = None  # state-space layers: the decode's state tensors
 
 
 class _Dest(NamedTuple):
@@ -157,6 +165,7 @@ class _Dest(NamedTuple):
     staging_first: int | None = None
     window_pages: np.ndarray | None = None
     nonce: int | None = None
+    state_row: int | None = None
 
 
 class PrefillSide:
@@ -178,9 +187,9 @@ class PrefillSide:
         self._num_layers = self.geometry.spec.num_layers
         self._start_layer = compat.start_layer(args)
         self._full_layers: dict[int, int] | None = None
-        """Sliding-window pool: model layer id -> index among the pool's full-attention
-        layers, read from the pool at the first planned forward (None until then: no
-        layer is streamed)."""
+        """Hybrid pool (:attr:`layer_subset`): model layer id -> index among the layers
+        the pool's KV pages hold, read from the pool at the first planned forward (None
+        until then: no layer is streamed)."""
         self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
         self.tombstones = Tombstones()
         self._thread("kvbridge-prefill-control", self._prefill_control_loop)
@@ -250,11 +259,29 @@ class PrefillSide:
                 window = self.transport.prepare(
                     reg.window.slot_table(), memory=reg.window.memory, peer=peer
                 )
+            states = None
+            if reg.states is not None:
+                states = self.transport.prepare(
+                    reg.states.table(reg.geometry.device),
+                    memory=reg.geometry.memory,
+                    peer=peer,
+                )
             count = paired_count(self.aux_layout, reg.aux)
             if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
                 self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
             self.peers[reg.agent] = _Peer(
-                reg.agent, kv, aux, reg.geometry, reg.aux, count, staging, part, window, reg.window
+                reg.agent,
+                kv,
+                aux,
+                reg.geometry,
+                reg.aux,
+                count,
+                staging,
+                part,
+                window,
+                reg.window,
+                states,
+                reg.states,
             )
             # A restarted decode (same address, new epoch) replaces its old agent.
             stale = [
@@ -306,6 +333,7 @@ class PrefillSide:
             )
         check_windows(reg.window, self.window_geometry, packed=self.packed is not None)
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
+        check_states(reg.states, self.state_layout, prefill_tp=p_tp, decode_tp=d_tp)
         if self.packed is None:
             if p_tp != d_tp and self.geometry.spec.layout != "latent":
                 raise IncompatiblePeerError(
@@ -353,7 +381,7 @@ class PrefillSide:
             peer = self.peers.pop(agent, None)
         if peer is None:
             return
-        for table in (peer.kv, peer.aux, peer.staging, peer.window):
+        for table in (peer.kv, peer.aux, peer.staging, peer.window, peer.states):
             if table is not None:
                 self.transport.release_table(table)
         self.transport.remove_peer(peer.agent)
@@ -372,6 +400,7 @@ class PrefillSide:
             msg.staging_first,
             None if msg.window_pages is None else wire.decode_pages(msg.window_pages),
             msg.nonce,
+            msg.state_row,
         )
         aborted = self.tombstones.reason(room)
         if aborted is not None:
@@ -397,6 +426,11 @@ class PrefillSide:
             reason = (
                 "kvbridge: the decode's staging buffer had no room for this request (packed data "
                 "path); raise staging_mb on the decode"
+            )
+        elif not msg.is_dummy and self.state_layout is not None and msg.state_row is None:
+            reason = (
+                "kvbridge: the decode named no state slot for this request's state-space layers "
+                "(its log says why)"
             )
         elif self._another_request_of(room, dest):
             reason = duplicate_reason(room, "prefill")
@@ -501,13 +535,17 @@ class PrefillSide:
         trace_ctx=None,
     ):
         """Queue one chunk (never blocks the scheduler). ``state_indices`` (last chunk):
-        a sliding-window pool's window pages, the one state kind a pool may carry
-        (:func:`~kvbridge.adapters.sglang.layout.sliding_window_pool`)."""
+        one entry, for the one state kind a pool may carry
+        (:func:`~kvbridge.adapters.sglang.layout.pool_states`): a sliding-window pool's
+        window pages, or a state-space pool's state slot."""
         if bootstrap_room not in self.transfer_infos:
             return  # dummy rank, or already cleared
         window_pages = None
         if self.window_geometry is not None and is_last_chunk and state_indices:
             window_pages = transfer_pages(state_indices[0], self.page_ratio)
+        state_row = None
+        if self.state_layout is not None and is_last_chunk:
+            state_row = state_slot(state_indices)
         # indices_event is only given to senders that take host tensors (we do not:
         # KVBridgeKVSender.supports_host_tensor_indices), so kv_indices are final here
         self._work.put(
@@ -520,6 +558,7 @@ class PrefillSide:
                 time.monotonic(),
                 wait_event,
                 window_pages,
+                state_row,
             )
         )
         return
@@ -570,9 +609,9 @@ class PrefillSide:
     def layer_done(self, plan: ForwardPlan, layer_id: int) -> None:
         """Attention layer ``layer_id`` of ``plan``'s forward has written its K and V
         (forward thread, once per layer; O(1), never blocks)."""
-        if self.window_geometry is None:
+        if not self.layer_subset:
             layer = layer_id - self._start_layer
-        else:  # the pool's full-attention layers; a window layer's pages go after the last chunk
+        else:  # the pool's (full-)attention layers; window pages, states go after the last chunk
             layer = self._full_layers.get(layer_id, -1) if self._full_layers is not None else -1
         if not 0 <= layer < self._num_layers:
             return
@@ -779,6 +818,25 @@ class PrefillSide:
             self._posted(room, dest, nbytes)
         return written
 
+    def _post_states(self, room: int, dests: list[_Dest], row: int | None) -> None:
+        """A pool with state-space layers, after the room's last chunk (its forward has
+        left the prompt's final states in the request's slot): write the slot's row of
+        every state tensor into the destination's slot, on either data path (states
+        are not packed: equal attention TP sizes, :func:`.layout.check_states`).
+        Transfer thread."""
+        if row is None:
+            raise PlanError("the last chunk names no state slot (SGLang's state indices)")
+        src = self.state_layout.slots(row)
+        nbytes = sum(self.state_layout.item_lens)
+        xfers = self._inflight.setdefault(room, [])
+        for dest in dests:
+            peer = self.peers.get(dest.agent)
+            if peer is None:
+                raise PlanError(f"decode peer {dest.agent} is gone")
+            dst = peer.state_layout.slots(dest.state_row)
+            xfers.append(self.transport.post("write", self.state_table, src, peer.states, dst))
+            self._posted(room, dest, nbytes)
+
     def _window_chunks(self, dest: _Dest) -> int:
         """Packed path: the staging chunks of each part of ``dest``'s room run that hold
         a sliding-window pool's window layers (0 without one)."""
@@ -898,6 +956,8 @@ class PrefillSide:
         windows = {}
         if self.window_geometry is not None:
             windows = self._post_window(room, dests, chunk.window_pages, end)
+        if self.state_layout is not None:
+            self._post_states(room, dests, chunk.state_row)
         deadline = time.monotonic() + self.config.timeouts.transfer_s
         self._wait_room(room, deadline)
         if self._release_if_inactive(room):
