@@ -337,11 +337,11 @@ def fp8_drift(want: dict[int, float], got: dict[int, float]) -> float:
     return max(abs(want[t] - got[t]) for t in common)
 
 
-def generate_as_colocated(pd: PD, colocated: Proc, input_ids: list[int], *, fp8: bool) -> None:
+def generate_as_colocated(pd: PD, colocated: Proc, input_ids: list[int], *, fp8: bool) -> list[int]:
     """Assert that ``pd`` answers ``input_ids`` as ``colocated`` does: greedy output
     token for token, or with ``fp8`` (FP8 KV moves near-tied tokens of the random-weight
     models) the prefill's token equal and the decode's first computed token's top-5
-    logprobs within :data:`FP8_MAX_DRIFT`."""
+    logprobs within :data:`FP8_MAX_DRIFT`. Returns ``pd``'s output."""
     n = len(input_ids)
     if fp8:
         want, want_tops = generate_logprobs(colocated.url, input_ids)
@@ -358,6 +358,7 @@ def generate_as_colocated(pd: PD, colocated: Proc, input_ids: list[int], *, fp8:
         assert len(want) == MAX_NEW_TOKENS
         got = generate_through(pd, input_ids)
         assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
+    return got
 
 
 def check_sent_lines(pd: PD, offset: int, ranks: int) -> None:

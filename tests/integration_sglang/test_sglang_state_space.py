@@ -6,33 +6,36 @@ window, SSM state) in one slot per request. The test model: the tiny LFM2 of
 attention), the one such architecture SGLang computes on this CPU (with the test-only
 ``sglang_cpu_conv`` plugin, tests/sglang_stubs/README.md).
 
-Two pairs (:data:`PD_CONFIGS`): the direct path over NIXL per layer, and FP8 on the wire
-over Mooncake per chunk between a prefill and a decode of two attention TP ranks each
-(each rank holds half of every state's channels and moves them to its peer rank). The
-KV moves by the pair's path, the states always exact, after the prompt's last chunk. For prompts
-inside one page to several chunks: greedy output equals a colocated server's token for
-token (FP8 with TP 2: the decode's first computed token within FP8 noise of a colocated
-TP 1 server's), and the decode received exactly the attention layers' pages of the
-prompt plus one state per state-space layer, as bytes of the path's format (every head
-and channel once). A state left behind, or written to another slot, changes
-the decode's tokens from the first one it computes.
+Two pairs (:data:`PD_CONFIGS`): the direct path over NIXL per layer with radix caches on
+both sides (the decode's own too: a conversation's next turn moves only the attention
+pages past its hit, and the states whole), and FP8 on the wire over Mooncake per chunk
+between a prefill and a decode of two attention TP ranks each (each rank holds half of
+every state's channels and moves them to its peer rank). The KV moves by the pair's
+path, the states always exact, after the prompt's last chunk. For prompts inside one
+page to several chunks: greedy output equals a colocated server's token for token (FP8
+with TP 2: the decode's first computed token within FP8 noise of a colocated TP 1
+server's), and the decode received exactly the attention layers' pages of the prompt
+past any hit plus one state per state-space layer, as bytes of the path's format (every
+head and channel once). A state left behind, or written to another slot, changes the
+decode's tokens from the first one it computes.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 from sglang_helpers import (
+    ENGINE_FLAGS,
     PD,
     Proc,
     check_sent_lines,
-    fp8_bytes,
     generate_as_colocated,
-    kv_bytes,
+    kv_itemsize,
     kvbridge_metrics,
     pd_config,
     prompt_ids,
@@ -59,56 +62,92 @@ def conv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def colocated_conv(conv_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def colocated_plain(conv_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     yield from start_colocated(
         conv_model, tmp_path_factory.mktemp("conv-colocated"), extra=STATE_FLAGS
     )
 
 
-# (transport, per layer, wire, attention TP of both sides). Each rank holds its share of
-# a state's channels (and of the KV heads) and moves its own to the decode rank of its
-# rank.
-PD_CONFIGS = [("nixl", True, "direct", 1), ("mooncake", False, "fp8", 2)]
+@pytest.fixture(scope="module")
+def colocated_radix(conv_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    yield from start_colocated(
+        conv_model,
+        tmp_path_factory.mktemp("conv-colocated-radix"),
+        extra=[*STATE_FLAGS[:2], *RADIX_FLAGS],
+    )
+
+
+@pytest.fixture
+def colocated_conv(request: pytest.FixtureRequest, state_pd: StatePD) -> Proc:
+    """The pair's reference: a colocated server that caches prefixes as the pair does.
+    SGLang's radix cache for these models changes a conversation's next turn on this
+    CPU (measured: from the decode's first token on, the same tokens colocated and
+    disaggregated, other than a server without one computes)."""
+    return request.getfixturevalue("colocated_radix" if state_pd.radix else "colocated_plain")
+
+
+# (transport, per layer, wire, attention TP of both sides, radix caches). Each rank holds
+# its share of a state's channels (and of the KV heads) and moves its own to the decode
+# rank of its rank. With radix caches (the prefill's, and the decode's own:
+# --disaggregation-decode-enable-radix-cache), which SGLang runs for such models on a CPU
+# only with pages of one token and without overlap scheduling.
+PD_CONFIGS = [("nixl", True, "direct", 1, True), ("mooncake", False, "fp8", 2, False)]
 WIRE = {"direct": {}, "fp8": {"wire_dtype": "fp8"}}
+RADIX_FLAGS = ["--page-size", "1", "--disable-overlap-schedule"]
+PAGE = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
 
 
 class StatePD(NamedTuple):
     pd: PD
     wire: str
     tp: int
+    page: int
+    radix: bool
 
 
 @pytest.fixture(
     scope="module",
     params=PD_CONFIGS,
-    ids=[f"{t}-{'layer' if lw else 'chunk'}-{w}-tp{tp}" for t, lw, w, tp in PD_CONFIGS],
+    ids=[
+        f"{t}-{'layer' if lw else 'chunk'}-{w}-tp{tp}" + ("-radix" if radix else "")
+        for t, lw, w, tp, radix in PD_CONFIGS
+    ],
 )
 def state_pd(
     request: pytest.FixtureRequest, conv_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[StatePD]:
-    transport, layerwise, wire, tp = request.param
+    transport, layerwise, wire, tp, radix = request.param
     log_dir = tmp_path_factory.mktemp(f"conv-{transport}-{wire}")
     sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, tp, tp)
     env = sides.pop("env")
-    sides["prefill_args"] = [*sides["prefill_args"], *STATE_FLAGS]
-    sides["decode_args"] = [*sides["decode_args"], *STATE_FLAGS]
+    flags = [*STATE_FLAGS[:2], *RADIX_FLAGS] if radix else STATE_FLAGS
+    sides["prefill_args"] = [*sides["prefill_args"], *flags]
+    sides["decode_args"] = [
+        *sides["decode_args"],
+        *flags,
+        *(["--disaggregation-decode-enable-radix-cache"] if radix else []),
+    ]
     for pd in start_pd(conv_model, log_dir, env, layerwise, **sides):
-        yield StatePD(pd, wire, tp)
+        yield StatePD(pd, wire, tp, 1 if radix else PAGE, radix)
 
 
-def state_bytes(model: Path) -> int:
-    """One request's states of the model, from its config: per short-convolution layer
-    the last ``conv_L_cache - 1`` inputs of its ``hidden_size`` channels, in bfloat16
-    (SGLang's conv-state dtype unless ``SGLANG_MAMBA_CONV_DTYPE`` says otherwise)."""
+def expected_bytes(model: Path, pair: StatePD, n: int, *, hit: int = 0) -> int:
+    """What the decode of ``pair`` receives for an ``n``-token prompt whose first ``hit``
+    tokens (a page multiple) it holds already, from the model's config: the attention
+    layers' pages past the hit (a row, one token's one head of K or V, is ``head_dim``
+    values of the decode's KV dtype, or with FP8 as many bytes and a float32 scale:
+    csrc/PACKED_FORMAT.md), and one request's states whole: per short-convolution
+    layer the last ``conv_L_cache - 1`` inputs of its ``hidden_size`` channels, in
+    bfloat16 (SGLang's conv-state dtype unless ``SGLANG_MAMBA_CONV_DTYPE`` says
+    otherwise)."""
     cfg = json.loads((model / "config.json").read_text())
-    layers = cfg["layer_types"].count("conv")
-    return layers * cfg["hidden_size"] * (cfg["conv_L_cache"] - 1) * 2
-
-
-def attention_share(model: Path) -> float:
-    """The share of the model's layers that are attention layers (the KV pool's)."""
-    kinds = json.loads((model / "config.json").read_text())["layer_types"]
-    return kinds.count("full_attention") / len(kinds)
+    kinds = cfg["layer_types"]
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    row = head_dim + 4 if pair.wire == "fp8" else head_dim * kv_itemsize(pair.pd.decode)
+    pages = math.ceil(n / pair.page) - hit // pair.page
+    kv = 2 * kinds.count("full_attention") * cfg["num_key_value_heads"] * row
+    states = kinds.count("conv") * cfg["hidden_size"] * (cfg["conv_L_cache"] - 1) * 2
+    return pages * pair.page * kv + states
 
 
 @pytest.mark.parametrize("n", PROMPTS)
@@ -123,15 +162,56 @@ def test_state_space_output_equals_colocated(
     # one line per prefill rank; per layer: the attention layers (the states go after
     # the last chunk)
     check_sent_lines(pd, offset, state_pd.tp)
-    # the helpers count every layer's pages; the pool holds the attention layers'
-    kv = fp8_bytes(conv_model, n) if fp8 else kv_bytes(conv_model, pd.decode, n)
-    kv = kv * attention_share(conv_model)
-    expected = kv + state_bytes(conv_model)
+    expected = expected_bytes(conv_model, state_pd, n)
     received = wait_received_bytes(pd.decode.url, before, expected)
     assert received == expected, (
-        f"{n} tokens: the decode received {received} bytes, the prompt's attention pages are "
-        f"{kv} and its states {state_bytes(conv_model)}"
+        f"{n} tokens: the decode received {received} bytes, the prompt's attention pages and "
+        f"its states are {expected}"
     )
+    if fp8:
+        wait_staging_idle(pd.prefill)
+        wait_staging_idle(pd.decode)
+
+
+# new tokens per turn
+TURNS = [100, 40, 30]
+
+
+def test_a_conversation_s_next_turn_moves_the_pages_past_the_hit_and_the_states(
+    state_pd: StatePD, colocated_conv: Proc, conv_model: Path
+) -> None:
+    """A conversation: each turn's prompt is the previous prompt, the pair's answer to
+    it and new tokens. A decode with a radix cache of its own keeps each finished
+    request's pages and matches the next turn against them: it receives the attention
+    pages past the hit (the previous request's KV: all but its last token, which no
+    forward saw; SGLang's tree may match less, never more) and the prompt's states
+    whole, yet decodes as a colocated server does. A decode without one receives each
+    turn whole."""
+    pd, fp8 = state_pd.pd, state_pd.wire == "fp8"
+    prompt: list[int] = []
+    previous = 0
+    for turn, new in enumerate(TURNS):
+        prompt = prompt + prompt_ids(new, seed=2600 + turn)
+        n = len(prompt)
+        most = max(0, previous - 1) // state_pd.page * state_pd.page if state_pd.radix else 0
+        before = kvbridge_metrics(pd.decode.url)
+        got = generate_as_colocated(pd, colocated_conv, prompt, fp8=fp8)
+        least = expected_bytes(conv_model, state_pd, n, hit=most)
+        received = wait_received_bytes(pd.decode.url, before, least)
+        moved = {
+            hit: expected_bytes(conv_model, state_pd, n, hit=hit)
+            for hit in range(0, most + 1, state_pd.page)
+        }
+        hits = [hit for hit, nbytes in moved.items() if nbytes == received]
+        assert hits, (
+            f"turn {turn}: the decode received {received} bytes; the {n}-token prompt past a "
+            f"hit of up to {most} tokens and its states are one of {sorted(moved.values())}"
+        )
+        assert (hits[0] > 0) == (most > 0), (
+            f"turn {turn}: {received} bytes are a {hits[0]}-token hit, the most is {most}"
+        )
+        previous = n + len(got)
+        prompt = prompt + got
     if fp8:
         wait_staging_idle(pd.prefill)
         wait_staging_idle(pd.decode)
