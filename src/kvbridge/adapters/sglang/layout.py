@@ -11,6 +11,9 @@ docs/sglang-backend-notes.md §5):
   ``(pages * page_size, 1, kv_lora_rank + qk_rope_head_dim)``: layout ``latent``.
 - ``aux_data_ptrs``: the metadata buffers (first token, logprobs, ..., room), one row
   per request slot, ``aux_item_lens[j]`` bytes per row.
+- ``state_data_ptrs[0]`` beside a hybrid pool (:func:`pool_states`): a sliding-window
+  pool's window layers (as the KV lists), or a state-space pool's state tensors, one
+  row per state slot (as the metadata buffers).
 
 :func:`kv_geometry` turns the first into a :class:`~kvbridge.core.layout.CacheGeometry`
 (planes reordered to kvbridge's (layer, plane) order), so slot tables and slot indices
