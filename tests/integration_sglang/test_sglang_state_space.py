@@ -80,9 +80,11 @@ def colocated_radix(conv_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 @pytest.fixture
 def colocated_conv(request: pytest.FixtureRequest, state_pd: StatePD) -> Proc:
     """The pair's reference: a colocated server that caches prefixes as the pair does.
-    SGLang's radix cache for these models changes a conversation's next turn on this
-    CPU (measured: from the decode's first token on, the same tokens colocated and
-    disaggregated, other than a server without one computes)."""
+    A prefix hit changes a conversation's next turn here (measured: from the decode's
+    first token on, the same tokens colocated and disaggregated): the extend after the
+    hit reads SGLang's bfloat16 conv states where a full prefill convolves unrounded
+    activations, and the random-weight model's near-tied logits flip (with float32
+    conv states, ``SGLANG_MAMBA_CONV_DTYPE``, both agree)."""
     return request.getfixturevalue("colocated_radix" if state_pd.radix else "colocated_plain")
 
 
