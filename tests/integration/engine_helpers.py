@@ -49,6 +49,13 @@ def start_all(servers: Sequence[VllmServer], timeout: float = 400) -> None:
     launch.start_all(servers, timeout)
 
 
+TP_HANDSHAKE_S = 30.0
+"""The side channel's reply deadline in a :class:`TPCluster`: its instances' seven
+engine processes share 2 cores, and a prefill busy with a TP 2 forward once took over
+the default 10 s to acknowledge a destination (CI, 2026-11-29: the request failed with
+"destination not delivered")."""
+
+
 class TPCluster:
     """Instances of TP 2 and TP 1 over ``transport``, started together: ``p`` a TP 2 prefill,
     ``d`` a TP 2 decode, ``c`` the colocated TP 2 reference, and ``x`` a TP 1 instance
@@ -64,10 +71,11 @@ class TPCluster:
         transport: str = "nixl",
     ) -> None:
         two = ["--tensor-parallel-size", "2"]
-        self.p = make("P2", two + kv_args("kv_producer", transport))
-        self.d = make("D2", two + kv_args("kv_consumer", transport, policy="fail"))
+        slow = {"timeouts": {"handshake_s": TP_HANDSHAKE_S}}
+        self.p = make("P2", two + kv_args("kv_producer", transport, slow))
+        self.d = make("D2", two + kv_args("kv_consumer", transport, slow, policy="fail"))
         self.c = make("C2", two)
-        self.x = make("X1", [*x_args, *kv_args("kv_both", transport, policy="fail")])
+        self.x = make("X1", [*x_args, *kv_args("kv_both", transport, slow, policy="fail")])
         self.servers = [self.p, self.d, self.c, self.x]
         start_all(self.servers)
         self.address = {self.p.url: discover(self.p.url), self.x.url: discover(self.x.url)}
