@@ -213,8 +213,19 @@ METRICS_TIMEOUT_S = 30.0
 
 
 def kvbridge_metrics(url: str) -> dict[str, float]:
-    """``sglang:kvbridge_*`` samples of a server's ``/metrics``, summed over labels."""
-    return prom(url, prefix="sglang:kvbridge_")
+    """``sglang:kvbridge_*`` samples of a server's ``/metrics``, summed over labels. A
+    scrape that races a rank creating its metrics file fails in prometheus_client's
+    multiprocess reader (HTTP 500, "unpack_from requires a buffer of at least 4 bytes":
+    seen once on a TP 2 decode's first request) and is retried, as a scraper's next
+    interval would be."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        try:
+            return prom(url, prefix="sglang:kvbridge_")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 500 or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
 
 
 def kv_rows(model: Path, num_tokens: int) -> tuple[int, int]:
