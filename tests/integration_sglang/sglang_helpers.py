@@ -387,6 +387,21 @@ def check_sent_lines(pd: PD, offset: int, ranks: int) -> None:
             )
 
 
+def check_hit(turn: int, received: float, moved: dict[int, int], most: int) -> int:
+    """A conversation turn's decode hit, read from the bytes it ``received``: ``moved``
+    maps each possible hit (tokens, up to ``most``) to the bytes the turn moves past it.
+    Asserts that one matches, and that it is a hit exactly where one is possible."""
+    hits = [hit for hit, nbytes in moved.items() if nbytes == received]
+    assert hits, (
+        f"turn {turn}: the decode received {received} bytes; past a hit of up to {most} "
+        f"tokens the turn moves one of {moved}"
+    )
+    assert (hits[0] > 0) == (most > 0), (
+        f"turn {turn}: {received} bytes are a {hits[0]}-token hit, the most is {most}"
+    )
+    return hits[0]
+
+
 def wait_received_bytes(url: str, before: dict[str, float], expected: float) -> float:
     """KV bytes a decode server received since ``before`` (its kvbridge metrics), once
     they reach ``expected`` (each decode rank counts just after its notification:

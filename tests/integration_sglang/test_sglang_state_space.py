@@ -33,6 +33,7 @@ from sglang_helpers import (
     ENGINE_FLAGS,
     PD,
     Proc,
+    check_hit,
     check_sent_lines,
     generate_as_colocated,
     kv_itemsize,
@@ -204,14 +205,7 @@ def test_a_conversation_s_next_turn_moves_the_pages_past_the_hit_and_the_states(
             hit: expected_bytes(conv_model, state_pd, n, hit=hit)
             for hit in range(0, most + 1, state_pd.page)
         }
-        hits = [hit for hit, nbytes in moved.items() if nbytes == received]
-        assert hits, (
-            f"turn {turn}: the decode received {received} bytes; the {n}-token prompt past a "
-            f"hit of up to {most} tokens and its states are one of {sorted(moved.values())}"
-        )
-        assert (hits[0] > 0) == (most > 0), (
-            f"turn {turn}: {received} bytes are a {hits[0]}-token hit, the most is {most}"
-        )
+        check_hit(turn, received, moved, most)
         previous = n + len(got)
         prompt = prompt + got
     if fp8:

@@ -34,6 +34,7 @@ from sglang_helpers import (
     FP8_MAX_DRIFT,
     PD,
     Proc,
+    check_hit,
     check_sent_lines,
     fp8_drift,
     generate_as_colocated,
@@ -237,14 +238,7 @@ def test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks(
             hit: expected_bytes(swa_model, pd.decode, n, hit=hit, fp8=fp8)
             for hit in range(0, most + 1, page)
         }
-        hits = [hit for hit, nbytes in moved.items() if nbytes == received]
-        assert hits, (
-            f"turn {turn}: the decode received {received} bytes; the {n}-token prompt past a "
-            f"hit of a multiple of {page} tokens up to {most} is one of {moved}"
-        )
-        assert (hits[0] > 0) == (most > 0), (
-            f"turn {turn}: {received} bytes are a {hits[0]}-token hit, the most is {most}"
-        )
+        check_hit(turn, received, moved, most)
         previous = n + len(got)
         prompt = prompt + got
     if swa_pd.wire != "direct":
