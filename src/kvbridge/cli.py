@@ -118,13 +118,6 @@ def _demo(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        if tp[0] != tp[1]:
-            print(
-                f"kvbridge demo --model {args.model} --engine sglang: states move between equal "
-                "TP sizes (fix: the same --prefill-tp and --decode-tp)",
-                file=sys.stderr,
-            )
-            return 2
     elif has_states(args.model) and config.packed:
         print(
             f"kvbridge demo --model {args.model}: states move between vLLM instances on the direct "
@@ -308,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "the demo model: tiny (Llama, default), mla (DeepSeek-V2: multi-head latent "
             "attention, one latent vector per token), hybrid (GraniteMoeHybrid: Mamba2 layers "
             "between attention layers; vLLM only), shortconv (LFM2: short convolutions "
-            "between attention layers; vLLM only) or swa (Laguna: full-attention and "
+            "between attention layers; vLLM and SGLang) or swa (Laguna: full-attention and "
             "sliding-window layers, in SGLang's sliding-window pool; SGLang only)"
         ),
     )

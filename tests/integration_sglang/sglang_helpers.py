@@ -340,6 +340,10 @@ FP8_MAX_DRIFT = 0.6
 """How far FP8 KV may move the top-5 logprobs of the decode's first computed token (a
 page or a layer in the wrong place moves them by more than 1)."""
 
+TP_MAX_DRIFT = 0.05
+"""How far computing at another TP size (SGLang's all-reduce sums in another order) may
+move them: 0.008 measured on the tiny LFM2, enough to flip a near-tied greedy token."""
+
 
 def fp8_drift(want: dict[int, float], got: dict[int, float]) -> float:
     """Largest logprob difference over the tokens two top-5 lists share (at least 3)."""
@@ -348,20 +352,23 @@ def fp8_drift(want: dict[int, float], got: dict[int, float]) -> float:
     return max(abs(want[t] - got[t]) for t in common)
 
 
-def generate_as_colocated(pd: PD, colocated: Proc, input_ids: list[int], *, fp8: bool) -> list[int]:
+def generate_as_colocated(
+    pd: PD, colocated: Proc, input_ids: list[int], *, max_drift: float | None = None
+) -> list[int]:
     """Assert that ``pd`` answers ``input_ids`` as ``colocated`` does: greedy output
-    token for token, or with ``fp8`` (FP8 KV moves near-tied tokens of the random-weight
-    models) the prefill's token equal and the decode's first computed token's top-5
-    logprobs within :data:`FP8_MAX_DRIFT`. Returns ``pd``'s output."""
+    token for token, or with ``max_drift`` (FP8 KV, or another TP size, moves near-tied
+    tokens of the random-weight models: :data:`FP8_MAX_DRIFT`, :data:`TP_MAX_DRIFT`)
+    the prefill's token equal and the decode's first computed token's top-5 logprobs
+    within it. Returns ``pd``'s output."""
     n = len(input_ids)
-    if fp8:
+    if max_drift is not None:
         want, want_tops = generate_logprobs(colocated.url, input_ids)
         got, got_tops = generate_logprobs(pd.router.url, input_ids)
         assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
             f"the prefill's token differs: {got} vs {want}"
         )
         drift = fp8_drift(want_tops[1], got_tops[1])  # the decode's first token
-        assert drift < FP8_MAX_DRIFT, (
+        assert drift < max_drift, (
             f"{n} tokens: logprobs moved by {drift:.2f}\n{pd.decode.log_tail()}"
         )
     else:

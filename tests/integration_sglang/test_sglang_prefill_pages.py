@@ -88,6 +88,7 @@ def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -
         attn_tp_size=1,
         window_geometry=None,  # no sliding-window layers
         state_layout=None,  # no state-space layers
+        state_split=None,
     )
     with pytest.raises(
         IncompatiblePeerError, match=r"radix cache.*pages of 16 tokens.*hold 32"

@@ -64,6 +64,7 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
             _refused={},
             aux_layout=reg.aux,
             _pairing=lambda reg: None,
+            _state_cut=lambda reg: None,
             check_peer_aux_buffer_count=lambda *a: None,
             _drop_peer=lambda agent: None,
         )

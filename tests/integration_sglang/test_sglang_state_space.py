@@ -6,18 +6,21 @@ window, SSM state) in one slot per request. The test model: the tiny LFM2 of
 attention), the one such architecture SGLang computes on this CPU (with the test-only
 ``sglang_cpu_conv`` plugin, tests/sglang_stubs/README.md).
 
-Two pairs (:data:`PD_CONFIGS`): the direct path over NIXL per layer with radix caches on
-both sides (the decode's own too: a conversation's next turn moves only the attention
-pages past its hit, and the states whole), and FP8 on the wire over Mooncake per chunk
+Four pairs (:data:`PD_CONFIGS`): the direct path over NIXL per layer with radix caches
+on both sides (the decode's own too: a conversation's next turn moves only the attention
+pages past its hit, and the states whole); FP8 on the wire over Mooncake per chunk
 between a prefill and a decode of two attention TP ranks each (each rank holds half of
-every state's channels and moves them to its peer rank). The KV moves by the pair's
-path, the states always exact, after the prompt's last chunk. For prompts inside one
-page to several chunks: greedy output equals a colocated server's token for token (FP8
-with TP 2: the decode's first computed token within FP8 noise of a colocated TP 1
-server's), and the decode received exactly the attention layers' pages of the prompt
-past any hit plus one state per state-space layer, as bytes of the path's format (every
-head and channel once). A state left behind, or written to another slot, changes the
-decode's tokens from the first one it computes.
+every state's channels and moves them to its peer rank); and the packed path between TP
+sizes, exact: a prefill of one rank writes each half of every state into the decode
+rank holding it (NIXL, per layer), and two prefill ranks write their halves into one
+decode rank's state (Mooncake, per chunk). The KV moves by the pair's path, the states
+always exact, after the prompt's last chunk. For prompts inside one page to several
+chunks: greedy output equals a colocated server's token for token (FP8: the decode's
+first computed token within FP8 noise of a colocated TP 1 server's), and the decode
+received exactly the attention layers' pages of the prompt past any hit plus one state
+per state-space layer, as bytes of the path's format (every head and channel once). A
+state left behind, written to another slot, or its halves swapped changes the decode's
+tokens from the first one it computes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from typing import NamedTuple
 import pytest
 from sglang_helpers import (
     ENGINE_FLAGS,
+    FP8_MAX_DRIFT,
     PD,
+    TP_MAX_DRIFT,
     Proc,
     check_hit,
     check_sent_lines,
@@ -89,13 +94,18 @@ def colocated_conv(request: pytest.FixtureRequest, state_pd: StatePD) -> Proc:
     return request.getfixturevalue("colocated_radix" if state_pd.radix else "colocated_plain")
 
 
-# (transport, per layer, wire, attention TP of both sides, radix caches). Each rank holds
-# its share of a state's channels (and of the KV heads) and moves its own to the decode
-# rank of its rank. With radix caches (the prefill's, and the decode's own:
+# (transport, per layer, wire, attention TP of prefill and decode, radix caches). Each
+# rank holds its share of a state's channels (and of the KV heads) and moves it to the
+# decode ranks holding them. With radix caches (the prefill's, and the decode's own:
 # --disaggregation-decode-enable-radix-cache), which SGLang runs for such models on a CPU
 # only with pages of one token and without overlap scheduling.
-PD_CONFIGS = [("nixl", True, "direct", 1, True), ("mooncake", False, "fp8", 2, False)]
-WIRE = {"direct": {}, "fp8": {"wire_dtype": "fp8"}}
+PD_CONFIGS = [
+    ("nixl", True, "direct", (1, 1), True),
+    ("mooncake", False, "fp8", (2, 2), False),
+    ("nixl", True, "packed", (1, 2), False),
+    ("mooncake", False, "packed", (2, 1), False),
+]
+WIRE = {"direct": {}, "fp8": {"wire_dtype": "fp8"}, "packed": {"data_path": "packed"}}
 RADIX_FLAGS = ["--page-size", "1", "--disable-overlap-schedule"]
 PAGE = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
 
@@ -103,25 +113,29 @@ PAGE = int(ENGINE_FLAGS[ENGINE_FLAGS.index("--page-size") + 1])
 class StatePD(NamedTuple):
     pd: PD
     wire: str
-    tp: int
+    prefill_tp: int
     page: int
     radix: bool
+    max_drift: float | None
+    """Token for token (None), or the decode's first computed token's logprobs within
+    this of the colocated server's (FP8 KV; a decode of another TP size, whose sums
+    round otherwise: :func:`~sglang_helpers.generate_as_colocated`)."""
 
 
 @pytest.fixture(
     scope="module",
     params=PD_CONFIGS,
     ids=[
-        f"{t}-{'layer' if lw else 'chunk'}-{w}-tp{tp}" + ("-radix" if radix else "")
-        for t, lw, w, tp, radix in PD_CONFIGS
+        f"{t}-{'layer' if lw else 'chunk'}-{w}-tp{p}{d}" + ("-radix" if radix else "")
+        for t, lw, w, (p, d), radix in PD_CONFIGS
     ],
 )
 def state_pd(
     request: pytest.FixtureRequest, conv_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[StatePD]:
-    transport, layerwise, wire, tp, radix = request.param
+    transport, layerwise, wire, (p_tp, d_tp), radix = request.param
     log_dir = tmp_path_factory.mktemp(f"conv-{transport}-{wire}")
-    sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, tp, tp)
+    sides = tp_sides({**pd_config(transport, layerwise), **WIRE[wire]}, p_tp, d_tp)
     env = sides.pop("env")
     flags = [*STATE_FLAGS[:2], *RADIX_FLAGS] if radix else STATE_FLAGS
     sides["prefill_args"] = [*sides["prefill_args"], *flags]
@@ -131,7 +145,8 @@ def state_pd(
         *(["--disaggregation-decode-enable-radix-cache"] if radix else []),
     ]
     for pd in start_pd(conv_model, log_dir, env, layerwise, **sides):
-        yield StatePD(pd, wire, tp, 1 if radix else PAGE, radix)
+        drift = FP8_MAX_DRIFT if wire == "fp8" else TP_MAX_DRIFT if p_tp != d_tp else None
+        yield StatePD(pd, wire, p_tp, 1 if radix else PAGE, radix, drift)
 
 
 def expected_bytes(model: Path, pair: StatePD, n: int, *, hit: int = 0) -> int:
@@ -161,10 +176,10 @@ def test_state_space_output_equals_colocated(
     input_ids = prompt_ids(n, seed=1700 + n)
     offset = pd.prefill.log_path.stat().st_size
     before = kvbridge_metrics(pd.decode.url)
-    generate_as_colocated(pd, colocated_conv, input_ids, fp8=fp8)
+    generate_as_colocated(pd, colocated_conv, input_ids, max_drift=state_pd.max_drift)
     # one line per prefill rank; per layer: the attention layers (the states go after
     # the last chunk)
-    check_sent_lines(pd, offset, state_pd.tp)
+    check_sent_lines(pd, offset, state_pd.prefill_tp)
     expected = expected_bytes(conv_model, state_pd, n)
     received = wait_received_bytes(pd.decode.url, before, expected)
     assert received == expected, (
@@ -198,7 +213,7 @@ def test_a_conversation_s_next_turn_moves_the_pages_past_the_hit_and_the_states(
         n = len(prompt)
         most = max(0, previous - 1) // state_pd.page * state_pd.page if state_pd.radix else 0
         before = kvbridge_metrics(pd.decode.url)
-        got = generate_as_colocated(pd, colocated_conv, prompt, fp8=fp8)
+        got = generate_as_colocated(pd, colocated_conv, prompt, max_drift=state_pd.max_drift)
         least = expected_bytes(conv_model, state_pd, n, hit=most)
         received = wait_received_bytes(pd.decode.url, before, least)
         moved = {

@@ -165,7 +165,7 @@ def test_sliding_window_output_equals_colocated(
     input_ids = prompt_ids(n, seed=900 + n)
     offset = pd.prefill.log_path.stat().st_size
     before = kvbridge_metrics(pd.decode.url)
-    generate_as_colocated(pd, colocated_swa, input_ids, fp8=fp8)
+    generate_as_colocated(pd, colocated_swa, input_ids, max_drift=FP8_MAX_DRIFT if fp8 else None)
     # one line per prefill rank; per layer: the full-attention layers (the window
     # layers' pages go after the last chunk)
     check_sent_lines(pd, offset, swa_pd.prefill_tp)

@@ -40,6 +40,10 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   holds SGLang's targets for several sizes, written from that code: re-derive them.
 - ``ServerArgs.disaggregation_decode_enable_radix_cache`` (:func:`decode_prefix_cache`):
   a decode that keeps its own prefix cache (a prefill with larger pages refuses it).
+- States between TP sizes (:func:`state_split_info`): ``KVArgs.state_dim_per_tensor``,
+  ``state_slice_outer_counts``, ``state_conv_shard_groups`` and ``state_layer_ids``
+  (from ``MambaPool.get_state_dim_per_tensor`` and siblings), listed as
+  ``state_item_lens``: field by field (conv, then temporal), each once per layer.
 - One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
   ``record_failure``, ``conclude_failure``,
   ``KVTransferError(room, reason)``, and the endpoints' ``_owns_bootstrap_room`` flag,
@@ -259,6 +263,37 @@ def start_layer(kv_args) -> int:
         return 0
 
 
+class StateSplitInfo(NamedTuple):
+    """What SGLang publishes of each state tensor of ``state_data_ptrs[0]`` for moving
+    states between TP sizes (:func:`.layout.state_split` reads it)."""
+
+    dims: list[int]
+    outer_counts: list[int]
+    shard_groups: list[list[int] | None]
+    layer_ids: list[int]
+
+
+def state_split_info(kv_args) -> StateSplitInfo | None:
+    """The first state type's per-tensor split metadata from ``KVArgs`` (0.5.23:
+    ``state_dim_per_tensor``, the sliced axis' size on this rank, 0 for a state every
+    rank holds whole; ``state_slice_outer_counts``, the rows before it;
+    ``state_conv_shard_groups``, a conv state's sub-block sizes at TP 1 or None;
+    ``state_layer_ids``), or None where this SGLang does not publish them."""
+    try:
+        dims = kv_args.state_dim_per_tensor[0]
+        outer = kv_args.state_slice_outer_counts[0]
+        groups = kv_args.state_conv_shard_groups[0]
+        layers = kv_args.state_layer_ids[0]
+        return StateSplitInfo(
+            [int(d) for d in dims],
+            [int(c) for c in outer],
+            [None if g is None else [int(x) for x in g] for g in groups],
+            [int(x) for x in layers],
+        )
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
 def full_attention_layers(model_runner) -> dict[int, int] | None:
     """A hybrid pool's layers that its KV pages hold: model layer id -> index among
     them, the order of ``KVArgs.kv_data_ptrs``. In 0.5.23 a sliding-window pool
@@ -339,6 +374,7 @@ __all__ = [
     "SUPPORTED",
     "TESTED",
     "ExtendReq",
+    "StateSplitInfo",
     "add_transfer_backend",
     "common",
     "extend_requests",
@@ -349,5 +385,6 @@ __all__ = [
     "page_ids",
     "sglang_version",
     "start_layer",
+    "state_split_info",
     "warn_if_untested",
 ]

@@ -169,6 +169,7 @@ class DecodeSide:
                 page_size=self.kv_args.page_size,
                 window=self.window_geometry,
                 states=self.state_layout,
+                state_split=self.state_split,
             ),
             self.secret,
         )

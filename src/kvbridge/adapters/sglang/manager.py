@@ -66,7 +66,7 @@ from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
 from kvbridge.adapters.sglang.lanes import RoomLanes
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pool_states
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pool_states, state_split
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
 from kvbridge.adapters.sglang.prefill import (
     KVBridgeKVSender,
@@ -220,6 +220,16 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         except Exception:
             self.transport.close()
             raise
+        self.state_split = None
+        """A pool with state-space layers whose states SGLang says how to split over
+        attention TP ranks (:func:`.layout.state_split`; after SGLang's manager has set
+        ``attn_tp_size``): they then move between TP sizes too. None otherwise."""
+        if self.state_layout is not None:
+            info = compat.state_split_info(args)
+            if info is not None:
+                self.state_split = state_split(
+                    item_lens=self.state_layout.item_lens, tp=self.attn_tp_size, **info._asdict()
+                )
         log.info(
             "kvbridge %s rank %s: transport %s, agent %s, %d KV slots of %d B%s%s, %d metadata "
             "buffers",

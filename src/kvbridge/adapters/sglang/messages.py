@@ -40,6 +40,7 @@ import numpy as np
 
 from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
 from kvbridge.wire.auth import MAC_BYTES, mac, seal, unseal, verify
 from kvbridge.wire.messages import StagingInfo
@@ -88,6 +89,10 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """A pool with state-space layers (:func:`.layout.pool_states`): their state
     tensors, one row per state slot; ``geometry`` then holds the attention layers.
     None: no state-space layers."""
+    state_split: tuple[StateTensor, ...] | None = None
+    """With ``states``: how each state tensor's row splits over attention TP ranks
+    (:func:`.layout.state_split`), for a prefill of another TP size. None: SGLang did
+    not say, and the states move between equal TP sizes only."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):

@@ -43,6 +43,7 @@ from kvbridge.adapters.sglang.layout import (
     check_windows,
     pages_differ,
     paired_count,
+    state_cut,
     state_slot,
     transfer_pages,
     window_overlap,
@@ -50,6 +51,7 @@ from kvbridge.adapters.sglang.layout import (
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import (
     Part,
+    latent_sources,
     part_start,
     room_part,
     room_slots,
@@ -66,7 +68,7 @@ from kvbridge.adapters.sglang.streaming import (
     completed_span,
     streams,
 )
-from kvbridge.core.tp import heads_per_rank
+from kvbridge.core.tp import heads_per_rank, prefill_ranks
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.packed import Run, staging_descs
@@ -148,6 +150,10 @@ class _Peer(NamedTuple):
     window_geometry: object = None  # sliding-window pool: the decode's window layers' pages
     states: object = None  # state-space layers: DescTable of the decode's state rows
     state_layout: AuxLayout | None = None  # state-space layers: the decode's state tensors
+    state_cut: tuple | None = None
+    """State-space layers, another attention TP size: per state tensor, the segments of a
+    slot's row this rank writes into the decode rank's (:func:`.layout.state_cut`);
+    ``states`` is then None (each room's segments are posted as they are)."""
 
 
 class _Dest(NamedTuple):
@@ -236,6 +242,7 @@ class PrefillSide:
     def _add_peer(self, reg: wire.Registration) -> None:
         try:
             part = self._pairing(reg)
+            cut = self._state_cut(reg)
         except IncompatiblePeerError as exc:
             log.error("kvbridge: refused decode %s: %s", reg.agent, exc)
             self._refused[reg.agent] = str(exc)
@@ -260,7 +267,7 @@ class PrefillSide:
                     reg.window.slot_table(), memory=reg.window.memory, peer=peer
                 )
             states = None
-            if reg.states is not None:
+            if reg.states is not None and cut is None:
                 states = self.transport.prepare(
                     reg.states.table(reg.geometry.device),
                     memory=reg.geometry.memory,
@@ -282,6 +289,7 @@ class PrefillSide:
                 reg.window,
                 states,
                 reg.states,
+                cut,
             )
             # A restarted decode (same address, new epoch) replaces its old agent.
             stale = [
@@ -333,7 +341,14 @@ class PrefillSide:
             )
         check_windows(reg.window, self.window_geometry, packed=self.packed is not None)
         p_tp, d_tp = self.attn_tp_size, reg.tp_size
-        check_states(reg.states, self.state_layout, prefill_tp=p_tp, decode_tp=d_tp)
+        check_states(
+            reg.states,
+            self.state_layout,
+            prefill_tp=p_tp,
+            decode_tp=d_tp,
+            their_split=reg.state_split,
+            my_split=self.state_split,
+        )
         if self.packed is None:
             if p_tp != d_tp and self.geometry.spec.layout != "latent":
                 raise IncompatiblePeerError(
@@ -375,6 +390,23 @@ class PrefillSide:
                 f"({mine.num_kv_heads} KV heads) for a model of {total}"
             )
         return part
+
+    def _state_cut(self, reg: wire.Registration) -> tuple | None:
+        """A decode of another attention TP size with state-space layers: per state
+        tensor, the segments of a slot's row this rank writes into the decode rank's
+        (:func:`.layout.state_cut`, after :meth:`_pairing` accepted the split; raises
+        :class:`IncompatiblePeerError` as it does). None for an equal size (whole
+        rows) or a pool without states."""
+        p_tp, d_tp = self.attn_tp_size, reg.tp_size
+        if self.state_layout is None or p_tp == d_tp:
+            return None
+        if self.geometry.spec.layout == "latent":
+            kv_sources = latent_sources(p_tp, d_tp, reg.tp_rank)
+        else:
+            kv_sources = prefill_ranks(self._total_kv_heads(), p_tp, d_tp, reg.tp_rank)
+        return state_cut(
+            self.state_split, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, kv_sources=kv_sources
+        )
 
     def _drop_peer(self, agent: str) -> None:
         with self._peers_lock:
@@ -822,8 +854,8 @@ class PrefillSide:
         """A pool with state-space layers, after the room's last chunk (its forward has
         left the prompt's final states in the request's slot): write the slot's row of
         every state tensor into the destination's slot, on either data path (states
-        are not packed: equal attention TP sizes, :func:`.layout.check_states`).
-        Transfer thread."""
+        are not packed); to a decode rank of another attention TP size, the parts of
+        the row it holds (``_Peer.state_cut``). Transfer thread."""
         if row is None:
             raise PlanError("the last chunk names no state slot (SGLang's state indices)")
         src = self.state_layout.slots(row)
@@ -833,9 +865,43 @@ class PrefillSide:
             peer = self.peers.get(dest.agent)
             if peer is None:
                 raise PlanError(f"decode peer {dest.agent} is gone")
+            if peer.state_cut is not None:
+                sent = self._post_state_parts(xfers, peer, row, dest.state_row)
+                self._posted(room, dest, sent)
+                continue
             dst = peer.state_layout.slots(dest.state_row)
             xfers.append(self.transport.post("write", self.state_table, src, peer.states, dst))
             self._posted(room, dest, nbytes)
+
+    def _post_state_parts(self, xfers: list, peer: _Peer, row: int, dst_row: int) -> int:
+        """Write the segments of state slot ``row`` that ``peer`` (another attention TP
+        size) holds into its slot ``dst_row``, as one transfer of one-post lists;
+        returns the bytes (0: this rank holds none of the decode rank's states)."""
+        mine, theirs = self.state_layout, peer.state_layout
+        local, remote = [], []
+        for j, segments in enumerate(peer.state_cut):
+            src = mine.ptrs[j] + row * mine.item_lens[j]
+            dst = theirs.ptrs[j] + dst_row * theirs.item_lens[j]
+            for p_off, d_off, n in segments:
+                local.append((src + p_off, n, self.device_index))
+                remote.append((dst + d_off, n, peer.geometry.device))
+        if not local:
+            return 0
+        rows = np.arange(len(local), dtype=np.int64)
+        xfers.append(
+            self.transport.post(
+                "write",
+                self.transport.adhoc(np.array(local, dtype=np.uint64), memory=self.memory),
+                rows,
+                self.transport.adhoc(
+                    np.array(remote, dtype=np.uint64),
+                    memory=peer.geometry.memory,
+                    peer=peer.kv.peer,
+                ),
+                rows,
+            )
+        )
+        return sum(n for _, n, _ in local)
 
     def _window_chunks(self, dest: _Dest) -> int:
         """Packed path: the staging chunks of each part of ``dest``'s room run that hold
