@@ -168,31 +168,43 @@ def test_a_split_sglang_does_not_describe_is_none() -> None:
     assert state_split(**{**kwargs, "item_lens": [63, 64]}) is None
 
 
-def states_of(split) -> AuxLayout:
+def states_of(split, tp: int) -> AuxLayout:
+    """A rank of ``tp``'s state tensors (eight slots)."""
     return AuxLayout(
         ptrs=tuple(range(4096, 4096 * (len(split) + 1), 4096)),
-        item_lens=tuple(t.nbytes(1) for t in split),
+        item_lens=tuple(t.nbytes(tp) for t in split),
         rows=8,
     )
 
 
 def test_states_between_tp_sizes_pair_when_both_sides_describe_the_same_split() -> None:
     split = split_of(GDN, 2, 1)
-    states = states_of(split)
-    check_states(states, states, prefill_tp=2, decode_tp=1, their_split=split, my_split=split)
+    decode, prefill = states_of(split, 1), states_of(split, 2)
+    check_states(decode, prefill, prefill_tp=2, decode_tp=1, their_split=split, my_split=split)
     for theirs, mine, side in ((None, split, "the decode's"), (split, None, "this prefill's")):
         with pytest.raises(IncompatiblePeerError, match=f"{side} SGLang does not say") as info:
             check_states(
-                states, states, prefill_tp=2, decode_tp=1, their_split=theirs, my_split=mine
+                decode, prefill, prefill_tp=2, decode_tp=1, their_split=theirs, my_split=mine
             )
         assert "--tp-size" in str(info.value)
     # float16 SSM states on the decode: channels of other bytes
     other = split_of([GDN[0], Tensor((4,), 16 * 16 * 2)], 2, 1)
     with pytest.raises(IncompatiblePeerError, match="--mamba-ssm-dtype"):
-        check_states(states, states, prefill_tp=2, decode_tp=1, their_split=other, my_split=split)
+        check_states(
+            states_of(other, 1),
+            prefill,
+            prefill_tp=2,
+            decode_tp=1,
+            their_split=other,
+            my_split=split,
+        )
+    # a registration whose rows are not what its split says at its TP size
+    with pytest.raises(IncompatiblePeerError, match="its state rows") as info:
+        check_states(prefill, prefill, prefill_tp=2, decode_tp=1, their_split=split, my_split=split)
+    assert "same kvbridge version" in str(info.value)
     # four value heads do not split over three ranks
     with pytest.raises(IncompatiblePeerError, match="do not split over 3 ranks"):
-        check_states(states, states, prefill_tp=3, decode_tp=1, their_split=split, my_split=split)
+        check_states(decode, prefill, prefill_tp=3, decode_tp=1, their_split=split, my_split=split)
 
 
 def test_a_decode_rank_takes_states_only_from_the_prefill_ranks_it_takes_kv_from() -> None:

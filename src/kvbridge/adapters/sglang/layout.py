@@ -374,6 +374,14 @@ def check_states(
                 f"this model's state-space heads or channels do not split over {tp} ranks",
                 fix="serve prefill and decode with a --tp-size that divides them",
             )
+    for rows, tp, whose in ((theirs, decode_tp, "its"), (mine, prefill_tp, "this prefill's")):
+        sizes = [t.nbytes(tp) for t in my_split]
+        if list(rows.item_lens) != sizes:
+            raise IncompatiblePeerError(
+                f"{whose} state rows ({sorted(set(rows.item_lens))} bytes) are not what their "
+                f"split gives at TP {tp} ({sorted(set(sizes))}): serve the same model with the "
+                "same kvbridge version on both"
+            )
 
 
 def state_cut(
