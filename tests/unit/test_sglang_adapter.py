@@ -17,7 +17,6 @@ from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.lanes import RoomLanes, lane_room
 from kvbridge.adapters.sglang.layout import (
     AuxLayout,
-    check_states,
     check_windows,
     kv_geometry,
     pages_differ,
@@ -38,6 +37,7 @@ from kvbridge.adapters.sglang.lifecycle import (
 from kvbridge.adapters.sglang.metrics import PrometheusExport, exporter
 from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env, transfer_page_size
 from kvbridge.core.layout import CacheSpec
+from kvbridge.core.states import Section, StateTensor
 from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError, WireError
 from kvbridge.runtime.stats import StatsSnapshot
 
@@ -160,58 +160,6 @@ def test_a_pool_with_other_state_than_a_window_or_states_is_refused_naming_sglan
         assert "--disaggregation-transfer-backend mooncake or nixl" in str(info.value)
 
 
-def sglang_states(slots: int, seed: int):
-    """A state-space pool's states as SGLang registers them: per layer a conv state
-    ``(slots, channels, width - 1)`` bfloat16-sized (here int16) and an SSM state
-    ``(slots, heads, head_dim, state)`` float32, listed tensor-major (every layer's conv
-    state, then every layer's SSM state); and their ``AuxLayout``."""
-    rng = np.random.default_rng(seed)
-    conv = [rng.integers(-99, 99, (slots, 6, 2), dtype=np.int16) for _ in range(2)]
-    ssm = [rng.standard_normal((slots, 2, 4, 3)).astype(np.float32) for _ in range(2)]
-    tensors = conv + ssm
-    layout = AuxLayout.build(
-        ptrs=[t.ctypes.data for t in tensors],
-        lens=[t.nbytes for t in tensors],
-        item_lens=[t[0].nbytes for t in tensors],
-        what="state-space state tensors",
-    )
-    return tensors, layout
-
-
-def test_a_state_slot_is_one_row_of_every_state_tensor() -> None:
-    tensors, states = sglang_states(5, 0)
-    table = states.table()
-    got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in states.slots(3)]
-    assert got == [t[3].tobytes() for t in tensors]
-    with pytest.raises(PlanError, match="state-space state tensors have different row counts"):
-        AuxLayout.build(
-            ptrs=[1, 2], lens=[5 * 24, 6 * 24], item_lens=[24, 24], what="state-space state tensors"
-        )
-
-
-def test_state_space_states_pair_only_alike_and_between_equal_tp_sizes() -> None:
-    _, states = sglang_states(5, 1)
-    check_states(None, None, prefill_tp=1, decode_tp=2)  # neither side has any
-    check_states(states, states, prefill_tp=2, decode_tp=2)
-    with pytest.raises(
-        IncompatiblePeerError, match="has state-space layers and this prefill's has none"
-    ):
-        check_states(states, None, prefill_tp=1, decode_tp=1)
-    with pytest.raises(
-        IncompatiblePeerError, match="has no state-space layers and this prefill's has"
-    ):
-        check_states(None, states, prefill_tp=1, decode_tp=1)
-    with pytest.raises(IncompatiblePeerError, match="between equal TP sizes only") as info:
-        check_states(states, states, prefill_tp=1, decode_tp=2)
-    assert "--tp-size" in str(info.value)
-    # another state dtype (float16 SSM states): rows of other bytes
-    halved = msgspec.structs.replace(
-        states, item_lens=states.item_lens[:2] + tuple(i // 2 for i in states.item_lens[2:])
-    )
-    with pytest.raises(IncompatiblePeerError, match="--mamba-ssm-dtype"):
-        check_states(halved, states, prefill_tp=1, decode_tp=1)
-
-
 def test_sliding_window_layers_pair_only_with_the_same_pages_on_both_sides() -> None:
     _, _, ptrs, lens, item = sglang_pool(2)
     window = kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item)
@@ -286,7 +234,14 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
     windowed = msgspec.structs.replace(reg, window=geo)
     assert wire.decode(wire.encode(windowed)) == windowed
     # a state-space pool's registration carries its state tensors, a destination its slot
-    stateful = msgspec.structs.replace(reg, states=sglang_states(3, 2)[1])
+    stateful = msgspec.structs.replace(
+        reg,
+        states=AuxLayout(ptrs=(4096, 8192), item_lens=(24, 96), rows=3),
+        state_split=(
+            StateTensor("uint8", 1, (Section(6, 4),)),
+            StateTensor("uint8", 1, (Section(2, 48),)),
+        ),
+    )
     assert wire.decode(wire.encode(stateful)) == stateful
     dst = wire.Destination(
         room=3,

@@ -265,7 +265,7 @@ def start_layer(kv_args) -> int:
 
 class StateSplitInfo(NamedTuple):
     """What SGLang publishes of each state tensor of ``state_data_ptrs[0]`` for moving
-    states between TP sizes (:func:`.layout.state_split` reads it)."""
+    states between TP sizes (:func:`.states.state_split` reads it)."""
 
     dims: list[int]
     outer_counts: list[int]

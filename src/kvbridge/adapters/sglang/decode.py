@@ -29,7 +29,7 @@ import requests
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import state_slot, transfer_pages
+from kvbridge.adapters.sglang.layout import transfer_pages
 from kvbridge.adapters.sglang.lifecycle import (
     EPOCH_PATH,
     EpochWatcher,
@@ -39,6 +39,7 @@ from kvbridge.adapters.sglang.lifecycle import (
 )
 from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts, window_start
 from kvbridge.adapters.sglang.rooms import SoleHolder
+from kvbridge.adapters.sglang.states import state_slot
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class DecodeSide:
 
     def state_row(self, state_indices) -> int | None:
         """A pool with state-space layers: a room's state slot
-        (:func:`.layout.state_slot`). None for other pools, and (logged) when SGLang
+        (:func:`.states.state_slot`). None for other pools, and (logged) when SGLang
         named no slot or several: the prefill then fails the room, naming why
         (scheduler thread: never raises)."""
         if self.state_layout is None:

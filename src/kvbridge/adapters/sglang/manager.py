@@ -66,7 +66,7 @@ from kvbridge.adapters.sglang import compat, metrics
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
 from kvbridge.adapters.sglang.lanes import RoomLanes
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pool_states, state_split
+from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pool_states
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
 from kvbridge.adapters.sglang.prefill import (
     KVBridgeKVSender,
@@ -75,6 +75,7 @@ from kvbridge.adapters.sglang.prefill import (
     stop_streaming,
 )
 from kvbridge.adapters.sglang.settings import config_from_env, transfer_page_size
+from kvbridge.adapters.sglang.states import state_split
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
@@ -222,7 +223,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             raise
         self.state_split = None
         """A pool with state-space layers whose states SGLang says how to split over
-        attention TP ranks (:func:`.layout.state_split`; after SGLang's manager has set
+        attention TP ranks (:func:`.states.state_split`; after SGLang's manager has set
         ``attn_tp_size``): they then move between TP sizes too. None otherwise."""
         if self.state_layout is not None:
             info = compat.state_split_info(args)

@@ -91,7 +91,7 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     None: no state-space layers."""
     state_split: tuple[StateTensor, ...] | None = None
     """With ``states``: how each state tensor's row splits over attention TP ranks
-    (:func:`.layout.state_split`), for a prefill of another TP size. None: SGLang did
+    (:func:`.states.state_split`), for a prefill of another TP size. None: SGLang did
     not say, and the states move between equal TP sizes only."""
 
 

@@ -39,12 +39,9 @@ from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.layout import (
     AuxLayout,
-    check_states,
     check_windows,
     pages_differ,
     paired_count,
-    state_cut,
-    state_slot,
     transfer_pages,
     window_overlap,
 )
@@ -59,6 +56,7 @@ from kvbridge.adapters.sglang.packed import (
     window_start,
 )
 from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
+from kvbridge.adapters.sglang.states import check_states, state_cut, state_slot
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
     LayerReady,
@@ -152,7 +150,7 @@ class _Peer(NamedTuple):
     state_layout: AuxLayout | None = None  # state-space layers: the decode's state tensors
     state_cut: tuple | None = None
     """State-space layers, another attention TP size: per state tensor, the segments of a
-    slot's row this rank writes into the decode rank's (:func:`.layout.state_cut`);
+    slot's row this rank writes into the decode rank's (:func:`.states.state_cut`);
     ``states`` is then None (each room's segments are posted as they are)."""
 
 
@@ -394,7 +392,7 @@ class PrefillSide:
     def _state_cut(self, reg: wire.Registration) -> tuple | None:
         """A decode of another attention TP size with state-space layers: per state
         tensor, the segments of a slot's row this rank writes into the decode rank's
-        (:func:`.layout.state_cut`, after :meth:`_pairing` accepted the split; raises
+        (:func:`.states.state_cut`, after :meth:`_pairing` accepted the split; raises
         :class:`IncompatiblePeerError` as it does). None for an equal size (whole
         rows) or a pool without states."""
         p_tp, d_tp = self.attn_tp_size, reg.tp_size

@@ -1,7 +1,9 @@
-"""SGLang state-space states between attention TP sizes: what SGLang publishes per state
-tensor becomes a split that is the same at every TP size (``layout.state_split``), and
-the segments each (prefill rank, decode rank) pair moves (``layout.state_cut``) rebuild
-every decode rank's rows from the prefill ranks' rows exactly.
+"""SGLang state-space states: a request's slot is one row of every state tensor, a
+decode's states pair with a prefill's only alike, and between attention TP sizes what
+SGLang publishes per state tensor becomes a split that is the same at every TP size
+(``states.state_split``), and the segments each (prefill rank, decode rank) pair moves
+(``states.state_cut``) rebuild every decode rank's rows from the prefill ranks' rows
+exactly.
 
 The reference here is how SGLang shards a state (``MambaPool`` tensors of
 ``Mamba2StateShape`` / ``KimiLinearStateShape``), written out per element: each
@@ -13,17 +15,67 @@ whole.
 
 from __future__ import annotations
 
+import ctypes
+
+import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.adapters.sglang.layout import (
-    AuxLayout,
-    check_states,
-    state_cut,
-    state_sources,
-    state_split,
-)
-from kvbridge.errors import IncompatiblePeerError
+from kvbridge.adapters.sglang.layout import AuxLayout
+from kvbridge.adapters.sglang.states import check_states, state_cut, state_sources, state_split
+from kvbridge.errors import IncompatiblePeerError, PlanError
+
+
+def sglang_states(slots: int, seed: int):
+    """A state-space pool's states as SGLang registers them: per layer a conv state
+    ``(slots, channels, width - 1)`` bfloat16-sized (here int16) and an SSM state
+    ``(slots, heads, head_dim, state)`` float32, listed tensor-major (every layer's conv
+    state, then every layer's SSM state); and their ``AuxLayout``."""
+    rng = np.random.default_rng(seed)
+    conv = [rng.integers(-99, 99, (slots, 6, 2), dtype=np.int16) for _ in range(2)]
+    ssm = [rng.standard_normal((slots, 2, 4, 3)).astype(np.float32) for _ in range(2)]
+    tensors = conv + ssm
+    layout = AuxLayout.build(
+        ptrs=[t.ctypes.data for t in tensors],
+        lens=[t.nbytes for t in tensors],
+        item_lens=[t[0].nbytes for t in tensors],
+        what="state-space state tensors",
+    )
+    return tensors, layout
+
+
+def test_a_state_slot_is_one_row_of_every_state_tensor() -> None:
+    tensors, states = sglang_states(5, 0)
+    table = states.table()
+    got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in states.slots(3)]
+    assert got == [t[3].tobytes() for t in tensors]
+    with pytest.raises(PlanError, match="state-space state tensors have different row counts"):
+        AuxLayout.build(
+            ptrs=[1, 2], lens=[5 * 24, 6 * 24], item_lens=[24, 24], what="state-space state tensors"
+        )
+
+
+def test_state_space_states_pair_only_alike_and_between_equal_tp_sizes() -> None:
+    _, states = sglang_states(5, 1)
+    check_states(None, None, prefill_tp=1, decode_tp=2)  # neither side has any
+    check_states(states, states, prefill_tp=2, decode_tp=2)
+    with pytest.raises(
+        IncompatiblePeerError, match="has state-space layers and this prefill's has none"
+    ):
+        check_states(states, None, prefill_tp=1, decode_tp=1)
+    with pytest.raises(
+        IncompatiblePeerError, match="has no state-space layers and this prefill's has"
+    ):
+        check_states(None, states, prefill_tp=1, decode_tp=1)
+    with pytest.raises(IncompatiblePeerError, match="between equal TP sizes only") as info:
+        check_states(states, states, prefill_tp=1, decode_tp=2)
+    assert "--tp-size" in str(info.value)
+    # another state dtype (float16 SSM states): rows of other bytes
+    halved = msgspec.structs.replace(
+        states, item_lens=states.item_lens[:2] + tuple(i // 2 for i in states.item_lens[2:])
+    )
+    with pytest.raises(IncompatiblePeerError, match="--mamba-ssm-dtype"):
+        check_states(halved, states, prefill_tp=1, decode_tp=1)
 
 
 class Tensor:
