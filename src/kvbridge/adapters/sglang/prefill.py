@@ -876,6 +876,8 @@ class PrefillSide:
         size) holds into its slot ``dst_row``, as one transfer of one-post lists;
         returns the bytes (0: this rank holds none of the decode rank's states)."""
         mine, theirs = self.state_layout, peer.state_layout
+        if not 0 <= dst_row < theirs.rows:
+            raise PlanError(f"state slot {dst_row} out of the decode's range [0, {theirs.rows})")
         local, remote = [], []
         for j, segments in enumerate(peer.state_cut):
             src = mine.ptrs[j] + row * mine.item_lens[j]

@@ -114,7 +114,7 @@ def check_states(
 ) -> None:
     """Raise :class:`IncompatiblePeerError` unless a decode's state-space states
     (``theirs``, from its registration) take this prefill's, or neither side has any
-    (:func:`pool_states`). Called by the prefill's control thread per registration.
+    (:func:`.layout.pool_states`). Called by the prefill's control thread per registration.
 
     A request's state is one slot's row of every tensor on each side. Between equal TP
     sizes each rank moves its rows whole to the decode rank of its rank, so the rows
