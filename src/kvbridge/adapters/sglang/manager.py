@@ -173,29 +173,39 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         self.room_lanes = RoomLanes()
         """Each new sender's or receiver's room id: its lane of its bootstrap room
         (:mod:`.lanes`, :mod:`.rooms`)."""
+        # Only a prefill posts transfers: it prepares descriptor lists of its own pages,
+        # state rows and metadata rows; a decode registers them as a target alone (a
+        # list of every page of every layer is millions of descriptors at scale).
+        prefill = disaggregation_mode == Mode.PREFILL
         try:
             self.transport.register(
                 self.geometry.regions(), memory=self.memory, device=self.device_index
             )
             self.transport.register(self.aux_layout.regions(), memory="host")
-            self.kv_table = self.transport.prepare(self.geometry.slot_table(), memory=self.memory)
-            self.window_table = None
             if self.window_geometry is not None:
                 self.transport.register(
                     self.window_geometry.regions(), memory=self.memory, device=self.device_index
                 )
-                self.window_table = self.transport.prepare(
-                    self.window_geometry.slot_table(), memory=self.memory
-                )
-            self.state_table = None
             if self.state_layout is not None:
                 self.transport.register(
                     self.state_layout.regions(), memory=self.memory, device=self.device_index
                 )
-                self.state_table = self.transport.prepare(
-                    self.state_layout.table(self.device_index), memory=self.memory
+            self.kv_table = self.window_table = self.state_table = self.aux_table = None
+            """A prefill's prepared descriptor lists of its KV pages, window pages, state
+            rows and metadata rows (None on a decode, and where the pool has none)."""
+            if prefill:
+                self.kv_table = self.transport.prepare(
+                    self.geometry.slot_table(), memory=self.memory
                 )
-            self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
+                if self.window_geometry is not None:
+                    self.window_table = self.transport.prepare(
+                        self.window_geometry.slot_table(), memory=self.memory
+                    )
+                if self.state_layout is not None:
+                    self.state_table = self.transport.prepare(
+                        self.state_layout.table(self.device_index), memory=self.memory
+                    )
+                self.aux_table = self.transport.prepare(self.aux_layout.table(), memory="host")
             self.packed: PackedPath | None = None
             self.window_kv = None
             """Packed path with a sliding-window pool: its window layers' planes, packed
