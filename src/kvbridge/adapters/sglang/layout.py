@@ -198,6 +198,17 @@ def pages_differ(theirs: CacheSpec | None, mine: CacheSpec) -> IncompatiblePeerE
     )
 
 
+def check_presence(theirs: object, mine: object, what: str) -> None:
+    """Raise :class:`IncompatiblePeerError` when a decode's registration has ``what`` (a
+    pool part: sliding-window layers, state-space layers; ``theirs`` not None) and this
+    prefill has not, or the other way round."""
+    if (mine is None) != (theirs is None):
+        raise IncompatiblePeerError(
+            f"its KV pool has {'no ' if theirs is None else ''}{what} and this prefill's "
+            f"{'has none' if mine is None else 'has'}: serve the same model on both"
+        )
+
+
 def check_windows(
     theirs: CacheGeometry | None, mine: CacheGeometry | None, *, packed: bool = False
 ) -> None:
@@ -207,11 +218,7 @@ def check_windows(
     packed path, where each side's window rows equal its full-attention rows (checked
     at its start) and the packed format's check covers them, so only the layer count
     and page size must agree (the rows' bytes differ between TP sizes)."""
-    if (mine is None) != (theirs is None):
-        raise IncompatiblePeerError(
-            f"its KV pool has {'no ' if theirs is None else ''}sliding-window layers and this "
-            f"prefill's {'has none' if mine is None else 'has'}: serve the same model on both"
-        )
+    check_presence(theirs, mine, "sliding-window layers")
     if mine is None:
         return
     if packed:
@@ -299,6 +306,7 @@ def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
 __all__ = [
     "AuxLayout",
     "PoolStates",
+    "check_presence",
     "check_windows",
     "kv_geometry",
     "pages_differ",

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvbridge.adapters.sglang.layout import AuxLayout
+from kvbridge.adapters.sglang.layout import AuxLayout, check_presence
 from kvbridge.core.states import (
     Section,
     Segment,
@@ -122,11 +122,7 @@ def check_states(
     decode rank holds (:func:`state_cut`), so both sides must describe the same split
     (:func:`state_split`, ``their_split`` from the registration).
     """
-    if (mine is None) != (theirs is None):
-        raise IncompatiblePeerError(
-            f"its KV pool has {'no ' if theirs is None else ''}state-space layers and this "
-            f"prefill's {'has none' if mine is None else 'has'}: serve the same model on both"
-        )
+    check_presence(theirs, mine, "state-space layers")
     if mine is None:
         return
     dtypes = "(--mamba-ssm-dtype, SGLANG_MAMBA_CONV_DTYPE)"
