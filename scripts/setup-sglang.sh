@@ -124,7 +124,7 @@ assert importlib.util.find_spec("torchaudio") is None, "torchaudio must be absen
 import torch, sgl_kernel, torchvision, sglang, sglang_router, nixl, mooncake.engine, kvbridge  # noqa: F401
 import sglang.srt.disaggregation.mooncake.conn, sglang.srt.disaggregation.nixl.conn  # noqa: F401
 import sglang_router.launch_router, sglang_router.mini_lb  # noqa: F401
-import sglang_stock_cpu, sglang_cpu_mla, sglang_cpu_swa, sglang_cpu_conv, sgl_kernel.mamba  # noqa: F401
+import sglang_stock_cpu, sglang_cpu_mla, sglang_cpu_swa, sglang_cpu_conv, sglang_cpu_dp_attention, sgl_kernel.mamba  # noqa: F401
 assert torch.version.cuda is None, "expected a CPU build of torch"
 for stub in (sgl_kernel, torchvision):
     assert stub.__file__.startswith(sys.argv[1]), f"{stub.__name__} is not the stand-in: {stub.__file__}"

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -458,3 +459,89 @@ def tp_sides(config: dict, p_tp: int, d_tp: int) -> dict:
         "prefill_args": p_args,
         "decode_args": d_args,
     }
+
+
+def room_of(residue: int, dp: int, seed: int) -> int:
+    """A bootstrap room as sglang_router draws one (a random 63-bit number) that SGLang's
+    ``follow_bootstrap_room`` balancing sends to DP rank ``residue`` of ``dp``."""
+    room = random.Random(seed).randrange(2**63 - dp)
+    return room - room % dp + residue
+
+
+def routed_body(input_ids: list[int], bootstrap_port: int, room: int) -> dict:
+    """A greedy ``/generate`` body for both servers of a pair: the prefill at
+    ``127.0.0.1:bootstrap_port``, bootstrap room ``room`` (what a router adds)."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bootstrap_port,
+        "bootstrap_room": room,
+    }
+
+
+class Routed(NamedTuple):
+    prefill: tuple[int, bytes]
+    decode: tuple[int, bytes]
+
+
+def route(
+    prefill: Proc,
+    bootstrap_port: int,
+    decode: Proc,
+    input_ids: list[int],
+    room: int,
+    timeout: float = REQUEST_TIMEOUT_S,
+) -> Routed:
+    """One greedy request as sglang_router's mini_lb sends it, with the caller's
+    bootstrap ``room`` (so a test knows which DP rank of the prefill serves it, and
+    which decode server it goes to): the same body plus ``bootstrap_host/port/room`` to
+    both servers at once; both ``(status, body)`` answers."""
+    body = routed_body(input_ids, bootstrap_port, room)
+    with ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(http, f"{s.url}/generate", body, timeout) for s in (prefill, decode)]
+        return Routed(*(a.result() for a in answers))
+
+
+def generate_routed(
+    prefill: Proc, bootstrap_port: int, decode: Proc, input_ids: list[int], room: int
+) -> list[int]:
+    """:func:`route`'s decode output ids; a failure quotes both servers' logs."""
+    answer = route(prefill, bootstrap_port, decode, input_ids, room)
+    status, data = answer.decode
+    assert status == 200, (
+        f"room {room}: decode -> {status}: {data[:500]!r} (prefill -> {answer.prefill[0]})\n"
+        f"--- prefill ---\n{prefill.log_tail()}\n--- decode ---\n{decode.log_tail()}"
+    )
+    return list(json.loads(data)["output_ids"])
+
+
+DP_SENT_LINE = re.compile(rb"\[[^\]\n]* DP(\d+)[^\]\n]*\] kvbridge: room (\d+) sent: ")
+DP_PEER_LINE = re.compile(rb"\[[^\]\n]* DP(\d+)[^\]\n]*\] kvbridge: registered decode peer (\S+)")
+
+
+def sends_by_dp_rank(prefill: Proc, offset: int, rooms: Sequence[int]) -> dict[int, int]:
+    """Which DP rank of ``prefill`` (its log lines' ``DP<r>`` tag) logged each of
+    ``rooms`` sent after ``offset`` of its log, once all have (polled); asserts each
+    room was sent by exactly one rank."""
+    deadline = time.monotonic() + LOG_LINE_TIMEOUT_S
+    while True:
+        with open(prefill.log_path, "rb") as f:
+            f.seek(offset)
+            lines = [(int(r), int(dp)) for dp, r in DP_SENT_LINE.findall(f.read())]
+        if {r for r, _ in lines} >= set(rooms) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    got = {r: [dp for room, dp in lines if room == r] for r in rooms}
+    assert all(len(ranks) == 1 for ranks in got.values()), (
+        f"each room must be sent by one DP rank: {got}\n{prefill.log_tail()}"
+    )
+    return {r: ranks[0] for r, ranks in got.items()}
+
+
+def peers_by_dp_rank(prefill: Proc) -> dict[int, set[str]]:
+    """The decode agents each DP rank of ``prefill`` registered (its whole log)."""
+    peers: dict[int, set[str]] = {}
+    for dp, agent in DP_PEER_LINE.findall(prefill.log_path.read_bytes()):
+        peers.setdefault(int(dp), set()).add(agent.decode())
+    return peers

@@ -1,8 +1,14 @@
-"""The SGLang prefill adds a decode's registration on its control thread, which also
-takes every room's destination: adding the peer must not wait on that decode. On the
-prefill's own method (no servers), with a real Mooncake transport (the backend whose
-``add_peer`` can wait on the peer) and a decode process that cannot answer (SIGSTOPped).
-Runs in .venv-sglang (``prefill`` imports SGLang's classes)."""
+"""The SGLang prefill's bookkeeping of decode peers and failed rooms, on its own methods
+(no servers). Runs in .venv-sglang (``prefill`` imports SGLang's classes).
+
+- It adds a decode's registration on its control thread, which also takes every room's
+  destination: adding the peer must not wait on that decode (a real Mooncake transport,
+  the backend whose ``add_peer`` can wait on the peer, and a decode process that cannot
+  answer: SIGSTOPped).
+- Decode ranks are told apart by seat (other servers, DP replicas), and a restarted
+  rank replaces its old agent (a recording stand-in transport).
+- A room SGLang failed before its destination came is answered with the failure.
+The servers' behaviour is in ``test_sglang_dp.py``."""
 
 from __future__ import annotations
 
@@ -10,17 +16,19 @@ import threading
 import time
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 try:
     from kvbridge.adapters.sglang import messages as wire
-    from kvbridge.adapters.sglang.prefill import PrefillSide
+    from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
         "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
     ) from exc
 
 from kvbridge.adapters.sglang.layout import AuxLayout
+from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.transports.testing import Local, Peer, unique
 
@@ -81,3 +89,120 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
             )
         finally:
             ours.close()
+
+
+class _Transport:
+    """What ``_add_peer`` / ``_drop_peer`` ask of a transport, recorded."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+
+    def add_peer(self, metadata: bytes, probe: bool = True) -> str:
+        return metadata.decode()
+
+    def prepare(self, table, memory: str, peer: str | None = None) -> tuple:
+        return ("table", peer)
+
+    def release_table(self, table) -> None:
+        pass
+
+    def remove_peer(self, agent: str) -> None:
+        self.removed.append(agent)
+
+
+def _prefill(transport: _Transport) -> SimpleNamespace:
+    prefill = SimpleNamespace(
+        transport=transport,
+        peers={},
+        _peers_lock=threading.Lock(),
+        _refused={},
+        _pairing=lambda reg: None,
+        _state_cut=lambda reg: None,
+        check_peer_aux_buffer_count=lambda *a: None,
+    )
+    prefill._drop_peer = lambda agent: PrefillSide._drop_peer(prefill, agent)
+    return prefill
+
+
+def test_decode_ranks_of_other_servers_stay_peers_and_a_restarted_rank_replaces_its_agent() -> None:
+    """Every decode server's first rank has an agent named ``sglang-decode-r0-<epoch>``
+    (with DP replicas, every replica's too): the prefill tells them apart by seat."""
+    transport = _Transport()
+    prefill = _prefill(transport)
+    base = _registration(SimpleNamespace(agent_name="x", base=4096, metadata=b""))
+
+    def register(agent: str, seat: str) -> None:
+        reg = msgspec.structs.replace(base, agent=agent, transport_md=agent.encode(), seat=seat)
+        prefill.aux_layout = reg.aux
+        PrefillSide._add_peer(prefill, reg)
+
+    register("sglang-decode-r0-aaa", "10.0.0.1:30001 dp0.0 tp0 pp0")
+    register("sglang-decode-r0-bbb", "10.0.0.1:30002 dp0.0 tp0 pp0")  # another server
+    register("sglang-decode-r0-ccc", "10.0.0.1:30001 dp1.0 tp0 pp0")  # another DP replica
+    assert set(prefill.peers) == {
+        "sglang-decode-r0-aaa",
+        "sglang-decode-r0-bbb",
+        "sglang-decode-r0-ccc",
+    }
+    assert transport.removed == []
+    register("sglang-decode-r0-ddd", "10.0.0.1:30001 dp0.0 tp0 pp0")  # the first, restarted
+    assert set(prefill.peers) == {
+        "sglang-decode-r0-bbb",
+        "sglang-decode-r0-ccc",
+        "sglang-decode-r0-ddd",
+    }
+    assert transport.removed == ["sglang-decode-r0-aaa"]
+    register("sglang-decode-r0-eee", "")  # an older decode, without a seat: replaces nothing
+    assert len(prefill.peers) == 4 and transport.removed == ["sglang-decode-r0-aaa"]
+
+
+class _SGLangManager:
+    """The part of SGLang's ``CommonKVManager`` a failure touches."""
+
+    def __init__(self) -> None:
+        self.failure_records: dict[int, str] = {}
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
+        self.failure_records[bootstrap_room] = failure_reason
+
+
+class _Prefill(PrefillSide, _SGLangManager):
+    pass
+
+
+def test_a_destination_for_a_room_sglang_failed_before_it_came_is_answered_with_the_failure() -> (
+    None
+):
+    """SGLang fails some rooms on the prefill without telling the decode (its bootstrap
+    timeout, a DP rank that does not match the room): a destination that comes for such
+    a room later is answered with SGLang's reason at once, not stored to wait for KV."""
+    prefill = _Prefill()
+    prefill.tombstones = Tombstones()
+    sent: list[dict] = []
+    prefill.send_kv_status_message = lambda **kw: sent.append(kw)
+    prefill.transfer_infos = {}
+    reason = "Request 7 timed out after 15.0s in KVPoll.Bootstrapping"
+    prefill.record_failure(7, reason)
+    assert prefill.failure_records == {7: reason}, "SGLang's own record is kept"
+    dest = wire.Destination(
+        room=7,
+        agent="sglang-decode-r0-aaa",
+        ip="127.0.0.1",
+        port=5,
+        pages=wire.encode_pages([1, 2]),
+        aux_index=0,
+        required_dst_info_num=1,
+    )
+    PrefillSide._add_destination(prefill, dest)
+    assert sent == [
+        {
+            "targets": [("127.0.0.1", 5)],
+            "bootstrap_room": 7,
+            "status": KVPoll.Failed,
+            "failure_reason": reason,
+        }
+    ]
+    assert prefill.transfer_infos == {}, "nothing waits for the room"
+    decode_side = _Prefill()  # a decode's manager keeps no tombstones
+    decode_side.record_failure(8, "x")
+    assert decode_side.tombstones is None and decode_side.failure_records == {8: "x"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.lanes import RoomLanes, lane_room
 from kvbridge.adapters.sglang.layout import (
@@ -553,3 +555,62 @@ def test_lanes_are_kept_for_the_recent_rooms_only() -> None:
     assert [lanes.take(r) for r in (1, 2, 1)] == [1, 2, lane_room(1, 1)]
     lanes.take(3)  # room 2, the least recently used, is forgotten
     assert lanes.take(1) == lane_room(1, 2) and lanes.take(2) == 2
+
+
+# --- data parallelism: which DP rank a prefill replica is; which seat a rank holds ------
+
+
+def _manager(**ranks) -> SimpleNamespace:
+    base = {"system_dp_size": 1, "system_dp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0}
+    return SimpleNamespace(**{**base, **ranks})
+
+
+def test_a_dp_replica_names_its_replica_as_its_dp_rank_and_dp_attention_keeps_its_own() -> None:
+    """SGLang's sender checks (or registers) ``kv_mgr.attn_dp_rank`` as the request's
+    prefill DP rank, which SGLang's bootstrap server and decode count as the replica
+    (``system_dp_rank``) when there are replicas (``--dp-size``)."""
+    replica = _manager(system_dp_size=2, system_dp_rank=1)
+    compat.serve_replica_dp_rank(replica)
+    assert replica.attn_dp_rank == 1 and replica.system_dp_rank == 1
+    attention = _manager(attn_dp_size=2, attn_dp_rank=1)
+    compat.serve_replica_dp_rank(attention)
+    assert attention.attn_dp_rank == 1
+    plain = _manager()
+    compat.serve_replica_dp_rank(plain)
+    assert plain.attn_dp_rank == 0
+
+
+def test_a_seat_tells_the_ranks_of_servers_and_replicas_apart_and_survives_a_restart() -> None:
+    def seat(port: int, tp: int = 0, **ranks) -> str:
+        mgr = SimpleNamespace(
+            **vars(_manager(**ranks)), local_ip="10.0.0.7", attn_tp_rank=tp, pp_rank=0
+        )
+        return compat.server_seat(SimpleNamespace(port=port), mgr)
+
+    first = seat(30000)
+    assert first == seat(30000), "a restart on the same address keeps its seat"
+    others = [
+        seat(30001),
+        seat(30000, tp=1),
+        seat(30000, system_dp_rank=1),
+        seat(30000, attn_dp_rank=1),
+    ]
+    assert len({first, *others}) == 5, others
+    assert "10.0.0.7:30000" in first
+
+
+def test_a_registration_without_a_seat_comes_from_an_older_decode_and_replaces_nothing() -> None:
+    _, _, ptrs, lens, item = sglang_pool(2)
+    reg = wire.Registration(
+        agent="sglang-decode-r0-abc",
+        epoch="abc",
+        transport="nixl",
+        transport_md=b"",
+        geometry=kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item),
+        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3),
+        ip="127.0.0.1",
+        port=5555,
+    )
+    seated = msgspec.structs.replace(reg, seat="127.0.0.1:30000 dp1.0 tp0 pp0")
+    assert wire.decode(wire.encode(seated)) == seated
+    assert wire.decode(wire.encode(reg)).seat == ""

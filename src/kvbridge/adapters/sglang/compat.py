@@ -44,6 +44,10 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   ``state_slice_outer_counts``, ``state_conv_shard_groups`` and ``state_layer_ids``
   (from ``MambaPool.get_state_dim_per_tensor`` and siblings), listed as
   ``state_item_lens``: field by field (conv, then temporal), each once per layer.
+- Data-parallel replicas (:func:`serve_replica_dp_rank`): ``CommonKVManager.attn_dp_rank /
+  attn_dp_size / system_dp_rank / system_dp_size`` and the DP-rank check and
+  registration in ``CommonKVSender.__init__``; a rank's seat (:func:`server_seat`):
+  those, ``local_ip``, ``attn_tp_rank``, ``pp_rank`` and ``ServerArgs.port``.
 - One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
   ``record_failure``, ``conclude_failure``,
   ``KVTransferError(room, reason)``, and the endpoints' ``_owns_bootstrap_room`` flag,
@@ -143,6 +147,38 @@ def common():
         ABORT_TAG=conn.ABORT_TAG,
         ABORT_ACK_TAG=conn.ABORT_ACK_TAG,
         NetworkAddress=conn.NetworkAddress,
+    )
+
+
+def serve_replica_dp_rank(mgr) -> None:
+    """Make a prefill sender of SGLang's data-parallel *replicas* (``--dp-size N``
+    without DP attention) name its replica as the request's prefill DP rank. Called once
+    by the manager, after SGLang's constructor.
+
+    SGLang 0.5.23 counts a prefill's DP ranks as ``system_dp_rank`` for replicas and
+    ``attn_dp_rank`` for DP attention (its bootstrap server's ``dp_group``, which the
+    decode resolves a room to: ``room % dp_size`` under ``follow_bootstrap_room``, the
+    prefill's default, or by asking the bootstrap server). But ``CommonKVSender.__init__``
+    checks (``follow_bootstrap_room``) or registers (other balancing methods)
+    ``kv_mgr.attn_dp_rank``, which is 0 on every replica: each room the controller
+    dispatches to replica ``r > 0`` fails there with "follow_bootstrap_room conflict"
+    (and, with SGLang's own backends, the decode then waits for it until its timeouts).
+    A replica's manager therefore carries its ``system_dp_rank`` as ``attn_dp_rank``
+    (the registration row SGLang's constructor has sent already keeps the real one;
+    the bootstrap server ignores it for replicas)."""
+    if mgr.system_dp_size > 1 and mgr.attn_dp_size == 1:
+        mgr.attn_dp_rank = mgr.system_dp_rank
+
+
+def server_seat(server_args, mgr) -> str:
+    """Which rank of which SGLang server ``mgr`` (after SGLang's constructor) serves,
+    as ``"ip:port dpD.A tpT ppP"``: the rank's ``local_ip``, the server's HTTP port
+    (``ServerArgs.port``), its DP replica and attention DP rank, attention TP rank and
+    PP rank. Unique among the servers of a deployment, and unchanged when the server
+    restarts on its address (unlike transport agent names, which carry an epoch)."""
+    return (
+        f"{mgr.local_ip}:{server_args.port} dp{mgr.system_dp_rank}.{mgr.attn_dp_rank} "
+        f"tp{mgr.attn_tp_rank} pp{mgr.pp_rank}"
     )
 
 

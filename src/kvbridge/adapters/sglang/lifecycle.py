@@ -14,10 +14,10 @@ contact (:meth:`EpochWatcher.remember`) and polls it every ``timeouts.heartbeat_
 connections twice in a row, means the cached info is stale: the manager drops it
 (failing that prefill's in-flight rooms at once) and the next request bootstraps anew.
 
-Aborts (the prefill side). A request aborted on the prefill may be aborted before the
-decode's destination for its room arrives; :class:`Tombstones` remembers recently
-aborted rooms so that a late destination is answered with a failure instead of waiting
-for a transfer that will never start.
+Aborts and failures (the prefill side). A request may be aborted or failed on the
+prefill before the decode's destination for its room arrives; :class:`Tombstones`
+remembers recently failed rooms so that a late destination is answered with the failure
+instead of waiting for a transfer that will never start.
 
 >>> w = EpochWatcher()
 >>> w.remember("p:8998", InstanceEpoch(instance="a", ranks={"dp0/cp0/tp0/pp0": "x"}))
@@ -136,14 +136,15 @@ class EpochWatcher:
 
 
 class Tombstones:
-    """Rooms this prefill failed before their transfer: aborted here, or their
-    destination refused (an incompatible decode, no staging run); most recent
-    ``capacity`` of them.
+    """Rooms this prefill failed: aborted here, their destination refused (an
+    incompatible decode, no staging run), or any failure SGLang recorded (its bootstrap
+    timeout, a DP rank that does not match the room); most recent ``capacity`` of them.
 
     Who calls: the prefill's sender (:meth:`add` on abort, :meth:`reason` when it is
-    made: a refusal may come first) on the scheduler thread, and its control thread
-    (:meth:`add` on a refusal, :meth:`reason` when a destination arrives). Bounded: old
-    entries go first. Thread-safe.
+    made: a refusal may come first) on the scheduler thread, its manager's
+    ``record_failure`` (:meth:`add`, any thread), and its control thread (:meth:`add`
+    on a refusal, :meth:`reason` when a destination arrives). Bounded: old entries go
+    first. Thread-safe.
     """
 
     def __init__(self, capacity: int = 65536) -> None:

@@ -231,6 +231,10 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         except Exception:
             self.transport.close()
             raise
+        compat.serve_replica_dp_rank(self)
+        self.seat = compat.server_seat(server_args, self)
+        """Which rank of which server this is (a decode registers it: a restart of the
+        same rank replaces its old agent on the prefill, another server's rank does not)."""
         self.state_split = None
         """A pool with state-space layers whose states SGLang says how to split over
         attention TP ranks (:func:`.states.state_split`; after SGLang's manager has set

@@ -93,6 +93,11 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """With ``states``: how each state tensor's row splits over attention TP ranks
     (:func:`.states.state_split`), for a prefill of another TP size. None: SGLang did
     not say, and the states move between equal TP sizes only."""
+    seat: str = ""
+    """Which rank of which decode server the agent is (:func:`.compat.server_seat`),
+    the same after that server restarts: a registration from a seat a peer already has
+    replaces that peer (a restarted rank's old agent). Empty (older decodes): replaces
+    nothing."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):

@@ -152,6 +152,7 @@ class _Peer(NamedTuple):
     """State-space layers, another attention TP size: per state tensor, the segments of a
     slot's row this rank writes into the decode rank's (:func:`.states.state_cut`);
     ``states`` is then None (each room's segments are posted as they are)."""
+    seat: str = ""  # which rank of which decode server (Registration.seat)
 
 
 class _Dest(NamedTuple):
@@ -176,6 +177,9 @@ class PrefillSide:
     """The prefill rank's part of :class:`~.manager.KVBridgeKVManager` (a mixin: it
     uses the manager's transport, tables, geometry, config and SGLang's status table).
     See the module docstring for its threads."""
+
+    tombstones: Tombstones | None = None
+    """Rooms this prefill failed (:meth:`record_failure`); None on a decode."""
 
     def _init_prefill(self, args) -> None:
         """State and threads of a prefill rank (the manager's constructor, once)."""
@@ -288,15 +292,23 @@ class PrefillSide:
                 states,
                 reg.states,
                 cut,
+                reg.seat,
             )
-            # A restarted decode (same address, new epoch) replaces its old agent.
+            # A restarted decode rank (same seat, new agent) replaces its old agent; the
+            # ranks of other decode servers, and of other DP replicas, stay.
             stale = [
                 a
-                for a in self.peers
-                if a != reg.agent and a.rsplit("-", 1)[0] == reg.agent.rsplit("-", 1)[0]
+                for a, p in self.peers.items()
+                if a != reg.agent and reg.seat and p.seat == reg.seat
             ]
         for agent in stale:
             self._drop_peer(agent)
+            log.info(
+                "kvbridge: decode peer %s replaced by %s (restarted: %s)",
+                agent,
+                reg.agent,
+                reg.seat,
+            )
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
 
     def _pairing(self, reg: wire.Registration) -> Part | None:
@@ -432,13 +444,13 @@ class PrefillSide:
             msg.nonce,
             msg.state_row,
         )
-        aborted = self.tombstones.reason(room)
-        if aborted is not None:
+        failed = self.tombstones.reason(room)
+        if failed is not None:
             self.send_kv_status_message(
                 targets=[(msg.ip, msg.port)],
                 bootstrap_room=room,
                 status=KVPoll.Failed,
-                failure_reason=aborted,
+                failure_reason=failed,
             )
             return
         reason = None
@@ -517,6 +529,16 @@ class PrefillSide:
             self._refuse_room(
                 msg, f"kvbridge: this prefill refused the decode's destination: {exc}"
             )
+
+    def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
+        """SGLang's record of why a room failed; on a prefill also a tombstone, so a
+        decode destination that comes for the room later is answered with the failure
+        at once (:meth:`_add_destination`). SGLang fails some rooms before their
+        destination arrives and never tells the decode: in its sender's constructor (a
+        DP rank that does not match the room), at its bootstrap timeout. Any thread."""
+        super().record_failure(bootstrap_room, failure_reason)
+        if self.tombstones is not None:
+            self.tombstones.add(bootstrap_room, failure_reason)
 
     def fail_room(self, room: int, reason: str) -> bool:
         """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's

@@ -1,0 +1,249 @@
+"""SGLang's data parallelism, and several decode servers fed by one prefill, through
+kvbridge between real servers (NIXL and Mooncake over loopback):
+
+- DP replicas (``--dp-size 2``: two schedulers behind SGLang's DP controller, each with
+  its own KV pool) on both sides. The prefill's controller hands a request to replica
+  ``room % 2`` (``follow_bootstrap_room``, its default) or in turn (``round_robin``; the
+  replica then tells the bootstrap server, which the decode asks), the decode's in turn.
+  SGLang 0.5.23's sender takes every replica for DP rank 0 and fails each room sent to
+  replica 1 (its own backends then leave the decode waiting until their timeouts);
+  kvbridge's manager names its replica (``compat.serve_replica_dp_rank``).
+- DP attention (``--tp 2 --attn-dp-size 2``: attention data parallel, the MLP tensor
+  parallel) on both sides, with the tiny DeepSeek-V2 (MLA, the models SGLang's DP
+  attention is for; it runs here through the test plugin
+  ``tests/sglang_stubs/sglang_cpu_dp_attention``).
+- Two decode servers fed by one prefill: each decode rank is a peer of its own (every
+  server's first rank used to replace the other's, whose next request then failed as
+  an "unknown decode peer"); a decode restarted on its address replaces its old agent.
+- A decode whose request comes after the prefill gave the room up (SGLang's bootstrap
+  timeout) fails at once, naming it, instead of waiting for KV that never comes.
+
+The tests pick each request's bootstrap room and send it to both servers themselves
+(``sglang_helpers.route``: what sglang_router's mini_lb does with a random room), so
+they know which DP rank serves which room; each prefill DP rank must log the rooms it
+sent and the decode agents it registered. Greedy output equals a colocated TP 1
+server's token for token. Each test starts its own servers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from sglang_helpers import (
+    ENGINE_FLAGS,
+    PD_FLAGS,
+    START_TIMEOUT_S,
+    TWO_RANKS,
+    Proc,
+    generate_ids,
+    generate_routed,
+    http,
+    kv_bytes,
+    kvbridge_metrics,
+    latent_bytes,
+    peers_by_dp_rank,
+    prompt_ids,
+    room_of,
+    routed_body,
+    sends_by_dp_rank,
+    server_env,
+    start_colocated,
+    wait_received_bytes,
+    wait_staging_idle,
+)
+
+from kvbridge.demo.servers import free_port, start_all
+from kvbridge.demo.sglang_servers import SglangServer
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS = (12, 40, 77, 200)  # under a page, pages in one chunk, two chunks, four
+RESIDUES = (0, 0, 1, 1)
+"""Each prompt's room modulo the DP size. Two rooms in a row on each prefill rank: the
+decode's controller hands consecutive requests to its two ranks in turn, so each prefill
+rank meets both decode ranks."""
+
+
+def _flags(mode: str, bootstrap: int) -> list[str]:
+    flags = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "kvbridge"]
+    if mode == "prefill":
+        return [*flags, "--disaggregation-bootstrap-port", str(bootstrap), *PD_FLAGS]
+    return [*flags, "--disaggregation-decode-retraction-backup", "cpu_tensor", *PD_FLAGS]
+
+
+def _server(
+    model: Path, log: Path, mode: str, bootstrap: int, args, env, port: int | None = None
+) -> SglangServer:
+    return SglangServer(
+        model,
+        port=port,
+        extra_args=[*ENGINE_FLAGS, *_flags(mode, bootstrap), *args],
+        env=env,
+        log_path=log,
+        nice=19,
+    ).start()
+
+
+@contextmanager
+def servers(model: Path, log_dir: Path, sides: list[tuple[str, list[str], dict]]):
+    """Start one server per ``(mode, args, env)`` of ``sides`` (the prefill first),
+    ready; yields ``(bootstrap_port, servers)``, kills them all at the end."""
+    bootstrap = free_port()
+    procs: list[SglangServer] = []
+    try:
+        for i, (mode, args, env) in enumerate(sides):
+            procs.append(_server(model, log_dir / f"{mode}{i}.log", mode, bootstrap, args, env))
+        start_all(procs, START_TIMEOUT_S)
+        yield bootstrap, procs
+    finally:
+        for proc in reversed(procs):
+            proc.kill()
+
+
+def _check_dp_ranks(prefill: Proc, offset: int, rooms: list[int], *, follow_room: bool) -> None:
+    """Each room was sent by one prefill DP rank: rank ``room % 2`` when the prefill
+    balances by room, and both ranks sent some; each rank registered both decode DP
+    ranks as peers of their own (balancing by room: :data:`RESIDUES`)."""
+    sent = sends_by_dp_rank(prefill, offset, rooms)
+    assert set(sent.values()) == {0, 1}, f"both prefill DP ranks send: {sent}"
+    if follow_room:
+        assert all(dp == room % 2 for room, dp in sent.items()), (
+            f"rooms are sent by the prefill's DP rank room % 2: {sent}"
+        )
+        peers = peers_by_dp_rank(prefill)
+        assert {dp: len(agents) for dp, agents in peers.items()} == {0: 2, 1: 2}, (
+            f"each prefill DP rank registers both decode DP ranks: {peers}"
+        )
+        assert peers[0] == peers[1], peers
+
+
+REPLICA_PAIRS = {
+    "nixl-layer-by-room": ({"transport": "nixl", "layerwise_min_tokens": 0}, []),
+    "mooncake-chunk-packed-round-robin": (
+        {"transport": "mooncake", "layerwise": False, "data_path": "packed"},
+        ["--load-balance-method", "round_robin"],
+    ),
+}
+
+
+@pytest.mark.parametrize("pair", list(REPLICA_PAIRS))
+def test_dp_replicas_serve_every_room_as_colocated(
+    pair: str, model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    config, balancing = REPLICA_PAIRS[pair]
+    inputs = {n: prompt_ids(n, seed=1200 + n) for n in PROMPTS}
+    want = {n: generate_ids(colocated.url, ids) for n, ids in inputs.items()}
+    env = {**server_env(config), **TWO_RANKS}
+    replicas = ["--dp-size", "2"]
+    sides = [("prefill", [*replicas, *balancing], env), ("decode", replicas, env)]
+    with servers(model, tmp_path_factory.mktemp(f"dp-{pair}"), sides) as (bootstrap, procs):
+        prefill, decode = procs
+        offset = prefill.log_path.stat().st_size
+        before = kvbridge_metrics(decode.url)
+        rooms = []
+        for i, (n, residue) in enumerate(zip(PROMPTS, RESIDUES, strict=True)):
+            rooms.append(room_of(residue, 2, seed=i))
+            got = generate_routed(prefill, bootstrap, decode, inputs[n], rooms[-1])
+            assert got == want[n], f"{n} tokens (room {rooms[-1]}): {got} != colocated {want[n]}"
+        _check_dp_ranks(prefill, offset, rooms, follow_room=not balancing)
+        if config.get("data_path") != "packed":
+            expected = sum(kv_bytes(model, decode, n) for n in PROMPTS)
+            assert wait_received_bytes(decode.url, before, expected) == expected
+        else:
+            for server in (prefill, decode):
+                wait_staging_idle(server)
+
+
+@pytest.fixture(scope="module")
+def colocated_mla(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    yield from start_colocated(mla_model, tmp_path_factory.mktemp("dp-mla-colocated"))
+
+
+def test_dp_attention_serves_every_room_as_colocated(
+    mla_model: Path, colocated_mla: Proc, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    inputs = {n: prompt_ids(n, seed=1300 + n) for n in PROMPTS}
+    want = {n: generate_ids(colocated_mla.url, ids) for n, ids in inputs.items()}
+    env = {**server_env({"transport": "nixl", "layerwise_min_tokens": 0}), **TWO_RANKS}
+    dp_attention = ["--tp", "2", "--attn-dp-size", "2"]
+    sides = [
+        ("prefill", dp_attention, env),
+        # SGLang's default LM-head all-to-all on a DP-attention decode has no CPU kernel
+        ("decode", [*dp_attention, "--no-enable-tp-lm-head-all-to-all"], env),
+    ]
+    with servers(mla_model, tmp_path_factory.mktemp("dp-attention"), sides) as (bootstrap, procs):
+        prefill, decode = procs
+        offset = prefill.log_path.stat().st_size
+        before = kvbridge_metrics(decode.url)
+        rooms = []
+        for i, (n, residue) in enumerate(zip(PROMPTS, RESIDUES, strict=True)):
+            rooms.append(room_of(residue, 2, seed=10 + i))
+            got = generate_routed(prefill, bootstrap, decode, inputs[n], rooms[-1])
+            assert got == want[n], f"{n} tokens (room {rooms[-1]}): {got} != colocated {want[n]}"
+        _check_dp_ranks(prefill, offset, rooms, follow_room=True)
+        # each attention-DP rank holds its requests' latent pages: each room moves once
+        expected = sum(latent_bytes(mla_model, decode, n) for n in PROMPTS)
+        assert wait_received_bytes(decode.url, before, expected) == expected
+
+
+BOOTSTRAP_TIMEOUT_S = 15
+"""The prefill's SGLang bootstrap timeout in the two-decode test (default 300 s): how
+long a room waits for its decode's destination before the prefill gives it up."""
+LATE_ANSWER_S = 30.0
+"""A decode request for a room the prefill gave up is answered within this (kvbridge's
+own wait for KV, ``timeouts.receive_s``, is 120 s)."""
+
+
+def test_two_decode_servers_are_peers_of_their_own_and_a_restart_replaces_one(
+    model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    inputs = {n: prompt_ids(n, seed=1400 + n) for n in PROMPTS}
+    want = {n: generate_ids(colocated.url, ids) for n, ids in inputs.items()}
+    env = server_env({"transport": "nixl", "layerwise_min_tokens": 0})
+    prefill_env = {**env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)}
+    log_dir = tmp_path_factory.mktemp("two-decodes")
+    sides = [("prefill", [], prefill_env), ("decode", [], env), ("decode", [], env)]
+    with servers(model, log_dir, sides) as (bootstrap, procs):
+        prefill, *decodes = procs
+        for i, n in enumerate(PROMPTS):  # decode 0, 1, 0, 1
+            got = generate_routed(
+                prefill, bootstrap, decodes[i % 2], inputs[n], room_of(0, 1, 20 + i)
+            )
+            assert got == want[n], f"{n} tokens through decode {i % 2}: {got} != {want[n]}"
+        log = prefill.log_path.read_text(errors="replace")
+        assert log.count("kvbridge: registered decode peer") == 2 and "replaced by" not in log, (
+            f"each decode server registered once, neither replaced:\n{prefill.log_tail()}"
+        )
+
+        # the prefill gives a room up (its bootstrap timeout) before the decode's request
+        # comes: the decode fails it at once, with the prefill's reason
+        body = routed_body(inputs[PROMPTS[1]], bootstrap, room_of(0, 1, 30))
+        wait = BOOTSTRAP_TIMEOUT_S + LATE_ANSWER_S
+        status, data = http(f"{prefill.url}/generate", body, timeout=wait)
+        assert status not in (0, 200), f"the prefill served a room no decode asked for: {status}"
+        started = time.monotonic()
+        status, data = http(f"{decodes[1].url}/generate", body, timeout=LATE_ANSWER_S)
+        assert status != 0, (
+            f"no answer within {LATE_ANSWER_S:.0f} s for a room the prefill gave up:\n"
+            f"{decodes[1].log_tail()}"
+        )
+        assert status != 200 and b"timed out" in data, (status, data[:500])
+        print(f"late decode request answered {status} in {time.monotonic() - started:.1f} s")
+
+        # decode 0 restarts on its address: its new agent replaces the old one, decode 1 stays
+        port = decodes[0].port
+        decodes[0].kill()
+        decodes[0] = _server(
+            model, log_dir / "decode0-restarted.log", "decode", bootstrap, [], env, port
+        )
+        decodes[0].wait_ready(START_TIMEOUT_S)
+        for i, n in enumerate(PROMPTS[:2]):
+            got = generate_routed(
+                prefill, bootstrap, decodes[i % 2], inputs[n], room_of(0, 1, 40 + i)
+            )
+            assert got == want[n], f"after the restart, {n} tokens through decode {i % 2}"
+        log = prefill.log_path.read_text(errors="replace")
+        assert log.count("replaced by") == 1, prefill.log_tail()
