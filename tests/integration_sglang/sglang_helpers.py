@@ -497,7 +497,13 @@ def route(
     bootstrap ``room`` (so a test knows which DP rank of the prefill serves it, and
     which decode server it goes to): the same body plus ``bootstrap_host/port/room`` to
     both servers at once; both ``(status, body)`` answers."""
-    body = routed_body(input_ids, bootstrap_port, room)
+    return route_body(prefill, decode, routed_body(input_ids, bootstrap_port, room), timeout)
+
+
+def route_body(
+    prefill: Proc, decode: Proc, body: dict, timeout: float = REQUEST_TIMEOUT_S
+) -> Routed:
+    """:func:`route` with a body of the caller's (:func:`routed_body`, changed)."""
     with ThreadPoolExecutor(2) as pool:
         answers = [pool.submit(http, f"{s.url}/generate", body, timeout) for s in (prefill, decode)]
         return Routed(*(a.result() for a in answers))

@@ -7,7 +7,9 @@ kvbridge between real servers (NIXL and Mooncake over loopback):
   replica then tells the bootstrap server, which the decode asks), the decode's in turn.
   SGLang 0.5.23's sender takes every replica for DP rank 0 and fails each room sent to
   replica 1 (its own backends then leave the decode waiting until their timeouts);
-  kvbridge's manager names its replica (``compat.serve_replica_dp_rank``).
+  kvbridge's manager names its replica (``compat.serve_replica_dp_rank``). With both
+  sides balancing by room a request with ``n = 2`` pairs its samples; a server whose DP
+  ranks take requests otherwise warns at start that such requests will not pair.
 - DP attention (``--tp 2 --attn-dp-size 2``: attention data parallel, the MLP tensor
   parallel) on both sides, with the tiny DeepSeek-V2 (MLA, the models SGLang's DP
   attention is for; it runs here through the test plugin
@@ -26,6 +28,7 @@ server's token for token. Each test starts its own servers."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,6 +50,7 @@ from sglang_helpers import (
     peers_by_dp_rank,
     prompt_ids,
     room_of,
+    route_body,
     routed_body,
     sends_by_dp_rank,
     server_env,
@@ -103,28 +107,52 @@ def servers(model: Path, log_dir: Path, sides: list[tuple[str, list[str], dict]]
             proc.kill()
 
 
-def _check_dp_ranks(prefill: Proc, offset: int, rooms: list[int], *, follow_room: bool) -> None:
+BY_ROOM = ["--load-balance-method", "follow_bootstrap_room"]
+ROUND_ROBIN = ["--load-balance-method", "round_robin"]
+UNPAIRED_SAMPLES = "requests with n > 1 (parallel sampling) then fail or wait"
+"""What kvbridge warns at start on a server whose DP ranks are not assigned by room."""
+
+
+def _check_dp_ranks(
+    prefill: Proc, offset: int, rooms: list[int], *, by_room: bool, decode_by_room: bool
+) -> None:
     """Each room was sent by one prefill DP rank: rank ``room % 2`` when the prefill
-    balances by room, and both ranks sent some; each rank registered both decode DP
-    ranks as peers of their own (balancing by room: :data:`RESIDUES`)."""
+    balances by room, and both ranks sent some; with the decode's DP ranks taking
+    requests in turn, each prefill rank registered both as peers of their own
+    (:data:`RESIDUES`); and no registration replaced another (the prefill logs
+    "replaced by" when it drops a peer for a new one)."""
     sent = sends_by_dp_rank(prefill, offset, rooms)
     assert set(sent.values()) == {0, 1}, f"both prefill DP ranks send: {sent}"
-    if follow_room:
+    if by_room:
         assert all(dp == room % 2 for room, dp in sent.items()), (
             f"rooms are sent by the prefill's DP rank room % 2: {sent}"
         )
+    if by_room and not decode_by_room:
         peers = peers_by_dp_rank(prefill)
         assert {dp: len(agents) for dp, agents in peers.items()} == {0: 2, 1: 2}, (
             f"each prefill DP rank registers both decode DP ranks: {peers}"
         )
         assert peers[0] == peers[1], peers
+    assert "replaced by" not in prefill.log_path.read_text(errors="replace"), (
+        f"a decode DP rank's registration replaced another's:\n{prefill.log_tail()}"
+    )
+
+
+def _check_warned(server: Proc, *, warned: bool) -> None:
+    assert (UNPAIRED_SAMPLES in server.log_path.read_text(errors="replace")) == warned, (
+        f"{server.log_path.name}: kvbridge's start-up warning about DP balancing for n > 1 "
+        f"{'missing' if warned else 'logged by a server balancing by room'}"
+    )
 
 
 REPLICA_PAIRS = {
-    "nixl-layer-by-room": ({"transport": "nixl", "layerwise_min_tokens": 0}, []),
+    # both sides by room: a request's samples (n > 1) pair too
+    "nixl-layer-by-room": ({"transport": "nixl", "layerwise_min_tokens": 0}, [], BY_ROOM),
+    # the prefill in turn: each rank tells the bootstrap server, the decode asks it
     "mooncake-chunk-packed-round-robin": (
         {"transport": "mooncake", "layerwise": False, "data_path": "packed"},
-        ["--load-balance-method", "round_robin"],
+        ROUND_ROBIN,
+        [],
     ),
 }
 
@@ -133,12 +161,15 @@ REPLICA_PAIRS = {
 def test_dp_replicas_serve_every_room_as_colocated(
     pair: str, model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    config, balancing = REPLICA_PAIRS[pair]
+    config, prefill_balancing, decode_balancing = REPLICA_PAIRS[pair]
     inputs = {n: prompt_ids(n, seed=1200 + n) for n in PROMPTS}
     want = {n: generate_ids(colocated.url, ids) for n, ids in inputs.items()}
     env = {**server_env(config), **TWO_RANKS}
     replicas = ["--dp-size", "2"]
-    sides = [("prefill", [*replicas, *balancing], env), ("decode", replicas, env)]
+    sides = [
+        ("prefill", [*replicas, *prefill_balancing], env),
+        ("decode", [*replicas, *decode_balancing], env),
+    ]
     with servers(model, tmp_path_factory.mktemp(f"dp-{pair}"), sides) as (bootstrap, procs):
         prefill, decode = procs
         offset = prefill.log_path.stat().st_size
@@ -148,13 +179,28 @@ def test_dp_replicas_serve_every_room_as_colocated(
             rooms.append(room_of(residue, 2, seed=i))
             got = generate_routed(prefill, bootstrap, decode, inputs[n], rooms[-1])
             assert got == want[n], f"{n} tokens (room {rooms[-1]}): {got} != colocated {want[n]}"
-        _check_dp_ranks(prefill, offset, rooms, follow_room=not balancing)
+        by_room = prefill_balancing != ROUND_ROBIN
+        _check_dp_ranks(
+            prefill, offset, rooms, by_room=by_room, decode_by_room=bool(decode_balancing)
+        )
         if config.get("data_path") != "packed":
             expected = sum(kv_bytes(model, decode, n) for n in PROMPTS)
             assert wait_received_bytes(decode.url, before, expected) == expected
         else:
             for server in (prefill, decode):
                 wait_staging_idle(server)
+        _check_warned(prefill, warned=not by_room)
+        _check_warned(decode, warned=not decode_balancing)
+        if by_room and decode_balancing:
+            # a request's primer and samples reach one DP rank on each side: they pair
+            n = PROMPTS[1]
+            body = routed_body(inputs[n], bootstrap, room_of(1, 2, seed=9))
+            body["sampling_params"]["n"] = 2
+            answers = route_body(prefill, decode, body)
+            status, data = answers.decode
+            assert status == 200, f"n = 2: {status} {data[:300]!r}\n{decode.log_tail()}"
+            samples = [out["output_ids"] for out in json.loads(data)]
+            assert samples == [want[n], want[n]], f"greedy samples equal n = 1's: {samples}"
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +229,9 @@ def test_dp_attention_serves_every_room_as_colocated(
             rooms.append(room_of(residue, 2, seed=10 + i))
             got = generate_routed(prefill, bootstrap, decode, inputs[n], rooms[-1])
             assert got == want[n], f"{n} tokens (room {rooms[-1]}): {got} != colocated {want[n]}"
-        _check_dp_ranks(prefill, offset, rooms, follow_room=True)
+        _check_dp_ranks(prefill, offset, rooms, by_room=True, decode_by_room=False)
+        _check_warned(prefill, warned=False)
+        _check_warned(decode, warned=True)  # its DP ranks take requests in turn
         # each attention-DP rank holds its requests' latent pages: each room moves once
         expected = sum(latent_bytes(mla_model, decode, n) for n in PROMPTS)
         assert wait_received_bytes(decode.url, before, expected) == expected

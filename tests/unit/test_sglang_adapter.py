@@ -614,3 +614,16 @@ def test_a_registration_without_a_seat_comes_from_an_older_decode_and_replaces_n
     seated = msgspec.structs.replace(reg, seat="127.0.0.1:30000 dp1.0 tp0 pp0")
     assert wire.decode(wire.encode(seated)) == seated
     assert wire.decode(wire.encode(reg)).seat == ""
+
+
+def test_dp_ranks_not_assigned_by_room_are_warned_about_for_parallel_sampling(caplog) -> None:
+    caplog.set_level("WARNING", logger="kvbridge.adapters.sglang.compat")
+    compat.warn_unless_balanced_by_room(_manager(system_dp_size=2), "round_robin")
+    compat.warn_unless_balanced_by_room(_manager(attn_dp_size=4), "total_tokens")
+    compat.warn_unless_balanced_by_room(_manager(system_dp_size=2), "follow_bootstrap_room")
+    compat.warn_unless_balanced_by_room(_manager(), "round_robin")  # one DP rank: nothing to pair
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert "2 DP ranks are balanced by round_robin" in warned[0]
+    assert "4 DP ranks are balanced by total_tokens" in warned[1]
+    assert all("--load-balance-method follow_bootstrap_room" in m for m in warned)

@@ -47,7 +47,8 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
 - Data-parallel replicas (:func:`serve_replica_dp_rank`): ``CommonKVManager.attn_dp_rank /
   attn_dp_size / system_dp_rank / system_dp_size`` and the DP-rank check and
   registration in ``CommonKVSender.__init__``; a rank's seat (:func:`server_seat`):
-  those, ``local_ip``, ``attn_tp_rank``, ``pp_rank`` and ``ServerArgs.port``.
+  those, ``local_ip``, ``attn_tp_rank``, ``pp_rank`` and ``ServerArgs.port``;
+  ``runtime_context.get_parallel().load_balance_method`` (:func:`load_balance_method`).
 - One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
   ``record_failure``, ``conclude_failure``,
   ``KVTransferError(room, reason)``, and the endpoints' ``_owns_bootstrap_room`` flag,
@@ -168,6 +169,39 @@ def serve_replica_dp_rank(mgr) -> None:
     the bootstrap server ignores it for replicas)."""
     if mgr.system_dp_size > 1 and mgr.attn_dp_size == 1:
         mgr.attn_dp_rank = mgr.system_dp_rank
+
+
+def load_balance_method() -> str:
+    """How this server's DP controller assigns requests to its DP ranks, as SGLang
+    resolved ``--load-balance-method`` (``auto``: ``follow_bootstrap_room`` on a
+    prefill, ``round_robin`` on a decode; ``ServerArgs`` keeps ``auto``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().load_balance_method
+
+
+def warn_unless_balanced_by_room(mgr, method: str) -> None:
+    """Warn when this server has several DP ranks (replicas or attention DP) that its
+    DP controller does not assign by room (``method``: :func:`load_balance_method`).
+    Called once by each rank's manager, at start.
+
+    SGLang sends a request with ``n > 1`` (parallel sampling) as its prefix primer and
+    each sample on the request's one bootstrap room, and kvbridge pairs a room's
+    requests in the order each server makes them (:mod:`.lanes`): that holds only if
+    every server hands all requests of a room to one DP rank, as
+    ``--load-balance-method follow_bootstrap_room`` does (a prefill's default; a
+    decode's is ``round_robin``, which deals a request's samples out to its DP ranks:
+    measured, such requests then went unanswered until the client's timeout)."""
+    ranks = mgr.system_dp_size * mgr.attn_dp_size
+    if ranks > 1 and method != "follow_bootstrap_room":
+        log.warning(
+            "kvbridge: this server's %d DP ranks are balanced by %s: requests with n > 1 "
+            "(parallel sampling) then fail or wait until their timeouts; start both servers "
+            "with --load-balance-method follow_bootstrap_room (a prefill's default) to keep "
+            "a request's samples on one DP rank",
+            ranks,
+            method,
+        )
 
 
 def server_seat(server_args, mgr) -> str:

@@ -50,7 +50,12 @@ acks. What kvbridge adds:
 Every wait is bounded: transfers (and, on a GPU, the device event a layer's writes wait
 for) by ``timeouts.transfer_s``, thread loops poll with short timeouts, SGLang's own
 bootstrap/waiting timeouts and heartbeat cover the rest. Peers are transport agents
-named with an instance epoch, so a restarted instance is a new peer.
+named with an instance epoch, so a restarted instance is a new peer; a decode rank also
+registers its seat (:func:`.compat.server_seat`), and a prefill replaces a peer only
+when the same seat registers again, so the ranks of several decode servers, and of DP
+replicas, stay peers of their own. With SGLang's data parallelism each DP rank (replica
+or attention-DP group) is a manager of its own; the bootstrap server and the decode
+find a room's prefill DP rank as SGLang does (:func:`.compat.serve_replica_dp_rank`).
 """
 
 from __future__ import annotations
@@ -232,6 +237,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             self.transport.close()
             raise
         compat.serve_replica_dp_rank(self)
+        compat.warn_unless_balanced_by_room(self, compat.load_balance_method())
         self.seat = compat.server_seat(server_args, self)
         """Which rank of which server this is (a decode registers it: a restart of the
         same rank replaces its old agent on the prefill, another server's rank does not)."""
