@@ -43,10 +43,10 @@ from engine_helpers import (
 from mla_reference import fp8_latent_logprobs
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
-from kvbridge.demo.servers import VllmServer, complete, random_prompt
+from kvbridge.demo.servers import CPU_MLA_ARGS, VllmServer, complete, random_prompt
 
-BLOCK = 16  # the only block size of vLLM's CPU MLA kernel
-ARGS = ["--block-size", str(BLOCK)]
+ARGS = list(CPU_MLA_ARGS)  # vLLM's reference CPU MLA backend, also on CPUs with AMX
+BLOCK = int(ARGS[ARGS.index("--block-size") + 1])  # the only block size of its kernel
 MAX_MODEL_LEN = 1024
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 6 * BLOCK + 5, 300]
 MAX_TOKENS = 12

@@ -24,7 +24,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir, has_states
-from kvbridge.demo.servers import Timing, VllmServer, random_prompt, start_proxy, timed_stream
+from kvbridge.demo.servers import (
+    CPU_MLA_ARGS,
+    Timing,
+    VllmServer,
+    random_prompt,
+    start_proxy,
+    timed_stream,
+)
 
 BLOCK = 32
 CHUNK = 512
@@ -88,9 +95,9 @@ def run(
         f"{transport}, {flow} flow, wire {wire_dtype}, data path {data_path}; logs in {logs}"
     )
     model = build_tiny_model(default_model_dir(shape), shape=shape)
-    # MLA on CPU: the only block size of vLLM's CPU MLA kernel, which prefills in one piece
+    # MLA on CPU: vLLM's reference MLA backend, which prefills in one piece
     common = (
-        ["--block-size", "16"]
+        list(CPU_MLA_ARGS)
         if shape == "mla"
         else ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
     )

