@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -21,12 +22,31 @@ from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sgl
 from kvbridge.errors import DeadlineExceeded, KVBridgeError
 
 
-def test_free_port_is_below_the_ephemeral_range() -> None:
+def test_free_port_is_below_the_ephemeral_range_and_sglang_s_store_ports() -> None:
     low = servers._ephemeral_low()
-    ports = {free_port() for _ in range(20)}
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
     assert all(0 < p < max(low, 65536) for p in ports)
     if low > 10_000:
-        assert all(p < low for p in ports)
+        assert all(p < min(low, 22_000 - 240) for p in ports)
+
+
+@pytest.mark.parametrize("near", [0, 233, 240, -233, -240])
+def test_free_port_never_hands_out_a_port_twice_or_one_sglang_derives_from_another(
+    monkeypatch: pytest.MonkeyPatch, near: int
+) -> None:
+    """Two servers given one port both bind it (vLLM listens only once its engine is up)
+    and answer each other's requests; an SGLang server listens on its port + 233..240
+    too. Such a draw is drawn anew."""
+    if servers._ephemeral_low() <= 10_001:
+        pytest.skip("no port range below the ephemeral one to draw from")
+    first = free_port()
+    other = next(  # one the rule lets through, far from the others
+        p for p in range(10_000, 21_760) if servers._may_hand_out(p) and abs(p - first) > 300
+    )
+    draws = iter([first + near, other])
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+    assert free_port() == other
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -117,23 +118,52 @@ class ServerError(KVBridgeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now, chosen below the kernel's ephemeral range when
-    it can be: a server that takes half a minute to bind its port would otherwise race
-    every ``bind(0)`` on the machine (seen: an SGLang scheduler's ZMQ socket took the
-    port a prefill server was about to listen on). Another process may still take it."""
-    low = _ephemeral_low()
+    """A TCP port that is free right now and that this process has not handed out before,
+    drawn from 10000-21759 (below the kernel's ephemeral range where it can be). Another
+    process may still take it. Thread-safe. Why so:
+
+    - below the ephemeral range: a server that takes half a minute to bind its port
+      would otherwise race every ``bind(0)`` on the machine (seen: an SGLang scheduler's
+      ZMQ socket took the port a prefill server was about to listen on);
+    - never twice: a vLLM server binds its port at start but listens only once its
+      engine is up, and a second bind meanwhile succeeds too (``SO_REUSEADDR``); seen:
+      two servers of one test on one port, each answering requests meant for the other;
+    - below 21760 and not 233-240 away from a port handed out before: an SGLang server
+      on port ``p`` also listens on ``p + 233`` to ``p + 240`` (``ZMQ_TCP_PORT_DELTA``;
+      with DP or TP above 1), and SGLang draws its ``torch.distributed`` store port from
+      22000-29999 (seen: a decode failing to start, its ``p + 234`` held by the prefill's
+      store)."""
+    low = min(_ephemeral_low(), _SGLANG_STORE_PORTS_LOW - _SGLANG_DERIVED_PORTS[-1])
     rng = random.SystemRandom()
-    for _ in range(50):
-        port = rng.randrange(10_000, low) if low > 10_000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue  # taken: try another
-            return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    with _ports_lock:
+        for _ in range(200):
+            port = rng.randrange(10_000, low) if low > 10_000 else 0
+            if not _may_hand_out(port):
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue  # taken: try another
+                port = s.getsockname()[1]
+            if _may_hand_out(port):  # bind(0) may give one handed out before
+                _ports_handed_out.add(port)
+                return port
+        raise OSError(f"no free TCP port on {host} after 200 tries (fix: stop stray servers)")
+
+
+def _may_hand_out(port: int) -> bool:
+    if port == 0:
+        return True  # the kernel's choice: checked once bound
+    return port not in _ports_handed_out and not any(
+        abs(port - q) in _SGLANG_DERIVED_PORTS for q in _ports_handed_out
+    )
+
+
+_SGLANG_DERIVED_PORTS = range(233, 241)
+_SGLANG_STORE_PORTS_LOW = 22_000
+_ports_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
 
 
 def _ephemeral_low() -> int:
