@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang lint test test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
+.PHONY: setup setup-sglang lint test test-all test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -16,8 +16,14 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## the whole test suite (what CI runs): lint; vLLM, transports, core in .venv; SGLang in .venv-sglang
+## the test suite (what CI runs): lint; vLLM, transports, core in .venv; SGLang in .venv-sglang.
+## Leaves out the `extended` combinations of the engine matrices (see README, Tests)
 test: setup setup-sglang lint
+	$(BIN)/python -m pytest tests -ra --durations=20 -m "not extended" --ignore=tests/integration_sglang
+	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra --durations=20 -m "not extended"
+
+## everything `test` runs, and the extended combinations
+test-all: setup setup-sglang lint
 	$(BIN)/python -m pytest tests -ra --durations=20 --ignore=tests/integration_sglang
 	.venv-sglang/bin/python -m pytest tests/integration_sglang -ra --durations=20
 

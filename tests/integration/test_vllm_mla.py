@@ -189,8 +189,10 @@ def test_mla_between_tp_sizes(tp: TPCluster, pair: str, flow: str, n: int) -> No
 
 @pytest.fixture(
     scope="module",
-    params=[("mooncake", "packed"), ("nixl", "fp8")],
-    ids=["packed-mooncake", "fp8-nixl"],
+    params=[
+        pytest.param(("mooncake", "packed"), id="packed-mooncake", marks=pytest.mark.extended),
+        pytest.param(("nixl", "fp8"), id="fp8-nixl"),
+    ],
 )
 def packed_pd(
     request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory

@@ -242,7 +242,12 @@ def short_conv_expected_bytes(n: int) -> int:
 
 
 @pytest.mark.parametrize(
-    ("shape", "transport"), [("hybrid", "nixl"), ("hybrid", "mooncake"), ("shortconv", "nixl")]
+    ("shape", "transport"),
+    [
+        pytest.param("hybrid", "nixl", marks=pytest.mark.extended),
+        ("hybrid", "mooncake"),
+        pytest.param("shortconv", "nixl", marks=pytest.mark.extended),
+    ],
 )
 def test_between_tp_sizes_decodes_as_a_colocated_instance_of_the_decode_s_tp(
     shape: str, transport: str, tmp_path: Path

@@ -55,7 +55,12 @@ STAGING_MB = 16
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["nixl", "mooncake"])
+@pytest.fixture(
+    scope="module",
+    # `make test-all` only: FP8 (test_vllm_fp8) and TP sizes (test_vllm_tp, the packed path
+    # between them in test_vllm_tp_packed) each run in `make test`
+    params=[pytest.param(t, marks=pytest.mark.extended) for t in ("nixl", "mooncake")],
+)
 def cluster(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, VllmServer]]:

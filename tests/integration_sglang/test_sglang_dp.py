@@ -157,7 +157,10 @@ REPLICA_PAIRS = {
 }
 
 
-@pytest.mark.parametrize("pair", list(REPLICA_PAIRS))
+@pytest.mark.parametrize(
+    "pair",
+    [pytest.param(p, marks=pytest.mark.extended) if "mooncake" in p else p for p in REPLICA_PAIRS],
+)  # the round-robin warning itself is unit-tested (tests/unit/test_sglang_adapter.py)
 def test_dp_replicas_serve_every_room_as_colocated(
     pair: str, model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -54,6 +54,8 @@ CONFIGS = {
         "timeouts": {"transfer_s": 10.0},
     },
 }
+# run by `make test-all` only: "nixl-fp8" runs every failure over NIXL too (packed path)
+EXTENDED = {"nixl"}
 LONG_PROMPT = 2000  # 63 chunks: seconds of prefill on 2 cores
 MAX_NEW_TOKENS = 8
 FAIL_WITHIN_S = 120.0
@@ -258,7 +260,10 @@ def _failed(request: dict) -> bool:
     return isinstance(reason, dict) and reason.get("type") == "abort"
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in CONFIGS],
+)
 def pair(request: pytest.FixtureRequest, model: Path, tmp_path_factory: pytest.TempPathFactory):
     p = None
     try:

@@ -51,8 +51,16 @@ PD_CONFIGS = [("nixl", True), ("mooncake", False)]
 
 @pytest.fixture(
     scope="module",
-    params=PD_CONFIGS,
-    ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in PD_CONFIGS],
+    params=[
+        pytest.param(
+            c,
+            id=f"{c[0]}-{'layer' if c[1] else 'chunk'}",
+            # `make test-all` only: the latent pages do not depend on the transport, and
+            # Mooncake per chunk runs in test_sglang_pd
+            marks=[pytest.mark.extended] if c[0] == "mooncake" else [],
+        )
+        for c in PD_CONFIGS
+    ],
 )
 def mla_pd(
     request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
@@ -93,7 +101,13 @@ PACKED_CONFIGS = [("mooncake", False, "packed"), ("nixl", True, "fp8")]
 
 
 @pytest.fixture(
-    scope="module", params=PACKED_CONFIGS, ids=[f"{w}-{t}" for t, _, w in PACKED_CONFIGS]
+    scope="module",
+    params=[
+        pytest.param(
+            c, id=f"{c[2]}-{c[0]}", marks=[pytest.mark.extended] if c[2] == "packed" else []
+        )
+        for c in PACKED_CONFIGS
+    ],  # "fp8" is on the packed path too
 )
 def mla_packed_pd(
     request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory

@@ -46,7 +46,10 @@ colocated, pd_pair = (
 )
 
 
-@pytest.mark.parametrize("data_path", ["direct", "packed"])
+# one path per direction in `make test` (`make test-all`: both in both)
+@pytest.mark.parametrize(
+    "data_path", ["direct", pytest.param("packed", marks=pytest.mark.extended)]
+)
 def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(
     data_path: str, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -68,7 +71,9 @@ def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(
                 wait_staging_idle(server)
 
 
-@pytest.mark.parametrize("data_path", ["direct", "packed"])
+@pytest.mark.parametrize(
+    "data_path", [pytest.param("direct", marks=pytest.mark.extended), "packed"]
+)
 def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(
     data_path: str, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

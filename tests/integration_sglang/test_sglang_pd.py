@@ -92,6 +92,11 @@ PD_CONFIGS = [
     ("nixl", True, "packed", False, PAGE, 64, True),
     ("nixl", False, "packed", False, 32, PAGE, False),
 ]
+# run by `make test-all` only (indices into PD_CONFIGS): NIXL per chunk on the direct path
+# (per chunk runs over Mooncake here, the mode does not depend on the transport), and
+# larger prefill pages on the packed path (test_sglang_prefill_pages and test_sglang_swa
+# cut larger pages too)
+EXTENDED_PD = {0, 5}
 
 
 def _pd_id(
@@ -107,7 +112,13 @@ def _pd_id(
     )
 
 
-@pytest.fixture(scope="module", params=PD_CONFIGS, ids=[_pd_id(*c) for c in PD_CONFIGS])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(c, id=_pd_id(*c), marks=[pytest.mark.extended] if i in EXTENDED_PD else [])
+        for i, c in enumerate(PD_CONFIGS)
+    ],
+)
 def pd_router(
     request: pytest.FixtureRequest,
     model: Path,
@@ -273,8 +284,14 @@ LONG_PROMPTS = [prompt_ids(2000, seed=950 + i) for i in range(3)]
 
 @pytest.fixture(
     scope="module",
-    params=FP8_CONFIGS,
-    ids=[f"{t}-{'layer' if lw else 'chunk'}" for t, lw in FP8_CONFIGS],
+    params=[
+        pytest.param(
+            c,
+            id=f"{c[0]}-{'layer' if c[1] else 'chunk'}",
+            marks=[pytest.mark.extended] if i else [],
+        )
+        for i, c in enumerate(FP8_CONFIGS)
+    ],  # FP8 over Mooncake (test-all only here) runs in test_sglang_state_space
 )
 def fp8_pd(
     request: pytest.FixtureRequest,

@@ -124,10 +124,16 @@ class StatePD(NamedTuple):
 
 @pytest.fixture(
     scope="module",
-    params=PD_CONFIGS,
-    ids=[
-        f"{t}-{'layer' if lw else 'chunk'}-{w}-tp{p}{d}" + ("-radix" if radix else "")
-        for t, lw, w, (p, d), radix in PD_CONFIGS
+    params=[
+        pytest.param(
+            c,
+            id=f"{c[0]}-{'layer' if c[1] else 'chunk'}-{c[2]}-tp{c[3][0]}{c[3][1]}"
+            + ("-radix" if c[4] else ""),
+            # `make test-all` only: TP 2 -> 1 (the cut is unit-tested both ways, TP 1..4:
+            # tests/unit/test_sglang_states.py; test_sglang_swa runs 2 -> 1 for the KV)
+            marks=[pytest.mark.extended] if c[3] == (2, 1) else [],
+        )
+        for c in PD_CONFIGS
     ],
 )
 def state_pd(

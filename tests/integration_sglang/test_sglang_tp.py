@@ -52,7 +52,15 @@ PROMPTS = {"short": 12, "page_boundary": 32, "chunked": 200}
 SEED = 31
 
 
-@pytest.fixture(scope="module", params=PAIRS, ids=[f"p{p}-d{d}-{path}" for p, d, path in PAIRS])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(
+            c, id=f"p{c[0]}-d{c[1]}-{c[2]}", marks=[pytest.mark.extended] if c[:2] == (1, 2) else []
+        )
+        for c in PAIRS
+    ],  # TP 1 -> 2 (test-all only here) runs in test_sglang_state_space and test_sglang_swa
+)
 def tp_pd(
     request: pytest.FixtureRequest,
     model: Path,

@@ -35,6 +35,7 @@ SEED = 31
 pytestmark = pytest.mark.timeout(600)  # each test starts its servers (a minute or two on 2 cores)
 
 
+@pytest.mark.extended  # `make test-all` only: FP8 into a decode of TP 2 runs in test_sglang_swa
 def test_fp8_between_tp_sizes_stays_within_fp8_noise(
     model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
