@@ -107,8 +107,12 @@ class PD:
 
 @pytest.fixture(
     scope="module",
-    params=[("nixl", BLOCK), ("mooncake", UNIT)],
-    ids=["nixl", f"mooncake-blocks-of-{UNIT}"],
+    params=[  # `make test-all` only: Mooncake with transfer units of UNIT tokens
+        pytest.param(("nixl", BLOCK), id="nixl"),
+        pytest.param(
+            ("mooncake", UNIT), id=f"mooncake-blocks-of-{UNIT}", marks=pytest.mark.extended
+        ),
+    ],
 )
 def pd(
     request: pytest.FixtureRequest, mla_model: Path, tmp_path_factory: pytest.TempPathFactory

@@ -39,6 +39,8 @@ from engine_helpers import (
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
+pytestmark = pytest.mark.extended  # `make test-all` only (CI's 90 minutes)
+
 SPECULATIVE = [
     "--speculative-config",
     json.dumps(

@@ -16,6 +16,7 @@ from sglang_helpers import expect_refused, server_env, start_pd
 pytestmark = pytest.mark.timeout(600)  # starts its servers (a minute or two on 2 cores)
 
 
+@pytest.mark.extended  # `make test-all` only: the secret's check is unit-tested
 def test_a_decode_without_the_prefills_secret_is_refused_naming_the_fix(
     model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
