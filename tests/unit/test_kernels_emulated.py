@@ -642,7 +642,7 @@ def test_emulator_catches_divergent_shuffles(tmp_path):
         [
             cxx,
             "-std=c++20",
-            "-O0",
+            "-O1",
             "-pthread",
             "-include",
             str(NATIVE / "warp_emu.h"),
