@@ -224,10 +224,10 @@ def test_a_conversation_s_next_turn_moves_the_pages_past_the_hit_and_the_states(
         # a 2.1 GHz AMX machine: turn 2's first decoded token 780 for 952, the near-tie
         # that the TP 1 -> 2 pair flips, 0.004 apart in logprob), so past the first turn
         # they are checked as between TP sizes
-        drift = TP_MAX_DRIFT if state_pd.radix and turn and state_pd.max_drift is None else None
-        got = generate_as_colocated(
-            pd, colocated_conv, prompt, max_drift=drift or state_pd.max_drift
-        )
+        drift = state_pd.max_drift
+        if drift is None and state_pd.radix and turn:
+            drift = TP_MAX_DRIFT
+        got = generate_as_colocated(pd, colocated_conv, prompt, max_drift=drift)
         least = expected_bytes(conv_model, state_pd, n, hit=most)
         received = wait_received_bytes(pd.decode.url, before, least)
         moved = {
