@@ -1,20 +1,37 @@
 """``kvbridge proxy`` in front of real vLLM prefill/decode instances: OpenAI endpoints,
-streaming or not, request fields passed through, concurrency, dead instances."""
+streaming or not, request fields passed through, concurrency, dead instances; and two
+prefill instances feeding two decode instances (xPyD), each prefill sending to both
+decodes at once and each decode receiving from both prefills."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-from engine_helpers import COMMON_ARGS, kv_args, start_all
+from engine_helpers import (
+    BLOCK,
+    COMMON_ARGS,
+    IN_FLIGHT,
+    RECEIVED,
+    USAGE,
+    discover,
+    handoff,
+    kv_args,
+    metric,
+    start_all,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import (
     ServerError,
@@ -27,6 +44,7 @@ from kvbridge.demo.servers import (
 )
 
 MAX_TOKENS = 10
+BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
 
 
 class ProxyProcess:
@@ -71,33 +89,46 @@ class ProxyProcess:
         self._log.close()
 
 
+class Servers(NamedTuple):
+    """P and P2 prefill, D (recompute policy) and D2 (fail policy) decode instances over
+    NIXL, C the colocated reference."""
+
+    p: VllmServer
+    d: VllmServer
+    c: VllmServer
+    p2: VllmServer
+    d2: VllmServer
+
+
 @pytest.fixture(scope="module")
-def servers(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[VllmServer, VllmServer, VllmServer]]:
+def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     logs = tmp_path_factory.mktemp("proxy")
-    p = VllmServer(
-        model_dir, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log"
+
+    def make(name: str, args: list[str]) -> VllmServer:
+        return VllmServer(model_dir, extra_args=COMMON_ARGS + args, log_path=logs / f"{name}.log")
+
+    s = Servers(
+        p=make("P", kv_args("kv_producer", "nixl")),
+        d=make("D", kv_args("kv_consumer", "nixl", policy="recompute")),
+        c=make("C", []),
+        p2=make("P2", kv_args("kv_producer", "nixl")),
+        d2=make("D2", kv_args("kv_consumer", "nixl", policy="fail")),
     )
-    d = VllmServer(
-        model_dir,
-        extra_args=COMMON_ARGS + kv_args("kv_consumer", "nixl", policy="recompute"),
-        log_path=logs / "D.log",
-    )
-    c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
-    start_all([p, d, c])
-    yield p, d, c
-    for s in (p, d, c):
-        s.stop()
+    start_all(list(s))
+    yield s
+    for server in s:
+        server.stop()
 
 
 @pytest.fixture(scope="module", params=["push", "pull"])
 def proxy(
     request: pytest.FixtureRequest, servers, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ProxyProcess]:
-    p, d, _ = servers
     proc = ProxyProcess(
-        [p.url], [d.url], flow=request.param, log=tmp_path_factory.mktemp("proxylog") / "proxy.log"
+        [servers.p.url],
+        [servers.d.url],
+        flow=request.param,
+        log=tmp_path_factory.mktemp("proxylog") / "proxy.log",
     )
     yield proc
     proc.stop()
@@ -124,7 +155,7 @@ def sse_text(url: str, path: str, body: dict) -> tuple[str, list[int]]:
 
 
 def test_completions_match_colocated(proxy: ProxyProcess, servers) -> None:
-    _, _, c = servers
+    c = servers.c
     for n in (7, 70, 300):
         prompt = random_prompt(n, seed=1000 + n)
         ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
@@ -133,7 +164,7 @@ def test_completions_match_colocated(proxy: ProxyProcess, servers) -> None:
 
 
 def test_streaming_completions_match(proxy: ProxyProcess, servers) -> None:
-    _, _, c = servers
+    c = servers.c
     prompt = random_prompt(90, seed=7)
     ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
     body = {
@@ -148,7 +179,7 @@ def test_streaming_completions_match(proxy: ProxyProcess, servers) -> None:
 
 
 def test_chat_completions_streaming_and_not(proxy: ProxyProcess, servers) -> None:
-    _, _, c = servers
+    c = servers.c
     messages = [{"role": "user", "content": "tell me about the quick brown fox and the lazy dog"}]
     ref = chat(c.url, messages, max_tokens=MAX_TOKENS)
     out = chat(proxy.url, messages, max_tokens=MAX_TOKENS)
@@ -162,7 +193,7 @@ def test_chat_completions_streaming_and_not(proxy: ProxyProcess, servers) -> Non
 
 
 def test_unknown_fields_and_token_prompts_pass_through(proxy: ProxyProcess, servers) -> None:
-    _, _, c = servers
+    c = servers.c
     prompt = random_prompt(40, seed=11)
     extras = {"top_k": 1, "repetition_penalty": 1.3, "logprobs": 2, "seed": 5}
     ref = complete(c.url, prompt, max_tokens=MAX_TOKENS, **extras)
@@ -175,7 +206,7 @@ def test_unknown_fields_and_token_prompts_pass_through(proxy: ProxyProcess, serv
 
 
 def test_concurrent_requests_through_the_proxy(proxy: ProxyProcess, servers) -> None:
-    _, _, c = servers
+    c = servers.c
     prompts = [random_prompt(n, seed=50 + n) for n in (5, 33, 64, 120, 257, 400)]
     refs = [complete(c.url, p, max_tokens=MAX_TOKENS).token_ids for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -186,7 +217,7 @@ def test_concurrent_requests_through_the_proxy(proxy: ProxyProcess, servers) -> 
 
 
 def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> None:
-    p, d, c = servers
+    p, d, c = servers.p, servers.d, servers.c
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = ProxyProcess([dead, p.url], [dead, d.url], log=tmp_path / "proxy.log")
     try:
@@ -215,7 +246,7 @@ def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> Non
 
 
 def test_unreachable_decode_gives_a_clear_error_quickly(servers, tmp_path: Path) -> None:
-    p, _, _ = servers
+    p = servers.p
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = ProxyProcess([p.url], [dead], log=tmp_path / "proxy.log")
     try:
@@ -233,7 +264,7 @@ def test_unreachable_decode_gives_a_clear_error_quickly(servers, tmp_path: Path)
 
 
 def test_prefill_rejecting_the_request_cancels_decode(servers, tmp_path: Path) -> None:
-    p, d, _ = servers
+    p, d = servers.p, servers.d
     proxy = ProxyProcess([p.url], [d.url], log=tmp_path / "proxy.log")
     try:
         start = time.monotonic()
@@ -249,5 +280,102 @@ def test_prefill_rejecting_the_request_cancels_decode(servers, tmp_path: Path) -
         )
         # the decode instance is still fine afterwards
         assert complete(d.url, random_prompt(10, seed=2), max_tokens=2).token_ids
+    finally:
+        proxy.stop()
+
+
+# --- two prefill instances, two decode instances ---------------------------------------
+
+
+def fresh_prompts(lengths: list[int]) -> list[list[int]]:
+    """Prompts no instance has cached yet (a new seed per prompt)."""
+    return [random_prompt(n, seed=uuid.uuid4().int % 2**31) for n in lengths]
+
+
+def blocks_bytes(lengths: list[int]) -> int:
+    """The bytes of the KV blocks of prompts of these lengths."""
+    return sum(math.ceil(n / BLOCK) for n in lengths) * BYTES_PER_BLOCK
+
+
+def received_since(decodes: tuple[VllmServer, ...], before: dict[str, float], total: int) -> int:
+    """Bytes the decodes received since ``before``, summed, once they reach ``total`` (or the
+    wait's deadline passes)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = sum(metric(d.url, RECEIVED) - before[d.url] for d in decodes)
+        if got >= total or time.monotonic() > deadline:
+            return int(got)
+        time.sleep(0.2)
+
+
+def check_idle(instances: tuple[VllmServer, ...], usage: dict[str, float]) -> None:
+    """Every instance is back where it started: KV cache usage at its value before
+    (``usage``), no kvbridge request in flight."""
+    for s in instances:
+        got = wait_metric(s.url, USAGE, lambda v, s=s: v <= usage[s.url] + 1e-9)
+        assert got <= usage[s.url] + 1e-9, f"{s.url}'s KV cache usage stayed at {got}"
+        in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
+        assert not any(in_flight.values()), f"{s.url} counts requests in flight: {in_flight}"
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_each_prefill_feeds_both_decodes_at_once(servers: Servers, flow: str) -> None:
+    """Every pairing of P, P2 with D, D2 at once, two prompts each: each prefill sends to
+    two decode peers concurrently and each decode receives from two prefill peers; every
+    decode output equals the colocated one, and each decode received exactly the blocks of
+    its prompts (none recomputed: D's recompute policy would hide a failed load)."""
+    prefills, decodes = (servers.p, servers.p2), (servers.d, servers.d2)
+    pairs = [(p, d) for p in prefills for d in decodes] * 2
+    prompts = fresh_prompts([40 + 37 * i for i in range(len(pairs))])
+    refs = [complete(servers.c.url, pr, max_tokens=MAX_TOKENS).token_ids for pr in prompts]
+    address = {p.url: discover(p.url) for p in prefills} if flow == "push" else {}
+    usage = {s.url: metric(s.url, USAGE) for s in (*prefills, *decodes)}
+    before = {d.url: metric(d.url, RECEIVED) for d in decodes}
+
+    def run(job: tuple[tuple[VllmServer, VllmServer], list[int]]) -> list[int]:
+        (p, d), prompt = job
+        return handoff(flow, p.url, d.url, prompt, MAX_TOKENS, address.get(p.url)).token_ids
+
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        outs = list(pool.map(run, zip(pairs, prompts, strict=True)))
+    assert outs == refs
+    for d in decodes:
+        lengths = [len(pr) for (_, to), pr in zip(pairs, prompts, strict=True) if to is d]
+        expected = blocks_bytes(lengths)
+        got = received_since((d,), before, expected)
+        assert got == expected, (
+            f"{d.url} received {got} bytes for its prompts of {lengths} tokens, "
+            f"whose blocks are {expected}"
+        )
+    check_idle((*prefills, *decodes), usage)
+
+
+def test_the_proxy_spreads_requests_over_two_prefills_and_two_decodes(
+    servers: Servers, tmp_path: Path
+) -> None:
+    prefills, decodes = (servers.p, servers.p2), (servers.d, servers.d2)
+    proxy = ProxyProcess(
+        [p.url for p in prefills], [d.url for d in decodes], log=tmp_path / "proxy.log"
+    )
+    try:
+        prompts = fresh_prompts([30 + 41 * i for i in range(8)])
+        refs = [complete(servers.c.url, pr, max_tokens=MAX_TOKENS).token_ids for pr in prompts]
+        usage = {s.url: metric(s.url, USAGE) for s in (*prefills, *decodes)}
+        before = {d.url: metric(d.url, RECEIVED) for d in decodes}
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            outs = list(
+                pool.map(lambda p: complete(proxy.url, p, max_tokens=MAX_TOKENS).token_ids, prompts)
+            )
+        assert outs == refs
+        health = json.loads(urllib.request.urlopen(f"{proxy.url}/health", timeout=5).read())
+        served = {i["url"]: i["served"] for i in health["prefill"] + health["decode"]}
+        assert all(served.values()) and sum(served.values()) == 2 * len(prompts), served
+        # which decode took which prompt is the proxy's choice: the two together took all
+        expected = blocks_bytes([len(pr) for pr in prompts])
+        got = received_since(decodes, before, expected)
+        assert got == expected, (
+            f"the decodes received {got} bytes, the prompts' blocks are {expected}"
+        )
+        check_idle((*prefills, *decodes), usage)
     finally:
         proxy.stop()

@@ -31,8 +31,10 @@ async def _upstream(seen: list[dict[str, Any]], reply: dict[str, Any]) -> tuple[
 
 
 async def _through_proxy(
-    flow: str, prefill_reply: dict[str, Any]
+    flow: str, prefill_reply: dict[str, Any], health: dict[str, Any] | None = None
 ) -> tuple[int, dict[str, Any], list[dict], list[dict]]:
+    """One request through a proxy in front of stand-in upstreams; ``health``, when given,
+    is filled with the proxy's ``/health`` afterwards."""
     p_seen: list[dict] = []
     d_seen: list[dict] = []
     p_runner, p_url = await _upstream(p_seen, prefill_reply)
@@ -47,7 +49,11 @@ async def _through_proxy(
         async with aiohttp.ClientSession() as client:
             body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 9, "repetition_penalty": 1.1}
             async with client.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-                return resp.status, await resp.json(), p_seen, d_seen
+                status, out = resp.status, await resp.json()
+            if health is not None:
+                async with client.get(f"http://127.0.0.1:{port}/health") as resp:
+                    health.update(await resp.json())
+            return status, out, p_seen, d_seen
     finally:
         for r in (runner, p_runner, d_runner):
             await r.cleanup()
@@ -83,3 +89,78 @@ def test_sequential_runs_decode_after_prefill_with_or_without_params(params: dic
     assert status == 200 and out["choices"][0]["text"] == "decoded"
     assert len(p_seen) == 1 and len(d_seen) == 1
     assert d_seen[0].get("kv_transfer_params") == params
+
+
+PREFILL_ADDRESS = {"address": "127.0.0.1:1", "engine_id": "p", "epoch": "e1"}
+
+
+def test_push_discovers_then_counts_only_the_client_s_request_as_served() -> None:
+    reply = {
+        "choices": [{"text": "x"}],
+        "kv_transfer_params": {"kvbridge": {"prefill": PREFILL_ADDRESS}},
+    }
+    health: dict[str, Any] = {}
+    status, out, p_seen, d_seen = asyncio.run(_through_proxy("push", reply, health))
+    assert status == 200 and out["choices"][0]["text"] == "decoded"
+    flows = [b["kv_transfer_params"]["kvbridge"].get("flow") for b in p_seen]
+    assert flows == ["discover", None], "one discovery, then the request itself"
+    assert d_seen[0]["kv_transfer_params"]["kvbridge"]["prefill"] == PREFILL_ADDRESS
+    assert [i["served"] for i in health["prefill"]] == [1], health
+    assert [i["served"] for i in health["decode"]] == [1], health
+
+
+class _Discovery:
+    """Stands in for :meth:`Proxy._discover`: counts calls, answers when released."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls = 0
+        self.release = asyncio.Event()
+        self.fail = fail
+
+    async def __call__(self, p: Any) -> dict[str, Any]:
+        self.calls += 1
+        await self.release.wait()
+        if self.fail:
+            raise RuntimeError("prefill unreachable")
+        p.address = dict(PREFILL_ADDRESS)
+        return p.address
+
+
+async def _waiters(proxy: Proxy, n: int) -> list[asyncio.Task]:
+    instance = proxy.prefill.instances[0]
+    tasks = [asyncio.create_task(proxy._address(instance)) for _ in range(n)]
+    for _ in range(3):  # let every task reach its wait (loop turns, not time)
+        await asyncio.sleep(0)
+    return tasks
+
+
+def test_requests_waiting_for_an_unknown_prefill_address_share_one_discovery() -> None:
+    async def main() -> None:
+        proxy = Proxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+        proxy._discover = discovery = _Discovery()  # type: ignore[method-assign]
+        tasks = await _waiters(proxy, 8)
+        tasks[0].cancel()  # a client gone: the others still get the address
+        discovery.release.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert discovery.calls == 1
+        assert isinstance(results[0], asyncio.CancelledError)
+        assert results[1:] == [PREFILL_ADDRESS] * 7
+        assert await proxy._address(proxy.prefill.instances[0]) == PREFILL_ADDRESS
+        assert discovery.calls == 1, "a known address needs no discovery"
+
+    asyncio.run(main())
+
+
+def test_a_failed_discovery_fails_its_waiters_and_the_next_request_asks_again() -> None:
+    async def main() -> None:
+        proxy = Proxy(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+        proxy._discover = discovery = _Discovery(fail=True)  # type: ignore[method-assign]
+        tasks = await _waiters(proxy, 4)
+        discovery.release.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) for r in results), results
+        discovery.fail = False
+        assert await proxy._address(proxy.prefill.instances[0]) == PREFILL_ADDRESS
+        assert discovery.calls == 2
+
+    asyncio.run(main())

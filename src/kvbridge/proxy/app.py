@@ -97,6 +97,8 @@ class Proxy:
         self.flow = flow
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
+        self._discovering: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        """Prefill URL -> the ``discover`` request in flight for it."""
 
     # --- application ---------------------------------------------------------------------
 
@@ -180,7 +182,7 @@ class Proxy:
     async def _push(
         self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
     ) -> web.StreamResponse:
-        address = p.address or await self._discover(p)
+        address = p.address or await self._address(p)
         tid = uuid.uuid4().hex
         p_body = prefill_body(body, {"kvbridge": {"transfer_id": tid, "role": "prefill"}})
         d_body = dict(
@@ -230,6 +232,27 @@ class Proxy:
 
     # --- upstream calls ------------------------------------------------------------------
 
+    async def _address(self, p: Instance) -> dict[str, Any]:
+        """``p``'s side-channel address. While it is unknown, the requests that need it
+        share one ``discover`` request: a cold proxy that gets many requests at once asks
+        each prefill instance once. A failed discovery fails its waiters; the next request
+        asks again."""
+        if p.address is not None:
+            return p.address
+        task = self._discovering.get(p.url)
+        if task is None:
+            task = asyncio.create_task(self._discover(p))
+            self._discovering[p.url] = task
+
+            def forget(done: asyncio.Task[dict[str, Any]], url: str = p.url) -> None:
+                self._discovering.pop(url, None)
+                if not done.cancelled():
+                    done.exception()  # retrieved here too: its waiters may all be gone
+
+            task.add_done_callback(forget)
+        # shielded: a client that disconnects cancels its own wait, not the others'
+        return await asyncio.shield(task)
+
     async def _discover(self, p: Instance) -> dict[str, Any]:
         body = {
             "prompt": [1, 2, 3],
@@ -238,7 +261,7 @@ class Proxy:
                 "kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}
             },
         }
-        await self._call_prefill(p, "/v1/completions", body)  # refreshes p.address
+        await self._call_prefill(p, "/v1/completions", body, serving=False)  # sets p.address
         if p.address is None:
             raise _error(
                 502,
@@ -247,7 +270,11 @@ class Proxy:
             )
         return p.address
 
-    async def _call_prefill(self, p: Instance, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call_prefill(
+        self, p: Instance, path: str, body: dict[str, Any], *, serving: bool = True
+    ) -> dict[str, Any]:
+        """POST ``body`` to prefill ``p``; ``serving``: for a client's request (counted in
+        ``served``), not the proxy's own discovery."""
         try:
             async with self.session.post(f"{p.url}{path}", json=body) as resp:
                 data = await resp.read()
@@ -261,7 +288,7 @@ class Proxy:
                 502, f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}"
             ) from exc
         p.mark_up()
-        p.served += 1
+        p.served += serving
         result = json.loads(data)
         kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
         if "prefill" in kb and "address" in kb["prefill"]:
