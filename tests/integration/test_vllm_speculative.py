@@ -39,8 +39,6 @@ from engine_helpers import (
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
-pytestmark = pytest.mark.extended  # `make test-all` only (CI's 90 minutes)
-
 SPECULATIVE = [
     "--speculative-config",
     json.dumps(
@@ -88,7 +86,9 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     c.stop()
 
 
-@pytest.mark.parametrize("n", [BLOCK + 1, 3 * BLOCK + 5, CHUNK + 88])
+@pytest.mark.parametrize(
+    "n", [BLOCK + 1, pytest.param(3 * BLOCK + 5, marks=pytest.mark.extended), CHUNK + 88]
+)  # the middle length in `make test-all` only (CI's 90 minutes)
 @pytest.mark.parametrize("flow", ["push", "pull"])
 def test_a_drafting_decode_equals_a_colocated_drafting_instance(
     cluster: Cluster, flow: str, n: int
