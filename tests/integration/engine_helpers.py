@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbridge.demo import servers as launch
+from kvbridge.demo.model import SHAPES
 from kvbridge.demo.run import prom
 from kvbridge.demo.servers import Completion, VllmServer, complete, post_json
 
@@ -21,6 +22,17 @@ CHUNK = 256
 COMMON_ARGS = ["--block-size", str(BLOCK), "--max-num-batched-tokens", str(CHUNK)]
 """Every test server: small blocks (page-boundary cases are cheap), chunked prefill
 above 256 tokens."""
+
+_TINY = SHAPES["tiny"]
+BYTES_PER_BLOCK = (
+    _TINY["num_hidden_layers"]
+    * 2  # K and V
+    * _TINY["num_key_value_heads"]
+    * BLOCK
+    * (_TINY["hidden_size"] // _TINY["num_attention_heads"])  # head_dim
+    * 4  # float32
+)
+"""The bytes of one block of the tiny Llama's KV cache (all layers, every KV head)."""
 
 
 def kv_args(

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import pytest
 from engine_helpers import (
     BLOCK,
+    BYTES_PER_BLOCK,
     COMMON_ARGS,
     IN_FLIGHT,
     RECEIVED,
@@ -44,7 +45,6 @@ from kvbridge.demo.servers import (
 )
 
 MAX_TOKENS = 10
-BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
 
 
 class ProxyProcess:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import (
     BLOCK,
+    BYTES_PER_BLOCK,
     CHUNK,
     COMMON_ARGS,
     RECEIVED,
@@ -39,7 +40,6 @@ from kvbridge.demo.servers import VllmServer, complete, random_prompt
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 7, 2 * CHUNK + 88]
 MAX_TOKENS = 12
-BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
 
 
 class PD:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from engine_helpers import (
     BLOCK,
+    BYTES_PER_BLOCK,
     COMMON_ARGS,
     FAILURES,
     RECEIVED,
@@ -41,7 +42,6 @@ from kvbridge.demo.servers import VllmServer, complete, random_prompt
 NUM_BLOCKS = 30
 PROMPT = 600  # 19 blocks: two of them do not fit in 30
 MAX_TOKENS = 8
-BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV x heads x tokens x head_dim x fp32
 
 
 class Pair:

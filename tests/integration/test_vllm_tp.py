@@ -17,13 +17,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import BLOCK, CHUNK, COMMON_ARGS, USAGE, TPCluster, handoff, metric, wait_metric
+from engine_helpers import (
+    BLOCK,
+    BYTES_PER_BLOCK,
+    CHUNK,
+    COMMON_ARGS,
+    RECEIVED,
+    USAGE,
+    TPCluster,
+    handoff,
+    metric,
+    wait_metric,
+)
 
 from kvbridge.demo.servers import VllmServer, complete, random_prompt
-
-# layers x KV x heads (all ranks) x tokens x head_dim x fp32
-BYTES_PER_BLOCK = 2 * 2 * 2 * BLOCK * 32 * 4
-RECEIVED = "vllm:kvbridge_bytes_received_total"
 
 
 @pytest.fixture(scope="module")

@@ -288,7 +288,8 @@ class Proxy:
                 502, f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}"
             ) from exc
         p.mark_up()
-        p.served += serving
+        if serving:
+            p.served += 1
         result = json.loads(data)
         kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
         if "prefill" in kb and "address" in kb["prefill"]:
