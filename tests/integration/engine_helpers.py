@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from kvbridge.demo import servers as launch
 from kvbridge.demo.model import SHAPES
 from kvbridge.demo.run import prom
-from kvbridge.demo.servers import Completion, VllmServer, complete, post_json
+from kvbridge.demo.servers import Completion, VllmServer, complete, free_port, post_json
 
 BLOCK = 32
 CHUNK = 256
@@ -102,6 +107,50 @@ class TPCluster:
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
+
+
+class ProxyProcess:
+    """``kvbridge proxy`` in a process of its own, in front of the given instances."""
+
+    def __init__(
+        self, prefill: list[str], decode: list[str], flow: str = "push", log: Path | None = None
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [
+            sys.executable,
+            "-m",
+            "kvbridge.cli",
+            "proxy",
+            "--port",
+            str(self.port),
+            "--flow",
+            flow,
+            "--timeout",
+            "60",
+        ]
+        for u in prefill:
+            args += ["--prefill", u]
+        for u in decode:
+            args += ["--decode", u]
+        self._log = open(log or "/dev/null", "wb")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:  # the proxy has no readiness event to wait on: poll /health
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except urllib.error.HTTPError:
+                return  # answering (503: an instance is down) is ready enough
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvbridge proxy did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._log.close()
 
 
 def discover(prefill_url: str) -> dict[str, str]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +24,7 @@ from engine_helpers import (
     IN_FLIGHT,
     RECEIVED,
     USAGE,
+    ProxyProcess,
     discover,
     handoff,
     kv_args,
@@ -45,48 +44,6 @@ from kvbridge.demo.servers import (
 )
 
 MAX_TOKENS = 10
-
-
-class ProxyProcess:
-    def __init__(
-        self, prefill: list[str], decode: list[str], flow: str = "push", log: Path | None = None
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [
-            sys.executable,
-            "-m",
-            "kvbridge.cli",
-            "proxy",
-            "--port",
-            str(self.port),
-            "--flow",
-            flow,
-            "--timeout",
-            "60",
-        ]
-        for u in prefill:
-            args += ["--prefill", u]
-        for u in decode:
-            args += ["--decode", u]
-        self._log = open(log or "/dev/null", "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:  # the proxy has no readiness event to wait on: poll /health
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except urllib.error.HTTPError:
-                return  # answering (503: an instance is down) is ready enough
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("kvbridge proxy did not start") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        self._log.close()
 
 
 class Servers(NamedTuple):

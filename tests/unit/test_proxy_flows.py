@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvbridge.proxy.app import Proxy
+from kvbridge.proxy.app import Proxy, UpstreamError
 
 
 async def _upstream(seen: list[dict[str, Any]], reply: dict[str, Any]) -> tuple[web.AppRunner, str]:
@@ -103,27 +103,33 @@ def test_push_discovers_then_counts_only_the_client_s_request_as_served() -> Non
     status, out, p_seen, d_seen = asyncio.run(_through_proxy("push", reply, health))
     assert status == 200 and out["choices"][0]["text"] == "decoded"
     flows = [b["kv_transfer_params"]["kvbridge"].get("flow") for b in p_seen]
-    assert flows == ["discover", None], "one discovery, then the request itself"
+    # the probe of DP ranks: rank 1 answered as rank 0 (the stand-in ignores the header)
+    assert flows == ["discover", "discover", None], "the probe, then the request itself"
     assert d_seen[0]["kv_transfer_params"]["kvbridge"]["prefill"] == PREFILL_ADDRESS
     assert [i["served"] for i in health["prefill"]] == [1], health
     assert [i["served"] for i in health["decode"]] == [1], health
 
 
 class _Discovery:
-    """Stands in for :meth:`Proxy._discover`: counts calls, answers when released."""
+    """Stands in for :meth:`Proxy._discover` against a prefill without data parallelism:
+    counts calls, answers when released, refuses DP ranks past 0 as vLLM does (400)."""
 
     def __init__(self, fail: bool = False) -> None:
         self.calls = 0
         self.release = asyncio.Event()
         self.fail = fail
 
-    async def __call__(self, p: Any) -> dict[str, Any]:
+    async def __call__(self, p: Any, rank: int | None) -> int:
         self.calls += 1
         await self.release.wait()
         if self.fail:
             raise RuntimeError("prefill unreachable")
-        p.address = dict(PREFILL_ADDRESS)
-        return p.address
+        if rank:
+            raise UpstreamError(
+                400, {"error": {"message": f"data_parallel_rank {rank} out of range"}}
+            )
+        p.learn(dict(PREFILL_ADDRESS))
+        return 0
 
 
 async def _waiters(proxy: Proxy, n: int) -> list[asyncio.Task]:
@@ -142,11 +148,11 @@ def test_requests_waiting_for_an_unknown_prefill_address_share_one_discovery() -
         tasks[0].cancel()  # a client gone: the others still get the address
         discovery.release.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert discovery.calls == 1
+        assert discovery.calls == 2, "one probe: DP rank 0, then rank 1 (refused)"
         assert isinstance(results[0], asyncio.CancelledError)
-        assert results[1:] == [PREFILL_ADDRESS] * 7
-        assert await proxy._address(proxy.prefill.instances[0]) == PREFILL_ADDRESS
-        assert discovery.calls == 1, "a known address needs no discovery"
+        assert results[1:] == [(PREFILL_ADDRESS, 0)] * 7
+        assert await proxy._address(proxy.prefill.instances[0]) == (PREFILL_ADDRESS, 0)
+        assert discovery.calls == 2, "a known address needs no discovery"
 
     asyncio.run(main())
 
@@ -160,7 +166,74 @@ def test_a_failed_discovery_fails_its_waiters_and_the_next_request_asks_again() 
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, RuntimeError) for r in results), results
         discovery.fail = False
-        assert await proxy._address(proxy.prefill.instances[0]) == PREFILL_ADDRESS
-        assert discovery.calls == 2
+        assert await proxy._address(proxy.prefill.instances[0]) == (PREFILL_ADDRESS, 0)
+        assert discovery.calls == 3, "the failed probe once, then rank 0 and rank 1"
 
     asyncio.run(main())
+
+
+def test_push_sends_each_request_to_the_prefill_dp_rank_whose_address_the_decode_gets() -> None:
+    """A prefill with two DP ranks (as vLLM's ``--data-parallel-size 2``): each rank answers
+    with its own side channel and a third rank is refused; the proxy learns both,
+    alternates, and routes every prefill request by ``X-data-parallel-rank`` to the rank
+    the decode is told of."""
+
+    async def main() -> tuple[list[tuple[str | None, dict]], list[dict]]:
+        p_seen: list[tuple[str | None, dict]] = []
+        d_seen: list[dict] = []
+
+        async def prefill(request: web.Request) -> web.Response:
+            body = await request.json()
+            header = request.headers.get("X-data-parallel-rank")
+            p_seen.append((header, body))
+            rank = int(header) if header is not None else 1  # unrouted: whichever
+            if rank >= 2:  # as vLLM with --data-parallel-size 2
+                return web.json_response({"error": "data_parallel_rank out of range"}, status=400)
+            address = {"address": f"tcp://p:{rank}", "dp_rank": rank}
+            return web.json_response(
+                {
+                    "choices": [{"text": "x"}],
+                    "kv_transfer_params": {"kvbridge": {"prefill": address}},
+                }
+            )
+
+        async def decode(request: web.Request) -> web.Response:
+            d_seen.append(await request.json())
+            return web.json_response({"choices": [{"text": "decoded"}]})
+
+        runners, urls = [], []
+        for handler in (prefill, decode):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+        proxy = Proxy([urls[0]], [urls[1]], flow="push", timeout=10)
+        runner = web.AppRunner(proxy.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as client:
+                for _ in range(4):
+                    body = {"prompt": [5, 6], "max_tokens": 3}
+                    async with client.post(
+                        f"http://127.0.0.1:{port}/v1/completions", json=body
+                    ) as r:
+                        assert r.status == 200, await r.text()
+        finally:
+            for r in (runner, *runners):
+                await r.cleanup()
+        return p_seen, d_seen
+
+    p_seen, d_seen = asyncio.run(main())
+    discoveries = [h for h, b in p_seen if b["kv_transfer_params"]["kvbridge"].get("flow")]
+    assert discoveries == ["0", "1", "2"], "the probe: ranks 0 and 1 answer, 2 is refused"
+    prefills = [h for h, b in p_seen if not b["kv_transfer_params"]["kvbridge"].get("flow")]
+    told = [b["kv_transfer_params"]["kvbridge"]["prefill"]["dp_rank"] for b in d_seen]
+    assert prefills == ["0", "1", "0", "1"], "round robin over the DP ranks"
+    assert told == [0, 1, 0, 1], "each decode is told the rank its prefill request went to"

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -39,6 +40,12 @@ FLOWS = ("push", "pull", "sequential")
 
 BACKOFF_S = 5.0
 """How long an instance that could not be reached is skipped."""
+
+DP_HEADER = "X-data-parallel-rank"
+"""vLLM's request header naming the data-parallel rank that serves a request."""
+
+MAX_DP_RANKS = 256
+"""The most data-parallel ranks of one prefill instance the proxy probes."""
 
 
 class UpstreamError(Exception):
@@ -97,8 +104,8 @@ class Proxy:
         self.flow = flow
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
-        self._discovering: dict[str, asyncio.Task[dict[str, Any]]] = {}
-        """Prefill URL -> the ``discover`` request in flight for it."""
+        self._discovering: dict[tuple[str, object], asyncio.Task[None]] = {}
+        """(prefill URL, "probe" or a DP rank) -> the discovery in flight for it."""
 
     # --- application ---------------------------------------------------------------------
 
@@ -182,7 +189,7 @@ class Proxy:
     async def _push(
         self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
     ) -> web.StreamResponse:
-        address = p.address or await self._address(p)
+        address, dp_rank = await self._address(p)
         tid = uuid.uuid4().hex
         p_body = prefill_body(body, {"kvbridge": {"transfer_id": tid, "role": "prefill"}})
         d_body = dict(
@@ -191,7 +198,7 @@ class Proxy:
                 "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}
             },
         )
-        p_task = asyncio.create_task(self._call_prefill(p, path, p_body))
+        p_task = asyncio.create_task(self._call_prefill(p, path, p_body, dp_rank=dp_rank))
         d_task = asyncio.create_task(self._open(d, path, d_body))
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -232,28 +239,74 @@ class Proxy:
 
     # --- upstream calls ------------------------------------------------------------------
 
-    async def _address(self, p: Instance) -> dict[str, Any]:
-        """``p``'s side-channel address. While it is unknown, the requests that need it
-        share one ``discover`` request: a cold proxy that gets many requests at once asks
-        each prefill instance once. A failed discovery fails its waiters; the next request
-        asks again."""
-        if p.address is not None:
-            return p.address
-        task = self._discovering.get(p.url)
-        if task is None:
-            task = asyncio.create_task(self._discover(p))
-            self._discovering[p.url] = task
+    async def _address(self, p: Instance) -> tuple[dict[str, Any], int | None]:
+        """The side channel of the prefill DP rank that ``p``'s next push-flow request goes
+        to, and that rank (None: send it unrouted). The DP ranks are round robin; a prefill
+        instance's are probed once, at its first push-flow request (:meth:`_probe`)."""
+        if p.dp_size is None:
+            await self._once(p, "probe", self._probe(p))
+        rank = p.next_dp_rank()
+        if rank is None:
+            return p.addresses[min(p.addresses)], None
+        if rank not in p.addresses:  # not answered yet
+            await self._once(p, rank, self._discover_rank(p, rank))
+        return p.addresses[rank], rank
 
-            def forget(done: asyncio.Task[dict[str, Any]], url: str = p.url) -> None:
-                self._discovering.pop(url, None)
+    async def _discover_rank(self, p: Instance, rank: int) -> None:
+        if await self._discover(p, rank) != rank:
+            raise _error(
+                502,
+                f"prefill instance {p.url} answered a discovery for DP rank {rank} from another "
+                f"rank: it must route requests by the {DP_HEADER} header",
+            )
+
+    async def _once(self, p: Instance, what: object, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` for ``(p, what)`` once however many requests wait for it: a cold
+        proxy that gets many requests at once probes each prefill instance once. A failure
+        fails its waiters; the next request tries again."""
+        key = (p.url, what)
+        task = self._discovering.get(key)
+        if task is None:
+            task = asyncio.create_task(work)
+            self._discovering[key] = task
+
+            def forget(done: asyncio.Task[None]) -> None:
+                self._discovering.pop(key, None)
                 if not done.cancelled():
                     done.exception()  # retrieved here too: its waiters may all be gone
 
             task.add_done_callback(forget)
+        else:
+            work.close()  # another request's is running: never started, nothing to undo
         # shielded: a client that disconnects cancels its own wait, not the others'
-        return await asyncio.shield(task)
+        await asyncio.shield(task)
 
-    async def _discover(self, p: Instance) -> dict[str, Any]:
+    async def _probe(self, p: Instance) -> None:
+        """Learn ``p``'s data-parallel ranks: discover DP rank 0, 1, ... (routed by vLLM's
+        ``X-data-parallel-rank`` header) until the instance refuses a rank (vLLM answers
+        4xx for a rank beyond its ``--data-parallel-size``) or answers from another one.
+        An instance that routes not even rank 0 gets its requests unrouted."""
+        rank = 0
+        while rank < MAX_DP_RANKS:
+            try:
+                answered = await self._discover(p, rank)
+            except UpstreamError as exc:
+                if not 400 <= exc.status < 500 or exc.status == 404:
+                    raise
+                break
+            if answered != rank:
+                break
+            rank += 1
+        if not p.addresses:
+            await self._discover(p, None)
+        p.dp_size = rank
+        if rank > 1:
+            log.info("prefill instance %s: %d data-parallel ranks", p.url, rank)
+
+    async def _discover(self, p: Instance, rank: int | None) -> int:
+        """Ask prefill ``p`` (its DP rank ``rank``, when given) where its side channel is;
+        the answer is recorded in ``p.addresses`` (:meth:`_call_prefill`). Returns the DP
+        rank that answered."""
         body = {
             "prompt": [1, 2, 3],
             "max_tokens": 1,
@@ -261,22 +314,31 @@ class Proxy:
                 "kvbridge": {"transfer_id": uuid.uuid4().hex, "role": "prefill", "flow": "discover"}
             },
         }
-        await self._call_prefill(p, "/v1/completions", body, serving=False)  # sets p.address
-        if p.address is None:
+        result = await self._call_prefill(p, "/v1/completions", body, serving=False, dp_rank=rank)
+        address = ((result.get("kv_transfer_params") or {}).get("kvbridge") or {}).get("prefill")
+        if not isinstance(address, dict) or "address" not in address:
             raise _error(
                 502,
                 f"prefill instance {p.url} did not say where its kvbridge side channel is (is it "
                 "running with kvbridge as kv_producer?)",
             )
-        return p.address
+        return int(address.get("dp_rank", 0))
 
     async def _call_prefill(
-        self, p: Instance, path: str, body: dict[str, Any], *, serving: bool = True
+        self,
+        p: Instance,
+        path: str,
+        body: dict[str, Any],
+        *,
+        serving: bool = True,
+        dp_rank: int | None = None,
     ) -> dict[str, Any]:
         """POST ``body`` to prefill ``p``; ``serving``: for a client's request (counted in
-        ``served``), not the proxy's own discovery."""
+        ``served``), not the proxy's own discovery; ``dp_rank``: to that data-parallel
+        rank of ``p`` (vLLM's ``X-data-parallel-rank``), else wherever ``p`` puts it."""
+        headers = {DP_HEADER: str(dp_rank)} if dp_rank is not None else None
         try:
-            async with self.session.post(f"{p.url}{path}", json=body) as resp:
+            async with self.session.post(f"{p.url}{path}", json=body, headers=headers) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
                     raise UpstreamError(
@@ -293,7 +355,7 @@ class Proxy:
         result = json.loads(data)
         kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
         if "prefill" in kb and "address" in kb["prefill"]:
-            p.address = kb["prefill"]  # refreshed on every response: a restart changes it
+            p.learn(kb["prefill"])
         return result
 
     async def _open(self, d: Instance, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:

@@ -24,9 +24,15 @@ class Instance:
     failures: int = 0
     down_until: float = 0.0
     last_error: str = ""
-    address: dict[str, Any] | None = None
-    """Prefill only: ``{"address", "engine_id", "epoch"}`` of its side channel."""
+    addresses: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Prefill only: data-parallel rank -> that rank's kvbridge side channel
+    (``{"address", "engine_id", "epoch", "ranks", "dp_rank"}``); rank 0 alone on an
+    instance without data parallelism."""
+    dp_size: int | None = None
+    """Prefill only: how many DP ranks requests are routed over (None: not probed yet;
+    0: the instance does not route by rank, so its one address is used unrouted)."""
     _order: int = field(default=0, repr=False)
+    _dp_turn: int = field(default=0, repr=False)
 
     @property
     def up(self) -> bool:
@@ -40,6 +46,20 @@ class Instance:
     def mark_up(self) -> None:
         self.down_until = 0.0
 
+    def learn(self, address: dict[str, Any]) -> None:
+        """Record a side-channel address a prefill response carried (every response does:
+        a restarted instance has a new epoch, maybe a new port)."""
+        self.addresses[int(address.get("dp_rank", 0))] = address
+
+    def next_dp_rank(self) -> int | None:
+        """The DP rank the next push-flow request goes to, round robin over the probed
+        ranks; None where requests are not routed by rank."""
+        if not self.dp_size:
+            return None
+        rank = self._dp_turn % self.dp_size
+        self._dp_turn += 1
+        return rank
+
     def state(self) -> dict[str, Any]:
         return {
             "url": self.url,
@@ -48,7 +68,11 @@ class Instance:
             "served": self.served,
             "failures": self.failures,
             "last_error": self.last_error,
-            **({"kvbridge": self.address} if self.role == "prefill" else {}),
+            **(
+                {"kvbridge": [self.addresses[r] for r in sorted(self.addresses)]}
+                if self.role == "prefill"
+                else {}
+            ),
         }
 
 

@@ -52,6 +52,15 @@ def is_mla(model_config) -> bool:
     return bool(model_config.use_mla)
 
 
+def data_parallel_rank(parallel_config) -> int:
+    """This engine's data-parallel rank (``--data-parallel-size``: each DP rank is an engine
+    core of its own, with a connector of its own). vLLM 0.32 runs the DP ranks of a model
+    without MoE layers as independent engines whose ``data_parallel_rank`` and
+    ``data_parallel_size`` read 0 and 1; ``data_parallel_index`` keeps the rank."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return int(index if index is not None else getattr(parallel_config, "data_parallel_rank", 0))
+
+
 def model_kv_heads(model_config) -> int:
     """The model's KV heads before the TP split, as its cache holds them: 1 for MLA (one
     latent vector per token, the same on every rank; vLLM's

@@ -23,6 +23,7 @@ from kvbridge.adapters.vllm.compat import (
     SupportsHMA,
     cache_groups,
     check_version,
+    data_parallel_rank,
     is_mla,
     model_kv_heads,
 )
@@ -121,6 +122,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.transfer_block_size,
                 windows=windows,
                 state_groups=states,
+                dp_rank=data_parallel_rank(vllm_config.parallel_config),
             )
             log.info(
                 "kvbridge: engine %s is %s, block size %d, %s scheduling",

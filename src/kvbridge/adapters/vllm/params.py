@@ -40,12 +40,19 @@ class PrefillAddress(msgspec.Struct, frozen=True):
     ``address`` / ``epoch`` are TP rank 0's; ``ranks`` lists every TP rank's, in rank
     order (a prefill instance with TP 1 may leave it empty). Each decode worker talks
     to the prefill workers holding its KV heads (:meth:`sources`).
+
+    ``dp_rank``: on an instance with data parallelism each DP rank is an engine of its
+    own with its own side channel; this is that rank's, and a push-flow prefill request
+    for this address must reach that rank (vLLM routes a request by its
+    ``X-data-parallel-rank`` header; ``kvbridge proxy`` sets it). Optional on the wire
+    (a peer that predates it reads 0).
     """
 
     address: str
     engine_id: str = ""
     epoch: str = ""
     ranks: list[RankAddress] = []
+    dp_rank: int = 0
 
     def sources(self, rank: int, tp_size: int, total_kv_heads: int) -> list[RankAddress]:
         """The prefill workers that decode worker ``rank`` of ``tp_size`` reads its KV

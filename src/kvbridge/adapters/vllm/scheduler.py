@@ -115,6 +115,8 @@ class SchedulerSide:
         sliding window in tokens, 0 for full attention; empty: one group that
         keeps every block (no tables).
     state_groups: the indices of the state-space groups among them.
+    dp_rank: this engine's data-parallel rank, published in its address
+        (:class:`~.params.PrefillAddress`).
     """
 
     def __init__(
@@ -125,8 +127,10 @@ class SchedulerSide:
         transfer_block_size: int = 0,
         windows: Sequence[int] = (),
         state_groups: Iterable[int] = (),
+        dp_rank: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.dp_rank = dp_rank
         self.unit = transfer_block_size or block_size
         if block_size % self.unit:
             raise ConfigError(
@@ -182,7 +186,11 @@ class SchedulerSide:
         ranks = [kvparams.RankAddress(address=w.address, epoch=w.epoch) for w in workers]
         first = workers[0]
         return kvparams.PrefillAddress(
-            address=first.address, engine_id=first.engine_id, epoch=first.epoch, ranks=ranks
+            address=first.address,
+            engine_id=first.engine_id,
+            epoch=first.epoch,
+            ranks=ranks,
+            dp_rank=self.dp_rank,
         )
 
     # --- per request -----------------------------------------------------------------------
