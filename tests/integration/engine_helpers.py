@@ -298,6 +298,16 @@ def check_handoff(
     assert got == expected, f"D received {got} bytes, the prompt's {blocks} blocks are {expected}"
 
 
+def check_idle(instances: tuple[VllmServer, ...], usage: dict[str, float]) -> None:
+    """Every instance is back where it started: KV cache usage at its value before
+    (``usage``), no kvbridge request in flight."""
+    for s in instances:
+        got = wait_metric(s.url, USAGE, lambda v, s=s: v <= usage[s.url] + 1e-9)
+        assert got <= usage[s.url] + 1e-9, f"{s.url}'s KV cache usage stayed at {got}"
+        in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
+        assert not any(in_flight.values()), f"{s.url} counts requests in flight: {in_flight}"
+
+
 def metric(url: str, name: str) -> float:
     """Sum of a metric over its label sets (0 when absent)."""
     return prom(url, prefix=name).get(name, 0.0)

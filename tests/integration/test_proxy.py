@@ -21,16 +21,15 @@ from engine_helpers import (
     BLOCK,
     BYTES_PER_BLOCK,
     COMMON_ARGS,
-    IN_FLIGHT,
     RECEIVED,
     USAGE,
     ProxyProcess,
+    check_idle,
     discover,
     handoff,
     kv_args,
     metric,
     start_all,
-    wait_metric,
 )
 
 from kvbridge.demo.servers import (
@@ -263,16 +262,6 @@ def received_since(decodes: tuple[VllmServer, ...], before: dict[str, float], to
         if got >= total or time.monotonic() > deadline:
             return int(got)
         time.sleep(0.2)
-
-
-def check_idle(instances: tuple[VllmServer, ...], usage: dict[str, float]) -> None:
-    """Every instance is back where it started: KV cache usage at its value before
-    (``usage``), no kvbridge request in flight."""
-    for s in instances:
-        got = wait_metric(s.url, USAGE, lambda v, s=s: v <= usage[s.url] + 1e-9)
-        assert got <= usage[s.url] + 1e-9, f"{s.url}'s KV cache usage stayed at {got}"
-        in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
-        assert not any(in_flight.values()), f"{s.url} counts requests in flight: {in_flight}"
 
 
 @pytest.mark.parametrize("flow", ["push", "pull"])

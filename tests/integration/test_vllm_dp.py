@@ -33,10 +33,10 @@ from engine_helpers import (
     BLOCK,
     BYTES_PER_BLOCK,
     COMMON_ARGS,
-    IN_FLIGHT,
     RECEIVED,
     USAGE,
     ProxyProcess,
+    check_idle,
     kv_args,
     metric,
     start_all,
@@ -97,8 +97,4 @@ def test_dp_instances_decode_as_colocated_through_the_proxy(
     expected = sum(math.ceil(len(pr) / BLOCK) for pr in prompts) * BYTES_PER_BLOCK
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, f"D received {got} bytes, the prompts' blocks are {expected}"
-    for s in (p, d):
-        idle = wait_metric(s.url, USAGE, lambda v, s=s: v <= usage[s.url] + 1e-9)
-        assert idle <= usage[s.url] + 1e-9, f"{s.url}'s KV cache usage stayed at {idle}"
-        in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
-        assert not any(in_flight.values()), f"{s.url} counts requests in flight: {in_flight}"
+    check_idle((p, d), usage)

@@ -20,8 +20,17 @@ async def _upstream(seen: list[dict[str, Any]], reply: dict[str, Any]) -> tuple[
         seen.append(body)
         return web.json_response(reply)
 
+    return await _serve(_completions_app(handle))
+
+
+def _completions_app(handle: Any) -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/completions", handle)
+    return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on a free loopback port: its runner (to clean up) and its URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -39,19 +48,14 @@ async def _through_proxy(
     d_seen: list[dict] = []
     p_runner, p_url = await _upstream(p_seen, prefill_reply)
     d_runner, d_url = await _upstream(d_seen, {"choices": [{"text": "decoded"}]})
-    proxy = Proxy([p_url], [d_url], flow=flow, timeout=10)
-    runner = web.AppRunner(proxy.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await _serve(Proxy([p_url], [d_url], flow=flow, timeout=10).app())
     try:
         async with aiohttp.ClientSession() as client:
             body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 9, "repetition_penalty": 1.1}
-            async with client.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+            async with client.post(f"{url}/v1/completions", json=body) as resp:
                 status, out = resp.status, await resp.json()
             if health is not None:
-                async with client.get(f"http://127.0.0.1:{port}/health") as resp:
+                async with client.get(f"{url}/health") as resp:
                     health.update(await resp.json())
             return status, out, p_seen, d_seen
     finally:
@@ -201,29 +205,14 @@ def test_push_sends_each_request_to_the_prefill_dp_rank_whose_address_the_decode
             d_seen.append(await request.json())
             return web.json_response({"choices": [{"text": "decoded"}]})
 
-        runners, urls = [], []
-        for handler in (prefill, decode):
-            app = web.Application()
-            app.router.add_post("/v1/completions", handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            runners.append(runner)
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
-        proxy = Proxy([urls[0]], [urls[1]], flow="push", timeout=10)
-        runner = web.AppRunner(proxy.app())
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        served = [await _serve(_completions_app(h)) for h in (prefill, decode)]
+        runners, urls = [r for r, _ in served], [u for _, u in served]
+        runner, url = await _serve(Proxy([urls[0]], [urls[1]], flow="push", timeout=10).app())
         try:
             async with aiohttp.ClientSession() as client:
                 for _ in range(4):
                     body = {"prompt": [5, 6], "max_tokens": 3}
-                    async with client.post(
-                        f"http://127.0.0.1:{port}/v1/completions", json=body
-                    ) as r:
+                    async with client.post(f"{url}/v1/completions", json=body) as r:
                         assert r.status == 200, await r.text()
         finally:
             for r in (runner, *runners):
