@@ -16,7 +16,10 @@ Per request (``/v1/completions``, ``/v1/chat/completions``, streaming or not):
 
 Everything else in the body (sampling extensions, token-id prompts, ...) passes through
 unchanged. Several instances per role are balanced by requests in flight; an instance
-that cannot be reached is skipped for a few seconds. Errors the client sees name the
+that cannot be reached is skipped for a few seconds. In the push flow a prefill
+instance's data-parallel ranks (vLLM's ``--data-parallel-size``) are probed at its
+first request and taken in turn, each prefill request routed (``X-data-parallel-rank``)
+to the rank whose side channel the decode is told of. Errors the client sees name the
 instance and the cause; every upstream call has a timeout, so no request hangs.
 """
 
