@@ -40,6 +40,11 @@ BYTES_PER_BLOCK = (
 """The bytes of one block of the tiny Llama's KV cache (all layers, every KV head)."""
 
 
+def blocks_bytes(lengths: Sequence[int]) -> int:
+    """The bytes of the tiny Llama's KV blocks of prompts of these lengths."""
+    return sum(math.ceil(n / BLOCK) for n in lengths) * BYTES_PER_BLOCK
+
+
 def kv_args(
     role: str,
     transport: str,

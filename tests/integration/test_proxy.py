@@ -6,7 +6,6 @@ decodes at once and each decode receiving from both prefills."""
 from __future__ import annotations
 
 import json
-import math
 import time
 import urllib.error
 import urllib.request
@@ -18,12 +17,11 @@ from typing import NamedTuple
 
 import pytest
 from engine_helpers import (
-    BLOCK,
-    BYTES_PER_BLOCK,
     COMMON_ARGS,
     RECEIVED,
     USAGE,
     ProxyProcess,
+    blocks_bytes,
     check_idle,
     discover,
     handoff,
@@ -246,11 +244,6 @@ def test_prefill_rejecting_the_request_cancels_decode(servers, tmp_path: Path) -
 def fresh_prompts(lengths: list[int]) -> list[list[int]]:
     """Prompts no instance has cached yet (a new seed per prompt)."""
     return [random_prompt(n, seed=uuid.uuid4().int % 2**31) for n in lengths]
-
-
-def blocks_bytes(lengths: list[int]) -> int:
-    """The bytes of the KV blocks of prompts of these lengths."""
-    return sum(math.ceil(n / BLOCK) for n in lengths) * BYTES_PER_BLOCK
 
 
 def received_since(decodes: tuple[VllmServer, ...], before: dict[str, float], total: int) -> int:

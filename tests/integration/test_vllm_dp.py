@@ -21,7 +21,6 @@ is unit-tested (``tests/unit/test_proxy_flows.py``).
 from __future__ import annotations
 
 import json
-import math
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -30,12 +29,11 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import (
-    BLOCK,
-    BYTES_PER_BLOCK,
     COMMON_ARGS,
     RECEIVED,
     USAGE,
     ProxyProcess,
+    blocks_bytes,
     check_idle,
     kv_args,
     metric,
@@ -94,7 +92,7 @@ def test_dp_instances_decode_as_colocated_through_the_proxy(
     if flow == "push":
         ranks = sorted(a["dp_rank"] for a in health["prefill"][0]["kvbridge"])
         assert ranks == [0, 1], f"the proxy knows the prefill's DP ranks {ranks}"
-    expected = sum(math.ceil(len(pr) / BLOCK) for pr in prompts) * BYTES_PER_BLOCK
+    expected = blocks_bytes([len(pr) for pr in prompts])
     got = wait_metric(d.url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, f"D received {got} bytes, the prompts' blocks are {expected}"
     check_idle((p, d), usage)

@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -76,6 +75,13 @@ def _error(status: int, message: str) -> UpstreamError:
     )
 
 
+def _side_channel(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The kvbridge side-channel address a prefill response carries, if any."""
+    kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
+    address = kb.get("prefill") if isinstance(kb, dict) else None
+    return address if isinstance(address, dict) and "address" in address else None
+
+
 def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill instance computes the prompt's KV and one token nobody reads."""
     out = {
@@ -107,8 +113,8 @@ class Proxy:
         self.flow = flow
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
         self._session: aiohttp.ClientSession | None = None
-        self._discovering: dict[tuple[str, object], asyncio.Task[None]] = {}
-        """(prefill URL, "probe" or a DP rank) -> the discovery in flight for it."""
+        self._probing: dict[str, asyncio.Task[None]] = {}
+        """Prefill URL -> the probe of its DP ranks in flight (:meth:`_probe_once`)."""
 
     # --- application ---------------------------------------------------------------------
 
@@ -245,42 +251,30 @@ class Proxy:
     async def _address(self, p: Instance) -> tuple[dict[str, Any], int | None]:
         """The side channel of the prefill DP rank that ``p``'s next push-flow request goes
         to, and that rank (None: send it unrouted). The DP ranks are round robin; a prefill
-        instance's are probed once, at its first push-flow request (:meth:`_probe`)."""
+        instance's are probed once, at its first push-flow request (:meth:`_probe`), which
+        leaves the address of every rank it routes over in ``p.addresses``."""
         if p.dp_size is None:
-            await self._once(p, "probe", self._probe(p))
+            await self._probe_once(p)
         rank = p.next_dp_rank()
         if rank is None:
             return p.addresses[min(p.addresses)], None
-        if rank not in p.addresses:  # not answered yet
-            await self._once(p, rank, self._discover_rank(p, rank))
         return p.addresses[rank], rank
 
-    async def _discover_rank(self, p: Instance, rank: int) -> None:
-        if await self._discover(p, rank) != rank:
-            raise _error(
-                502,
-                f"prefill instance {p.url} answered a discovery for DP rank {rank} from another "
-                f"rank: it must route requests by the {DP_HEADER} header",
-            )
-
-    async def _once(self, p: Instance, what: object, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` for ``(p, what)`` once however many requests wait for it: a cold
-        proxy that gets many requests at once probes each prefill instance once. A failure
-        fails its waiters; the next request tries again."""
-        key = (p.url, what)
-        task = self._discovering.get(key)
+    async def _probe_once(self, p: Instance) -> None:
+        """:meth:`_probe` ``p`` once however many requests wait for it: a cold proxy that
+        gets many requests at once probes each prefill instance once. A failure fails its
+        waiters; the next request probes again."""
+        task = self._probing.get(p.url)
         if task is None:
-            task = asyncio.create_task(work)
-            self._discovering[key] = task
+            task = asyncio.create_task(self._probe(p))
+            self._probing[p.url] = task
 
-            def forget(done: asyncio.Task[None]) -> None:
-                self._discovering.pop(key, None)
+            def forget(done: asyncio.Task[None], url: str = p.url) -> None:
+                self._probing.pop(url, None)
                 if not done.cancelled():
                     done.exception()  # retrieved here too: its waiters may all be gone
 
             task.add_done_callback(forget)
-        else:
-            work.close()  # another request's is running: never started, nothing to undo
         # shielded: a client that disconnects cancels its own wait, not the others'
         await asyncio.shield(task)
 
@@ -318,8 +312,8 @@ class Proxy:
             },
         }
         result = await self._call_prefill(p, "/v1/completions", body, serving=False, dp_rank=rank)
-        address = ((result.get("kv_transfer_params") or {}).get("kvbridge") or {}).get("prefill")
-        if not isinstance(address, dict) or "address" not in address:
+        address = _side_channel(result)
+        if address is None:
             raise _error(
                 502,
                 f"prefill instance {p.url} did not say where its kvbridge side channel is (is it "
@@ -356,9 +350,9 @@ class Proxy:
         if serving:
             p.served += 1
         result = json.loads(data)
-        kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
-        if "prefill" in kb and "address" in kb["prefill"]:
-            p.learn(kb["prefill"])
+        address = _side_channel(result)
+        if address is not None:
+            p.learn(address)
         return result
 
     async def _open(self, d: Instance, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
