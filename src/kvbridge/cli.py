@@ -78,7 +78,14 @@ def _proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    proxy = Proxy(args.prefill, args.decode, flow=args.flow, timeout=args.timeout)
+    proxy = Proxy(
+        args.prefill,
+        args.decode,
+        flow=args.flow,
+        timeout=args.timeout,
+        read_timeout=args.read_timeout,
+        max_connections=args.max_connections,
+    )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(proxy, args.host, args.port))
     return 0
@@ -243,7 +250,22 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds a request may take end to end"
+        "--timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request may take end to end (0, the default: no limit)",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an instance may send nothing before its request fails (default 600)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open connections to the instances at most (default 4096)",
     )
     p.set_defaults(func=_proxy)
     p = sub.add_parser(

@@ -21,6 +21,7 @@ from kvbridge.demo import servers as launch
 from kvbridge.demo.model import SHAPES
 from kvbridge.demo.run import prom
 from kvbridge.demo.servers import Completion, VllmServer, complete, free_port, post_json
+from kvbridge.wire.auth import new_ticket
 
 BLOCK = 32
 CHUNK = 256
@@ -172,6 +173,17 @@ def discover(prefill_url: str) -> dict[str, str]:
     return c.kv_transfer_params["kvbridge"]["prefill"]
 
 
+def push_params(address: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kv_transfer_params`` of one layer-wise push, as ``kvbridge proxy`` sends them: the
+    prefill's and the decode's, with a new transfer id and the transfer's ticket."""
+    tid, ticket = uuid.uuid4().hex, new_ticket()
+    prefill = {"kvbridge": {"transfer_id": tid, "role": "prefill", "ticket": ticket}}
+    decode = {
+        "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address, "ticket": ticket}
+    }
+    return prefill, decode
+
+
 def handoff(
     flow: str,
     p_url: str,
@@ -189,24 +201,11 @@ def handoff(
             d_url, prompt, max_tokens=max_tokens, kv_transfer_params=p.kv_transfer_params, **kw
         )
     assert address is not None
-    tid = uuid.uuid4().hex
+    p_params, d_params = push_params(address)
     with ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(
-            complete,
-            p_url,
-            prompt,
-            max_tokens=1,
-            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
-        )
+        fp = pool.submit(complete, p_url, prompt, max_tokens=1, kv_transfer_params=p_params)
         fd = pool.submit(
-            complete,
-            d_url,
-            prompt,
-            max_tokens=max_tokens,
-            kv_transfer_params={
-                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}
-            },
-            **kw,
+            complete, d_url, prompt, max_tokens=max_tokens, kv_transfer_params=d_params, **kw
         )
         out = fd.result()
         fp.result()
@@ -233,17 +232,10 @@ def check_first_token_logprobs(
     log-probabilities equal the reference instance's to ``tol``: greedy tokens can hide a
     wrong KV block or state (a tiny model's argmax rarely moves), these do not."""
     ref = first_token_logprobs(reference_url, prompt)
-    tid = uuid.uuid4().hex
+    p_params, d_params = push_params(address)
     with ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(
-            complete,
-            p_url,
-            prompt,
-            max_tokens=1,
-            kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
-        )
-        params = {"kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}}
-        got = pool.submit(first_token_logprobs, d_url, prompt, kv_transfer_params=params).result()
+        fp = pool.submit(complete, p_url, prompt, max_tokens=1, kv_transfer_params=p_params)
+        got = pool.submit(first_token_logprobs, d_url, prompt, kv_transfer_params=d_params).result()
         fp.result()
     n = len(prompt)
     assert got.keys() == ref.keys(), (
@@ -256,6 +248,8 @@ def check_first_token_logprobs(
 
 
 RECEIVED = "vllm:kvbridge_bytes_received_total"
+REFUSED = "vllm:kvbridge_messages_refused_total"
+"""Peer messages an instance refused or dropped (wrong ticket, undecodable, ...)."""
 USAGE = "vllm:kv_cache_usage_perc"
 """vLLM's KV cache usage (0 to 1): back at its idle value once every block is released."""
 FAILURES = "vllm:kvbridge_failures_total"

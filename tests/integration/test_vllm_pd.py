@@ -25,18 +25,20 @@ from engine_helpers import (
     CHUNK,
     COMMON_ARGS,
     RECEIVED,
+    REFUSED,
     check_handoff,
     destination_at_prefill,
     discover,
     handoff,
     kv_args,
     metric,
+    push_params,
     start_all,
     wait_metric,
 )
 from vllm_cpu_async import ENV as ASYNC_SCHEDULING
 
-from kvbridge.demo.servers import VllmServer, complete, random_prompt
+from kvbridge.demo.servers import ServerError, VllmServer, complete, random_prompt
 
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 7, 2 * CHUNK + 88]
 MAX_TOKENS = 12
@@ -132,20 +134,10 @@ def test_push_works_whichever_side_sees_the_request_first(
 ) -> None:
     prompt = fresh_prompt(3 * BLOCK + 3)
     ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
-    tid = uuid.uuid4().hex
-    p_call = lambda: complete(  # noqa: E731
-        pd.p.url,
-        prompt,
-        max_tokens=1,
-        kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
-    )
+    p_params, d_params = push_params(pd.address)
+    p_call = lambda: complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params=p_params)  # noqa: E731
     d_call = lambda: complete(  # noqa: E731
-        pd.d.url,
-        prompt,
-        max_tokens=MAX_TOKENS,
-        kv_transfer_params={
-            "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": pd.address}
-        },
+        pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=d_params
     )
     with ThreadPoolExecutor(2) as pool:
         if first == "prefill":
@@ -158,6 +150,26 @@ def test_push_works_whichever_side_sees_the_request_first(
             p_call()
             out = fd.result()
     assert out.token_ids == ref.token_ids
+
+
+def test_a_decode_without_the_transfer_s_ticket_gets_no_kv(pd: PD) -> None:
+    """Only the decode the handoff named may take a transfer's KV: a destination with
+    another ticket is refused, and the decode, told at once (not at ``receive_s``),
+    fails the request (vLLM's default policy, ``fail``)."""
+    prompt = fresh_prompt(2 * BLOCK + 3)
+    p_params, d_params = push_params(pd.address)
+    d_params["kvbridge"]["ticket"] = "not the one the prefill got"
+    refused, received = metric(pd.p.url, REFUSED), metric(pd.d.url, RECEIVED)
+    with ThreadPoolExecutor(1) as pool:
+        fd = pool.submit(
+            complete, pd.d.url, prompt, max_tokens=MAX_TOKENS, kv_transfer_params=d_params
+        )
+        destination_at_prefill(pd.d.url)  # kept at P until it sees the request
+        complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params=p_params)
+        with pytest.raises(ServerError, match="HTTP 500"):
+            fd.result()
+    assert wait_metric(pd.p.url, REFUSED, lambda v: v > refused) == refused + 1
+    assert metric(pd.d.url, RECEIVED) == received
 
 
 def test_layers_stream_while_the_prefill_computes(pd: PD, colocated: VllmServer) -> None:

@@ -110,6 +110,9 @@ def test_push_discovers_then_counts_only_the_client_s_request_as_served() -> Non
     # the probe of DP ranks: rank 1 answered as rank 0 (the stand-in ignores the header)
     assert flows == ["discover", "discover", None], "the probe, then the request itself"
     assert d_seen[0]["kv_transfer_params"]["kvbridge"]["prefill"] == PREFILL_ADDRESS
+    # both sides get the transfer's ticket, and nobody else: the prefill acts only on it
+    ticket = d_seen[0]["kv_transfer_params"]["kvbridge"]["ticket"]
+    assert len(ticket) >= 20 and p_seen[-1]["kv_transfer_params"]["kvbridge"]["ticket"] == ticket
     assert [i["served"] for i in health["prefill"]] == [1], health
     assert [i["served"] for i in health["decode"]] == [1], health
 

@@ -418,7 +418,9 @@ def test_with_a_secret_a_notification_without_its_mac_is_dropped(
         assert D.receiver.take_finished() == ([], [])
         assert D.receiver.phase("f").value != "received"
         # the same message with its MAC is taken
-        P.node.transport.notify(D.node.transport.agent_name, P.node.encode_note(forged))
+        P.node.transport.notify(
+            D.node.transport.agent_name, P.node.encode_note(forged, D.node.transport.agent_name)
+        )
         assert D.receiver.wait_finished(5) == (["f"], [])
     finally:
         D.close()

@@ -400,6 +400,10 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
     assert handoff is not None and handoff.remote_table() == BlockTable.grouped(
         [[1, 2, 3, 7, 8], [NONE, NONE, NONE, 9, 10]]
     )
+    # the ticket the prefill drew for the P-first request: its workers hold it, the decode
+    # gets it with the blocks; one per request
+    assert len(first.ticket) >= 20 and handoff.ticket == first.ticket
+    assert kvparams.parse({"do_remote_decode": True}, "p").ticket != first.ticket
 
 
 def test_sliding_window_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> None:

@@ -20,7 +20,11 @@ that cannot be reached is skipped for a few seconds. In the push flow a prefill
 instance's data-parallel ranks (vLLM's ``--data-parallel-size``) are probed at its
 first request and taken in turn, each prefill request routed (``X-data-parallel-rank``)
 to the rank whose side channel the decode is told of. Errors the client sees name the
-instance and the cause; every upstream call has a timeout, so no request hangs.
+instance and the cause; every upstream call has a timeout, so no request hangs: an
+upstream that sends nothing for ``read_timeout`` seconds fails the request, however long
+a healthy stream runs (``timeout``, off by default, caps a request's whole length). A
+decode that fails after its stream started ends the stream with an SSE error event and
+``[DONE]`` (what vLLM's own server sends), never a second status line.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import aiohttp
 from aiohttp import web
 
 from kvbridge.proxy.pool import Instance, Pool
+from kvbridge.wire.auth import new_ticket
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,9 @@ DP_HEADER = "X-data-parallel-rank"
 
 MAX_DP_RANKS = 256
 """The most data-parallel ranks of one prefill instance the proxy probes."""
+
+MAX_BODY_BYTES = 64 << 20
+"""The largest request body the proxy reads (a prompt of a million tokens as ids is ~8 MB)."""
 
 
 class UpstreamError(Exception):
@@ -82,6 +90,31 @@ def _side_channel(result: dict[str, Any]) -> dict[str, Any] | None:
     return address if isinstance(address, dict) and "address" in address else None
 
 
+def _prefill_result(p: Instance, data: bytes) -> dict[str, Any]:
+    """A prefill's answer, which must be a JSON object whose ``kv_transfer_params`` (if
+    any) is an object; else a 502 naming the instance."""
+    try:
+        result = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise _error(
+            502, f"prefill instance {p.url} answered with a body that is not JSON: {str(exc)[:200]}"
+        ) from None
+    if not isinstance(result, dict):
+        raise _error(
+            502,
+            f"prefill instance {p.url} answered with a JSON {type(result).__name__}, not an object",
+        )
+    params = result.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise _error(
+            502,
+            f"prefill instance {p.url} answered with kv_transfer_params of type "
+            f"{type(params).__name__}, not an object (is it running a KV connector as "
+            "kv_producer?)",
+        )
+    return result
+
+
 def prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
     """The prefill instance computes the prompt's KV and one token nobody reads."""
     out = {
@@ -103,15 +136,24 @@ class Proxy:
         decode: list[str],
         *,
         flow: str = "push",
-        timeout: float = 600.0,
+        timeout: float | None = None,
+        read_timeout: float = 600.0,
         connect_timeout: float = 10.0,
+        max_connections: int = 4096,
     ) -> None:
+        """``timeout``: seconds a request may take end to end (None: no cap);
+        ``read_timeout``: seconds an upstream may send nothing; ``max_connections``: open
+        upstream connections at most (aiohttp's default, 100, queued the 101st concurrent
+        request behind the others)."""
         if flow not in FLOWS:
             raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {flow!r}")
         self.prefill = Pool("prefill", prefill)
         self.decode = Pool("decode", decode)
         self.flow = flow
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=connect_timeout)
+        self._timeout = aiohttp.ClientTimeout(
+            total=timeout or None, sock_connect=connect_timeout, sock_read=read_timeout
+        )
+        self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._probing: dict[str, asyncio.Task[None]] = {}
         """Prefill URL -> the probe of its DP ranks in flight (:meth:`_probe_once`)."""
@@ -119,7 +161,7 @@ class Proxy:
     # --- application ---------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -129,7 +171,9 @@ class Proxy:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = aiohttp.ClientSession(
+            timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_connections)
+        )
 
     async def _stop(self, app: web.Application) -> None:
         if self._session is not None:
@@ -175,8 +219,10 @@ class Proxy:
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"request body is not JSON: {exc}").response()
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+            return _error(400, f"request body is not JSON: {str(exc)[:200]}").response()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes").response()
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object").response()
         p, d = self.prefill.pick(), self.decode.pick()
@@ -199,12 +245,19 @@ class Proxy:
         self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
     ) -> web.StreamResponse:
         address, dp_rank = await self._address(p)
-        tid = uuid.uuid4().hex
-        p_body = prefill_body(body, {"kvbridge": {"transfer_id": tid, "role": "prefill"}})
+        tid, ticket = uuid.uuid4().hex, new_ticket()
+        p_body = prefill_body(
+            body, {"kvbridge": {"transfer_id": tid, "role": "prefill", "ticket": ticket}}
+        )
         d_body = dict(
             body,
             kv_transfer_params={
-                "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": address}
+                "kvbridge": {
+                    "transfer_id": tid,
+                    "role": "decode",
+                    "prefill": address,
+                    "ticket": ticket,
+                }
             },
         )
         p_task = asyncio.create_task(self._call_prefill(p, path, p_body, dp_rank=dp_rank))
@@ -349,7 +402,7 @@ class Proxy:
         p.mark_up()
         if serving:
             p.served += 1
-        result = json.loads(data)
+        result = _prefill_result(p, data)
         address = _side_channel(result)
         if address is not None:
             p.learn(address)
@@ -388,16 +441,28 @@ class Proxy:
                 headers={"Content-Type": content_type, "Cache-Control": "no-cache"},
             )
             await out.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            d.served += 1
-            return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
             raise _error(
                 502, f"decode instance {d.url} failed mid-response: {type(exc).__name__}: {exc}"
             ) from exc
+        tail = b"\n\n"  # the stream's last bytes: whether it stopped between two events
+        try:
+            async for chunk in upstream.content.iter_any():
+                await out.write(chunk)
+                tail = (tail + chunk)[-2:]
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # the status line is sent: end the stream as vLLM's server ends a failed one
+            d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            message = f"decode instance {d.url} failed mid-stream: {type(exc).__name__}: {exc}"
+            log.warning("%s", message)
+            error = {"error": {"message": message, "type": "kvbridge_proxy_error", "code": 502}}
+            event = b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+            await out.write(event if tail == b"\n\n" else b"\n\n" + event)
+        else:
+            d.served += 1
+        await out.write_eof()
+        return out
 
 
 async def serve(proxy: Proxy, host: str, port: int, ready: asyncio.Event | None = None) -> None:

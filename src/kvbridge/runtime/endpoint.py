@@ -66,7 +66,12 @@ class Endpoint:
                 self.sender = Sender(self.node, self.stats, on_outcome=self.activity.set)
                 port = config.side_channel_port + rank if config.side_channel_port else 0
                 self.server = SideChannelServer(
-                    self.node.codec, config.host, port, self._handle, config.secret
+                    self.node.codec,
+                    config.host,
+                    port,
+                    self._handle,
+                    config.secret,
+                    on_refused=lambda: self.stats.add(messages_refused=1),
                 )
             if receive:
                 self.receiver = Receiver(self.node, self.stats, on_outcome=self.activity.set)

@@ -549,17 +549,22 @@ class Node:
 
     # --- notifications -------------------------------------------------------------------
 
-    def encode_note(self, msg: Message) -> bytes:
-        """The payload of a transport notification (``LayerDone``, ``Done``): the codec's
-        frame, followed by its MAC when a ``secret`` is set (notifications travel
-        outside the side channel, on the transport). Any thread."""
-        return seal(self._secret, self.codec.encode(msg), b"note")
+    def encode_note(self, msg: Message, to: str) -> bytes:
+        """The payload of a transport notification (``LayerDone``, ``Done``) for the peer
+        whose agent is ``to``: the codec's frame, followed by its MAC when a ``secret`` is
+        set (notifications travel outside the side channel, on the transport), bound to
+        our agent and ``to``'s, so that it is refused by any other receiver and as from
+        any other sender. Any thread."""
+        agents = (self.transport.agent_name.encode(), to.encode())
+        return seal(self._secret, self.codec.encode(msg), b"note", *agents)
 
-    def decode_note(self, payload: bytes) -> Message:
-        """Inverse of :meth:`encode_note`. Raises :class:`~kvbridge.errors.WireError`
-        for a payload that fails authentication, is malformed, or comes from an
-        incompatible peer."""
-        body = unseal(self._secret, payload, b"note")
+    def decode_note(self, payload: bytes, sender: str) -> Message:
+        """Inverse of :meth:`encode_note`, for a notification the transport says came
+        from the agent ``sender``. Raises :class:`~kvbridge.errors.WireError` for a
+        payload that fails authentication (another secret, sender or receiver), is
+        malformed, or comes from an incompatible peer."""
+        agents = (sender.encode(), self.transport.agent_name.encode())
+        body = unseal(self._secret, payload, b"note", *agents)
         if body is None:
             raise WireError(
                 "a notification failed authentication",

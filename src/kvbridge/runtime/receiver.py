@@ -107,6 +107,9 @@ class _In:
     sources at once before any destination is sent, until the request ends."""
     wants_staging: bool = False
     """Packed path: waiting for free staging before the destinations are sent."""
+    ticket: str = ""
+    """The handoff's ticket, sent with every message about the transfer
+    (:class:`~kvbridge.wire.messages.Abort`)."""
 
 
 class Receiver:
@@ -155,6 +158,7 @@ class Receiver:
         block_ids: BlockTable | list[int],
         num_tokens: int,
         skip_tokens: int = 0,
+        ticket: str = "",
     ) -> None:
         """Layer-wise push: ask the prefill worker at ``address`` to write the prompt's
         KV for tokens ``[skip_tokens, num_tokens)`` into ``block_ids`` (a table of
@@ -172,6 +176,7 @@ class Receiver:
                 skip_tokens,
                 pull=False,
                 remote_blocks=[],
+                ticket=ticket,
             )
         )
 
@@ -184,6 +189,7 @@ class Receiver:
         block_ids: BlockTable | list[int],
         num_tokens: int,
         skip_tokens: int = 0,
+        ticket: str = "",
     ) -> None:
         """P-first: read ``remote_blocks`` (the prefill's, whole prompt) into ``block_ids``
         (D's, for tokens from ``skip_tokens``), then release them on the prefill side.
@@ -207,6 +213,7 @@ class Receiver:
             skip_tokens,
             pull=not packed,
             remote_blocks=remote_blocks,
+            ticket=ticket,
         )
         if packed:
             self._push(entry)
@@ -214,28 +221,37 @@ class Receiver:
             self._pool.submit(self._start_read, entry)
 
     def release_idle(
-        self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None]
+        self,
+        transfer_id: str,
+        addresses: Sequence[str],
+        epochs: Sequence[str | None],
+        ticket: str = "",
     ) -> list[cf.Future[None]]:
         """Tell prefill workers this worker needs nothing from (idle replicas,
         :func:`~kvbridge.core.tp.idle_prefill_ranks`) to let go of ``transfer_id`` now,
         whether or not they track it yet. Fire and forget (pool threads, each bounded by
         ``timeouts.handshake_s``; the returned futures end when the messages did): if a
         message is lost, that worker's lease frees the blocks."""
-        msg = Release(transfer_id=transfer_id, peer=self.node.id)
+        msg = Release(transfer_id=transfer_id, peer=self.node.id, ticket=ticket)
         return [
             self._pool.submit(self._let_go, msg, a, e, "idle prefill worker")
             for a, e in zip(addresses, epochs, strict=True)
         ]
 
     def forgo(
-        self, transfer_id: str, addresses: Sequence[str], epochs: Sequence[str | None], reason: str
+        self,
+        transfer_id: str,
+        addresses: Sequence[str],
+        epochs: Sequence[str | None],
+        reason: str,
+        ticket: str = "",
     ) -> list[cf.Future[None]]:
         """Tell the prefill workers of ``transfer_id`` that this worker will not load
         it (its engine computes the prompt itself, e.g. vLLM for a request that asks
         for prompt logprobs), so they let go of its blocks now, whether or not they
         track it yet, instead of when their lease runs out. Fire and forget, as
         :meth:`release_idle`."""
-        msg = Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason)
+        msg = Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason, ticket=ticket)
         return [
             self._pool.submit(self._let_go, msg, a, e, "prefill worker")
             for a, e in zip(addresses, epochs, strict=True)
@@ -281,6 +297,7 @@ class Receiver:
         skip_tokens: int,
         pull: bool,
         remote_blocks: BlockTable | list[int],
+        ticket: str = "",
     ) -> _In:
         now = self.clock()
         block_ids = BlockTable.of(block_ids)
@@ -293,6 +310,7 @@ class Receiver:
             pull=pull,
             remote_blocks=BlockTable.of(remote_blocks),
             started=now,
+            ticket=ticket,
         )
         with self._lock:
             if transfer_id in self._in:
@@ -324,7 +342,9 @@ class Receiver:
                 self._tell,
                 entry,
                 i,
-                Abort(transfer_id=transfer_id, peer=self.node.id, reason=reason),
+                Abort(
+                    transfer_id=transfer_id, peer=self.node.id, reason=reason, ticket=entry.ticket
+                ),
             )
         return True
 
@@ -442,6 +462,7 @@ class Receiver:
                 msg = Destination(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
+                    ticket=entry.ticket,
                     block_ids=block_ids,
                     num_tokens=entry.num_tokens,
                     skip_tokens=entry.skip_tokens,
@@ -481,6 +502,7 @@ class Receiver:
                 Abort(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
+                    ticket=entry.ticket,
                     reason=entry.req.reason or "aborted",
                 ),
             )
@@ -501,6 +523,7 @@ class Receiver:
                         stop = Abort(
                             transfer_id=entry.req.transfer_id,
                             peer=self.node.id,
+                            ticket=entry.ticket,
                             reason=entry.req.reason or "aborted",
                         )
                         self._pool.submit(self._tell, entry, i, stop)
@@ -593,24 +616,48 @@ class Receiver:
     # --- notifications thread ------------------------------------------------------------
 
     def _notifications(self) -> None:
+        """The notifications thread: no notification, however malformed or hostile, ends
+        it; one that fails is dropped with one log line (and counted)."""
         while not self._stop:
-            for note in self.node.transport.take_notifications(timeout=0.1):
+            try:
+                notes = self.node.transport.take_notifications(timeout=0.1)
+            except Exception:  # the transport's inbox; retried next turn
+                log.exception("kvbridge: taking notifications failed")
+                continue
+            for note in notes:
                 try:
-                    msg = self.node.decode_note(note.payload)
-                except WireError as exc:
-                    log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
-                    continue
-                if isinstance(msg, LayerDone):
-                    self._on_layers(msg)
-                elif isinstance(msg, Done):
-                    with self._lock:
-                        entry = self._in.get(msg.transfer_id)
-                        if entry is None:
-                            continue
-                        # Done comes after its last write
-                        self._writes_stopped(entry, self.clock(), msg.source)
-                    if not msg.ok:
-                        self._fail(entry, f"prefill gave up: {msg.reason}")
+                    self._on_note(note.peer, note.payload)
+                except Exception as exc:  # noqa: BLE001 - one message never ends the loop
+                    self.stats.add(messages_refused=1)
+                    log.warning(
+                        "kvbridge: dropped a notification from %s: %s",
+                        note.peer,
+                        exc if isinstance(exc, WireError) else f"{type(exc).__name__}: {exc}",
+                    )
+
+    def _on_note(self, sender: str, payload: bytes) -> None:
+        msg = self.node.decode_note(payload, sender)
+        if not isinstance(msg, (LayerDone, Done)):
+            raise WireError(f"unexpected {type(msg).__name__} as a notification")
+        with self._lock:
+            entry = self._in.get(msg.transfer_id)
+            if entry is None:
+                return  # late news of a finished request: ignored
+            if not 0 <= msg.source < len(entry.sources):
+                raise WireError(f"{msg.transfer_id}: notification from source {msg.source}")
+            peer = entry.sources[msg.source].peer
+            if peer is None or peer.agent != sender:
+                raise WireError(
+                    f"{type(msg).__name__} for {msg.transfer_id} does not come from its source "
+                    f"({'unknown yet' if peer is None else peer.agent})"
+                )
+        if isinstance(msg, LayerDone):
+            self._on_layers(msg)
+            return
+        with self._lock:
+            self._writes_stopped(entry, self.clock(), msg.source)  # Done comes after its last write
+        if not msg.ok:
+            self._fail(entry, f"prefill gave up: {msg.reason}")
 
     def _writes_stopped(self, entry: _In, now: float, i: int | None = None) -> None:
         """Source ``i`` (default: every source) will not write into this destination
@@ -759,13 +806,17 @@ class Receiver:
                 Release(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
+                    ticket=entry.ticket,
                     ok=False,
                     reason=str(error),
                 ),
             )
         else:
             self._pool.submit(
-                self._tell, entry, i, Release(transfer_id=entry.req.transfer_id, peer=self.node.id)
+                self._tell,
+                entry,
+                i,
+                Release(transfer_id=entry.req.transfer_id, peer=self.node.id, ticket=entry.ticket),
             )
 
     def _retry_staging(self) -> None:
@@ -829,6 +880,7 @@ class Receiver:
                 Abort(
                     transfer_id=entry.req.transfer_id,
                     peer=self.node.id,
+                    ticket=entry.ticket,
                     reason=entry.req.reason or "timeout",
                 ),
             )
@@ -857,7 +909,12 @@ class Receiver:
                 self._tell,
                 entry,
                 i,
-                Abort(transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason),
+                Abort(
+                    transfer_id=entry.req.transfer_id,
+                    peer=self.node.id,
+                    reason=reason,
+                    ticket=entry.ticket,
+                ),
             )
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ at the same time go out as one transfer. Short prompts (``layerwise_min_tokens``
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import math
@@ -64,6 +65,17 @@ from kvbridge.transports.base import Xfer
 from kvbridge.wire.messages import Abort, Destination, Done, LayerDone, Release, Reply
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY_TRANSFERS = 4096
+"""Transfers not tracked yet that may have messages waiting (a decode may reach a prefill
+worker before its engine schedules the request; more than this many at once is a flood)."""
+MAX_EARLY_PER_TRANSFER = 16
+"""Messages kept per such transfer (one destination, release or abort per decode rank)."""
+
+
+def _same_party(a: Destination | Release | Abort, b: Destination | Release | Abort) -> bool:
+    """Whether two messages come from one decode instance with one ticket."""
+    return a.ticket == b.ticket and a.peer.engine_id == b.peer.engine_id
 
 
 class Ready(Protocol):
@@ -115,6 +127,12 @@ class _Out:
     unless the decode instance has more TP ranks than this one)."""
     released_by: set[str] = field(default_factory=set)
     """P-first: decode ranks (engine/rank/epoch) that read their part and said Release."""
+    ticket: str = ""
+    """The handoff's ticket; every message acting on the transfer must carry it ("": none
+    was given, e.g. a caller that predates tickets: then only the owner check applies)."""
+    owner: str | None = None
+    """The decode instance (engine id) whose destination or release was accepted first;
+    messages from any other instance are refused."""
     t_prefill_done: float | None = None
     t_first_post: float | None = None
     inflight: dict[int, tuple[Xfer, float, Run | None]] = field(default_factory=dict)
@@ -150,7 +168,9 @@ class Sender:
         self._out: dict[str, _Out] = {}
         self._early: dict[str, list[tuple[Destination | Release | Abort, float]]] = {}
         """Destinations (and idle ranks' releases, and aborts) that came before
-        :meth:`track`, with the time they are dropped."""
+        :meth:`track`, with the time they are dropped; unauthorised until then (the
+        ticket is checked at :meth:`track`), so bounded: :data:`MAX_EARLY_TRANSFERS`
+        transfers, :data:`MAX_EARLY_PER_TRANSFER` messages each."""
         self._released: list[str] = []
         self._ended = EndedTransfers()
         """Released transfers and how they ended: a destination that comes later is
@@ -173,6 +193,7 @@ class Sender:
         computed_tokens: int = 0,
         pull: bool = False,
         ready: Ready | None = None,
+        ticket: str = "",
     ) -> None:
         """Start holding ``blocks`` (the prompt's, in order; a table of several KV cache
         groups, :mod:`kvbridge.core.blocks`, where the engine keeps some) for
@@ -182,6 +203,8 @@ class Sender:
         cache hits), ready in every layer (once ``ready`` has completed, when given: an
         earlier forward still running on the device may be writing them). ``pull``:
         P-first flow, the decode side reads the blocks itself and sends ``Release``.
+        ``ticket``: the handoff's (:class:`~kvbridge.wire.messages.Abort`); messages for
+        the transfer that do not carry it are refused, those that came early dropped.
         """
         now = self.clock()
         blocks = BlockTable.of(blocks)
@@ -198,12 +221,26 @@ class Sender:
                 stream=stream,
                 pull=pull,
                 ready=[0 if ready is not None else computed_tokens] * self._layers,
+                ticket=ticket,
             )
             self._out[transfer_id] = out
             if ready is not None and computed_tokens:
                 self._gates.append(_Gate(ready, transfer_id, _EVERY, computed_tokens, now))
             self._clear_tail(out, 0, blocks)
+            refused: list[tuple[Peer, Done]] = []
             for msg, _ in self._early.pop(transfer_id, []):
+                if (reply := self._forbidden(out, msg)) is not None:
+                    peer = self.node.peer(msg.peer)
+                    if isinstance(msg, Destination) and peer is not None:
+                        # it waits for writes: tell it now rather than at its deadline
+                        note = Done(
+                            transfer_id=transfer_id,
+                            ok=False,
+                            reason=reply.detail,
+                            source=msg.source,
+                        )
+                        refused.append((peer, note))
+                    continue
                 if isinstance(msg, Release):
                     self._release(out, msg, now)
                 elif isinstance(msg, Abort):
@@ -212,6 +249,7 @@ class Sender:
                 else:
                     self._accept(out, msg, now)
             self._lock.notify()
+        self._tell(refused)
 
     def add_blocks(self, transfer_id: str, blocks: BlockTable | list[int]) -> None:
         """More blocks of the same prompt (a later chunk of a chunked prefill)."""
@@ -363,10 +401,9 @@ class Sender:
                         epoch=self.node.id.epoch,
                     )
                 # D may see the request before this prefill worker does: keep it
-                self._early.setdefault(msg.transfer_id, []).append(
-                    (msg, now + self.cfg.timeouts.lease_s)
-                )
-                return Reply(ok=True, epoch=self.node.id.epoch)
+                return self._keep_early(msg, now)
+            if (refused := self._forbidden(out, msg)) is not None:
+                return refused
             if out.req.terminal:
                 return Reply(
                     ok=False,
@@ -457,16 +494,15 @@ class Sender:
                 peer = self.node.peer(msg.peer)
                 if peer is not None and peer.split is not None and peer.split.idle:
                     # an idle rank may hear before it tracks the request (push flow)
-                    self._early.setdefault(msg.transfer_id, []).append(
-                        (msg, now + self.cfg.timeouts.lease_s)
-                    )
-                    return Reply(ok=True, epoch=self.node.id.epoch)
+                    return self._keep_early(msg, now)
                 return Reply(
                     ok=False,
                     code="unknown_transfer",
                     detail=f"no blocks held for {msg.transfer_id}",
                     epoch=self.node.id.epoch,
                 )
+            if (refused := self._forbidden(out, msg)) is not None:
+                return refused
             self._release(out, msg, now)
             self._lock.notify()
         return Reply(ok=True, epoch=self.node.id.epoch)
@@ -487,15 +523,81 @@ class Sender:
         decode side may reuse its blocks at once); otherwise ``Done`` follows the drain."""
         with self._lock:
             out = self._out.get(msg.transfer_id)
-            self._early.pop(msg.transfer_id, None)
             if out is None:
                 if msg.transfer_id not in self._ended:  # D may give up before this worker tracks it
-                    self._early[msg.transfer_id] = [(msg, self.clock() + self.cfg.timeouts.lease_s)]
+                    early = self._early.get(msg.transfer_id, [])
+                    # what the same party sent before is void (a stranger's abort voids nothing)
+                    early[:] = [(m, t) for m, t in early if not _same_party(m, msg)]
+                    reply = self._keep_early(msg, self.clock())
+                    if not reply.ok:
+                        return reply
                 return Reply(ok=True, code="stopped", epoch=self.node.id.epoch)
+            if (refused := self._forbidden(out, msg)) is not None:
+                return refused
             if out.req.abort(f"decode side aborted: {msg.reason}", self.clock()):
                 self.stats.add(aborted=1)
                 self._lock.notify()
         return Reply(ok=True, epoch=self.node.id.epoch)
+
+    def _forbidden(self, out: _Out, msg: Destination | Release | Abort) -> Reply | None:
+        """None when ``msg`` may act on ``out``: it carries the transfer's ticket and comes
+        from the decode instance that owns the transfer (the first whose destination or
+        release was accepted; a destination or release makes its sender the owner).
+        Otherwise the refusal, counted and logged (lock held)."""
+        if out.ticket and not hmac.compare_digest(msg.ticket, out.ticket):
+            why = "does not carry the transfer's ticket"
+        elif out.owner is not None and msg.peer.engine_id != out.owner:
+            why = f"comes from another decode instance than its destination's ({out.owner})"
+        else:
+            if out.owner is None and not isinstance(msg, Abort):
+                out.owner = msg.peer.engine_id
+            return None
+        self.stats.add(messages_refused=1)
+        log.warning(
+            "kvbridge: refused a %s for %s from %s: it %s",
+            type(msg).__name__,
+            msg.transfer_id,
+            msg.peer,
+            why,
+        )
+        return Reply(
+            ok=False,
+            code="forbidden",
+            detail=f"{type(msg).__name__} for {msg.transfer_id} refused: it {why}",
+            epoch=self.node.id.epoch,
+        )
+
+    def _keep_early(self, msg: Destination | Release | Abort, now: float) -> Reply:
+        """Keep a message for a transfer not tracked yet, within the bounds (lock held)."""
+        early = self._early.get(msg.transfer_id)
+        if (early is None and len(self._early) >= MAX_EARLY_TRANSFERS) or (
+            early is not None and len(early) >= MAX_EARLY_PER_TRANSFER
+        ):
+            self.stats.add(messages_refused=1)
+            log.warning(
+                "kvbridge: refused a %s for %s from %s: %d transfers not tracked yet have "
+                "messages waiting (at most %d, %d each)",
+                type(msg).__name__,
+                msg.transfer_id,
+                msg.peer,
+                len(self._early),
+                MAX_EARLY_TRANSFERS,
+                MAX_EARLY_PER_TRANSFER,
+            )
+            return Reply(
+                ok=False,
+                code="error",
+                detail="too many messages for transfers this prefill worker does not track yet",
+                epoch=self.node.id.epoch,
+            )
+        self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
+        return Reply(ok=True, epoch=self.node.id.epoch)
+
+    @property
+    def early(self) -> int:
+        """Messages kept for transfers not tracked yet (a level; any thread)."""
+        with self._lock:
+            return sum(len(v) for v in self._early.values())
 
     # --- the sender thread ---------------------------------------------------------------
 
@@ -621,7 +723,9 @@ class Sender:
                 else:
                     local, lidx, remote, ridx = self._pack(out, dest, layers, start, end, run)
                 if not len(lidx):  # sliding-window layers before their window: nothing to write
-                    self.node.transport.notify(dest.peer.agent, self.node.encode_note(note))
+                    self.node.transport.notify(
+                        dest.peer.agent, self.node.encode_note(note, dest.peer.agent)
+                    )
                     self._free_posts([posts[i]])
                     continue
                 with self._lock:
@@ -631,7 +735,12 @@ class Sender:
                     out.req.posted(key)
                     registered = True
                 xfer = self.node.transport.post(
-                    "write", local, lidx, remote, ridx, notify=self.node.encode_note(note)
+                    "write",
+                    local,
+                    lidx,
+                    remote,
+                    ridx,
+                    notify=self.node.encode_note(note, dest.peer.agent),
                 )
             except KVBridgeError as exc:
                 with self._lock:
@@ -775,9 +884,13 @@ class Sender:
                             )
                             for d in out.dests
                         ]
-        for peer, msg in tell:  # best effort: D also has its own deadlines
+        self._tell(tell)
+
+    def _tell(self, notes: list[tuple[Peer, Done]]) -> None:
+        """Send each peer its ``Done`` notification (lock not held)."""
+        for peer, msg in notes:  # best effort: D also has its own deadlines
             try:
-                self.node.transport.notify(peer.agent, self.node.encode_note(msg))
+                self.node.transport.notify(peer.agent, self.node.encode_note(msg, peer.agent))
             except KVBridgeError as exc:
                 log.debug("could not tell %s that %s ended: %s", peer.id, msg.transfer_id, exc)
 

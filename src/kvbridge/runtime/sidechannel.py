@@ -5,10 +5,15 @@ the decode side sends it requests through a :class:`SideChannelClient` (one DEAL
 socket per server address) and gets a :class:`~kvbridge.wire.messages.Reply` (or a
 ``Welcome``) back. Every request has a deadline.
 
-Frames: ``[request id, kvbridge frame]`` plus, when a shared secret is configured, an
-HMAC-SHA256 of both as a third frame; a frame that fails authentication or decoding is
-answered with an error and never acted on. Replies echo the request id, so a reply
-that arrives after its request timed out is recognised and dropped.
+Frames: ``[request id, kvbridge frame]``. With a shared secret, two more: an
+HMAC-SHA256 over the server's address, a time stamp, the request id and the frame, and
+the stamp. The server checks the MAC before decoding anything, refuses a stamp more
+than :data:`FRESH_S` away from its clock and a MAC it has seen before, so a captured
+request can be replayed neither later, nor again, nor to another server with the same
+secret (the sender's identity and epoch are inside the frame). A reply's MAC covers the
+request's MAC and the reply. A frame that fails authentication or decoding is answered
+with an error and never acted on. Replies echo the request id, so a reply that arrives
+after its request timed out is recognised and dropped.
 
 Threads: the server runs the handler on its own thread, one request at a time; keep
 handlers short. Client methods may be called from any thread (one lock per address).
@@ -16,11 +21,13 @@ handlers short. Client methods may be called from any thread (one lock per addre
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
@@ -33,6 +40,26 @@ from kvbridge.wire.messages import Message, Reply
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Message], Message]
+
+_MAX_RID_BYTES = 64
+"""A request id is a client's counter; a longer one is not a kvbridge client's."""
+
+FRESH_S = 60.0
+"""With a secret: a request stamped further than this from the server's clock is refused
+(stale, or the two machines' clocks disagree)."""
+
+_SEEN_CAPACITY = 1 << 18
+"""With a secret: authenticated requests remembered, to refuse a replay, for
+``2 * FRESH_S`` each (only a holder of the secret adds to it); past this many the
+oldest are forgotten first."""
+
+
+def _stamp() -> bytes:
+    return int(time.time() * 1000).to_bytes(8, "big")
+
+
+def _request_mac(secret: bytes, address: str, stamp: bytes, rid: bytes, payload: bytes) -> bytes:
+    return mac(secret, b"request", address.encode(), stamp, rid, payload)
 
 
 def listening(address: str, timeout: float = 1.0) -> bool:
@@ -63,13 +90,28 @@ class SideChannelServer:
         codec: frames are decoded with it (compatibility checked first).
         handler: maps each request to its reply; exceptions become error replies.
         secret: shared secret; when set, unauthenticated frames are refused.
+        on_refused: called (on the server's thread) for every request refused unread or
+            dropped: malformed, unauthenticated, or failing in a way no reply covers.
+
+    No request ends the serving thread: whatever one raises, it is answered with an
+    error (or dropped) with one log line, and the next one is served.
     """
 
     def __init__(
-        self, codec: Codec, host: str, port: int, handler: Handler, secret: str | None = None
+        self,
+        codec: Codec,
+        host: str,
+        port: int,
+        handler: Handler,
+        secret: str | None = None,
+        on_refused: Callable[[], None] = lambda: None,
     ) -> None:
         self._codec = codec
         self._handler = handler
+        self._on_refused = on_refused
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        """With a secret: MACs of the requests served in the freshness window -> when they
+        are forgotten (oldest first)."""
         self._secret = secret.encode() if secret else None
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -102,47 +144,82 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):  # wake up regularly to notice close()
-                continue
             try:
+                if not poller.poll(100):  # wake up regularly to notice close()
+                    continue
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 continue
-            except zmq.ZMQError:
+            except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     return
-                raise
-            if len(frames) < 3:
-                log.warning("side channel: dropped a message of %d frames", len(frames))
+                log.warning("side channel: receive failed: %s", exc)
                 continue
-            identity, rid, payload, *rest = frames
-            reply = self._answer(rid, payload, rest)
-            out = self._codec.encode(reply)
-            parts = [identity, rid, out]
-            if self._secret is not None:
-                parts.append(mac(self._secret, rid, out))
             try:
-                self._sock.send_multipart(parts, flags=zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # the client went away meanwhile
-                log.debug("side channel: reply not sent: %s", exc)
+                self._serve_one(frames)
+            except Exception:  # no request may end the serving thread
+                self._on_refused()
+                log.exception("side channel: dropped a request that failed unanswered")
+
+    def _serve_one(self, frames: list[bytes]) -> None:
+        if len(frames) < 3:
+            self._on_refused()
+            log.warning("side channel: dropped a message of %d frames", len(frames))
+            return
+        identity, rid, payload, *rest = frames
+        if len(rid) > _MAX_RID_BYTES:
+            self._on_refused()
+            log.warning("side channel: dropped a request with a %d-byte request id", len(rid))
+            return
+        reply = self._answer(rid, payload, rest)
+        out = self._codec.encode(reply)
+        parts = [identity, rid, out]
+        if self._secret is not None:
+            tag = rest[0] if rest else b""
+            parts.append(mac(self._secret, b"reply", tag, out))
+        try:
+            self._sock.send_multipart(parts, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client went away meanwhile
+            log.debug("side channel: reply not sent: %s", exc)
+
+    def _authentic(self, rid: bytes, payload: bytes, rest: list[bytes]) -> str | None:
+        """None when the request is authentic, fresh and new; else why not."""
+        if len(rest) != 2 or len(rest[1]) != 8:
+            return "authentication failed: set the same 'secret' on prefill and decode"
+        tag, stamp = rest
+        if not hmac.compare_digest(
+            tag, _request_mac(self._secret, self.address, stamp, rid, payload)
+        ):
+            return "authentication failed: set the same 'secret' on prefill and decode"
+        now = time.time()
+        if abs(now - int.from_bytes(stamp, "big") / 1000) > FRESH_S:
+            return (
+                f"authentication failed: the request is stamped more than {FRESH_S:g} s from "
+                "this server's clock (a replay, or the machines' clocks disagree: sync them)"
+            )
+        while self._seen and next(iter(self._seen.values())) < now:
+            self._seen.popitem(last=False)
+        if tag in self._seen:
+            return "authentication failed: the request was replayed"
+        self._seen[tag] = now + 2 * FRESH_S
+        if len(self._seen) > _SEEN_CAPACITY:
+            self._seen.popitem(last=False)
+        return None
 
     def _answer(self, rid: bytes, payload: bytes, rest: list[bytes]) -> Message:
-        if self._secret is not None and (
-            len(rest) != 1 or not verify(self._secret, rest[0], rid, payload)
-        ):
-            log.warning("side channel: refused a request that failed authentication")
-            return Reply(
-                ok=False,
-                code="error",
-                detail="authentication failed: set the same 'secret' on prefill and decode",
-            )
+        if self._secret is not None and (why := self._authentic(rid, payload, rest)) is not None:
+            self._on_refused()
+            log.warning("side channel: refused a request: %s", why)
+            return Reply(ok=False, code="error", detail=why)
         try:
             msg = self._codec.decode(payload)
         except IncompatiblePeerError as exc:
+            self._on_refused()
             log.warning("side channel: refused an incompatible peer: %s", exc)
             # our CompatInfo lets the peer's codec name every property that differs
             return Reply(ok=False, code="incompatible", detail=str(exc), compat=self._codec.compat)
         except WireError as exc:
+            self._on_refused()
             log.warning("side channel: refused a request: %s", exc)
             return Reply(ok=False, code="error", detail=str(exc))
         try:
@@ -199,9 +276,11 @@ class SideChannelClient:
         sock, lock = self._socket(address)
         rid = str(next(self._ids)).encode()
         payload = self._codec.encode(msg)
-        parts = [rid, payload] + (
-            [mac(self._secret, rid, payload)] if self._secret is not None else []
-        )
+        parts, tag = [rid, payload], b""
+        if self._secret is not None:
+            stamp = _stamp()
+            tag = _request_mac(self._secret, address, stamp, rid, payload)
+            parts += [tag, stamp]
         deadline = time.monotonic() + timeout
         with lock:
             sock.send_multipart(parts)
@@ -220,7 +299,8 @@ class SideChannelClient:
                 if len(frames) < 2 or frames[0] != rid:
                     continue  # a late reply to an earlier, timed-out request
                 if self._secret is not None and (
-                    len(frames) != 3 or not verify(self._secret, frames[2], frames[0], frames[1])
+                    len(frames) != 3
+                    or not verify(self._secret, frames[2], b"reply", tag, frames[1])
                 ):
                     raise WireError(
                         f"reply from {address} failed authentication",

@@ -30,6 +30,9 @@ class StatsSnapshot:
     failures: int = 0
     leases_expired: int = 0
     aborted: int = 0
+    messages_refused: int = 0
+    """Peer messages dropped unread or refused: undecodable, failing authentication, over a
+    bound, or for a transfer they do not belong to (wrong ticket, another decode instance)."""
     transfer_s: list[float] = field(default_factory=list)
     """Per posted transfer: post to completion."""
     exposed_s: list[float] = field(default_factory=list)
@@ -109,6 +112,10 @@ COUNTERS: dict[str, str] = {
     "failures": "Failed request transfers",
     "leases_expired": "Held blocks released because the peer never read them",
     "aborted": "Aborted request transfers",
+    "messages_refused": (
+        "Peer messages dropped or refused: undecodable, unauthenticated, over a bound, or not "
+        "the transfer's (wrong ticket or decode instance)"
+    ),
 }
 """Counter fields of :class:`StatsSnapshot` -> description (exported as ``<name>_total``)."""
 

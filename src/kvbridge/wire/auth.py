@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 
 MAC_BYTES = 32
 
@@ -55,4 +56,10 @@ def unseal(secret: bytes | None, data: bytes, *context: bytes) -> bytes | None:
     return payload if len(data) > MAC_BYTES and verify(secret, tag, *context, payload) else None
 
 
-__all__ = ["MAC_BYTES", "mac", "seal", "unseal", "verify"]
+def new_ticket() -> str:
+    """An unguessable token for one transfer (128 random bits, URL-safe text): whoever
+    presents it took part in the transfer's handoff (:class:`kvbridge.wire.messages.Abort`)."""
+    return secrets.token_urlsafe(16)
+
+
+__all__ = ["MAC_BYTES", "mac", "new_ticket", "seal", "unseal", "verify"]

@@ -28,6 +28,24 @@ from kvbridge.wire.messages import Message
 MAX_FRAME_BYTES = 16 << 20
 
 
+UNDECODABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError, MemoryError)
+"""What msgspec raises for hostile input: malformed or mistyped bytes, nesting deeper than
+the interpreter's recursion limit (msgspec checks it; a body nested ~1,000 levels is 1 KB),
+a length prefix that no allocation can honour. Each becomes a :class:`WireError`."""
+
+_MAX_ERROR_CHARS = 300
+"""An error text that quotes peer input is cut to this many characters (it is logged and
+echoed back to the peer)."""
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
+
+
+def _short(exc: BaseException) -> str:
+    return _clip(str(exc) or type(exc).__name__)
+
+
 class _Frame(msgspec.Struct, array_like=True, frozen=True):
     v: int
     compat: str
@@ -71,9 +89,9 @@ class Codec:
             raise WireError(f"frame of {len(data)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
         try:
             frame = self._frame_decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except UNDECODABLE as exc:
             raise WireError(
-                f"undecodable kvbridge frame ({exc})",
+                f"undecodable kvbridge frame ({_short(exc)})",
                 fix="check that the peer address points at a kvbridge side channel",
             ) from exc
         if frame.v != PROTOCOL_VERSION:
@@ -86,20 +104,20 @@ class Codec:
             raise self._incompatible(frame)
         try:
             return self._body_decoder.decode(frame.body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(f"malformed kvbridge message from peer: {exc}") from exc
+        except UNDECODABLE as exc:
+            raise WireError(f"malformed kvbridge message from peer: {_short(exc)}") from exc
 
     def _incompatible(self, frame: _Frame) -> IncompatiblePeerError:
         try:
             theirs = self._handshake_decoder.decode(frame.body).compat
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except UNDECODABLE:
             return IncompatiblePeerError(
                 f"peer's KV cache is incompatible (compat hash {frame.compat} != ours "
                 f"{self.compat_hash})",
                 fix="run prefill and decode with the same model, dtype, block size and parallelism",
             )
         diffs = compat_diff(self.compat, theirs)
-        detail = "; ".join(f"{k}: ours={a!r}, peer={b!r}" for k, (a, b) in diffs.items())
+        detail = _clip("; ".join(f"{k}: ours={a!r}, peer={b!r}" for k, (a, b) in diffs.items()))
         fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
         if "block_size" in diffs:
             fix += (
@@ -113,4 +131,4 @@ class Codec:
         )
 
 
-__all__ = ["MAX_FRAME_BYTES", "Codec"]
+__all__ = ["MAX_FRAME_BYTES", "UNDECODABLE", "Codec"]

@@ -104,6 +104,8 @@ class Destination(_Msg, tag="dest"):
     """KV cache groups after the first (vLLM's hybrid manager; peers' ``layer_groups``):
     D's blocks for the same positions, one list per group, -1 where the group holds
     none (``block_ids`` is then group 0's, with -1 too). See :mod:`kvbridge.core.blocks`."""
+    ticket: str = ""
+    """The transfer's ticket (see :class:`Abort`)."""
 
 
 class Release(_Msg, tag="release"):
@@ -116,6 +118,8 @@ class Release(_Msg, tag="release"):
     peer: PeerId
     ok: bool = True
     reason: str = ""
+    ticket: str = ""
+    """The transfer's ticket (see :class:`Abort`)."""
 
 
 class LayerDone(_Msg, tag="layer"):
@@ -141,11 +145,20 @@ class Done(_Msg, tag="done"):
 
 
 class Abort(_Msg, tag="abort"):
-    """D -> P: stop ``transfer_id`` and release what is held for it."""
+    """D -> P: stop ``transfer_id`` and release what is held for it.
+
+    ``ticket`` (here, in :class:`Destination` and in :class:`Release`): the unguessable
+    token the transfer's handoff gave both sides over HTTP (``kv_transfer_params``: the
+    proxy draws it for a pushed request, the prefill for a P-first one). P acts on a
+    message for a transfer only when it carries that transfer's ticket, and only from
+    the decode instance whose destination it accepted first: a peer that merely knows
+    a transfer id can neither take, abort nor release another request's KV.
+    """
 
     transfer_id: str
     peer: PeerId
     reason: str = ""
+    ticket: str = ""
 
 
 class Heartbeat(_Msg, tag="hb"):
@@ -159,7 +172,9 @@ class Reply(_Msg, tag="reply"):
 
     ``code``: ``ok``; ``stopped`` (to an Abort: P holds nothing for the transfer and
     will not write, D may reuse its blocks now); ``unknown_peer`` (P has no handshake with this D,
-    e.g. P restarted: D must say Hello again); ``unknown_transfer``; ``incompatible`` (``compat``
+    e.g. P restarted: D must say Hello again); ``unknown_transfer``; ``forbidden`` (the message
+    does not carry the transfer's ticket, or comes from another decode instance than its
+    destination's: nothing changed); ``incompatible`` (``compat``
     carries P's properties, so D's error names what differs); ``error`` (``detail`` says what).
     """
 

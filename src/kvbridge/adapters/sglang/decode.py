@@ -365,23 +365,27 @@ class DecodeSide:
                 self._report_staging()
             for note in self.transport.take_notifications(timeout=self._poll_s):
                 try:
-                    msg = wire.decode_payload(note.payload, self.secret)
+                    self._on_note(note)
                 except KVBridgeError as exc:
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
-                    continue
-                if isinstance(msg, wire.Done):
-                    if not self._meant_for_holder(msg):
-                        continue
-                    if self.packed is not None and not self._unpack(
-                        msg.room, msg.part, msg.pages, (msg.window_first, msg.window_pages)
-                    ):
-                        continue
-                    self.apply_prefill_status(
-                        bootstrap_room=msg.room,
-                        status=KVPoll.Success,
-                        prefill_rank=msg.prefill_rank,
-                    )
-                    self._count(requests_received=1, bytes_received=msg.bytes)
+                except Exception:  # no notification may end the thread
+                    log.exception("kvbridge: dropped a notification from %s", note.peer)
+
+    def _on_note(self, note) -> None:
+        """One transport notification (the notification thread)."""
+        msg = wire.decode_payload(note.payload, self.secret)
+        if not isinstance(msg, wire.Done) or not self._meant_for_holder(msg):
+            return
+        if self.packed is not None and not self._unpack(
+            msg.room, msg.part, msg.pages, (msg.window_first, msg.window_pages)
+        ):
+            return
+        self.apply_prefill_status(
+            bootstrap_room=msg.room,
+            status=KVPoll.Success,
+            prefill_rank=msg.prefill_rank,
+        )
+        self._count(requests_received=1, bytes_received=msg.bytes)
 
 
 class _StagingWait(NamedTuple):

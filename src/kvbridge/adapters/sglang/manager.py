@@ -306,13 +306,19 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         poller = zmq.Poller()
         poller.register(self.server_socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(int(self._poll_s * 1000)):
+            try:
+                if not poller.poll(int(self._poll_s * 1000)):
+                    continue
+                frames = self.server_socket.recv_multipart()
+            except zmq.ZMQError as exc:
+                log.warning("kvbridge: control socket receive failed: %s", exc)
                 continue
-            frames = self.server_socket.recv_multipart()
             try:
                 handle(frames)
             except KVBridgeError as exc:
                 log.warning("kvbridge: dropped a control message: %s", exc)
+            except Exception:  # no message may end the control thread
+                log.exception("kvbridge: dropped a control message that failed unhandled")
 
     def _total_kv_heads(self) -> int:
         """The model's KV heads over all ranks: 1 for an MLA pool (one latent vector per

@@ -43,6 +43,7 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
 from kvbridge.wire.auth import MAC_BYTES, mac, seal, unseal, verify
+from kvbridge.wire.codec import UNDECODABLE
 from kvbridge.wire.messages import StagingInfo
 
 PROTOCOL = 1
@@ -184,10 +185,16 @@ class AuthenticationError(WireError):
         self.unverified = unverified
 
 
+MAX_UNVERIFIED_BYTES = 1 << 20
+"""An unauthenticated payload larger than this is not even read for what it says."""
+
+
 def _unverified(payload: bytes) -> Message | None:
+    if len(payload) > MAX_UNVERIFIED_BYTES:
+        return None
     try:
         return _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except UNDECODABLE:
         return None
 
 
@@ -214,8 +221,8 @@ def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
     data = body
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"malformed kvbridge message: {exc}") from exc
+    except UNDECODABLE as exc:
+        raise WireError(f"malformed kvbridge message: {str(exc)[:300]}") from exc
 
 
 def is_ours(frames: Sequence[bytes]) -> bool:

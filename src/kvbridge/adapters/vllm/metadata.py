@@ -31,6 +31,8 @@ class RecvTask:
     num_tokens: int
     skip_tokens: int
     remote_blocks: list[int] | BlockTable | None = None
+    ticket: str = ""
+    """The handoff's ticket, sent with every message about the transfer."""
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Forgo:
     req_id: str
     transfer_id: str
     prefill: PrefillAddress
+    ticket: str = ""
 
 
 @dataclass
@@ -57,6 +60,8 @@ class SendStep:
     computed_before: int
     computed_after: int
     first: bool
+    ticket: str = ""
+    """The handoff's ticket (on the first step): the sender refuses messages without it."""
 
     @property
     def last(self) -> bool:

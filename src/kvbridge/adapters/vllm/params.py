@@ -23,6 +23,7 @@ import msgspec
 from kvbridge.core.blocks import BlockTable
 from kvbridge.core.tp import check_pairing, idle_prefill_ranks, prefill_ranks
 from kvbridge.errors import IncompatiblePeerError
+from kvbridge.wire.auth import new_ticket
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,11 @@ class KVBridgeParams(msgspec.Struct, frozen=True):
     remote_group_blocks: list[list[int]] | None = None
     """P-first decode side, hybrid manager: the other KV cache groups' blocks for the
     same positions (:mod:`kvbridge.core.blocks`)."""
+    ticket: str = ""
+    """The transfer's ticket (:func:`new_ticket`): the proxy gives both sides the same one
+    in the push flow, the prefill draws one for a P-first request and returns it to the
+    decode side here. The prefill acts only on messages that carry it
+    (:class:`kvbridge.wire.messages.Abort`)."""
 
 
 class Handoff(msgspec.Struct, frozen=True):
@@ -129,6 +135,7 @@ class Handoff(msgspec.Struct, frozen=True):
     prefill: PrefillAddress | None = None
     remote_blocks: list[int] | None = None
     remote_group_blocks: list[list[int]] | None = None
+    ticket: str = ""
 
     def remote_table(self) -> BlockTable | None:
         """P-first decode side: the prefill's blocks as a table (every KV cache group)."""
@@ -169,10 +176,14 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
             prefill=kb.prefill,
             remote_blocks=kb.remote_blocks,
             remote_group_blocks=kb.remote_group_blocks,
+            # a P-first prefill draws the ticket it returns (pull_response); a pushed
+            # request given none (an older proxy) is bound to its first decode instance
+            ticket=kb.ticket
+            or (new_ticket() if kb.role == "prefill" and kb.flow == "pull" else ""),
         )
     if params.get("do_remote_decode"):
         # vLLM's P-first protocol, request to the prefill instance
-        return Handoff(role="prefill", flow="pull", transfer_id=request_id)
+        return Handoff(role="prefill", flow="pull", transfer_id=request_id, ticket=new_ticket())
     if params.get("do_remote_prefill"):
         log.warning(
             "kvbridge: request %s carries do_remote_prefill without kvbridge's block (params from "
@@ -190,6 +201,7 @@ def pull_response(
     num_tokens: int,
     host: str,
     port: int,
+    ticket: str,
 ) -> dict[str, Any]:
     """``kv_transfer_params`` the prefill side returns in the P-first flow: vLLM's own
     fields (so generic routers pass it on) plus kvbridge's block for the decode side.
@@ -213,6 +225,7 @@ def pull_response(
                 prefill=prefill,
                 remote_blocks=blocks,
                 remote_group_blocks=groups or None,
+                ticket=ticket,
             )
         ),
     }

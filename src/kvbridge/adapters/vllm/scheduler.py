@@ -96,6 +96,7 @@ class _Prefill:
     transfer_id: str
     flow: str
     num_tokens: int
+    ticket: str = ""
     started: bool = False
     blocks: int = 0
     """Blocks (of ``transfer_block_size`` tokens) handed to the workers so far."""
@@ -296,7 +297,7 @@ class SchedulerSide:
                 self._send_owner[h.transfer_id] = request.request_id
                 self._send_tid[request.request_id] = h.transfer_id
                 self._prefill[request.request_id] = _Prefill(
-                    h.transfer_id, h.flow, request.num_prompt_tokens
+                    h.transfer_id, h.flow, request.num_prompt_tokens, ticket=h.ticket
                 )
             return
         if request.request_id in self._recv_active:
@@ -312,7 +313,7 @@ class SchedulerSide:
                 req_id,
                 tid,
             )
-            self._forgo_new.append(Forgo(req_id, tid, h.prefill))
+            self._forgo_new.append(Forgo(req_id, tid, h.prefill, ticket=h.ticket))
             self._recv_ended.add(tid, "forgone")
             self._recv_done.add(req_id)
             return
@@ -350,6 +351,7 @@ class SchedulerSide:
                 num_tokens=num_tokens,
                 skip_tokens=skip_blocks * self.block_size,
                 remote_blocks=h.remote_blocks if not self._grouped else h.remote_table(),
+                ticket=h.ticket,
             )
         )
         self._recv_active[request.request_id] = h.transfer_id
@@ -414,6 +416,7 @@ class SchedulerSide:
                         computed_before=before,
                         computed_after=after,
                         first=not p.started,
+                        ticket=p.ticket,
                     )
                 )
                 p.started = True
@@ -480,7 +483,14 @@ class SchedulerSide:
             total = math.ceil(p.num_tokens / self.unit)
             blocks = self._blocks(block_ids, total, total=total, state=p.state)
             return True, kvparams.pull_response(
-                p.transfer_id, address, self.engine_id, blocks, p.num_tokens, self.host, port
+                p.transfer_id,
+                address,
+                self.engine_id,
+                blocks,
+                p.num_tokens,
+                self.host,
+                port,
+                ticket=p.ticket,
             )
         # push: tell the caller where we are (a proxy notices a restarted prefill here)
         address = self._address()

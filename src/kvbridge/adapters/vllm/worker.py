@@ -248,6 +248,7 @@ class WorkerSide:
                     step.computed_before,
                     pull=step.flow == "pull",
                     ready=ready,
+                    ticket=step.ticket,
                 )
             elif step.new_blocks:
                 ep.sender.add_blocks(step.transfer_id, step.new_blocks)
@@ -287,14 +288,23 @@ class WorkerSide:
                     task.block_ids,
                     task.num_tokens,
                     task.skip_tokens,
+                    ticket=task.ticket,
                 )
             else:
                 ep.receiver.expect_push(
-                    task.transfer_id, addresses, task.block_ids, task.num_tokens, task.skip_tokens
+                    task.transfer_id,
+                    addresses,
+                    task.block_ids,
+                    task.num_tokens,
+                    task.skip_tokens,
+                    ticket=task.ticket,
                 )
             if idle:
                 ep.receiver.release_idle(
-                    task.transfer_id, [s.address for s in idle], [s.epoch or None for s in idle]
+                    task.transfer_id,
+                    [s.address for s in idle],
+                    [s.epoch or None for s in idle],
+                    ticket=task.ticket,
                 )
         for forgo in meta.forgo:
             try:
@@ -307,6 +317,7 @@ class WorkerSide:
                 [s.address for s in sources],
                 [s.epoch or None for s in sources],
                 "the decode computes the prompt itself",
+                ticket=forgo.ticket,
             )
         for req_id, tid in meta.abort_recv.items():
             if ep.receiver.abort(tid, "the engine finished the request before its KV arrived"):

@@ -1,0 +1,191 @@
+"""The proxy against stand-in upstreams that fail the ways real ones do (a decode that dies
+mid-stream or stalls, a prefill that answers garbage) and against hostile or heavy
+clients: every answer stays well-formed HTTP with an error that names the cause."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from test_proxy_flows import _completions_app, _serve
+
+from kvbridge.proxy.app import Proxy
+
+BODY = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 9, "stream": True}
+
+
+def _event(i: int) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"text": f"t{i}"}]}).encode() + b"\n\n"
+
+
+async def _streaming_decode(
+    events: int, gap_s: float, then: str, release: asyncio.Event | None = None
+) -> tuple[web.AppRunner, str]:
+    """A decode that streams ``events`` SSE events ``gap_s`` apart, then ``then``: ``done``
+    (``[DONE]``, a clean end), ``die`` (closes the connection mid-stream) or ``stall``
+    (sends nothing more until ``release`` is set)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(events):
+            await out.write(_event(i))
+            await asyncio.sleep(gap_s)  # the upstream's pace is what is under test
+        if then == "die":
+            request.transport.close()
+        elif then == "stall":
+            assert release is not None
+            await release.wait()
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    return await _serve(_completions_app(handle))
+
+
+async def _prefill(reply: bytes) -> tuple[web.AppRunner, str]:
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=reply, content_type="application/json")
+
+    return await _serve(_completions_app(handle))
+
+
+async def _stream_through(
+    events: int, gap_s: float, then: str, **proxy_kw: Any
+) -> tuple[int, list[str]]:
+    """One streamed request through a P-first proxy in front of :func:`_streaming_decode`:
+    the status and the SSE events' data as the client read them."""
+    release = asyncio.Event()
+    d_runner, d_url = await _streaming_decode(events, gap_s, then, release)
+    p_runner, p_url = await _prefill(b'{"choices": [], "kv_transfer_params": {"x": 1}}')
+    runner, url = await _serve(Proxy([p_url], [d_url], flow="pull", **proxy_kw).app())
+    try:
+        timeout = aiohttp.ClientTimeout(total=20)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as client,
+            client.post(f"{url}/v1/completions", json=BODY) as resp,
+        ):
+            body = await resp.read()  # raises on a broken chunked encoding
+            return resp.status, [e.removeprefix("data: ") for e in body.decode().split("\n\n") if e]
+    finally:
+        release.set()
+        for r in (runner, p_runner, d_runner):
+            await r.cleanup()
+
+
+def _error_event(events: list[str]) -> str:
+    assert events[-1] == "[DONE]", events
+    return json.loads(events[-2])["error"]["message"]
+
+
+def test_a_decode_that_dies_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    """Before: a second ``HTTP/1.1 502`` status line inside the chunked 200 body (curl: a
+    broken chunked encoding; an aiohttp client hung until its own timeout)."""
+    status, events = asyncio.run(_stream_through(2, 0.0, "die"))
+    assert status == 200
+    assert events[:2] == [json.dumps({"choices": [{"text": f"t{i}"}]}) for i in range(2)]
+    assert "failed mid-stream" in _error_event(events) and len(events) == 4
+
+
+def test_a_stream_longer_than_the_read_timeout_is_not_cut() -> None:
+    status, events = asyncio.run(_stream_through(6, 0.1, "done", read_timeout=0.4))
+    assert status == 200 and len(events) == 7 and events[-1] == "[DONE]"
+
+
+def test_a_decode_that_stalls_mid_stream_fails_at_the_read_timeout() -> None:
+    status, events = asyncio.run(_stream_through(1, 0.0, "stall", read_timeout=0.5))
+    assert status == 200 and len(events) == 3
+    assert "Timeout" in _error_event(events)
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        (b"<html>busy</html>", "not JSON"),
+        (b"[1, 2]", "a JSON list, not an object"),
+        (b'{"choices": [], "kv_transfer_params": "oops"}', "kv_transfer_params of type str"),
+    ],
+    ids=["not-json", "array", "params-not-object"],
+)
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_a_prefill_answering_garbage_gets_a_502_naming_it(
+    reply: bytes, says: str, flow: str
+) -> None:
+    async def run() -> tuple[int, dict[str, Any]]:
+        d_runner, d_url = await _streaming_decode(1, 0.0, "done")
+        p_runner, p_url = await _prefill(reply)
+        runner, url = await _serve(Proxy([p_url], [d_url], flow=flow, timeout=10).app())
+        try:
+            async with aiohttp.ClientSession() as client:
+                body = dict(BODY, stream=False)
+                async with client.post(f"{url}/v1/completions", json=body) as resp:
+                    return resp.status, await resp.json()
+        finally:
+            for r in (runner, p_runner, d_runner):
+                await r.cleanup()
+
+    status, out = asyncio.run(run())
+    assert status == 502, out
+    assert says in out["error"]["message"] and p_url_named(out)
+
+
+def p_url_named(out: dict[str, Any]) -> bool:
+    return "prefill instance http://127.0.0.1:" in out["error"]["message"]
+
+
+def test_a_request_body_nested_100k_levels_gets_a_400() -> None:
+    async def run() -> tuple[int, dict[str, Any]]:
+        runner, url = await _serve(Proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"]).app())
+        try:
+            async with aiohttp.ClientSession() as client:
+                data = b"[" * 100_000 + b"]" * 100_000
+                async with client.post(f"{url}/v1/completions", data=data) as resp:
+                    return resp.status, await resp.json()
+        finally:
+            await runner.cleanup()
+
+    status, out = asyncio.run(run())
+    assert status == 400 and "not JSON" in out["error"]["message"]
+
+
+def test_more_concurrent_requests_than_aiohttp_s_default_connection_limit_all_proceed() -> None:
+    """The decode answers none until all of them arrived: behind aiohttp's default limit
+    of 100 connections the 101st never would."""
+    n = 150
+
+    async def run() -> list[int]:
+        arrived, everyone = 0, asyncio.Event()
+
+        async def handle(request: web.Request) -> web.Response:
+            nonlocal arrived
+            await request.read()
+            arrived += 1
+            if arrived == n:
+                everyone.set()
+            await asyncio.wait_for(everyone.wait(), 15)
+            return web.json_response({"choices": [{"text": "x"}]})
+
+        d_runner, d_url = await _serve(_completions_app(handle))
+        p_runner, p_url = await _prefill(b'{"choices": [], "kv_transfer_params": {"x": 1}}')
+        runner, url = await _serve(Proxy([p_url], [d_url], flow="pull").app())
+        try:
+            conn = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=conn) as client:
+
+                async def one() -> int:
+                    async with client.post(
+                        f"{url}/v1/completions", json=dict(BODY, stream=False)
+                    ) as resp:
+                        return resp.status
+
+                return await asyncio.gather(*(one() for _ in range(n)))
+        finally:
+            for r in (runner, p_runner, d_runner):
+                await r.cleanup()
+
+    assert asyncio.run(run()) == [200] * n

@@ -1,0 +1,170 @@
+"""Seeded fuzzing of every decoder kvbridge exposes to the network: the side channel's and
+the transport notifications' frames (:class:`~kvbridge.wire.codec.Codec`, with and
+without a secret) and the SGLang backend's control messages and notifications
+(:mod:`kvbridge.adapters.sglang.messages`).
+
+Inputs: valid frames of every message, mutated (bytes flipped, cut, repeated, length
+prefixes inflated, nesting headers spliced in), and random bytes. A decoder may raise
+only kvbridge's own :class:`~kvbridge.errors.KVBridgeError`, must answer each input
+well within a second (a hang or a quadratic blow-up, not a speed figure), and may not
+keep or balloon memory."""
+
+from __future__ import annotations
+
+import random
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+from test_wire import ALL_MESSAGES, INFO
+
+from kvbridge.adapters.sglang import messages as sg
+from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.errors import IncompatiblePeerError, KVBridgeError
+from kvbridge.wire.auth import seal, unseal
+from kvbridge.wire.codec import Codec
+
+CASES = 30_000
+"""Per decoder (about 1 s each here)."""
+CASE_BOUND_S = 0.5
+PEAK_BYTES = 64 << 20
+SECRET = b"fuzz"
+
+_LENGTH_BOMBS = (b"\xdd\xff\xff\xff\x7f", b"\xdf\xff\xff\xff\x7f", b"\xc6\xff\xff\xff\x7f")
+"""msgpack headers of an array, a map and a bin claiming ~2**31 elements or bytes."""
+
+
+def _mutate(rng: random.Random, seed: bytes) -> bytes:
+    data = bytearray(seed)
+    for _ in range(rng.randint(1, 4)):
+        op = rng.randrange(7)
+        at = rng.randrange(len(data) + 1)
+        if op == 0 and data:  # flip a byte
+            data[min(at, len(data) - 1)] = rng.randrange(256)
+        elif op == 1:  # cut
+            data = data[:at]
+        elif op == 2:  # splice in deep nesting
+            data[at:at] = b"\x91" * rng.choice((10, 500, 5000)) + b"\xc0"
+        elif op == 3:  # a length prefix claiming billions
+            data[at:at] = rng.choice(_LENGTH_BOMBS)
+        elif op == 4:  # repeat a slice
+            piece = data[at : at + rng.randint(1, 64)]
+            data[at:at] = piece * rng.randint(1, 50)
+        elif op == 5:  # random bytes
+            data[at:at] = rng.randbytes(rng.randint(1, 32))
+        else:  # a whole random input
+            data = bytearray(rng.randbytes(rng.randint(0, 256)))
+    return bytes(data)
+
+
+def _inputs(seeds: list[bytes], rng: random.Random) -> Iterator[bytes]:
+    yield from seeds
+    for i in range(CASES):
+        yield _mutate(rng, seeds[i % len(seeds)])
+
+
+def _fuzz(decode: Callable[[bytes], object], seeds: list[bytes], seed: int) -> None:
+    rng = random.Random(seed)
+    tracemalloc.start()
+    try:
+        for data in _inputs(seeds, rng):
+            start = time.perf_counter()
+            try:
+                decode(data)
+            except KVBridgeError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the failure this test looks for
+                pytest.fail(f"{type(exc).__name__} on input {data[:80]!r}...: {exc}")
+            took = time.perf_counter() - start
+            assert took < CASE_BOUND_S, f"{took:.2f} s on input {data[:80]!r}..."
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < PEAK_BYTES, f"decoding peaked at {peak >> 20} MiB"
+    assert current < 1 << 20, f"{current >> 10} KiB still held after decoding"
+
+
+def _frames(codec: Codec) -> list[bytes]:
+    return [codec.encode(msg) for msg in ALL_MESSAGES]
+
+
+def test_fuzz_side_channel_frames() -> None:
+    codec = Codec(INFO)
+    seeds = _frames(codec)
+    # a peer of another compatibility class: the error path that reads its handshake
+    other = _frames(Codec(msgspec.structs.replace(INFO, model="another")))
+    for frame in other:
+        with pytest.raises(IncompatiblePeerError):
+            codec.decode(frame)
+    seeds += other
+    _fuzz(codec.decode, seeds, seed=1)
+
+
+def test_fuzz_authenticated_notifications() -> None:
+    """What :meth:`kvbridge.runtime.node.Node.decode_note` does: the MAC first."""
+    codec = Codec(INFO)
+
+    def decode(data: bytes) -> object:
+        body = unseal(SECRET, data, b"note")
+        return None if body is None else codec.decode(body)
+
+    seeds = [seal(SECRET, f, b"note") for f in _frames(codec)]
+    # mutations of the frame under a recomputed MAC reach the decoder
+    rng = random.Random(2)
+    seeds += [seal(SECRET, _mutate(rng, f), b"note") for f in _frames(codec) for _ in range(3)]
+    _fuzz(decode, seeds, seed=3)
+
+
+SG_SPEC = CacheSpec(
+    num_layers=2, block_size=1, num_kv_heads=2, head_dim=8, dtype="float32", layout="fused"
+)
+
+
+def _sglang_messages() -> list[sg.Message]:
+    from kvbridge.adapters.sglang.layout import AuxLayout
+
+    geo = CacheGeometry(spec=SG_SPEC, num_blocks=8, plane_bases=(1 << 20, 1 << 21))
+    return [
+        sg.Registration(
+            agent="d",
+            epoch="e",
+            transport="nixl",
+            transport_md=b"md",
+            geometry=geo,
+            aux=AuxLayout(ptrs=(1 << 22,), item_lens=(4,), rows=2),
+            ip="127.0.0.1",
+            port=5,
+        ),
+        sg.Destination(
+            room=7,
+            agent="d",
+            ip="127.0.0.1",
+            port=5,
+            pages=sg.encode_pages([3, 4]),
+            aux_index=1,
+            required_dst_info_num=1,
+        ),
+        sg.Done(room=7, prefill_rank=0, epoch="e", pages=2, bytes=64),
+    ]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_fuzz_sglang_control_messages(secret: bytes | None) -> None:
+    def decode(data: bytes) -> object:
+        # frames: tag, payload, and (with a secret) a MAC cut from the payload's tail
+        frames = [sg.TAG, data] if secret is None else [sg.TAG, data[:-32], data[-32:]]
+        try:
+            return sg.decode(frames, secret)
+        except sg.AuthenticationError as exc:  # what the prefill reads of a refused one
+            return exc.unverified
+
+    seeds = [b"".join(sg.encode(msg, secret)[1:]) for msg in _sglang_messages()]
+    _fuzz(decode, seeds, seed=4)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
+def test_fuzz_sglang_notifications(secret: bytes | None) -> None:
+    seeds = [sg.encode_payload(msg, secret) for msg in _sglang_messages()]
+    _fuzz(lambda data: sg.decode_payload(data, secret), seeds, seed=5)
