@@ -55,7 +55,9 @@ class Servers(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def servers(
+    model_dir: Path, reference: VllmServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
     logs = tmp_path_factory.mktemp("proxy")
 
     def make(name: str, args: list[str]) -> VllmServer:
@@ -64,14 +66,15 @@ def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     s = Servers(
         p=make("P", kv_args("kv_producer", "nixl")),
         d=make("D", kv_args("kv_consumer", "nixl", policy="recompute")),
-        c=make("C", []),
+        c=reference,  # the session's shared colocated server
         p2=make("P2", kv_args("kv_producer", "nixl")),
         d2=make("D2", kv_args("kv_consumer", "nixl", policy="fail")),
     )
     start_all(list(s))
     yield s
     for server in s:
-        server.stop()
+        if server is not reference:  # the session's pool owns it
+            server.stop()
 
 
 @pytest.fixture(scope="module", params=["push", "pull"])

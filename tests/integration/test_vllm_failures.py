@@ -40,12 +40,12 @@ class Cluster:
     """P (restartable, fixed side-channel port), D (recompute policy), C (colocated),
     X (decode with another block size and the fail policy: incompatible)."""
 
-    def __init__(self, model_dir: Path, logs: Path) -> None:
+    def __init__(self, model_dir: Path, logs: Path, c: VllmServer) -> None:
         self.model_dir, self.logs = model_dir, logs
         self.side_port = free_port()
         self.p = self._prefill()
         self.d = self._decode()
-        self.c = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
+        self.c = c  # the session's shared colocated server (started with the others)
         x_args = ["--block-size", "64", "--max-num-batched-tokens", "256"]
         self.x = VllmServer(
             model_dir,
@@ -83,13 +83,15 @@ class Cluster:
         self.address = discover(self.p.url)
 
     def stop(self) -> None:
-        for s in (self.p, self.d, self.c, self.x):
+        for s in (self.p, self.d, self.x):  # not c: the session's pool owns it
             s.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("failures"))
+def cluster(
+    model_dir: Path, reference: VllmServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    c = Cluster(model_dir, tmp_path_factory.mktemp("failures"), reference)
     yield c
     c.stop()
 

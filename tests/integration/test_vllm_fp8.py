@@ -41,18 +41,6 @@ PROMPTS = [random_prompt(n, seed=1000 + n) for n in (20, BLOCK, 3 * BLOCK + 5, 2
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    server = VllmServer(
-        model_dir,
-        extra_args=COMMON_ARGS,
-        log_path=tmp_path_factory.mktemp("fp8-colocated") / "C.log",
-    )
-    start_all([server])
-    yield server
-    server.stop()
-
-
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def fp8_pd(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory

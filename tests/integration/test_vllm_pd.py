@@ -50,15 +50,6 @@ class PD:
         self.address = discover(p.url)
 
 
-@pytest.fixture(scope="module")
-def colocated(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    logs = tmp_path_factory.mktemp("colocated")
-    server = VllmServer(model_dir, extra_args=COMMON_ARGS, log_path=logs / "C.log")
-    start_all([server])
-    yield server
-    server.stop()
-
-
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def pd(
     request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
