@@ -189,3 +189,71 @@ def test_more_concurrent_requests_than_aiohttp_s_default_connection_limit_all_pr
                 await r.cleanup()
 
     assert asyncio.run(run()) == [200] * n
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_a_dead_prefill_among_healthy_ones_costs_clients_nothing(flow: str) -> None:
+    """Before: each such request failed with 502, and after a 5 s back-off a client's
+    request went to the dead instance again (56 failures in one run under load). Now the
+    request goes to the other prefill, and the dead one is probed in the background
+    until it answers again (its side channel then learnt anew)."""
+    address = {"address": "tcp://127.0.0.1:1", "engine_id": "p", "epoch": "e1"}
+    reply = {"choices": [{"text": "x"}], "kv_transfer_params": {"kvbridge": {"prefill": address}}}
+    health_ok = asyncio.Event()
+
+    async def run() -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        async def handle(request: web.Request) -> web.Response:
+            await request.read()
+            return web.json_response(reply)
+
+        async def health(request: web.Request) -> web.Response:
+            health_ok.set()
+            return web.json_response({})
+
+        live = _completions_app(handle)
+        p_runner, p_url = await _serve(live)
+        d_runner, d_url = await _serve(_completions_app(handle))
+        dead_runner, dead_url = await _serve(_completions_app(handle))
+        await dead_runner.cleanup()  # its port now refuses connections
+        proxy = Proxy([dead_url, p_url], [d_url], flow=flow)
+        runner, url = await _serve(proxy.app())
+        try:
+            async with aiohttp.ClientSession() as client:
+
+                async def one() -> int:
+                    body = dict(BODY, stream=False)
+                    async with client.post(f"{url}/v1/completions", json=body) as resp:
+                        return resp.status
+
+                statuses = [await one() for _ in range(6)]
+                async with client.get(f"{url}/health") as resp:
+                    before = await resp.json()
+                # the dead instance comes back on its port: the background probe finds it
+                port = int(dead_url.rsplit(":", 1)[1])
+                back = _completions_app(handle)
+                back.router.add_get("/health", health)
+                revived = web.AppRunner(back)
+                await revived.setup()
+                await web.TCPSite(revived, "127.0.0.1", port).start()
+                try:
+                    await asyncio.wait_for(health_ok.wait(), 10)
+                    dead = proxy.prefill.instances[0]
+                    for _ in range(100):  # the probe's answer is applied after it returns
+                        if dead.up:
+                            break
+                        await asyncio.sleep(0.01)
+                    async with client.get(f"{url}/health") as resp:
+                        after = await resp.json()
+                finally:
+                    await revived.cleanup()
+                return statuses, before, after
+        finally:
+            for r in (runner, p_runner, d_runner):
+                await r.cleanup()
+
+    statuses, before, after = asyncio.run(run())
+    assert statuses == [200] * 6
+    dead_before, live_before = before["prefill"]
+    assert dead_before["failures"] == 1 and not dead_before["up"], before
+    assert live_before["served"] == 6
+    assert after["prefill"][0]["up"], after

@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 FLOWS = ("push", "pull", "sequential")
 
-BACKOFF_S = 5.0
-"""How long an instance that could not be reached is skipped."""
+PROBE_S = 1.0
+"""How often an instance marked down is probed (``GET /health``) until it answers."""
 
 DP_HEADER = "X-data-parallel-rank"
 """vLLM's request header naming the data-parallel rank that serves a request."""
@@ -62,12 +62,20 @@ class UpstreamError(Exception):
     """An instance failed: ``status`` and ``body`` go to the client as they are."""
 
     def __init__(
-        self, status: int, body: bytes | dict, content_type: str = "application/json"
+        self,
+        status: int,
+        body: bytes | dict,
+        content_type: str = "application/json",
+        *,
+        retry: bool = False,
     ) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
         self.content_type = content_type
+        self.retry = retry
+        """The prefill could not be reached or died before the client got anything:
+        the request may go to another prefill instance."""
 
     def response(self) -> web.Response:
         if isinstance(self.body, dict):
@@ -77,9 +85,11 @@ class UpstreamError(Exception):
         )
 
 
-def _error(status: int, message: str) -> UpstreamError:
+def _error(status: int, message: str, *, retry: bool = False) -> UpstreamError:
     return UpstreamError(
-        status, {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}}
+        status,
+        {"error": {"message": message, "type": "kvbridge_proxy_error", "code": status}},
+        retry=retry,
     )
 
 
@@ -157,6 +167,8 @@ class Proxy:
         self._session: aiohttp.ClientSession | None = None
         self._probing: dict[str, asyncio.Task[None]] = {}
         """Prefill URL -> the probe of its DP ranks in flight (:meth:`_probe_once`)."""
+        self._watching: dict[tuple[str, str], asyncio.Task[None]] = {}
+        """(role, URL) -> the background probe of an instance marked down (:meth:`_down`)."""
 
     # --- application ---------------------------------------------------------------------
 
@@ -176,8 +188,36 @@ class Proxy:
         )
 
     async def _stop(self, app: web.Application) -> None:
+        for task in list(self._watching.values()):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
+
+    def _down(self, i: Instance, error: str) -> None:
+        """``i`` failed: no client's request goes to it until a background probe of its
+        ``/health`` answers 200 (every :data:`PROBE_S` seconds)."""
+        i.mark_down(error)
+        key = (i.role, i.url)
+        if key not in self._watching:
+            task = asyncio.create_task(self._watch(i))
+            self._watching[key] = task
+            task.add_done_callback(lambda _: self._watching.pop(key, None))
+
+    async def _watch(self, i: Instance) -> None:
+        probe = aiohttp.ClientTimeout(total=2 * PROBE_S)
+        while not i.up:
+            await asyncio.sleep(PROBE_S)  # polling another process: it sends no event
+            try:
+                async with self.session.get(f"{i.url}/health", timeout=probe) as resp:
+                    healthy = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+            if healthy:
+                if i.role == "prefill":  # a restarted prefill has new side channels
+                    i.addresses.clear()
+                    i.dp_size = None
+                log.info("%s instance %s answers again", i.role, i.url)
+                i.mark_up()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -201,7 +241,7 @@ class Proxy:
                     body=await resp.read(), status=resp.status, content_type="application/json"
                 )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            d.mark_down(str(exc), BACKOFF_S)
+            self._down(d, str(exc))
             return _error(502, f"decode instance {d.url} unreachable: {exc}").response()
 
     async def health(self, request: web.Request) -> web.Response:
@@ -227,16 +267,29 @@ class Proxy:
             return _error(400, "request body must be a JSON object").response()
         p, d = self.prefill.pick(), self.decode.pick()
         assert p is not None and d is not None
-        p.inflight += 1
         d.inflight += 1
+        retried = False
         try:
-            if self.flow in ("pull", "sequential"):
-                return await self._pull(request, path, body, p, d)
-            return await self._push(request, path, body, p, d)
-        except UpstreamError as exc:
-            return exc.response()
+            while True:
+                p.inflight += 1
+                try:
+                    if self.flow in ("pull", "sequential"):
+                        return await self._pull(request, path, body, p, d)
+                    return await self._push(request, path, body, p, d)
+                except UpstreamError as exc:
+                    other = None if retried or not exc.retry else self.prefill.pick(avoid=p)
+                    if other is None or other is p or not other.up:
+                        return exc.response()
+                    log.warning(
+                        "prefill instance %s failed before the client got anything; the "
+                        "request goes to %s",
+                        p.url,
+                        other.url,
+                    )
+                finally:
+                    p.inflight -= 1
+                p, retried = other, True
         finally:
-            p.inflight -= 1
             d.inflight -= 1
 
     # --- flows ---------------------------------------------------------------------------
@@ -395,9 +448,11 @@ class Proxy:
                         resp.status, data, resp.headers.get("Content-Type", "application/json")
                     )
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            p.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            self._down(p, f"{type(exc).__name__}: {exc}")
             raise _error(
-                502, f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}"
+                502,
+                f"prefill instance {p.url} unreachable: {type(exc).__name__}: {exc}",
+                retry=True,
             ) from exc
         p.mark_up()
         if serving:
@@ -412,7 +467,7 @@ class Proxy:
         try:
             resp = await self.session.post(f"{d.url}{path}", json=body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            self._down(d, f"{type(exc).__name__}: {exc}")
             raise _error(
                 502, f"decode instance {d.url} unreachable: {type(exc).__name__}: {exc}"
             ) from exc
@@ -442,7 +497,7 @@ class Proxy:
             )
             await out.prepare(request)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            self._down(d, f"{type(exc).__name__}: {exc}")
             raise _error(
                 502, f"decode instance {d.url} failed mid-response: {type(exc).__name__}: {exc}"
             ) from exc
@@ -453,7 +508,7 @@ class Proxy:
                 tail = (tail + chunk)[-2:]
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # the status line is sent: end the stream as vLLM's server ends a failed one
-            d.mark_down(f"{type(exc).__name__}: {exc}", BACKOFF_S)
+            self._down(d, f"{type(exc).__name__}: {exc}")
             message = f"decode instance {d.url} failed mid-stream: {type(exc).__name__}: {exc}"
             log.warning("%s", message)
             error = {"error": {"message": message, "type": "kvbridge_proxy_error", "code": 502}}

@@ -1,7 +1,8 @@
 """The proxy's view of its prefill and decode instances: load and side-channel address.
 
 :class:`Pool` picks the instance with the fewest requests in flight (ties broken
-round-robin) and skips instances marked down until their back-off ends. Prefill
+round-robin) and skips instances marked down until they are marked up again (the proxy
+probes a down instance in the background; a client's request never does). Prefill
 instances also carry their kvbridge side-channel address, learned by a ``discover``
 request and refreshed from every prefill response (a restarted instance has a new
 epoch, maybe a new port). Used from one asyncio loop; not thread-safe.
@@ -22,7 +23,8 @@ class Instance:
     inflight: int = 0
     served: int = 0
     failures: int = 0
-    down_until: float = 0.0
+    down_since: float | None = None
+    """When it was marked down (None: up)."""
     last_error: str = ""
     addresses: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Prefill only: data-parallel rank -> that rank's kvbridge side channel
@@ -36,15 +38,16 @@ class Instance:
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return self.down_since is None
 
-    def mark_down(self, error: str, backoff_s: float) -> None:
+    def mark_down(self, error: str) -> None:
         self.failures += 1
         self.last_error = error
-        self.down_until = time.monotonic() + backoff_s
+        if self.down_since is None:
+            self.down_since = time.monotonic()
 
     def mark_up(self) -> None:
-        self.down_until = 0.0
+        self.down_since = None
 
     def learn(self, address: dict[str, Any]) -> None:
         """Record a side-channel address a prefill response carried (every response does:
@@ -86,10 +89,11 @@ class Pool:
         self.instances = [Instance(url=u.rstrip("/"), role=role) for u in urls]
         self._ticket = itertools.count()
 
-    def pick(self) -> Instance | None:
-        """Least loaded instance that is up (or, if none is, the one back soonest)."""
-        candidates = [i for i in self.instances if i.up] or sorted(
-            self.instances, key=lambda i: i.down_until
+    def pick(self, avoid: Instance | None = None) -> Instance | None:
+        """Least loaded instance that is up, other than ``avoid`` (if none is: the one
+        down the longest, ``avoid`` too, whose failure the caller then reports)."""
+        candidates = [i for i in self.instances if i.up and i is not avoid] or sorted(
+            self.instances, key=lambda i: i.down_since or 0.0
         )[:1]
         if not candidates:
             return None
