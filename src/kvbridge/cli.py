@@ -1,6 +1,7 @@
 """The ``kvbridge`` command.
 
-kvbridge doctor [--json] [--transport NAME ...]   which transports work here, and fixes
+kvbridge doctor [--json] [--transport NAME ...] [--config JSON]
+                                                  which transports work here, and fixes
 kvbridge config [JSON | @FILE] [--json]           validate a config; print the effective one
 kvbridge proxy --prefill URL --decode URL [--port N] [--flow push|pull|sequential]
                                                   OpenAI-compatible prefill/decode proxy
@@ -33,6 +34,13 @@ def _doctor(args: argparse.Namespace) -> int:
             "processes ..."
         )
     report = doctor.run(args.transport or None)
+    if args.config is not None:
+        from kvbridge.config import exposure_warning, load_config
+
+        warning = exposure_warning(load_config(_read(args.config)))
+        report["warnings"] = [warning] if warning else []
+        if warning and not args.json:
+            console.print(f"[yellow]warning:[/yellow] {warning}")
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -54,19 +62,23 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from kvbridge.config import load_config
+    from kvbridge.config import exposure_warning, load_config
     from kvbridge.errors import ConfigError
 
-    source = args.source
-    if source and source.startswith("@"):
-        source = Path(source[1:]).read_text()
     try:
-        cfg = load_config(source or None)
+        cfg = load_config(_read(args.source) or None)
     except ConfigError as exc:
         print(f"kvbridge config error: {exc}", file=sys.stderr)
         return 2
+    if (warning := exposure_warning(cfg)) is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     print(json.dumps(msgspec.to_builtins(cfg), indent=None if args.json else 2))
     return 0
+
+
+def _read(source: str | None) -> str | None:
+    """A config argument: JSON text, or ``@path`` to a file of it."""
+    return Path(source[1:]).read_text() if source and source.startswith("@") else source
 
 
 def _proxy(args: argparse.Namespace) -> int:
@@ -213,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("doctor", help="check which transports import and work on this machine")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.add_argument("--transport", action="append", help="check only this transport (repeatable)")
+    p.add_argument(
+        "--config",
+        help="also check this kvbridge config (JSON or @file): warns when the side channel "
+        "binds a non-loopback host without a secret",
+    )
     p.set_defaults(func=_doctor)
     p = sub.add_parser("config", help="validate a kvbridge config and print the effective values")
     p.add_argument(

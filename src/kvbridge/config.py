@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import re
 import typing
@@ -360,6 +361,31 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def exposure_warning(cfg: KVBridgeConfig) -> str | None:
+    """What a prefill with ``cfg`` exposes, or None: its side channel binds ``host``, so a
+    non-loopback ``host`` without a ``secret`` lets anyone who reaches the port shake
+    hands (and, P-first on the direct path, read the prefill's KV).
+
+    >>> exposure_warning(KVBridgeConfig()) is None
+    True
+    >>> exposure_warning(KVBridgeConfig(host="10.0.0.5")).split(":")[0]
+    "kvbridge's side channel binds 10.0.0.5 without a 'secret'"
+    """
+    if cfg.secret is not None or cfg.host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(cfg.host.strip("[]")).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to anything
+    return (
+        f"kvbridge's side channel binds {cfg.host} without a 'secret': anyone who reaches that "
+        "port can shake hands with this instance (and, in the P-first flow on the direct data "
+        "path, read its KV cache). Set the same 'secret' on prefill and decode, and keep KV "
+        "traffic on an isolated network (it moves unencrypted)"
+    )
+
+
 __all__ = [
     "KVBridgeConfig",
     "MooncakeOptions",
@@ -367,5 +393,6 @@ __all__ = [
     "Timeouts",
     "TransportName",
     "config_keys",
+    "exposure_warning",
     "load_config",
 ]

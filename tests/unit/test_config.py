@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvbridge.config import KVBridgeConfig, config_keys, load_config
@@ -92,3 +94,40 @@ def test_a_hand_built_config_is_checked_like_a_loaded_one() -> None:
         KVBridgeConfig(wire_dtype="fp8", data_path="direct")
     assert info.value.key == "data_path"
     assert KVBridgeConfig(wire_dtype="fp8").resolved_data_path == "packed"
+
+
+@pytest.mark.parametrize(
+    ("cfg", "exposed"),
+    [
+        ({}, False),
+        ({"host": "::1"}, False),
+        ({"host": "localhost"}, False),
+        ({"host": "10.0.0.5"}, True),
+        ({"host": "0.0.0.0"}, True),
+        ({"host": "prefill-0.internal"}, True),
+        ({"host": "10.0.0.5", "secret": "s"}, False),
+    ],
+)
+def test_a_side_channel_on_the_network_without_a_secret_is_warned_of(
+    cfg: dict, exposed: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvbridge import cli
+    from kvbridge.config import exposure_warning
+
+    warning = exposure_warning(load_config(cfg))
+    assert (warning is not None) == exposed
+    assert cli.main(["config", json.dumps(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert ("without a 'secret'" in err) == exposed and ("isolated network" in err) == exposed
+
+
+def test_doctor_warns_of_a_config_that_exposes_the_side_channel(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvbridge import cli
+
+    args = ["doctor", "--json", "--transport", "loopback", "--config"]
+    assert cli.main([*args, '{"host": "192.168.1.7"}']) == 0
+    assert "without a 'secret'" in json.loads(capsys.readouterr().out)["warnings"][0]
+    assert cli.main([*args, '{"host": "192.168.1.7", "secret": "s"}']) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvbridge.config import KVBridgeConfig
+from kvbridge.config import KVBridgeConfig, exposure_warning
 from kvbridge.core.layout import CacheGeometry
 from kvbridge.runtime.node import Node
 from kvbridge.runtime.receiver import Receiver
@@ -63,6 +63,8 @@ class Endpoint:
         self.server: SideChannelServer | None = None
         try:
             if send:
+                if (warning := exposure_warning(config)) is not None and rank == 0:
+                    log.warning("%s", warning)
                 self.sender = Sender(self.node, self.stats, on_outcome=self.activity.set)
                 port = config.side_channel_port + rank if config.side_channel_port else 0
                 self.server = SideChannelServer(
