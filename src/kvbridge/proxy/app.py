@@ -40,6 +40,7 @@ from aiohttp import web
 
 from kvbridge.proxy.pool import Instance, Pool
 from kvbridge.wire.auth import new_ticket
+from kvbridge.wire.codec import describe
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _prefill_result(p: Instance, data: bytes) -> dict[str, Any]:
         result = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise _error(
-            502, f"prefill instance {p.url} answered with a body that is not JSON: {str(exc)[:200]}"
+            502, f"prefill instance {p.url} answered with a body that is not JSON: {describe(exc)}"
         ) from None
     if not isinstance(result, dict):
         raise _error(
@@ -260,7 +261,7 @@ class Proxy:
         try:
             body = await request.json()
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
-            return _error(400, f"request body is not JSON: {str(exc)[:200]}").response()
+            return _error(400, f"request body is not JSON: {describe(exc)}").response()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body over {MAX_BODY_BYTES} bytes").response()
         if not isinstance(body, dict):

@@ -42,7 +42,9 @@ def _clip(text: str) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."
 
 
-def _short(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """``exc``'s text, cut to ``_MAX_ERROR_CHARS``: for errors that quote peer input
+    (they are logged and may be echoed back)."""
     return _clip(str(exc) or type(exc).__name__)
 
 
@@ -91,7 +93,7 @@ class Codec:
             frame = self._frame_decoder.decode(data)
         except UNDECODABLE as exc:
             raise WireError(
-                f"undecodable kvbridge frame ({_short(exc)})",
+                f"undecodable kvbridge frame ({describe(exc)})",
                 fix="check that the peer address points at a kvbridge side channel",
             ) from exc
         if frame.v != PROTOCOL_VERSION:
@@ -105,7 +107,7 @@ class Codec:
         try:
             return self._body_decoder.decode(frame.body)
         except UNDECODABLE as exc:
-            raise WireError(f"malformed kvbridge message from peer: {_short(exc)}") from exc
+            raise WireError(f"malformed kvbridge message from peer: {describe(exc)}") from exc
 
     def _incompatible(self, frame: _Frame) -> IncompatiblePeerError:
         try:
@@ -131,4 +133,4 @@ class Codec:
         )
 
 
-__all__ = ["MAX_FRAME_BYTES", "UNDECODABLE", "Codec"]
+__all__ = ["MAX_FRAME_BYTES", "UNDECODABLE", "Codec", "describe"]

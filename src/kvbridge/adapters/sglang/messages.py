@@ -43,7 +43,7 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
 from kvbridge.wire.auth import MAC_BYTES, mac, seal, unseal, verify
-from kvbridge.wire.codec import UNDECODABLE
+from kvbridge.wire.codec import UNDECODABLE, describe
 from kvbridge.wire.messages import StagingInfo
 
 PROTOCOL = 1
@@ -222,7 +222,7 @@ def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
     try:
         return _decoder.decode(data)
     except UNDECODABLE as exc:
-        raise WireError(f"malformed kvbridge message: {str(exc)[:300]}") from exc
+        raise WireError(f"malformed kvbridge message: {describe(exc)}") from exc
 
 
 def is_ours(frames: Sequence[bytes]) -> bool:
