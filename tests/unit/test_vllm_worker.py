@@ -676,3 +676,22 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
     )
     with pytest.raises(KVBridgeError, match=r"different block sizes \[32, 64\]"):
         cache_groups(SimpleNamespace(kv_cache_groups=[group(full, "a"), group(bigger, "b")]))
+
+
+def test_messages_kept_for_requests_not_tracked_yet_reach_a_gauge() -> None:
+    """A bound the operator can watch: decode messages that wait for their request."""
+    from kvbridge.wire.messages import Abort
+
+    p_ep, d_ep = endpoint("P", make_cache(1)), endpoint("D", make_cache(None))
+    try:
+        p = worker(p_ep)
+        assert p.stats().sends_early == 0
+        d_ep.node.connect(p_ep.address)
+        for tid in ("a", "b"):
+            abort = Abort(transfer_id=tid, peer=d_ep.node.id)
+            assert d_ep.node.client.request(p_ep.address, abort, 5).ok
+        snap = p.stats()
+        assert snap is not None and snap.sends_early == 2
+    finally:
+        d_ep.close()
+        p_ep.close()

@@ -53,6 +53,9 @@ class StatsSnapshot:
     keeps the largest."""
     sends_sending: int = 0
     """Level: prefill requests being written to the decode side (largest over ranks)."""
+    sends_early: int = 0
+    """Level: peer messages a prefill rank keeps for requests it does not track yet
+    (bounded: :data:`kvbridge.runtime.sender.MAX_EARLY_TRANSFERS`; largest over ranks)."""
     receives_allocated: int = 0
     """Level: decode requests whose destination has not reached the prefill side yet
     (staging room, handshake; largest over ranks)."""
@@ -151,6 +154,10 @@ REQUEST_GAUGES: dict[str, str] = {
         "(push) or reads them (pull)"
     ),
     "sends_sending": "Prefill requests whose KV is being written to the decode side",
+    "sends_early": (
+        "Decode messages kept for prefill requests this instance does not track yet (bounded; "
+        "a flood of them is refused and counted in messages_refused)"
+    ),
     "receives_allocated": (
         "Decode requests whose destination has not reached the prefill side yet (staging room, "
         "handshake)"

@@ -426,7 +426,11 @@ class WorkerSide:
         levels = dict.fromkeys(REQUEST_GAUGES, 0)
         if ep.sender is not None:
             sends = ep.sender.phases()
-            levels.update(sends_held=sends[SendPhase.HELD], sends_sending=sends[SendPhase.SENDING])
+            levels.update(
+                sends_held=sends[SendPhase.HELD],
+                sends_sending=sends[SendPhase.SENDING],
+                sends_early=ep.sender.early,
+            )
         if ep.receiver is not None:
             recvs = ep.receiver.phases()
             levels.update(
