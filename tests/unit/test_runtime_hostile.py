@@ -17,6 +17,7 @@ from runtime_pair import L, endpoint, eventually, make_cache
 from kvbridge.core.lifecycle import SendPhase
 from kvbridge.runtime import sender as sender_module
 from kvbridge.runtime import sidechannel
+from kvbridge.wire.auth import mac
 from kvbridge.wire.compat import PROTOCOL_VERSION
 from kvbridge.wire.messages import Abort, Destination, Heartbeat, LayerDone, Release, Reply
 
@@ -236,7 +237,12 @@ def _signed(server: str, msg, codec, stamp: bytes | None = None) -> list[bytes]:
     """The frames a client with the secret sends ``server``: what an eavesdropper captures."""
     payload = codec.encode(msg)
     stamp = stamp or sidechannel._stamp()
-    return [b"7", payload, sidechannel._request_mac(b"s", server, stamp, b"7", payload), stamp]
+    return [
+        b"7",
+        payload,
+        mac(b"s", *sidechannel._request_parts(server, stamp, b"7", payload)),
+        stamp,
+    ]
 
 
 def _detail(P, reply: list[bytes]) -> str:

@@ -512,8 +512,8 @@ class Proxy:
             self._down(d, f"{type(exc).__name__}: {exc}")
             message = f"decode instance {d.url} failed mid-stream: {type(exc).__name__}: {exc}"
             log.warning("%s", message)
-            error = {"error": {"message": message, "type": "kvbridge_proxy_error", "code": 502}}
-            event = b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+            event = b"data: " + json.dumps(_error(502, message).body).encode()
+            event += b"\n\ndata: [DONE]\n\n"
             await out.write(event if tail == b"\n\n" else b"\n\n" + event)
         else:
             d.served += 1

@@ -342,11 +342,25 @@ class Receiver:
                 self._tell,
                 entry,
                 i,
-                Abort(
-                    transfer_id=transfer_id, peer=self.node.id, reason=reason, ticket=entry.ticket
-                ),
+                self._abort(entry, reason),
             )
         return True
+
+    def _abort(self, entry: _In, reason: str) -> Abort:
+        """The ``Abort`` telling a source of ``entry`` to stop and let go."""
+        return Abort(
+            transfer_id=entry.req.transfer_id, peer=self.node.id, reason=reason, ticket=entry.ticket
+        )
+
+    def _release(self, entry: _In, ok: bool = True, reason: str = "") -> Release:
+        """The ``Release`` telling a source of ``entry`` (P-first) that we read its part."""
+        return Release(
+            transfer_id=entry.req.transfer_id,
+            peer=self.node.id,
+            ok=ok,
+            reason=reason,
+            ticket=entry.ticket,
+        )
 
     def take_finished(self) -> tuple[list[str], list[str]]:
         """(completed, failed) transfer ids since the last call; each exactly once."""
@@ -499,12 +513,7 @@ class Receiver:
             self._tell(
                 entry,
                 i,
-                Abort(
-                    transfer_id=entry.req.transfer_id,
-                    peer=self.node.id,
-                    ticket=entry.ticket,
-                    reason=entry.req.reason or "aborted",
-                ),
+                self._abort(entry, entry.req.reason or "aborted"),
             )
 
     def _start_read(self, entry: _In) -> None:
@@ -520,12 +529,7 @@ class Receiver:
                 )
                 with self._lock:
                     if entry.req.terminal:  # it holds blocks for us that we will not read
-                        stop = Abort(
-                            transfer_id=entry.req.transfer_id,
-                            peer=self.node.id,
-                            ticket=entry.ticket,
-                            reason=entry.req.reason or "aborted",
-                        )
+                        stop = self._abort(entry, entry.req.reason or "aborted")
                         self._pool.submit(self._tell, entry, i, stop)
                         continue
                     if entry.req.phase is RecvPhase.ALLOCATED:
@@ -803,20 +807,14 @@ class Receiver:
                 self._tell,
                 entry,
                 i,
-                Release(
-                    transfer_id=entry.req.transfer_id,
-                    peer=self.node.id,
-                    ticket=entry.ticket,
-                    ok=False,
-                    reason=str(error),
-                ),
+                self._release(entry, ok=False, reason=str(error)),
             )
         else:
             self._pool.submit(
                 self._tell,
                 entry,
                 i,
-                Release(transfer_id=entry.req.transfer_id, peer=self.node.id, ticket=entry.ticket),
+                self._release(entry),
             )
 
     def _retry_staging(self) -> None:
@@ -877,12 +875,7 @@ class Receiver:
                 self._tell,
                 entry,
                 i,
-                Abort(
-                    transfer_id=entry.req.transfer_id,
-                    peer=self.node.id,
-                    ticket=entry.ticket,
-                    reason=entry.req.reason or "timeout",
-                ),
+                self._abort(entry, entry.req.reason or "timeout"),
             )
 
     @staticmethod
@@ -909,12 +902,7 @@ class Receiver:
                 self._tell,
                 entry,
                 i,
-                Abort(
-                    transfer_id=entry.req.transfer_id,
-                    peer=self.node.id,
-                    reason=reason,
-                    ticket=entry.ticket,
-                ),
+                self._abort(entry, reason),
             )
 
     def close(self) -> None:

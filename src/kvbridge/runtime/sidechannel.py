@@ -21,7 +21,6 @@ handlers short. Client methods may be called from any thread (one lock per addre
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import socket
@@ -58,8 +57,9 @@ def _stamp() -> bytes:
     return int(time.time() * 1000).to_bytes(8, "big")
 
 
-def _request_mac(secret: bytes, address: str, stamp: bytes, rid: bytes, payload: bytes) -> bytes:
-    return mac(secret, b"request", address.encode(), stamp, rid, payload)
+def _request_parts(address: str, stamp: bytes, rid: bytes, payload: bytes) -> tuple[bytes, ...]:
+    """What a request's MAC covers (:func:`kvbridge.wire.auth.mac`)."""
+    return (b"request", address.encode(), stamp, rid, payload)
 
 
 def listening(address: str, timeout: float = 1.0) -> bool:
@@ -187,9 +187,7 @@ class SideChannelServer:
         if len(rest) != 2 or len(rest[1]) != 8:
             return "authentication failed: set the same 'secret' on prefill and decode"
         tag, stamp = rest
-        if not hmac.compare_digest(
-            tag, _request_mac(self._secret, self.address, stamp, rid, payload)
-        ):
+        if not verify(self._secret, tag, *_request_parts(self.address, stamp, rid, payload)):
             return "authentication failed: set the same 'secret' on prefill and decode"
         now = time.time()
         if abs(now - int.from_bytes(stamp, "big") / 1000) > FRESH_S:
@@ -279,7 +277,7 @@ class SideChannelClient:
         parts, tag = [rid, payload], b""
         if self._secret is not None:
             stamp = _stamp()
-            tag = _request_mac(self._secret, address, stamp, rid, payload)
+            tag = mac(self._secret, *_request_parts(address, stamp, rid, payload))
             parts += [tag, stamp]
         deadline = time.monotonic() + timeout
         with lock:
