@@ -16,24 +16,16 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## the test suite (what CI runs): lint; vLLM, transports, core in .venv; SGLang (components,
-## then engines) in .venv-sglang.
+## the test suite (what CI runs): lint; then, side by side (scripts/test.sh), vLLM,
+## transports and core in .venv, and SGLang (components, then engines) in .venv-sglang.
 ## Leaves out the `extended` combinations of the engine matrices (see README, Tests)
 ## Ends with the time each tier took (tests/support/tier_times.py).
-TIER_LOG := build/test-tiers.jsonl
-
 test: setup setup-sglang lint
-	@mkdir -p build && rm -f $(TIER_LOG)
-	KVBRIDGE_TIER_LOG=$(TIER_LOG) $(BIN)/python -m pytest tests -ra --durations=20 -m "not extended" --ignore=tests/integration_sglang --ignore=tests/component_sglang
-	KVBRIDGE_TIER_LOG=$(TIER_LOG) .venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang -ra --durations=20 -m "not extended"
-	@$(BIN)/python tests/support/tier_times.py $(TIER_LOG)
+	@bash scripts/test.sh -m "not extended"
 
 ## everything `test` runs, and the extended combinations
 test-all: setup setup-sglang lint
-	@mkdir -p build && rm -f $(TIER_LOG)
-	KVBRIDGE_TIER_LOG=$(TIER_LOG) $(BIN)/python -m pytest tests -ra --durations=20 --ignore=tests/integration_sglang --ignore=tests/component_sglang
-	KVBRIDGE_TIER_LOG=$(TIER_LOG) .venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang -ra --durations=20
-	@$(BIN)/python tests/support/tier_times.py $(TIER_LOG)
+	@bash scripts/test.sh
 
 test-sglang: setup-sglang
 	.venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang -ra
