@@ -21,10 +21,19 @@ import pytest
 from test_wire import ALL_MESSAGES, INFO
 
 from kvbridge.adapters.sglang import messages as sg
-from kvbridge.core.layout import CacheGeometry, CacheSpec
-from kvbridge.errors import IncompatiblePeerError, KVBridgeError
+from kvbridge.core.layout import MAX_PLANES, CacheGeometry, CacheSpec
+from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
 from kvbridge.wire.auth import seal, unseal
 from kvbridge.wire.codec import Codec
+from kvbridge.wire.messages import (
+    MAX_BLOCK_IDS,
+    MAX_GROUPS,
+    MAX_LAYERS,
+    Destination,
+    Hello,
+    LayerDone,
+    PeerId,
+)
 
 CASES = 30_000
 """Per decoder (about 1 s each here)."""
@@ -168,3 +177,42 @@ def test_fuzz_sglang_control_messages(secret: bytes | None) -> None:
 def test_fuzz_sglang_notifications(secret: bytes | None) -> None:
     seeds = [sg.encode_payload(msg, secret) for msg in _sglang_messages()]
     _fuzz(lambda data: sg.decode_payload(data, secret), seeds, seed=5)
+
+
+def _refused_cheaply(codec: Codec, frame: bytes) -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match="length"):
+            codec.decode(frame)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the list is refused from its header: nothing near the claimed size is built
+    assert peak < 4 << 20, f"refusing it peaked at {peak >> 20} MiB"
+
+
+def test_lists_past_their_bound_are_refused_before_they_are_built() -> None:
+    """A peer claiming more block ids, groups, layers or planes than any real cache has
+    is refused while its header is read; at the bound a message still decodes (a
+    16M-token prompt in 16-token blocks)."""
+    codec = Codec(INFO)
+    peer = PeerId(engine_id="d", epoch="e")
+    at_bound = Destination(transfer_id="t", peer=peer, block_ids=[1] * MAX_BLOCK_IDS, num_tokens=1)
+    assert codec.decode(codec.encode(at_bound)) == at_bound
+    over = msgspec.structs.replace(at_bound, block_ids=[1] * (MAX_BLOCK_IDS + 1))
+    _refused_cheaply(codec, codec.encode(over))
+    groups = msgspec.structs.replace(
+        at_bound, block_ids=[1], group_block_ids=[[1]] * (MAX_GROUPS + 1)
+    )
+    _refused_cheaply(codec, codec.encode(groups))
+    in_group = msgspec.structs.replace(
+        at_bound, block_ids=[1], group_block_ids=[[1] * (MAX_BLOCK_IDS + 1)]
+    )
+    _refused_cheaply(codec, codec.encode(in_group))
+    layers = LayerDone(transfer_id="t", layers=[0] * (MAX_LAYERS + 1), first_block=0, num_blocks=1)
+    _refused_cheaply(codec, codec.encode(layers))
+    hello = next(m for m in ALL_MESSAGES if isinstance(m, Hello))
+    spec = msgspec.structs.replace(hello.geometry.spec, num_layers=MAX_PLANES + 1)
+    planes = tuple(range(1, 1 + spec.num_layers * spec.planes_per_layer))
+    huge = CacheGeometry(spec=spec, num_blocks=1, plane_bases=planes)
+    _refused_cheaply(codec, codec.encode(msgspec.structs.replace(hello, geometry=huge)))

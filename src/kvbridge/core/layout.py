@@ -49,7 +49,7 @@ from their tensors and build a :class:`CacheGeometry` once per worker.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -139,6 +139,12 @@ class CacheSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.block_bytes * self.planes_per_layer * self.num_layers // self.block_size
 
 
+MAX_PLANES = 1 << 16
+"""Planes (layers x planes per layer) a :class:`CacheGeometry` may address; checked while
+a peer's geometry is decoded, before its tuples are built."""
+PlaneInts = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_PLANES)]
+
+
 class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
     """Where one rank's paged KV cache lives: a :class:`CacheSpec` plus addresses.
 
@@ -148,7 +154,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     spec: CacheSpec
     num_blocks: int
-    plane_bases: tuple[int, ...]
+    plane_bases: PlaneInts
     """Address of block 0 of every plane, ordered (layer, plane)."""
     block_stride: int = 0
     """Bytes from block ``b`` to ``b + 1`` within a plane; 0 means ``spec.block_bytes``
@@ -156,7 +162,7 @@ class CacheGeometry(msgspec.Struct, frozen=True, kw_only=True):
     memory: MemoryKind = "host"
     device: int = 0
     """CUDA device index for ``memory="device"``; 0 for host memory."""
-    layer_bytes: tuple[int, ...] = ()
+    layer_bytes: PlaneInts = ()
     """Bytes that move of one block, per layer, where layers differ: a state-space
     layer (Mamba) keeps one state per request at the start of a page it shares with the
     attention layers' blocks (vLLM's hybrid manager), smaller than a block. Empty:

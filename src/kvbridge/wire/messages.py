@@ -21,10 +21,25 @@ transport notifications, which arrive after the data written with them.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from kvbridge.core.layout import CacheGeometry
 from kvbridge.wire.compat import CompatInfo
+
+MAX_BLOCK_IDS = 1 << 20
+"""Block ids one list of a message may carry (a prompt of 16M tokens in 16-token blocks).
+msgspec checks an array's length from its header, before building it: a peer claiming
+more is refused at the cost of reading a few bytes, not of a list of millions of ints."""
+MAX_GROUPS = 64
+"""KV cache groups after the first in one :class:`Destination`."""
+MAX_LAYERS = 1 << 12
+"""Layers one :class:`LayerDone` may name."""
+
+BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+Layers = Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
+GroupBlockIds = Annotated[list[BlockIds], msgspec.Meta(max_length=MAX_GROUPS)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -87,7 +102,7 @@ class Destination(_Msg, tag="dest"):
 
     transfer_id: str
     peer: PeerId
-    block_ids: list[int]
+    block_ids: BlockIds
     num_tokens: int
     skip_tokens: int = 0
     staging_slot: int = -1
@@ -100,7 +115,7 @@ class Destination(_Msg, tag="dest"):
     """Which of D's sources for this transfer the receiving prefill rank is (D reads
     its KV heads from several prefill ranks when the prefill has more TP ranks); P
     echoes it in every ``LayerDone`` and ``Done`` of this destination."""
-    group_block_ids: list[list[int]] = []
+    group_block_ids: GroupBlockIds = []
     """KV cache groups after the first (vLLM's hybrid manager; peers' ``layer_groups``):
     D's blocks for the same positions, one list per group, -1 where the group holds
     none (``block_ids`` is then group 0's, with -1 too). See :mod:`kvbridge.core.blocks`."""
@@ -127,7 +142,7 @@ class LayerDone(_Msg, tag="layer"):
     ``block_ids[first_block : first_block + num_blocks]`` of ``transfer_id`` landed."""
 
     transfer_id: str
-    layers: list[int]
+    layers: Layers
     first_block: int
     num_blocks: int
     source: int = 0
@@ -188,6 +203,9 @@ class Reply(_Msg, tag="reply"):
 Message = Hello | Welcome | Destination | Release | LayerDone | Done | Abort | Heartbeat | Reply
 
 __all__ = [
+    "MAX_BLOCK_IDS",
+    "MAX_GROUPS",
+    "MAX_LAYERS",
     "Abort",
     "Destination",
     "Done",
