@@ -1,13 +1,19 @@
-"""Fixtures shared by the SGLang integration tests (run in .venv-sglang)."""
+"""Fixtures shared by the SGLang integration tests (run in .venv-sglang).
+
+Colocated reference servers that several modules need come from one session pool
+(``tests/support/engine_pool.py``, :func:`shared_colocated`), keyed by model, TP size and
+arguments, so each is started once per session."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from engine_logs import pytest_runtest_makereport  # noqa: F401 - the hook: engine logs in failure reports
-from sglang_helpers import START_TIMEOUT_S, server_env, start_server
+from engine_pool import EnginePool
+from sglang_helpers import START_TIMEOUT_S, Proc, http, new_colocated, server_env, start_server
 
 from kvbridge.demo.servers import ServerProcess
 
@@ -37,3 +43,38 @@ def colocated(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield proc
     finally:
         proc.kill()
+
+
+@pytest.fixture(scope="session")
+def sglang_pool() -> Iterator[EnginePool[Proc]]:
+    """The session's shared SGLang servers (the pool stops them at the end)."""
+    pool: EnginePool[Proc] = EnginePool(alive=Proc.alive, stop=Proc.kill)
+    yield pool
+    pool.close()
+
+
+def _answers(proc: Proc) -> None:
+    """Between two modules: the reference server still serves (it runs no kvbridge)."""
+    status, _ = http(f"{proc.url}/health", timeout=30)
+    assert status == 200, f"pooled colocated server {proc.url} answers /health with {status}"
+
+
+@pytest.fixture(scope="module")
+def shared_colocated(
+    sglang_pool: EnginePool[Proc], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., Proc]]:
+    """``shared_colocated(model, tp=1, extra=())``: the colocated reference server of that
+    model, TP size and extra arguments (:func:`sglang_helpers.new_colocated`), from the
+    session's pool, started on first use and leased until this module ends."""
+    with contextlib.ExitStack() as leases:
+
+        def get(model: Path, tp: int = 1, extra: Sequence[str] = ()) -> Proc:
+            key = ("sglang-colocated", str(model), tp, tuple(extra))
+
+            def make() -> Proc:
+                log_dir = tmp_path_factory.mktemp(f"pooled-colocated-{model.name}-tp{tp}")
+                return new_colocated(model, log_dir, tp, extra)
+
+            return leases.enter_context(sglang_pool.lease(key, make, idle=_answers))
+
+        yield get

@@ -5,6 +5,7 @@ the model's config. Imported by the test modules and conftest.py of this directo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -73,6 +74,26 @@ def generate_ids(url: str, input_ids: list[int]) -> list[int]:
     assert status == 200, f"{url}/generate -> {status}: {data[:500]!r}"
     out = json.loads(data)
     return list(out["output_ids"])
+
+
+@functools.cache
+def _reference(url: str, pid: int, input_ids: tuple[int, ...], logprobs: bool):
+    if logprobs:
+        return generate_logprobs(url, list(input_ids))
+    return generate_ids(url, list(input_ids))
+
+
+def reference_ids(colocated: Proc, input_ids: list[int]) -> list[int]:
+    """A colocated server's greedy output for ``input_ids``, asked once per session
+    (greedy decoding of a server that runs no kvbridge does not change between asks)."""
+    return list(_reference(colocated.url, colocated.pid, tuple(input_ids), False))
+
+
+def reference_logprobs(
+    colocated: Proc, input_ids: list[int]
+) -> tuple[list[int], list[dict[int, float]]]:
+    """:func:`generate_logprobs` of a colocated server, asked once per session."""
+    return _reference(colocated.url, colocated.pid, tuple(input_ids), True)
 
 
 class PD(NamedTuple):
@@ -363,7 +384,7 @@ def generate_as_colocated(
     within it. Returns ``pd``'s output."""
     n = len(input_ids)
     if max_drift is not None:
-        want, want_tops = generate_logprobs(colocated.url, input_ids)
+        want, want_tops = reference_logprobs(colocated, input_ids)
         got, got_tops = generate_logprobs(pd.router.url, input_ids)
         assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
             f"the prefill's token differs: {got} vs {want}"
@@ -373,7 +394,7 @@ def generate_as_colocated(
             f"{n} tokens: logprobs moved by {drift:.2f}\n{pd.decode.log_tail()}"
         )
     else:
-        want = generate_ids(colocated.url, input_ids)
+        want = reference_ids(colocated, input_ids)
         assert len(want) == MAX_NEW_TOKENS
         got = generate_through(pd, input_ids)
         assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
@@ -428,15 +449,25 @@ TWO_RANKS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 and, unless told how, asserts ranks <= NUMA nodes."""
 
 
-def start_colocated(
-    model: Path, log_dir: Path, tp: int = 1, extra: Sequence[str] = ()
-) -> Iterator[Proc]:
+def new_colocated(model: Path, log_dir: Path, tp: int = 1, extra: Sequence[str] = ()) -> Proc:
     """A colocated server of TP ``tp`` (1 or 2) with the tests' engine flags (and
-    ``extra``), ready; yields it, kills it at the end."""
+    ``extra``), ready; the caller kills it."""
     args, env = (["--tp", "2"], dict(TWO_RANKS)) if tp == 2 else ([], {})
     proc = start_server(f"colocated-tp{tp}", model, log_dir, [*args, *extra], env)
     try:
         proc.wait_ready(START_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def start_colocated(
+    model: Path, log_dir: Path, tp: int = 1, extra: Sequence[str] = ()
+) -> Iterator[Proc]:
+    """:func:`new_colocated`, yielded; killed at the end."""
+    proc = new_colocated(model, log_dir, tp, extra)
+    try:
         yield proc
     finally:
         proc.kill()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,7 +40,6 @@ from sglang_helpers import (
     START_TIMEOUT_S,
     TWO_RANKS,
     Proc,
-    generate_ids,
     generate_routed,
     http,
     kv_bytes,
@@ -49,12 +47,12 @@ from sglang_helpers import (
     latent_bytes,
     peers_by_dp_rank,
     prompt_ids,
+    reference_ids,
     room_of,
     route_body,
     routed_body,
     sends_by_dp_rank,
     server_env,
-    start_colocated,
     wait_received_bytes,
     wait_staging_idle,
 )
@@ -166,7 +164,7 @@ def test_dp_replicas_serve_every_room_as_colocated(
 ) -> None:
     config, prefill_balancing, decode_balancing = REPLICA_PAIRS[pair]
     inputs = {n: prompt_ids(n, seed=1200 + n) for n in PROMPTS}
-    want = {n: generate_ids(colocated.url, ids) for n, ids in inputs.items()}
+    want = {n: reference_ids(colocated, ids) for n, ids in inputs.items()}
     env = {**server_env(config), **TWO_RANKS}
     replicas = ["--dp-size", "2"]
     sides = [
@@ -207,15 +205,15 @@ def test_dp_replicas_serve_every_room_as_colocated(
 
 
 @pytest.fixture(scope="module")
-def colocated_mla(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    yield from start_colocated(mla_model, tmp_path_factory.mktemp("dp-mla-colocated"))
+def colocated_mla(mla_model: Path, shared_colocated) -> Proc:
+    return shared_colocated(mla_model)
 
 
 def test_dp_attention_serves_every_room_as_colocated(
     mla_model: Path, colocated_mla: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     inputs = {n: prompt_ids(n, seed=1300 + n) for n in PROMPTS}
-    want = {n: generate_ids(colocated_mla.url, ids) for n, ids in inputs.items()}
+    want = {n: reference_ids(colocated_mla, ids) for n, ids in inputs.items()}
     env = {**server_env({"transport": "nixl", "layerwise_min_tokens": 0}), **TWO_RANKS}
     dp_attention = ["--tp", "2", "--attn-dp-size", "2"]
     sides = [
@@ -254,7 +252,7 @@ def test_two_decode_servers_are_peers_of_their_own_and_a_restart_replaces_one(
     model: Path, colocated: Proc, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     inputs = {n: prompt_ids(n, seed=1400 + n) for n in PROMPTS}
-    want = {n: generate_ids(colocated.url, ids) for n, ids in inputs.items()}
+    want = {n: reference_ids(colocated, ids) for n, ids in inputs.items()}
     env = server_env({"transport": "nixl", "layerwise_min_tokens": 0})
     prefill_env = {**env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(BOOTSTRAP_TIMEOUT_S)}
     log_dir = tmp_path_factory.mktemp("two-decodes")

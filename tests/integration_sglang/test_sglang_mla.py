@@ -22,7 +22,6 @@ from sglang_helpers import (
     MAX_NEW_TOKENS,
     PD,
     Proc,
-    generate_ids,
     generate_logprobs,
     generate_through,
     kvbridge_metrics,
@@ -30,8 +29,9 @@ from sglang_helpers import (
     latent_rows,
     pd_config,
     prompt_ids,
+    reference_ids,
+    reference_logprobs,
     server_env,
-    start_colocated,
     start_pd,
     wait_received_bytes,
     wait_sent_line,
@@ -42,8 +42,8 @@ PROMPTS = [12, 32, 64, 200]  # under a page, two pages, one chunk, four chunks w
 
 
 @pytest.fixture(scope="module")
-def colocated_mla(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    yield from start_colocated(mla_model, tmp_path_factory.mktemp("mla-colocated"))
+def colocated_mla(mla_model: Path, shared_colocated) -> Proc:
+    return shared_colocated(mla_model)
 
 
 PD_CONFIGS = [("nixl", True), ("mooncake", False)]
@@ -75,7 +75,7 @@ def test_mla_greedy_output_equals_colocated(
     mla_pd: PD, colocated_mla: Proc, mla_model: Path, n: int
 ) -> None:
     input_ids = prompt_ids(n, seed=700 + n)
-    want = generate_ids(colocated_mla.url, input_ids)
+    want = reference_ids(colocated_mla, input_ids)
     assert len(want) == MAX_NEW_TOKENS
     offset = mla_pd.prefill.log_path.stat().st_size
     before = kvbridge_metrics(mla_pd.decode.url)
@@ -155,7 +155,7 @@ def test_mla_on_the_packed_path(
             rows, latent = latent_rows(mla_model, n)
             expected = rows * (latent + 2 * 4)  # a byte a value, a float32 scale per half vector
         else:
-            want, _ = generate_logprobs(colocated_mla.url, input_ids)
+            want, _ = reference_logprobs(colocated_mla, input_ids)
             assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
             expected = latent_bytes(mla_model, pd.decode, n)
         received = wait_received_bytes(pd.decode.url, before, expected)

@@ -75,11 +75,11 @@ def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(
     "data_path", [pytest.param("direct", marks=pytest.mark.extended), "packed"]
 )
 def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(
-    data_path: str, mla_model: Path, tmp_path_factory: pytest.TempPathFactory
+    data_path: str, mla_model: Path, tmp_path_factory: pytest.TempPathFactory, shared_colocated
 ) -> None:
     log_dir = tmp_path_factory.mktemp(f"mla-tp2-1-{data_path}")
-    with colocated(mla_model, log_dir) as ref:
-        want = {n: generate_ids(ref.url, prompt_ids(n, seed=900 + n)) for n in PROMPTS}
+    ref = shared_colocated(mla_model)
+    want = {n: generate_ids(ref.url, prompt_ids(n, seed=900 + n)) for n in PROMPTS}
     config = {**pd_config("nixl", True), "data_path": data_path}
     with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(config, p_tp=2, d_tp=1)) as pd:
         for n in PROMPTS:

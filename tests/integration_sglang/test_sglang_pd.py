@@ -54,6 +54,8 @@ from sglang_helpers import (
     kvbridge_metrics,
     pd_config,
     prompt_ids,
+    reference_ids,
+    reference_logprobs,
     server_env,
     start_pd,
     wait_counted,
@@ -153,7 +155,7 @@ def pd_router(
 def test_greedy_output_equals_colocated(pd_router: PD, colocated: Proc, prompt: str) -> None:
     _router, prefill, _decode, layerwise = pd_router
     input_ids = prompt_ids(PROMPTS[prompt], seed=len(prompt))
-    want = generate_ids(colocated.url, input_ids)
+    want = reference_ids(colocated, input_ids)
     offset = prefill.log_path.stat().st_size
     got = generate_through(pd_router, input_ids)
     assert len(want) == MAX_NEW_TOKENS
@@ -222,7 +224,7 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(
     generate_through(pd_router, first)
     before = kvbridge_metrics(pd_router.decode.url)
     got = generate_through(pd_router, second)
-    assert got == generate_ids(colocated.url, second)
+    assert got == reference_ids(colocated, second)
     hit = len(shared) // d_page * d_page if radix else 0
     want = kv_bytes(model, pd_router.prefill, len(second)) - kv_bytes(model, pd_router.prefill, hit)
     received = wait_received_bytes(pd_router.decode.url, before, want)
@@ -243,7 +245,7 @@ def test_parallel_sampling_moves_the_prompt_once_into_a_decode_radix_cache(
     sample decodes as colocated does."""
     d_page, radix = request.node.callspec.params["pd_router"][5:7]
     n, input_ids = 4, prompt_ids(300, seed=4343)  # not sent before: the primer moves it all
-    want = generate_ids(colocated.url, input_ids)
+    want = reference_ids(colocated, input_ids)
     before = kvbridge_metrics(pd_router.decode.url)
     body = {
         "input_ids": input_ids,
@@ -312,7 +314,7 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
     router, prefill, decode, layerwise = fp8_pd
     worst, same = 0.0, 0
     for input_ids in FP8_PROMPTS:
-        want, want_tops = generate_logprobs(colocated.url, input_ids)
+        want, want_tops = reference_logprobs(colocated, input_ids)
         d0 = kvbridge_metrics(decode.url)
         offset = prefill.log_path.stat().st_size
         got, got_tops = generate_logprobs(router.url, input_ids)

@@ -38,13 +38,14 @@ from sglang_helpers import (
     check_sent_lines,
     fp8_drift,
     generate_as_colocated,
-    generate_ids,
     generate_logprobs,
     generate_through,
     kv_itemsize,
     kvbridge_metrics,
     pd_config,
     prompt_ids,
+    reference_ids,
+    reference_logprobs,
     start_colocated,
     start_pd,
     tp_sides,
@@ -223,12 +224,12 @@ def test_a_conversation_s_next_turn_moves_only_what_the_decode_lacks(
         most = most_hit(swa_model, previous, n, page) if turn and swa_pd.radix else 0
         before = kvbridge_metrics(pd.decode.url)
         if fp8:
-            want, want_tops = generate_logprobs(colocated_swa.url, prompt)
+            want, want_tops = reference_logprobs(colocated_swa, prompt)
             got, got_tops = generate_logprobs(pd.router.url, prompt)
             drift = fp8_drift(want_tops[1], got_tops[1])
             assert drift < FP8_MAX_DRIFT, f"turn {turn}: logprobs moved by {drift:.2f}"
         else:
-            want = generate_ids(colocated_swa.url, prompt)
+            want = reference_ids(colocated_swa, prompt)
             got = generate_through(pd, prompt)
             assert got == want, f"turn {turn} ({n} tokens): {got} != {want}"
         # the decode counted its bytes before SGLang saw the room received: final now

@@ -33,11 +33,11 @@ from sglang_helpers import (
     MAX_NEW_TOKENS,
     PD,
     Proc,
-    generate_ids,
     generate_through,
     kv_bytes,
     kvbridge_metrics,
     prompt_ids,
+    reference_ids,
     start_pd,
     tp_sides,
     wait_received_bytes,
@@ -81,7 +81,7 @@ def test_greedy_output_between_tp_sizes_equals_colocated(
 ) -> None:
     (_router, prefill, decode, _), p_tp, d_tp, path = tp_pd
     input_ids = prompt_ids(PROMPTS[prompt], seed=SEED + PROMPTS[prompt])
-    want = generate_ids(colocated.url, input_ids)
+    want = reference_ids(colocated, input_ids)
     d0 = kvbridge_metrics(decode.url)
     offset = prefill.log_path.stat().st_size
     got = generate_through(tp_pd[0], input_ids)

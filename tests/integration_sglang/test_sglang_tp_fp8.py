@@ -26,6 +26,7 @@ from sglang_helpers import (
     generate_logprobs,
     kvbridge_metrics,
     prompt_ids,
+    reference_logprobs,
     start_pd,
     tp_sides,
     wait_received_bytes,
@@ -48,7 +49,7 @@ def test_fp8_between_tp_sizes_stays_within_fp8_noise(
     try:
         for n in (12, 64, 200):
             input_ids = prompt_ids(n, seed=SEED + 7 * n)
-            want, want_tops = generate_logprobs(colocated.url, input_ids)
+            want, want_tops = reference_logprobs(colocated, input_ids)
             d0 = kvbridge_metrics(decode.url)
             got, got_tops = generate_logprobs(router.url, input_ids)
             assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
