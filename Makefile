@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang lint test test-all test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
+.PHONY: setup setup-sglang lint docs test test-all test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -16,20 +16,25 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## the test suite (what CI runs): lint; vLLM, transports, core in .venv; SGLang (components,
-## then engines) in .venv-sglang.
-## Leaves out the `extended` combinations of the engine matrices (see README, Tests)
+## the documentation site (MkDocs + Material, the `docs` extra) into build/site; --strict:
+## a broken link, a page missing from the nav or a missing include fails the build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+## the test suite (what CI runs): lint; the docs build; vLLM, transports, core in .venv;
+## SGLang (components, then engines) in .venv-sglang.
+## Leaves out the `extended` combinations of the engine matrices (docs/developer/testing.md)
 ## Ends with the time each tier took (tests/support/tier_times.py).
 TIER_LOG := build/test-tiers.jsonl
 
-test: setup setup-sglang lint
+test: setup setup-sglang lint docs
 	@mkdir -p build && rm -f $(TIER_LOG)
 	KVBRIDGE_TIER_LOG=$(TIER_LOG) $(BIN)/python -m pytest tests -ra --durations=20 -m "not extended" --ignore=tests/integration_sglang --ignore=tests/component_sglang
 	KVBRIDGE_TIER_LOG=$(TIER_LOG) .venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang -ra --durations=20 -m "not extended"
 	@$(BIN)/python tests/support/tier_times.py $(TIER_LOG)
 
 ## everything `test` runs, and the extended combinations
-test-all: setup setup-sglang lint
+test-all: setup setup-sglang lint docs
 	@mkdir -p build && rm -f $(TIER_LOG)
 	KVBRIDGE_TIER_LOG=$(TIER_LOG) $(BIN)/python -m pytest tests -ra --durations=20 --ignore=tests/integration_sglang --ignore=tests/component_sglang
 	KVBRIDGE_TIER_LOG=$(TIER_LOG) .venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang -ra --durations=20
