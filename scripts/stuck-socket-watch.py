@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Catch a TCP socket whose receiver stops reading, without stopping it (no ptrace).
 
-A diagnostic for the Mooncake first-contact stall (docs/vllm-connector-notes.md): a
+A diagnostic for the Mooncake first-contact stall (docs/reference/vllm.md): a
 client's lanes wait 10 s for a server that neither accepts their connections nor reads
 their requests. Polls ``/proc/net/tcp{,6}`` every 0.1 s. A socket is *stuck* when its
 receive queue stays non-empty without ever shrinking for longer than ``--after``

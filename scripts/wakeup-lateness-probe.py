@@ -2,7 +2,7 @@
 """Measure how late a sleeping thread gets the CPU back, as one more process would.
 
 A diagnostic for starved instances on an oversubscribed test machine
-(docs/vllm-connector-notes.md, the Mooncake first-contact stall): the probe runs in a
+(docs/reference/vllm.md, the Mooncake first-contact stall): the probe runs in a
 session of its own (with autogroups on, a scheduling group of its own, as each vLLM
 instance started by the tests is), at the nice value it was started with, sleeps 10 ms
 in a loop and prints, once a second, the worst lateness of that second when it exceeds

@@ -1,6 +1,6 @@
 """SGLang prefill + decode with ``--disaggregation-transfer-backend kvbridge`` on CPU.
 
-Real SGLang 0.5.23 servers on loopback (see docs/sglang-backend-notes.md for the flags),
+Real SGLang 0.5.23 servers on loopback (see docs/reference/sglang.md for the flags),
 behind ``sglang_router.launch_router --pd-disaggregation --mini-lb``: the greedy output of
 every prompt equals a colocated SGLang server started with the same flags, token for
 token, over NIXL and over Mooncake (``KVBRIDGE_CONFIG``), each with per-chunk sends

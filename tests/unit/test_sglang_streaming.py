@@ -1,10 +1,11 @@
 """Per-layer streaming bookkeeping of the SGLang backend (pure; no SGLang needed).
 
 The simulation below replays what SGLang 0.5.23 does for one request on the prefill
-(docs/sglang-backend-notes.md §4 and §8): forwards of at most ``chunk`` tokens after a
-radix-cache prefix, each followed by a chunk send of the pages ``[start_send_idx,
-end)`` (a partial last page held back until the last chunk), and checks that per-layer
-posts plus chunk sends post every (layer, decode page) pair exactly once."""
+(docs/reference/sglang.md, "The classes and who calls what" and "Per-layer hooks"):
+forwards of at most ``chunk`` tokens after a radix-cache prefix, each followed by a chunk
+send of the pages ``[start_send_idx, end)`` (a partial last page held back until the last
+chunk), and checks that per-layer posts plus chunk sends post every (layer, decode page)
+pair exactly once."""
 
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ def test_compiles_without_warnings(path: Path) -> None:
 @pytest.mark.parametrize("saved", REPORTS, ids=lambda p: str(p.relative_to(RESULTS)))
 def test_committed_report_is_what_its_results_render_to(saved: Path, tmp_path: Path) -> None:
     """``benchmarks/run.py ROUTINE --from-json`` re-renders a saved run: its Markdown must
-    equal the committed one (the README quotes these), so report code that breaks or
-    drifts from the committed numbers fails here, without running a benchmark."""
+    equal the committed one (the benchmark pages under docs/ include these), so report
+    code that breaks or drifts from the committed numbers fails here, without running a
+    benchmark."""
     routine = saved.stem
     committed = saved.with_suffix(".md")
     proc = subprocess.run(

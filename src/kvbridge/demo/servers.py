@@ -93,7 +93,7 @@ Four vLLM instances in sessions of their own on a 2-CPU VM went without a CPU fo
 10 s at a time (a 10 ms sleeper beside them woke 10 s late; Mooncake dropped its lanes
 as silent) and ``nice`` on a server meant nothing against the others; in the caller's
 session the same test took 132 s instead of 161 s, without those stalls (0 of 3 runs
-against 4 of 7; docs/vllm-connector-notes.md)."""
+against 4 of 7; docs/reference/vllm.md)."""
 
 _live: set[ServerProcess] = set()
 T = TypeVar("T")

@@ -3,7 +3,7 @@ prefill/decode pair, as supervised child processes.
 
 :class:`SglangServer` starts ``python -m sglang.launch_server --device cpu`` with the
 flags and environment SGLang 0.5.23 needs on a CPU machine (:data:`CPU_ARGS`,
-:data:`CPU_ENV`; why each one: docs/sglang-backend-notes.md), colocated or as the
+:data:`CPU_ENV`; why each one: docs/reference/sglang.md), colocated or as the
 prefill or decode side of a disaggregated pair with any
 ``--disaggregation-transfer-backend`` (``kvbridge``, whose config travels in
 ``KVBRIDGE_CONFIG``, or another). :class:`SglangRouter` starts

@@ -2,7 +2,7 @@
 unmodified except for two CPU fixes, registered as ``mooncake_cpu`` and ``nixl_cpu``.
 
 Why: the benchmark compares kvbridge with SGLang's own backends on a CPU-only machine,
-where both stock backends fail before moving a byte (see docs/sglang-backend-notes.md):
+where both stock backends fail before moving a byte (see docs/reference/sglang.md):
 
 - ``mooncake``: the prefill scheduler takes the ``supports_host_tensor_indices`` path,
   which allocates pinned memory and records a CUDA event:

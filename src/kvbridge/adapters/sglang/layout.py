@@ -1,7 +1,7 @@
 """SGLang's KV pool and metadata buffers as kvbridge descriptor tables. Pure; no I/O.
 
 SGLang describes its caches in ``KVArgs`` as flat lists (see
-docs/sglang-backend-notes.md §5):
+docs/reference/sglang.md, "KVArgs and the KV pool on CPU"):
 
 - ``kv_data_ptrs`` = ``[K_0 .. K_{L-1}, V_0 .. V_{L-1}]``, one tensor per layer and
   plane; ``kv_item_lens[i]`` is the bytes of one *page* of tensor ``i``, and page ``p``

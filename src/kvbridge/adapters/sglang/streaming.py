@@ -1,6 +1,6 @@
 """Per-layer streaming bookkeeping of the SGLang backend. Pure: no SGLang, no torch, no I/O.
 
-Who uses what (see :mod:`.prefill` and docs/sglang-backend-notes.md §8):
+Who uses what (see :mod:`.prefill` and docs/reference/sglang.md, "Per-layer hooks"):
 
 - the scheduler thread, once per prefill forward (``ForwardBatch.init_new`` hook), asks
   :func:`streams` whether a request is streamed per layer and :func:`completed_span`

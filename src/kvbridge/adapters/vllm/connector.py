@@ -81,7 +81,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a model with
     sliding-window layers beside full ones runs with one KV cache group per kind, and a
     sliding layer keeps and moves only its window (the scheduler side's module
-    docstring; docs/vllm-connector-notes.md, section 1), on both data paths. A model
+    docstring; docs/reference/vllm.md, "Hybrid KV cache manager"), on both data paths. A model
     with state-space layers (Mamba, linear attention) keeps them in groups of their
     own, one state per request, which moves on the direct path, between TP sizes too
     for Mamba2, Gated DeltaNet and short convolutions (the decode computes the last
