@@ -253,6 +253,7 @@ REFUSED = "vllm:kvbridge_messages_refused_total"
 USAGE = "vllm:kv_cache_usage_perc"
 """vLLM's KV cache usage (0 to 1): back at its idle value once every block is released."""
 FAILURES = "vllm:kvbridge_failures_total"
+LEASES_EXPIRED = "vllm:kvbridge_leases_expired_total"
 SENDS_HELD = "vllm:kvbridge_sends_held"
 SENDS_SENDING = "vllm:kvbridge_sends_sending"
 IN_FLIGHT = [

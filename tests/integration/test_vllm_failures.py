@@ -16,6 +16,7 @@ from engine_helpers import (
     COMMON_ARGS,
     FAILURES,
     IN_FLIGHT,
+    LEASES_EXPIRED,
     SENDS_HELD,
     SENDS_SENDING,
     USAGE,
@@ -198,9 +199,11 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
     cluster: Cluster, baseline
 ) -> None:
     """D is SIGKILLed while P writes a long prompt's KV into it, layer by layer (P's gauge
-    says it is sending): P's next write fails, the transfer fails and P frees the blocks
-    at once, neither at the transfer timeout (30 s) nor at the lease; a new decode
-    instance is then served (the fixture's handoff)."""
+    says it is sending): P's next write fails, the transfer fails at once (neither at the
+    transfer timeout, 30 s, nor at the lease: no lease expires) and P frees the blocks
+    when its prefill ends; a new decode instance is then served (the fixture's handoff).
+    The time bound is on the failure, not on the freeing: the blocks stay in use until
+    P's forward of the remaining chunks ends, seconds on a loaded 2-core machine."""
     # D's first request (its first forward, its handshake with P) can take longer than
     # P's 4 s lease: a short handoff first, so the transfer below is not the first
     warm = random_prompt(40, seed=9)
@@ -211,6 +214,7 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
     prompt = random_prompt(4000, seed=8)  # 16 chunks of 256 tokens
     tid = uuid.uuid4().hex
     failures = metric(cluster.p.url, FAILURES)
+    expired = metric(cluster.p.url, LEASES_EXPIRED)
     try:
         with ThreadPoolExecutor(2) as pool:
             decode = pool.submit(
@@ -250,6 +254,7 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
                 )
                 == failures + 1
             )
+            failed_after = time.monotonic() - killed
             assert (
                 wait_metric(
                     cluster.p.url, SENDS_SENDING, lambda v: v == 0, timeout=30, interval=0.05
@@ -266,15 +271,17 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
                 )
                 <= baseline["P"] + 1e-9
             )
-            elapsed = time.monotonic() - killed
             assert len(prefill.result().token_ids) == 1
             with pytest.raises((ServerError, OSError)):  # D's connection reset, or refused
                 decode.result()
     finally:
         cluster.restart_decode()  # the next tests need a decode instance either way
-    assert elapsed < LEASE_S, (
-        f"P freed the blocks {elapsed:.1f} s after D died: a deadline, not the failed write, ended "
-        "the transfer"
+    assert failed_after < LEASE_S, (
+        f"P's transfer failed {failed_after:.1f} s after D died: a deadline, not the failed "
+        "write, ended it"
+    )
+    assert metric(cluster.p.url, LEASES_EXPIRED) == expired, (
+        "a lease, not the failed write, freed P's blocks"
     )
     assert metric(cluster.p.url, SENDS_HELD) == 0
 
