@@ -17,7 +17,7 @@ from runtime_pair import L, endpoint, eventually, make_cache
 from kvbridge.core.lifecycle import SendPhase
 from kvbridge.runtime import sender as sender_module
 from kvbridge.runtime import sidechannel
-from kvbridge.wire.auth import mac
+from kvbridge.wire.auth import mac, stamp
 from kvbridge.wire.compat import PROTOCOL_VERSION
 from kvbridge.wire.messages import Abort, Destination, Heartbeat, LayerDone, Release, Reply
 
@@ -233,15 +233,15 @@ def secret_pair() -> Iterator[tuple]:
         e.close()
 
 
-def _signed(server: str, msg, codec, stamp: bytes | None = None) -> list[bytes]:
+def _signed(server: str, msg, codec, when: bytes | None = None) -> list[bytes]:
     """The frames a client with the secret sends ``server``: what an eavesdropper captures."""
     payload = codec.encode(msg)
-    stamp = stamp or sidechannel._stamp()
+    when = when or stamp()
     return [
         b"7",
         payload,
-        mac(b"s", *sidechannel._request_parts(server, stamp, b"7", payload)),
-        stamp,
+        mac(b"s", *sidechannel._request_parts(server, when, b"7", payload)),
+        when,
     ]
 
 
@@ -259,7 +259,7 @@ def test_with_a_secret_a_captured_request_is_refused_again_later_and_elsewhere(
     assert _detail(P, _send_raw(P.address, frames)) == ""  # authentic: taken
     assert "replayed" in _detail(P, _send_raw(P.address, frames))
     assert "authentication failed" in _detail(Q, _send_raw(Q.address, frames))  # another server
-    old = (int.from_bytes(sidechannel._stamp(), "big") - 120_000).to_bytes(8, "big")
+    old = (int.from_bytes(stamp(), "big") - 120_000).to_bytes(8, "big")
     assert "stamped more than" in _detail(
         P, _send_raw(P.address, _signed(P.address, beat, P.node.codec, old))
     )
