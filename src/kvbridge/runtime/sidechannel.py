@@ -14,7 +14,9 @@ replayed neither later, nor again, nor to another server with the same secret (t
 sender's identity and epoch are inside the frame). A reply's MAC covers the
 request's MAC and the reply. A frame that fails authentication or decoding is answered
 with an error and never acted on. Replies echo the request id, so a reply that arrives
-after its request timed out is recognised and dropped.
+after its request timed out is recognised and dropped. Every connection has read
+deadlines (:mod:`kvbridge.transports.zmqlimits`): a peer that stalls mid-message is
+disconnected and its partial message dropped.
 
 Threads: the server runs the handler on its own thread, one request at a time; keep
 handlers short. Client methods may be called from any thread (one lock per address).
@@ -32,6 +34,7 @@ from collections.abc import Callable
 import zmq
 
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, PeerUnreachableError, WireError
+from kvbridge.transports.zmqlimits import limit_socket
 from kvbridge.wire.auth import ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
 from kvbridge.wire.messages import Message, Reply
@@ -102,7 +105,7 @@ class SideChannelServer:
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        limit_socket(self._sock, MAX_FRAME_BYTES + 4096)
         try:
             self._sock.bind(tcp_address(host, port))
         except zmq.ZMQError as exc:
@@ -232,7 +235,7 @@ class SideChannelClient:
             if entry is None:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+                limit_socket(sock, MAX_FRAME_BYTES + 4096)
                 sock.connect(address)
                 entry = self._socks[address] = (sock, threading.Lock())
             return entry
