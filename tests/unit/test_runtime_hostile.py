@@ -6,6 +6,7 @@ taken."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -282,3 +283,52 @@ def test_with_a_secret_a_notification_sealed_for_another_receiver_is_dropped(sec
     P.sender.prefill_done("v")
     assert D.receiver.wait_finished(5) == (["v"], [])
     np.testing.assert_array_equal(da[:, [3, 4]], pa[:, [7, 8]])
+
+
+def test_messages_for_untracked_transfers_are_bounded_in_block_ids(pde, monkeypatch) -> None:
+    """A few early destinations of a million block ids each would hold gigabytes under the
+    count bounds alone; past the block-id budget they are refused and counted."""
+    P, _, E, *_ = pde
+    monkeypatch.setattr(sender_module, "MAX_EARLY_BLOCK_IDS", 2_500)
+    big = [1] * 1_000
+    for t in ("a", "b"):
+        reply = P.sender.on_destination(
+            Destination(transfer_id=t, peer=E.node.id, block_ids=big, num_tokens=16_000)
+        )
+        assert reply.ok
+    assert P.sender.early_block_ids == 2_000
+    third = Destination(transfer_id="c", peer=E.node.id, block_ids=big, num_tokens=16_000)
+    assert not P.sender.on_destination(third).ok
+    assert P.sender.on_abort(Abort(transfer_id="c", peer=E.node.id)).ok, "an abort holds no ids"
+    assert P.sender.early == 3 and P.sender.early_block_ids == 2_000
+    assert _refused(P) == 1
+    # an abort of the same party voids its destination and gives its ids back
+    assert P.sender.on_abort(Abort(transfer_id="a", peer=E.node.id)).ok
+    assert P.sender.early_block_ids == 1_000
+    assert P.sender.on_destination(third).ok
+
+
+def _apply_deadlines_s(sender) -> float:
+    """The fastest of several turns of the sender thread's deadline pass."""
+    best = float("inf")
+    for _ in range(30):
+        start = time.perf_counter()
+        sender._apply_deadlines()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_messages_kept_early_cost_the_sender_thread_nothing_until_they_expire(pde) -> None:
+    """The sender thread's every turn (each 0.2 ms while writes or device events are
+    pending) visited every message kept early: 20,000 aborts for unknown ids made it
+    burn a third of a core. Now it visits only those whose time has come."""
+    P, _, E, *_ = pde
+    empty = _apply_deadlines_s(P.sender)
+    for i in range(sender_module.MAX_EARLY_TRANSFERS):
+        assert P.sender.on_abort(Abort(transfer_id=f"t{i}", peer=E.node.id)).ok
+    full = _apply_deadlines_s(P.sender)
+    assert full < 5 * empty + 200e-6, (
+        f"a deadline pass over {sender_module.MAX_EARLY_TRANSFERS} early messages took "
+        f"{full * 1e6:.0f} us, {empty * 1e6:.0f} us over none"
+    )
+    assert P.sender.early == sender_module.MAX_EARLY_TRANSFERS

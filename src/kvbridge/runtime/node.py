@@ -186,6 +186,12 @@ class Node:
         with self._lock:
             return self._key(pid) in self._peers
 
+    @property
+    def num_peers(self) -> int:
+        """Peers we keep a handshake with (a level; any thread)."""
+        with self._lock:
+            return len(self._peers)
+
     def peer(self, pid: PeerId) -> Peer | None:
         with self._lock:
             return self._peers.get(self._key(pid))
