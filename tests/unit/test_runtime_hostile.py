@@ -16,6 +16,8 @@ import zmq
 from runtime_pair import L, endpoint, eventually, make_cache
 
 from kvbridge.core.lifecycle import SendPhase
+from kvbridge.errors import KVBridgeError
+from kvbridge.runtime import node as node_module
 from kvbridge.runtime import sender as sender_module
 from kvbridge.runtime import sidechannel
 from kvbridge.wire.auth import mac, stamp
@@ -332,3 +334,27 @@ def test_messages_kept_early_cost_the_sender_thread_nothing_until_they_expire(pd
         f"{full * 1e6:.0f} us, {empty * 1e6:.0f} us over none"
     )
     assert P.sender.early == sender_module.MAX_EARLY_TRANSFERS
+
+
+def test_handshakes_beyond_the_peer_bound_are_refused_and_a_restart_still_replaces(
+    pde, monkeypatch
+) -> None:
+    """Each handshake builds the peer's slot table (183 MB for a 587-byte Hello claiming
+    2e6 blocks): the peers a worker keeps are bounded, and a peer's claimed cache too."""
+    P, D, E, *_ = pde
+    monkeypatch.setattr(node_module, "MAX_PEERS", 2)
+    D.node.connect(P.address)
+    assert P.node.num_peers == 2
+    F = endpoint("F", make_cache(None))
+    E2 = endpoint("E", make_cache(None))  # E restarted: a new epoch of a known peer
+    try:
+        with pytest.raises(KVBridgeError, match=r"already keeps 2 peers.*fix: .*secret"):
+            F.node.connect(P.address)
+        E2.node.connect(P.address)
+        assert P.node.num_peers == 2 and not P.node.knows(E.node.id) and P.node.knows(E2.node.id)
+        monkeypatch.setattr(node_module, "MAX_PEER_SLOTS", D.node.geometry.num_slots - 1)
+        with pytest.raises(KVBridgeError, match="claims a cache of"):
+            D.node.connect(P.address, fresh=True)
+    finally:
+        F.close()
+        E2.close()

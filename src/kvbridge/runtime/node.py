@@ -67,6 +67,16 @@ from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
 log = logging.getLogger(__name__)
 
 
+MAX_PEERS = 1024
+"""Peers one worker keeps a handshake with (decode ranks of every decode instance that
+uses this prefill rank, and the reverse); a handshake beyond it is refused. A restarted
+peer (same engine and rank, new epoch) replaces its old self and counts once."""
+
+MAX_PEER_SLOTS = 1 << 26
+"""Slots (one block of one layer plane) a peer's cache may claim: its slot table is built
+and registered with the transport at the handshake, 24 bytes a slot here and more in the
+transport (about 1.6 GB at the bound, some 3x the largest real caches' tables)."""
+
 _SLOW_HANDSHAKE_S = 5.0
 """A handshake step logged as slow past this many seconds (a 60 s handshake was seen once in
 CI, NIXL, equal TP sizes, cause unknown: the warning says which step took the time)."""
@@ -227,6 +237,7 @@ class Node:
             raise IncompatiblePeerError(
                 f"peer {msg.peer} sent a cache spec that contradicts its compatibility info"
             )
+        self._admit(msg)
         split = self._split(msg, prefill)
         if msg.geometry.layer_bytes != self.geometry.layer_bytes and split is None:
             # the compat hash covers the state layers' shapes; a mismatch means a hand-made frame
@@ -285,6 +296,28 @@ class Node:
             self.transport.remove_peer(old.agent)
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
+
+    def _admit(self, msg: Hello | Welcome) -> None:
+        """Refuse a handshake that would exceed :data:`MAX_PEERS` or whose cache claims
+        more than :data:`MAX_PEER_SLOTS` slots, before anything is built for it."""
+        if msg.geometry.num_slots > MAX_PEER_SLOTS:
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} claims a cache of {msg.geometry.num_slots} slots (blocks x "
+                f"layer planes), over the {MAX_PEER_SLOTS} kvbridge builds a table for",
+                fix="check the peer's KV cache size; a real one is far smaller",
+            )
+        key = self._key(msg.peer)
+        with self._lock:
+            known = any(k[:2] == key[:2] for k in self._peers)
+            full = not known and len(self._peers) >= MAX_PEERS
+        if full:
+            raise KVBridgeError(
+                f"handshake from {msg.peer} refused: this worker already keeps {MAX_PEERS} peers",
+                fix=(
+                    "use fewer decode instances per prefill instance, or set a 'secret' so that "
+                    "only your own instances can shake hands"
+                ),
+            )
 
     def _build(
         self,
