@@ -13,8 +13,10 @@ before (:class:`~kvbridge.wire.auth.ReplayGuard`), so a captured request can be
 replayed neither later, nor again, nor to another server with the same secret (the
 sender's identity and epoch are inside the frame). A reply's MAC covers the
 request's MAC and the reply. A frame that fails authentication or decoding is answered
-with an error and never acted on. Replies echo the request id, so a reply that arrives
-after its request timed out is recognised and dropped. Every connection has read
+with an error and never acted on; a peer of another compatibility class is told which
+properties differ, not our values (unless it is authenticated). Replies echo the
+request id, so a reply that arrives after its request timed out is recognised and
+dropped. Every connection has read
 deadlines (:mod:`kvbridge.transports.zmqlimits`): a peer that stalls mid-message is
 disconnected and its partial message dropped.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
@@ -37,6 +40,7 @@ from kvbridge.errors import IncompatiblePeerError, KVBridgeError, PeerUnreachabl
 from kvbridge.transports.zmqlimits import limit_socket
 from kvbridge.wire.auth import ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
+from kvbridge.wire.compat import compat_digests
 from kvbridge.wire.messages import Message, Reply
 
 log = logging.getLogger(__name__)
@@ -191,8 +195,7 @@ class SideChannelServer:
         except IncompatiblePeerError as exc:
             self._on_refused()
             log.warning("side channel: refused an incompatible peer: %s", exc)
-            # our CompatInfo lets the peer's codec name every property that differs
-            return Reply(ok=False, code="incompatible", detail=str(exc), compat=self._codec.compat)
+            return self._incompatible(exc)
         except WireError as exc:
             self._on_refused()
             log.warning("side channel: refused a request: %s", exc)
@@ -204,6 +207,24 @@ class SideChannelServer:
         except Exception as exc:  # a handler bug must not kill the channel
             log.exception("side channel handler failed on %s", type(msg).__name__)
             return Reply(ok=False, code="error", detail=f"{type(exc).__name__}: {exc}")
+
+    def _incompatible(self, exc: IncompatiblePeerError) -> Reply:
+        """The answer to a peer of another compatibility class: the properties that
+        differ by name and, per property, a digest of our value, from which the peer
+        names them too; our values themselves only to an authenticated peer (a secret)."""
+        differ = ", ".join(sorted(exc.differences))
+        detail = "this prefill's KV cache is incompatible with the peer's" + (
+            f" ({differ} differ)" if differ else ""
+        )
+        salt = os.urandom(16)
+        return Reply(
+            ok=False,
+            code="incompatible",
+            detail=f"{detail} (fix: {exc.fix})" if exc.fix else detail,
+            compat=self._codec.compat if self._secret is not None else None,
+            salt=salt,
+            digests=compat_digests(self._codec.compat, salt),
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving; idempotent."""
