@@ -23,7 +23,7 @@ from test_wire import ALL_MESSAGES, INFO
 from kvbridge.adapters.sglang import messages as sg
 from kvbridge.core.layout import MAX_PLANES, CacheGeometry, CacheSpec
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
-from kvbridge.wire.auth import seal, unseal
+from kvbridge.wire.auth import ReplayGuard, seal, unseal
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.messages import (
     MAX_BLOCK_IDS,
@@ -161,22 +161,31 @@ def _sglang_messages() -> list[sg.Message]:
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
 def test_fuzz_sglang_control_messages(secret: bytes | None) -> None:
+    at, guard = "tcp://10.0.0.1:7000", ReplayGuard()
+
     def decode(data: bytes) -> object:
-        # frames: tag, payload, and (with a secret) a MAC cut from the payload's tail
-        frames = [sg.TAG, data] if secret is None else [sg.TAG, data[:-32], data[-32:]]
+        # frames: tag, payload and (with a secret) a MAC and a stamp cut from its tail
+        frames = [sg.TAG, data] if secret is None else [sg.TAG, data[:-40], data[-40:-8], data[-8:]]
         try:
-            return sg.decode(frames, secret)
+            if secret is not None:
+                frames = sg.unsign(frames, secret, at, guard)
+            return sg.decode(frames)
         except sg.AuthenticationError as exc:  # what the prefill reads of a refused one
             return exc.unverified
 
-    seeds = [b"".join(sg.encode(msg, secret)[1:]) for msg in _sglang_messages()]
+    seeds = [b"".join(sg.sign(sg.encode(msg), secret, at)[1:]) for msg in _sglang_messages()]
     _fuzz(decode, seeds, seed=4)
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
 def test_fuzz_sglang_notifications(secret: bytes | None) -> None:
-    seeds = [sg.encode_payload(msg, secret) for msg in _sglang_messages()]
-    _fuzz(lambda data: sg.decode_payload(data, secret), seeds, seed=5)
+    guard = ReplayGuard()
+    seeds = [sg.encode_payload(msg, secret, sender="p", receiver="d") for msg in _sglang_messages()]
+    _fuzz(
+        lambda data: sg.decode_payload(data, secret, sender="p", receiver="d", guard=guard),
+        seeds,
+        seed=5,
+    )
 
 
 def _refused_cheaply(codec: Codec, frame: bytes) -> None:

@@ -69,6 +69,7 @@ from kvbridge.adapters.sglang.streaming import (
 from kvbridge.core.tp import heads_per_rank, prefill_ranks
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
+from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,15 @@ class _Peer(NamedTuple):
     slot's row this rank writes into the decode rank's (:func:`.states.state_cut`);
     ``states`` is then None (each room's segments are posted as they are)."""
     seat: str = ""  # which rank of which decode server (Registration.seat)
+    control: tuple[str, int] = ("", 0)
+    """The decode rank's control socket (``Registration.ip``, ``port``): its destinations
+    must name it (statuses and abort acknowledgements go there)."""
+
+    @property
+    def server(self) -> str:
+        """The decode server this rank belongs to (its seat's address; an older decode
+        without a seat: its control socket's host)."""
+        return self.seat.split(" ")[0] if self.seat else self.control[0]
 
 
 class _Dest(NamedTuple):
@@ -224,13 +234,20 @@ class PrefillSide:
         self._recv_loop(self._prefill_handle)
 
     def _prefill_handle(self, frames: list[bytes]) -> None:
+        try:
+            frames = self._authentic(frames)
+        except wire.AuthenticationError as exc:
+            self._refuse_unauthenticated(exc)
+            return
+        if frames and frames[0] == _c.ABORT_TAG and not self._abort_allowed(frames):
+            return
         if self.deferred_bootstrap is not None and self._handle_bootstrap_message(frames):
             return
         if frames and frames[0] == _c.ABORT_TAG:
             self._handle_abort(frames)
             return
         try:
-            msg = wire.decode(frames, self.secret)
+            msg = wire.decode(frames)
         except wire.AuthenticationError as exc:
             self._refuse_unauthenticated(exc)
             return
@@ -245,9 +262,12 @@ class PrefillSide:
         try:
             part = self._pairing(reg)
             cut = self._state_cut(reg)
+            self._admit(reg)
         except IncompatiblePeerError as exc:
             log.error("kvbridge: refused decode %s: %s", reg.agent, exc)
             self._refused[reg.agent] = str(exc)
+            while len(self._refused) > MAX_PEERS:  # the oldest refusals are forgotten
+                self._refused.pop(next(iter(self._refused)))
             return
         with self._peers_lock:
             if reg.agent in self.peers:
@@ -293,6 +313,7 @@ class PrefillSide:
                 reg.states,
                 cut,
                 reg.seat,
+                (reg.ip, reg.port),
             )
             # A restarted decode rank (same seat, new agent) replaces its old agent; the
             # ranks of other decode servers, and of other DP replicas, stay.
@@ -310,6 +331,31 @@ class PrefillSide:
                 reg.seat,
             )
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
+
+    def _admit(self, reg: wire.Registration) -> None:
+        """Refuse a registration beyond :data:`~kvbridge.runtime.node.MAX_PEERS` decode
+        ranks (one from a seat already registered replaces its old agent) or whose cache
+        claims more than :data:`~kvbridge.runtime.node.MAX_PEER_SLOTS` slots, before
+        anything is built for it."""
+        if reg.geometry.num_slots > MAX_PEER_SLOTS:
+            raise IncompatiblePeerError(
+                f"decode {reg.agent} claims a cache of {reg.geometry.num_slots} slots, over the "
+                f"{MAX_PEER_SLOTS} kvbridge builds a table for",
+                fix="check the decode's KV cache size; a real one is far smaller",
+            )
+        with self._peers_lock:
+            known = reg.agent in self.peers or (
+                bool(reg.seat) and any(p.seat == reg.seat for p in self.peers.values())
+            )
+            full = not known and len(self.peers) >= MAX_PEERS
+        if full:
+            raise IncompatiblePeerError(
+                f"this prefill rank already has {MAX_PEERS} decode peers",
+                fix=(
+                    "use fewer decode ranks per prefill server, or set a 'secret' so that only "
+                    "your own servers can register"
+                ),
+            )
 
     def _pairing(self, reg: wire.Registration) -> Part | None:
         """Check a decode's registration: on the packed path, the heads this rank moves
@@ -453,6 +499,8 @@ class PrefillSide:
                 failure_reason=failed,
             )
             return
+        if not self._destination_allowed(msg):
+            return
         reason = None
         if not msg.is_dummy and msg.agent in self._refused:
             reason = (
@@ -488,6 +536,58 @@ class PrefillSide:
             )
             self.update_status(room, KVPoll.WaitingForInput)
 
+    def _destination_allowed(self, msg: wire.Destination) -> bool:
+        """Whether a destination may act on its room: it names the control socket its
+        agent registered (statuses go there, not to whoever sent it), and the room's
+        destinations so far came from the same decode server (the first one binds the
+        room to its server). Otherwise it is dropped, logged and counted, and nothing of
+        the room changes. Control thread."""
+        peer = self.peers.get(msg.agent)
+        why = None
+        if peer is not None and not msg.is_dummy and peer.control != (msg.ip, msg.port):
+            why = (
+                f"it names control socket {msg.ip}:{msg.port}, its agent registered "
+                f"{peer.control[0]}:{peer.control[1]}"
+            )
+        elif peer is not None:
+            owners = {
+                self.peers[a].server
+                for a in self.transfer_infos.get(msg.room, {})
+                if a in self.peers and a != msg.agent
+            }
+            if owners and peer.server not in owners:
+                why = f"the room belongs to decode server {', '.join(sorted(owners))}"
+        if why is None:
+            return True
+        self._count(messages_refused=1)
+        log.warning(
+            "kvbridge: refused a destination for room %s from %s: %s", msg.room, msg.agent, why
+        )
+        return False
+
+    def _abort_allowed(self, frames: list[bytes]) -> bool:
+        """Whether SGLang's abort frames may fail their room: once the room has
+        destinations, only from one of their decode ranks (the abort names its control
+        socket, SGLang 0.5.23 always does); before, it cannot be told (SGLang's own
+        behaviour: the room's id is the secret). Otherwise dropped, logged and counted.
+        Control thread."""
+        note = _c.AbortNotification.from_zmq(frames)
+        if note is None:
+            return True  # SGLang's handler drops it, logged
+        dests = self.transfer_infos.get(note.room)
+        if not dests or (note.decode_ip, note.decode_port) in {
+            (d.endpoint, d.dst_port) for d in dests.values()
+        }:
+            return True
+        self._count(messages_refused=1)
+        log.warning(
+            "kvbridge: refused an abort of room %s from %s:%s, not one of the room's decode ranks",
+            note.room,
+            note.decode_ip,
+            note.decode_port,
+        )
+        return False
+
     def _another_request_of(self, room: int, dest: _Dest) -> bool:
         """Whether this prefill still keeps a destination for ``room`` from the same
         decode rank but from another of its requests (their nonces differ): SGLang's
@@ -520,6 +620,7 @@ class PrefillSide:
         address). Room ids are random 64-bit numbers the router draws, so a stranger
         cannot aim this at other requests."""
         msg = exc.unverified
+        self._count(messages_refused=1)
         log.error(
             "kvbridge: refused a decode's %s: %s",
             type(msg).__name__ if msg is not None else "message",
@@ -675,6 +776,7 @@ class PrefillSide:
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():
             self._report_staging()
+            self._report_limits()
             try:
                 items = [self._work.get(timeout=self._poll_s)]
             except queue.Empty:
@@ -1073,7 +1175,9 @@ class PrefillSide:
                 self.aux_layout.slots(chunk.aux_index, peer.aux_count),
                 peer.aux,
                 peer.aux_layout.slots(dest.aux_index, peer.aux_count),
-                notify=wire.encode_payload(done, self.secret),
+                notify=wire.encode_payload(
+                    done, self.secret, sender=self.transport.agent_name, receiver=dest.agent
+                ),
             )
             self._inflight.setdefault(room, []).append(x)
             self._staging_outstanding[room] += 1
