@@ -1,7 +1,9 @@
 """Seeded fuzzing of every decoder kvbridge exposes to the network: the side channel's and
 the transport notifications' frames (:class:`~kvbridge.wire.codec.Codec`, with and
-without a secret) and the SGLang backend's control messages and notifications
-(:mod:`kvbridge.adapters.sglang.messages`).
+without a secret), the SGLang backend's control messages and notifications
+(:mod:`kvbridge.adapters.sglang.messages`), and what ``kvbridge proxy`` parses of a
+client's request and of a prefill's answer (:mod:`kvbridge.proxy.app`; it may raise
+only its own HTTP error).
 
 Inputs: valid frames of every message, mutated (bytes flipped, cut, repeated, length
 prefixes inflated, nesting headers spliced in), and random bytes. A decoder may raise
@@ -12,6 +14,7 @@ the CPU time is what is bounded tightly), and may not keep or balloon memory."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import tracemalloc
@@ -24,6 +27,8 @@ from test_wire import ALL_MESSAGES, INFO
 from kvbridge.adapters.sglang import messages as sg
 from kvbridge.core.layout import MAX_PLANES, CacheGeometry, CacheSpec
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
+from kvbridge.proxy.app import MAX_DP_RANKS, UpstreamError, parse_request, read_prefill_answer
+from kvbridge.proxy.pool import Instance
 from kvbridge.wire.auth import ReplayGuard, seal, unseal
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.messages import (
@@ -73,21 +78,29 @@ def _mutate(rng: random.Random, seed: bytes) -> bytes:
     return bytes(data)
 
 
-def _inputs(seeds: list[bytes], rng: random.Random) -> Iterator[bytes]:
+def _inputs(seeds: list[bytes], rng: random.Random, cases: int = CASES) -> Iterator[bytes]:
     yield from seeds
-    for i in range(CASES):
+    for i in range(cases):
         yield _mutate(rng, seeds[i % len(seeds)])
 
 
-def _fuzz(decode: Callable[[bytes], object], seeds: list[bytes], seed: int) -> None:
+def _fuzz(
+    decode: Callable[[bytes], object],
+    seeds: list[bytes],
+    seed: int,
+    allowed: type[Exception] = KVBridgeError,
+    cases: int = CASES,
+) -> None:
+    """Decode ``seeds`` and ``cases`` mutations of them; ``allowed``: the one exception
+    type the decoder may raise (kvbridge's, or the proxy's HTTP error)."""
     rng = random.Random(seed)
     tracemalloc.start()
     try:
-        for data in _inputs(seeds, rng):
+        for data in _inputs(seeds, rng, cases):
             start, cpu = time.perf_counter(), time.thread_time()
             try:
                 decode(data)
-            except KVBridgeError:
+            except allowed:
                 pass
             except Exception as exc:  # noqa: BLE001 - the failure this test looks for
                 pytest.fail(f"{type(exc).__name__} on input {data[:80]!r}...: {exc}")
@@ -231,3 +244,75 @@ def test_lists_past_their_bound_are_refused_before_they_are_built() -> None:
     planes = tuple(range(1, 1 + spec.num_layers * spec.planes_per_layer))
     huge = CacheGeometry(spec=spec, num_blocks=1, plane_bases=planes)
     _refused_cheaply(codec, codec.encode(msgspec.structs.replace(hello, geometry=huge)))
+
+
+_JSON_BOMBS = (
+    b"[" * 5000,
+    b'{"a":' * 5000,
+    b"1" * 5000,
+    b"1e999999",
+    b"-0.0e-99999",
+    b'"\\ud800"',
+    b"NaN",
+    b"\xff\xfe",
+    b'"' + b"\\" * 3,
+)
+"""JSON that a naive reader chokes on: deep nesting, a 5,000-digit integer, an infinite
+float, a lone surrogate, invalid UTF-8."""
+
+
+def _mutate_json(rng: random.Random, seed: bytes) -> bytes:
+    if rng.random() < 0.5:
+        return _mutate(rng, seed)
+    data = bytearray(seed)
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(len(data) + 1)
+        data[at:at] = rng.choice(_JSON_BOMBS)
+    return bytes(data)
+
+
+def _fuzz_json(decode: Callable[[bytes], object], seeds: list[bytes], seed: int) -> None:
+    rng = random.Random(seed)
+    cases = seeds + [_mutate_json(rng, seeds[i % len(seeds)]) for i in range(PROXY_CASES)]
+    _fuzz(decode, cases, seed=seed, allowed=UpstreamError, cases=0)
+
+
+PROXY_CASES = 20_000
+"""Per parser of the proxy (json.loads is fast; the seeds' shapes matter more)."""
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def test_fuzz_proxy_request_bodies() -> None:
+    """What ``kvbridge proxy`` reads of a client: only its 400 (``UpstreamError``)."""
+    seeds = [
+        _json({"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True}),
+        _json({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}),
+        _json({"prompt": [1, 2, 3], "kv_transfer_params": {"kvbridge": {"role": "decode"}}}),
+    ]
+    _fuzz_json(parse_request, seeds, seed=6)
+
+
+def test_fuzz_proxy_prefill_answers() -> None:
+    """What the proxy reads of a prefill's answer (the side-channel address it learns, DP
+    ranks included): only its 502 naming the instance, and no instance ends up with
+    addresses for more DP ranks than it probes."""
+    p = Instance(url="http://prefill", role="prefill")
+
+    def read(data: bytes) -> object:
+        _, address = read_prefill_answer(p, data)
+        if address is not None:
+            p.learn(address)
+        assert len(p.addresses) <= MAX_DP_RANKS
+        return address
+
+    address = {"address": "tcp://10.0.0.1:5557", "engine_id": "e", "epoch": "x", "dp_rank": 1}
+    seeds = [
+        _json({"choices": [{"text": "x"}], "kv_transfer_params": None}),
+        _json({"kv_transfer_params": {"kvbridge": {"prefill": address}}}),
+        _json({"kv_transfer_params": {"kvbridge": {"prefill": {**address, "dp_rank": 0}}}}),
+        _json({"kv_transfer_params": {"do_remote_decode": False, "remote_block_ids": [1, 2]}}),
+    ]
+    _fuzz_json(read, seeds, seed=7)
