@@ -358,3 +358,31 @@ def test_handshakes_beyond_the_peer_bound_are_refused_and_a_restart_still_replac
     finally:
         F.close()
         E2.close()
+
+
+def test_with_a_secret_a_captured_notification_is_refused_again_and_later(
+    secret_pair, monkeypatch
+) -> None:
+    """Notifications carry a stamp under their MAC and the receiver keeps the MACs it
+    took: the same LayerDone delivered twice, or one stamped two minutes ago, is dropped
+    (issue 46: notifications were bound to both agents, not to freshness)."""
+    P, _, D, *_ = secret_pair
+    D.node.connect(P.address)
+    to = D.node.transport.agent_name
+    refused = [0]
+
+    def refusals() -> int:
+        refused[0] += _refused(D)
+        return refused[0]
+
+    note = LayerDone(transfer_id="gone", layers=[0], first_block=0, num_blocks=1)
+    captured = P.node.encode_note(note, to)
+    P.node.transport.notify(to, captured)
+    P.node.transport.notify(to, captured)
+    eventually(lambda: refusals() == 1)
+    assert len(D.node.note_replays) == 1
+    old = (int.from_bytes(stamp(), "big") - 120_000).to_bytes(8, "big")
+    monkeypatch.setattr(node_module, "stamp", lambda: old)
+    P.node.transport.notify(to, P.node.encode_note(note, to))
+    eventually(lambda: refusals() == 2)
+    assert len(D.node.note_replays) == 1

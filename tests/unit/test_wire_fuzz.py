@@ -19,6 +19,7 @@ import random
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -29,7 +30,8 @@ from kvbridge.core.layout import MAX_PLANES, CacheGeometry, CacheSpec
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
 from kvbridge.proxy.app import MAX_DP_RANKS, UpstreamError, parse_request, read_prefill_answer
 from kvbridge.proxy.pool import Instance
-from kvbridge.wire.auth import ReplayGuard, seal, unseal
+from kvbridge.runtime.node import Node
+from kvbridge.wire.auth import ReplayGuard
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.messages import (
     MAX_BLOCK_IDS,
@@ -131,17 +133,29 @@ def test_fuzz_side_channel_frames() -> None:
 
 
 def test_fuzz_authenticated_notifications() -> None:
-    """What :meth:`kvbridge.runtime.node.Node.decode_note` does: the MAC first."""
+    """:meth:`kvbridge.runtime.node.Node.decode_note` with a secret: the MAC, the stamp
+    and the replay set first, then the codec."""
     codec = Codec(INFO)
 
-    def decode(data: bytes) -> object:
-        body = unseal(SECRET, data, b"note")
-        return None if body is None else codec.decode(body)
+    def node(agent: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            _secret=SECRET,
+            codec=codec,
+            transport=SimpleNamespace(agent_name=agent),
+            note_replays=ReplayGuard(),
+        )
 
-    seeds = [seal(SECRET, f, b"note") for f in _frames(codec)]
+    p, d = node("p"), node("d")
+
+    def decode(data: bytes) -> object:
+        return Node.decode_note(d, data, "p")
+
+    seeds = [Node.encode_note(p, msg, "d") for msg in ALL_MESSAGES]
     # mutations of the frame under a recomputed MAC reach the decoder
     rng = random.Random(2)
-    seeds += [seal(SECRET, _mutate(rng, f), b"note") for f in _frames(codec) for _ in range(3)]
+    mutated = [_mutate(rng, f) for f in _frames(codec) for _ in range(3)]
+    p.codec = SimpleNamespace(encode=lambda frame: frame)  # seal the mutated frames as they are
+    seeds += [Node.encode_note(p, frame, "d") for frame in mutated]
     _fuzz(decode, seeds, seed=3)
 
 

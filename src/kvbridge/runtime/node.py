@@ -59,7 +59,7 @@ from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
-from kvbridge.wire.auth import seal, unseal
+from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
@@ -175,6 +175,8 @@ class Node:
         except Exception:
             self.transport.close()
             raise
+        self.note_replays = ReplayGuard()
+        """With a secret: notifications taken (:meth:`decode_note`), against replays."""
         self._client: SideChannelClient | None = None
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, int, str], Peer] = {}
@@ -590,26 +592,40 @@ class Node:
 
     def encode_note(self, msg: Message, to: str) -> bytes:
         """The payload of a transport notification (``LayerDone``, ``Done``) for the peer
-        whose agent is ``to``: the codec's frame, followed by its MAC when a ``secret`` is
-        set (notifications travel outside the side channel, on the transport), bound to
-        our agent and ``to``'s, so that it is refused by any other receiver and as from
-        any other sender. Any thread."""
+        whose agent is ``to``: the codec's frame, followed, when a ``secret`` is set
+        (notifications travel outside the side channel, on the transport), by a time
+        stamp and a MAC over our agent and ``to``'s, the stamp and the frame, so that it
+        is refused by any other receiver, as from any other sender, later, and again
+        (:meth:`decode_note`). Any thread."""
+        frame = self.codec.encode(msg)
+        if self._secret is None:
+            return frame
+        when = stamp()
         agents = (self.transport.agent_name.encode(), to.encode())
-        return seal(self._secret, self.codec.encode(msg), b"note", *agents)
+        return frame + when + mac(self._secret, b"note", *agents, when, frame)
 
     def decode_note(self, payload: bytes, sender: str) -> Message:
         """Inverse of :meth:`encode_note`, for a notification the transport says came
         from the agent ``sender``. Raises :class:`~kvbridge.errors.WireError` for a
-        payload that fails authentication (another secret, sender or receiver), is
-        malformed, or comes from an incompatible peer."""
-        agents = (sender.encode(), self.transport.agent_name.encode())
-        body = unseal(self._secret, payload, b"note", *agents)
-        if body is None:
-            raise WireError(
-                "a notification failed authentication",
-                fix="set the same 'secret' on prefill and decode",
-            )
-        return self.codec.decode(body)
+        payload that fails authentication (another secret, sender or receiver), is stale
+        or replayed, is malformed, or comes from an incompatible peer. One thread (the
+        receiver's notification thread)."""
+        if self._secret is not None:
+            signed = STAMP_BYTES + MAC_BYTES
+            frame, when, tag = payload[:-signed], payload[-signed:-MAC_BYTES], payload[-MAC_BYTES:]
+            agents = (sender.encode(), self.transport.agent_name.encode())
+            if len(payload) <= signed or not verify(
+                self._secret, tag, b"note", *agents, when, frame
+            ):
+                raise WireError(
+                    "a notification failed authentication",
+                    fix="set the same 'secret' on prefill and decode",
+                )
+            why = self.note_replays.check(tag, when)
+            if why is not None:
+                raise WireError(f"a notification was refused: {why}")
+            payload = frame
+        return self.codec.decode(payload)
 
     # --- server side ---------------------------------------------------------------------
 

@@ -432,7 +432,8 @@ class WorkerSide:
         levels = dict.fromkeys((*REQUEST_GAUGES, *LIMIT_GAUGES), 0)
         levels.update(
             peers=ep.node.num_peers,
-            replay_entries=0 if ep.server is None else len(ep.server.replays),
+            replay_entries=len(ep.node.note_replays)
+            + (0 if ep.server is None else len(ep.server.replays)),
         )
         if ep.sender is not None:
             sends = ep.sender.phases()
