@@ -17,8 +17,10 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 try:
@@ -59,6 +61,9 @@ class _Prefill(PrefillSide):
         self.enable_deferred_decode_kv_release = False
         self._staging_outstanding: dict[int, int] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
+        self._early_rooms: OrderedDict[int, float] = OrderedDict()
+        self.room_holders = weakref.WeakValueDictionary()  # room -> its sender
+        self.config = SimpleNamespace(timeouts=SimpleNamespace(lease_s=60.0))
 
     _authentic = KVBridgeKVManager._authentic
 
@@ -236,3 +241,33 @@ def test_registrations_beyond_the_peer_bound_are_refused(monkeypatch) -> None:
     monkeypatch.setattr(prefill_module, "MAX_PEER_SLOTS", 7)
     with pytest.raises(prefill_module.IncompatiblePeerError, match="claims a cache of 8 slots"):
         PrefillSide._admit(p, SimpleNamespace(agent="d0", seat="s0", geometry=geometry))
+
+
+def test_destinations_for_rooms_without_a_request_are_bounded_and_expire(
+    prefill, monkeypatch
+) -> None:
+    """A destination may come before the prefill's request; such rooms were kept with no
+    bound and no end (a stranger's destinations for made-up rooms, or a room whose
+    request never reached this prefill)."""
+    from kvbridge.adapters.sglang import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "MAX_EARLY_ROOMS", 2)
+    for room in (1, 2):
+        dest = msgspec.structs.replace(_destination("d0", "10.0.0.2", 5000), room=room)
+        prefill._prefill_handle(wire.encode(dest))
+    assert set(prefill.transfer_infos) == {1, 2} and len(prefill._early_rooms) == 2
+    third = msgspec.structs.replace(_destination("d0", "10.0.0.2", 5000), room=3)
+    prefill._prefill_handle(wire.encode(third))
+    assert 3 not in prefill.transfer_infos
+    assert prefill.sent[-1]["status"] == KVPoll.Failed, "the decode is told at once"
+    assert "rooms it has no request for yet" in prefill.sent[-1]["failure_reason"]
+    sender = _Holder([])  # any object a weak reference reaches
+    prefill.room_holders[1] = sender  # room 1's request arrived
+    fourth = msgspec.structs.replace(third, room=4)
+    prefill._prefill_handle(wire.encode(fourth))
+    assert set(prefill._early_rooms) == {2, 4}
+    prefill.config.timeouts.lease_s = 0.0  # their time has come: dropped with the next one
+    prefill._early_rooms = OrderedDict((r, 0.0) for r in prefill._early_rooms)
+    prefill._prefill_handle(wire.encode(msgspec.structs.replace(third, room=5)))
+    assert set(prefill.transfer_infos) == {1, 5}, "room 1 has its request: kept"
+    assert set(prefill.request_status) == {ROOM, 1, 5}, "and so is SGLang's status of it"

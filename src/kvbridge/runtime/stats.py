@@ -65,6 +65,8 @@ class StatsSnapshot:
     replay_entries: int = 0
     """Level: with a ``secret``, authenticated messages remembered to refuse their
     replays (:class:`kvbridge.wire.auth.ReplayGuard`; largest over ranks)."""
+    early_rooms: int = 0
+    """Level: SGLang's rooms whose destination came before the prefill's request."""
     receives_allocated: int = 0
     """Level: decode requests whose destination has not reached the prefill side yet
     (staging room, handshake; largest over ranks)."""
@@ -197,6 +199,10 @@ LIMIT_GAUGES: dict[str, str] = {
     "replay_entries": (
         "With a secret: authenticated messages remembered to refuse their replays (bounded; the "
         "oldest are forgotten first)"
+    ),
+    "early_rooms": (
+        "SGLang: rooms whose decode destination came before the prefill's request (bounded; "
+        "dropped after timeouts.lease_s; vLLM counts these in sends_early)"
     ),
 }
 """Levels of the per-peer structures a hostile or mistaken peer could grow, each bounded:

@@ -303,12 +303,14 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
     def _report_limits(self) -> None:
         """Set the gauges of the bounded per-peer state
         (:data:`~kvbridge.runtime.stats.LIMIT_GAUGES`; with ``--enable-metrics``): peers
-        registered with this prefill rank, messages remembered against replays. Called
+        registered with this prefill rank, messages remembered against replays, rooms
+        whose destination came before their request. Called
         every loop by the prefill's transfer thread and the decode's notification thread."""
         if self._metrics is not None:
             self._metrics.set_levels(
                 peers=len(getattr(self, "peers", ())),
                 replay_entries=len(self.replays) + len(self.note_replays),
+                early_rooms=len(getattr(self, "_early_rooms", ())),
             )
 
     def _send_multipart_locked(self, endpoint: str, parts, is_ipv6: bool = False):

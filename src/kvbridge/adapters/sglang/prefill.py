@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import NamedTuple
 
 import msgspec
@@ -71,6 +72,7 @@ from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeErr
 from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
+from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -202,6 +204,9 @@ class PrefillSide:
         self._first_post: dict[int, float] = {}
         self._packed_runs: dict[int, list[Run]] = {}  # room -> our staging runs
         self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
+        self._early_rooms: OrderedDict[int, float] = OrderedDict()
+        """Rooms with a destination but no request here when it came -> when they are
+        dropped (:meth:`_keep_early`)."""
         self._num_layers = self.geometry.spec.num_layers
         self._start_layer = compat.start_layer(args)
         self._full_layers: dict[int, int] | None = None
@@ -524,6 +529,11 @@ class PrefillSide:
             )
         elif self._another_request_of(room, dest):
             reason = duplicate_reason(room, "prefill")
+        elif not self._keep_early(room):
+            reason = (
+                f"kvbridge: this prefill rank already keeps destinations for {MAX_EARLY_ROOMS} "
+                "rooms it has no request for yet"
+            )
         if reason is not None:
             self._refuse_room(msg, reason)
             return
@@ -587,6 +597,30 @@ class PrefillSide:
             note.decode_port,
         )
         return False
+
+    def _keep_early(self, room: int) -> bool:
+        """Whether a destination for ``room`` may be kept: always for a room this prefill
+        has a request (a sender) for; for one it has not (yet: the decode may be first),
+        within :data:`MAX_EARLY_ROOMS` such rooms, each dropped ``timeouts.lease_s`` after
+        its first destination unless a request took it by then, with the status SGLang
+        opened for it (a destination makes its room wait for input). Control thread."""
+        now = time.monotonic()
+        early = self._early_rooms
+        while early and next(iter(early.values())) <= now:
+            old, _ = early.popitem(last=False)
+            if SoleHolder._holder(self, old) is None:
+                self.transfer_infos.pop(old, None)
+                if self.request_status.get(old) == KVPoll.WaitingForInput:
+                    self.request_status.pop(old, None)
+        if room in early or SoleHolder._holder(self, room) is not None:
+            return True
+        if len(early) >= MAX_EARLY_ROOMS:  # forget those a request took meanwhile
+            for taken in [r for r in early if SoleHolder._holder(self, r) is not None]:
+                del early[taken]
+        if len(early) >= MAX_EARLY_ROOMS:
+            return False
+        early[room] = now + self.config.timeouts.lease_s
+        return True
 
     def _another_request_of(self, room: int, dest: _Dest) -> bool:
         """Whether this prefill still keeps a destination for ``room`` from the same
