@@ -227,20 +227,29 @@ def test_with_a_secret_a_captured_done_is_refused_again_and_as_from_another_send
     assert decode.applied == [ROOM] and other.applied == []
 
 
+def _reg(agent: str, seat: str, geometry, aux) -> SimpleNamespace:
+    return SimpleNamespace(
+        agent=agent, seat=seat, geometry=geometry, aux=aux, states=None, window=None
+    )
+
+
 def test_registrations_beyond_the_peer_bound_are_refused(monkeypatch) -> None:
+    """A registration's tables (pages and metadata rows, 6 + 2 here) are built when it
+    is added: its claim and the number of peers are bounded first."""
     from kvbridge.adapters.sglang import prefill as prefill_module
 
     monkeypatch.setattr(prefill_module, "MAX_PEERS", 2)
     p = _Prefill()
     p.peers["d0"] = _peer("d0", ("10.0.0.2", 5000), "s0")
     p.peers["d1"] = _peer("d1", ("10.0.0.2", 5001), "s1")
-    geometry = SimpleNamespace(num_slots=8)
+    geometry = SimpleNamespace(num_slots=6)
+    aux = SimpleNamespace(ptrs=(1,), rows=2)
     with pytest.raises(prefill_module.IncompatiblePeerError, match="already has 2 decode peers"):
-        PrefillSide._admit(p, SimpleNamespace(agent="d2", seat="s2", geometry=geometry))
-    PrefillSide._admit(p, SimpleNamespace(agent="d3", seat="s1", geometry=geometry))  # restarted
+        PrefillSide._admit(p, _reg("d2", "s2", geometry, aux))
+    PrefillSide._admit(p, _reg("d3", "s1", geometry, aux))  # restarted
     monkeypatch.setattr(prefill_module, "MAX_PEER_SLOTS", 7)
     with pytest.raises(prefill_module.IncompatiblePeerError, match="claims a cache of 8 slots"):
-        PrefillSide._admit(p, SimpleNamespace(agent="d0", seat="s0", geometry=geometry))
+        PrefillSide._admit(p, _reg("d0", "s0", geometry, aux))
 
 
 def test_destinations_for_rooms_without_a_request_are_bounded_and_expire(

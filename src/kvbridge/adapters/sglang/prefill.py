@@ -185,6 +185,11 @@ class _Dest(NamedTuple):
     state_row: int | None = None
 
 
+def _rows(layout: AuxLayout | None) -> int:
+    """Descriptors of a peer's metadata or state buffers (a row of each buffer each)."""
+    return 0 if layout is None else len(layout.ptrs) * max(0, int(layout.rows))
+
+
 class PrefillSide:
     """The prefill rank's part of :class:`~.manager.KVBridgeKVManager` (a mixin: it
     uses the manager's transport, tables, geometry, config and SGLang's status table).
@@ -342,10 +347,12 @@ class PrefillSide:
         ranks (one from a seat already registered replaces its old agent) or whose cache
         claims more than :data:`~kvbridge.runtime.node.MAX_PEER_SLOTS` slots, before
         anything is built for it."""
-        if reg.geometry.num_slots > MAX_PEER_SLOTS:
+        slots = reg.geometry.num_slots + _rows(reg.aux) + _rows(reg.states)
+        slots += 0 if reg.window is None else reg.window.num_slots
+        if slots > MAX_PEER_SLOTS:
             raise IncompatiblePeerError(
-                f"decode {reg.agent} claims a cache of {reg.geometry.num_slots} slots, over the "
-                f"{MAX_PEER_SLOTS} kvbridge builds a table for",
+                f"decode {reg.agent} claims a cache of {slots} slots (pages, window pages, "
+                f"metadata and state rows), over the {MAX_PEER_SLOTS} kvbridge builds tables for",
                 fix="check the decode's KV cache size; a real one is far smaller",
             )
         with self._peers_lock:
