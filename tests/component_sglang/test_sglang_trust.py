@@ -280,3 +280,31 @@ def test_destinations_for_rooms_without_a_request_are_bounded_and_expire(
     prefill._prefill_handle(wire.encode(msgspec.structs.replace(third, room=5)))
     assert set(prefill.transfer_infos) == {1, 5}, "room 1 has its request: kept"
     assert set(prefill.request_status) == {ROOM, 1, 5}, "and so is SGLang's status of it"
+
+
+def test_the_bounded_state_of_a_prefill_rank_reaches_its_gauges() -> None:
+    """``peers``, ``replay_entries`` and ``early_rooms`` on SGLang's ``/metrics`` (with
+    ``--enable-metrics``), as the transfer thread sets them every loop."""
+    from prometheus_client import CollectorRegistry
+
+    from kvbridge.adapters.sglang.metrics import PrometheusExport
+
+    registry = CollectorRegistry()
+    labels = {"engine_type": "prefill", "tp_rank": "0", "transport": "nixl"}
+    p = _Prefill(SECRET)
+    p._metrics = PrometheusExport(labels, registry=registry)
+    p.note_replays = ReplayGuard()
+    p.peers["d0"] = _peer("d0", ("10.0.0.2", 5000), "s0")
+    p._prefill_handle(
+        wire.sign(wire.encode(_destination("d0", "10.0.0.2", 5000)), SECRET, PREFILL_AT)
+    )
+    p._prefill_handle(
+        wire.sign(
+            wire.encode(msgspec.structs.replace(_destination("d0", "10.0.0.2", 5000), room=3)),
+            SECRET,
+            PREFILL_AT,
+        )
+    )
+    KVBridgeKVManager._report_limits(p)
+    value = lambda name: registry.get_sample_value(f"sglang:kvbridge_{name}", labels)  # noqa: E731
+    assert (value("peers"), value("replay_entries"), value("early_rooms")) == (1, 2, 2)
