@@ -76,6 +76,7 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
             check_peer_aux_buffer_count=lambda *a: None,
             _drop_peer=lambda agent: None,
         )
+        prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
         try:
             with decode.paused():
                 start = time.monotonic()
@@ -121,6 +122,7 @@ def _prefill(transport: _Transport) -> SimpleNamespace:
         check_peer_aux_buffer_count=lambda *a: None,
     )
     prefill._drop_peer = lambda agent: PrefillSide._drop_peer(prefill, agent)
+    prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
     return prefill
 
 

@@ -13,7 +13,7 @@ import yaml
 
 import kvbridge
 from kvbridge.config import KVBridgeConfig, config_keys
-from kvbridge.runtime.stats import COUNTERS, GAUGES, HISTOGRAMS, REQUEST_GAUGES
+from kvbridge.runtime.stats import COUNTERS, GAUGES, HISTOGRAMS, LIMIT_GAUGES, REQUEST_GAUGES
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -59,7 +59,7 @@ def test_the_metrics_page_lists_every_metric_with_its_kind() -> None:
     expected = {
         **{f"kvbridge_{name}_total": "counter" for name in COUNTERS},
         **{f"kvbridge_{name}": "histogram" for name, _ in HISTOGRAMS.values()},
-        **{f"kvbridge_{name}": "gauge" for name in (*GAUGES, *REQUEST_GAUGES)},
+        **{f"kvbridge_{name}": "gauge" for name in (*GAUGES, *REQUEST_GAUGES, *LIMIT_GAUGES)},
     }
     table = _metrics_table()
     assert {name: kind for name, (kind, _) in table.items()} == expected

@@ -109,8 +109,12 @@ def test_a_decode_that_stalls_mid_stream_fails_at_the_read_timeout() -> None:
         (b"<html>busy</html>", "not JSON"),
         (b"[1, 2]", "a JSON list, not an object"),
         (b'{"choices": [], "kv_transfer_params": "oops"}', "kv_transfer_params of type str"),
+        (
+            b'{"kv_transfer_params": {"kvbridge": {"prefill": {"dp_rank": 1e999, "address": 1}}}}',
+            "malformed kvbridge side-channel address",
+        ),
     ],
-    ids=["not-json", "array", "params-not-object"],
+    ids=["not-json", "array", "params-not-object", "dp-rank-infinite"],
 )
 @pytest.mark.parametrize("flow", ["push", "pull"])
 def test_a_prefill_answering_garbage_gets_a_502_naming_it(

@@ -342,15 +342,59 @@ def test_pull_from_a_restarted_prefill_fails_at_once(pd) -> None:
     assert D.receiver.wait_finished(5) == ([], ["w"])
 
 
-def test_incompatible_peer_is_refused_naming_what_differs(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("secret", [None, "s"], ids=["no-secret", "secret"])
+def test_incompatible_peer_is_refused_naming_what_differs(
+    caplog: pytest.LogCaptureFixture, secret: str | None
+) -> None:
+    """The decode's error names each property that differs, with its own value and the
+    fix; the prefill's values only when the decode is authenticated (a secret): others
+    learn that they differ, from digests (issue 46: an incompatible peer was answered
+    with the prefill's whole compatibility info, model name included)."""
     other = msgspec.structs.replace(SPEC, block_size=32)
-    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None, other), spec=other)
+    cfg = {} if secret is None else {"secret": secret}
+    P = endpoint("P", make_cache(1), **cfg)
+    D = endpoint("D", make_cache(None, other), spec=other, **cfg)
     try:
         D.receiver.expect_push("i", P.address, [1], 10)
         assert D.receiver.wait_finished(5) == ([], ["i"])
-        assert any("block_size: ours=32, peer=16" in r.getMessage() for r in caplog.records)
+        failures = [
+            r.getMessage() for r in caplog.records if "receiving i failed" in r.getMessage()
+        ]
+        assert failures and "fix: start prefill and decode with identical block_size" in failures[0]
+        if secret is None:
+            assert "block_size: ours=32, peer's differs" in failures[0]
+            assert "peer=16" not in failures[0]
+        else:
+            assert any("block_size: ours=32, peer=16" in r.getMessage() for r in caplog.records)
     finally:
         D.close()
+        P.close()
+
+
+def test_an_incompatible_peer_learns_what_differs_not_the_prefill_s_values() -> None:
+    """What a stranger gets for a Hello of another compatibility class: the names of the
+    properties that differ and per-property digests, none of the prefill's values."""
+    from kvbridge.errors import IncompatiblePeerError
+    from kvbridge.runtime.node import Node
+    from kvbridge.wire.codec import Codec
+    from kvbridge.wire.messages import Hello, Reply
+
+    P = endpoint("P", make_cache(1))
+    try:
+        theirs = msgspec.structs.replace(P.node.codec.compat, model="guess", block_size=32)
+        hello = Node._hello(P.node, Hello)
+        hello = msgspec.structs.replace(hello, compat=theirs)
+        reply = P.server._answer(b"1", Codec(theirs).encode(hello), [])
+        assert isinstance(reply, Reply) and reply.code == "incompatible"
+        assert reply.compat is None and len(reply.salt) == 16
+        assert set(reply.digests) >= {"model", "block_size", "dtype", "layout"}
+        assert "block_size, model differ" in reply.detail
+        assert "ours=" not in reply.detail and "peer=" not in reply.detail
+        encoded = P.node.codec.encode(reply)
+        assert msgspec.msgpack.encode(P.node.codec.compat) not in encoded
+        with pytest.raises(IncompatiblePeerError, match=r"model: ours='guess', peer's differs"):
+            Codec(theirs).decode(encoded)
+    finally:
         P.close()
 
 

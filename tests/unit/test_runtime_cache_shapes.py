@@ -217,15 +217,21 @@ def test_nhd_and_hnd_caches_pair_on_the_packed_path(
         P.close()
 
 
-def test_nhd_and_hnd_caches_are_refused_on_the_direct_path() -> None:
+@pytest.mark.parametrize("secret", [None, "s"], ids=["no-secret", "secret"])
+def test_nhd_and_hnd_caches_are_refused_on_the_direct_path(secret: str | None) -> None:
+    """Without a secret the decode learns that the layouts differ, not the prefill's
+    (issue 46); an authenticated decode is told the prefill's too."""
     from kvbridge.errors import IncompatiblePeerError
 
+    cfg = {} if secret is None else {"secret": secret}
     (pt, pg, _), (dt, dg, _) = cache("nhd", 1), cache("hnd", None)
-    P = runtime_pair.endpoint("P", (pt, pg), spec=pg.spec)
-    D = runtime_pair.endpoint("D", (dt, dg), spec=dg.spec)
+    P = runtime_pair.endpoint("P", (pt, pg), spec=pg.spec, **cfg)
+    D = runtime_pair.endpoint("D", (dt, dg), spec=dg.spec, **cfg)
+    said = "layout: ours='hnd', peer='nhd'" if secret else "layout: ours='hnd', peer's differs"
     try:
-        with pytest.raises(IncompatiblePeerError, match="layout: ours='hnd', peer='nhd'"):
+        with pytest.raises(IncompatiblePeerError, match=said) as info:
             D.node.connect(P.address)
+        assert "fix: start prefill and decode with identical layout" in str(info.value)
     finally:
         D.close()
         P.close()

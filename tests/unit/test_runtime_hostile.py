@@ -6,6 +6,7 @@ taken."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -15,9 +16,11 @@ import zmq
 from runtime_pair import L, endpoint, eventually, make_cache
 
 from kvbridge.core.lifecycle import SendPhase
+from kvbridge.errors import KVBridgeError
+from kvbridge.runtime import node as node_module
 from kvbridge.runtime import sender as sender_module
 from kvbridge.runtime import sidechannel
-from kvbridge.wire.auth import mac
+from kvbridge.wire.auth import mac, stamp
 from kvbridge.wire.compat import PROTOCOL_VERSION
 from kvbridge.wire.messages import Abort, Destination, Heartbeat, LayerDone, Release, Reply
 
@@ -233,15 +236,15 @@ def secret_pair() -> Iterator[tuple]:
         e.close()
 
 
-def _signed(server: str, msg, codec, stamp: bytes | None = None) -> list[bytes]:
+def _signed(server: str, msg, codec, when: bytes | None = None) -> list[bytes]:
     """The frames a client with the secret sends ``server``: what an eavesdropper captures."""
     payload = codec.encode(msg)
-    stamp = stamp or sidechannel._stamp()
+    when = when or stamp()
     return [
         b"7",
         payload,
-        mac(b"s", *sidechannel._request_parts(server, stamp, b"7", payload)),
-        stamp,
+        mac(b"s", *sidechannel._request_parts(server, when, b"7", payload)),
+        when,
     ]
 
 
@@ -259,7 +262,7 @@ def test_with_a_secret_a_captured_request_is_refused_again_later_and_elsewhere(
     assert _detail(P, _send_raw(P.address, frames)) == ""  # authentic: taken
     assert "replayed" in _detail(P, _send_raw(P.address, frames))
     assert "authentication failed" in _detail(Q, _send_raw(Q.address, frames))  # another server
-    old = (int.from_bytes(sidechannel._stamp(), "big") - 120_000).to_bytes(8, "big")
+    old = (int.from_bytes(stamp(), "big") - 120_000).to_bytes(8, "big")
     assert "stamped more than" in _detail(
         P, _send_raw(P.address, _signed(P.address, beat, P.node.codec, old))
     )
@@ -282,3 +285,104 @@ def test_with_a_secret_a_notification_sealed_for_another_receiver_is_dropped(sec
     P.sender.prefill_done("v")
     assert D.receiver.wait_finished(5) == (["v"], [])
     np.testing.assert_array_equal(da[:, [3, 4]], pa[:, [7, 8]])
+
+
+def test_messages_for_untracked_transfers_are_bounded_in_block_ids(pde, monkeypatch) -> None:
+    """A few early destinations of a million block ids each would hold gigabytes under the
+    count bounds alone; past the block-id budget they are refused and counted."""
+    P, _, E, *_ = pde
+    monkeypatch.setattr(sender_module, "MAX_EARLY_BLOCK_IDS", 2_500)
+    big = [1] * 1_000
+    for t in ("a", "b"):
+        reply = P.sender.on_destination(
+            Destination(transfer_id=t, peer=E.node.id, block_ids=big, num_tokens=16_000)
+        )
+        assert reply.ok
+    assert P.sender.early_block_ids == 2_000
+    third = Destination(transfer_id="c", peer=E.node.id, block_ids=big, num_tokens=16_000)
+    assert not P.sender.on_destination(third).ok
+    assert P.sender.on_abort(Abort(transfer_id="c", peer=E.node.id)).ok, "an abort holds no ids"
+    assert P.sender.early == 3 and P.sender.early_block_ids == 2_000
+    assert _refused(P) == 1
+    # an abort of the same party voids its destination and gives its ids back
+    assert P.sender.on_abort(Abort(transfer_id="a", peer=E.node.id)).ok
+    assert P.sender.early_block_ids == 1_000
+    assert P.sender.on_destination(third).ok
+
+
+def _apply_deadlines_s(sender) -> float:
+    """The fastest of several turns of the sender thread's deadline pass."""
+    best = float("inf")
+    for _ in range(30):
+        start = time.perf_counter()
+        sender._apply_deadlines()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_messages_kept_early_cost_the_sender_thread_nothing_until_they_expire(pde) -> None:
+    """The sender thread's every turn (each 0.2 ms while writes or device events are
+    pending) visited every message kept early: 20,000 aborts for unknown ids made it
+    burn a third of a core. Now it visits only those whose time has come."""
+    P, _, E, *_ = pde
+    empty = _apply_deadlines_s(P.sender)
+    for i in range(sender_module.MAX_EARLY_TRANSFERS):
+        assert P.sender.on_abort(Abort(transfer_id=f"t{i}", peer=E.node.id)).ok
+    full = _apply_deadlines_s(P.sender)
+    assert full < 5 * empty + 200e-6, (
+        f"a deadline pass over {sender_module.MAX_EARLY_TRANSFERS} early messages took "
+        f"{full * 1e6:.0f} us, {empty * 1e6:.0f} us over none"
+    )
+    assert P.sender.early == sender_module.MAX_EARLY_TRANSFERS
+
+
+def test_handshakes_beyond_the_peer_bound_are_refused_and_a_restart_still_replaces(
+    pde, monkeypatch
+) -> None:
+    """Each handshake builds the peer's slot table (183 MB for a 587-byte Hello claiming
+    2e6 blocks): the peers a worker keeps are bounded, and a peer's claimed cache too."""
+    P, D, E, *_ = pde
+    monkeypatch.setattr(node_module, "MAX_PEERS", 2)
+    D.node.connect(P.address)
+    assert P.node.num_peers == 2
+    F = endpoint("F", make_cache(None))
+    E2 = endpoint("E", make_cache(None))  # E restarted: a new epoch of a known peer
+    try:
+        with pytest.raises(KVBridgeError, match=r"already keeps 2 peers.*fix: .*secret"):
+            F.node.connect(P.address)
+        E2.node.connect(P.address)
+        assert P.node.num_peers == 2 and not P.node.knows(E.node.id) and P.node.knows(E2.node.id)
+        monkeypatch.setattr(node_module, "MAX_PEER_SLOTS", D.node.geometry.num_slots - 1)
+        with pytest.raises(KVBridgeError, match="claims a cache of"):
+            D.node.connect(P.address, fresh=True)
+    finally:
+        F.close()
+        E2.close()
+
+
+def test_with_a_secret_a_captured_notification_is_refused_again_and_later(
+    secret_pair, monkeypatch
+) -> None:
+    """Notifications carry a stamp under their MAC and the receiver keeps the MACs it
+    took: the same LayerDone delivered twice, or one stamped two minutes ago, is dropped
+    (issue 46: notifications were bound to both agents, not to freshness)."""
+    P, _, D, *_ = secret_pair
+    D.node.connect(P.address)
+    to = D.node.transport.agent_name
+    refused = [0]
+
+    def refusals() -> int:
+        refused[0] += _refused(D)
+        return refused[0]
+
+    note = LayerDone(transfer_id="gone", layers=[0], first_block=0, num_blocks=1)
+    captured = P.node.encode_note(note, to)
+    P.node.transport.notify(to, captured)
+    P.node.transport.notify(to, captured)
+    eventually(lambda: refusals() == 1)
+    assert len(D.node.note_replays) == 1
+    old = (int.from_bytes(stamp(), "big") - 120_000).to_bytes(8, "big")
+    monkeypatch.setattr(node_module, "stamp", lambda: old)
+    P.node.transport.notify(to, P.node.encode_note(note, to))
+    eventually(lambda: refusals() == 2)
+    assert len(D.node.note_replays) == 1

@@ -221,15 +221,22 @@ def test_p_first_from_a_restarted_prefill_is_refused(caplog: pytest.LogCaptureFi
     assert D.node.packed.allocator.free_slots == D.node.packed.allocator.num_slots
 
 
+@pytest.mark.parametrize("secret", [None, "s"], ids=["no-secret", "secret"])
 def test_fp8_prefill_and_exact_decode_are_refused_naming_wire_dtype(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, secret: str | None
 ) -> None:
-    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), wire_dtype="exact")
+    """Without a secret the decode learns that the wire dtypes differ, not the prefill's
+    (issue 46); an authenticated decode is told the prefill's too."""
+    cfg = {} if secret is None else {"secret": secret}
+    P = endpoint("P", make_cache(1), **cfg)
+    D = endpoint("D", make_cache(None), wire_dtype="exact", **cfg)
+    said = "wire_dtype: ours='exact', peer" + ("='fp8'" if secret else "'s differs")
     try:
         D.receiver.expect_push("i", P.address, [1], 10)
         assert D.receiver.wait_finished(5) == ([], ["i"])
         assert any(
-            "wire_dtype: ours='exact', peer='fp8'" in r.getMessage() for r in caplog.records
+            said in r.getMessage() and "identical wire_dtype" in r.getMessage()
+            for r in caplog.records
         ), [r.getMessage() for r in caplog.records]
     finally:
         D.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -42,6 +43,7 @@ from kvbridge.core.layout import CacheSpec
 from kvbridge.core.states import Section, StateTensor
 from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError, WireError
 from kvbridge.runtime.stats import StatsSnapshot
+from kvbridge.wire.auth import FRESH_S, ReplayGuard, stamp
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 3, 9, 4, 2, 8
 
@@ -282,6 +284,7 @@ def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_wha
     None
 ):
     a, b = b"prefill-and-decode", b"another"
+    at, elsewhere = "tcp://10.0.0.1:5000", "tcp://10.0.0.2:5000"
     dst = wire.Destination(
         room=2**62 + 5,
         agent="d",
@@ -291,33 +294,50 @@ def test_messages_with_a_secret_are_authenticated_and_others_refused_keeping_wha
         aux_index=1,
         required_dst_info_num=1,
     )
-    frames = wire.encode(dst, a)
-    assert len(frames) == 3 and wire.decode(frames, a) == dst
+    frames = wire.sign(wire.encode(dst), a, at)
+    assert len(frames) == 4 and wire.decode(wire.unsign(frames, a, at, ReplayGuard())) == dst
+    tampered = [frames[0], wire.encode(msgspec.structs.replace(dst, room=1))[1], *frames[2:]]
     refusals = {
-        "other secret": (frames, b),
-        "no MAC": (wire.encode(dst), a),
-        "MAC but no secret here": (frames, None),
-        "tampered": (
-            [frames[0], wire.encode(msgspec.structs.replace(dst, room=1))[1], frames[2]],
-            a,
-        ),
+        "other secret": (frames, b, at),
+        "no MAC": (wire.encode(dst), a, at),
+        "tampered": (tampered, a, at),
+        "for another receiver": (frames, a, elsewhere),
     }
-    for what, (got, secret) in refusals.items():
-        with pytest.raises(
-            wire.AuthenticationError, match=r"failed authentication|no 'secret'"
-        ) as info:
-            wire.decode(got, secret)
+    for what, (got, secret, receiver) in refusals.items():
+        with pytest.raises(wire.AuthenticationError, match=r"no MAC|another secret") as info:
+            wire.unsign(got, secret, receiver, ReplayGuard())
         assert "set the same 'secret'" in str(info.value), what
         # for the refusal, untrusted
         assert isinstance(info.value.unverified, wire.Destination), what
+    with pytest.raises(wire.AuthenticationError, match="no 'secret'") as info:
+        wire.decode(frames)  # a MAC but no secret here
+    assert isinstance(info.value.unverified, wire.Destination)
+    # bound to freshness: a captured message is refused again, and later
+    guard = ReplayGuard()
+    assert wire.unsign(frames, a, at, guard) == wire.encode(dst)
+    with pytest.raises(wire.AuthenticationError, match="replayed") as info:
+        wire.unsign(frames, a, at, guard)
+    assert info.value.unverified is None, "a replay is not even read for what it says"
+    old = wire.sign(wire.encode(dst), a, at, when=stamp(time.time() - 2 * FRESH_S))
+    with pytest.raises(wire.AuthenticationError, match="stamped more than"):
+        wire.unsign(old, a, at, ReplayGuard())
+    # SGLang's own frames (an abort) are signed the same way
+    abort = [b"ABORT", b"7", b"127.0.0.1", b"5"]
+    assert wire.unsign(wire.sign(abort, a, at), a, at, ReplayGuard()) == abort
+    with pytest.raises(wire.AuthenticationError):
+        wire.unsign(abort, a, at, ReplayGuard())
     assert issubclass(wire.AuthenticationError, WireError)  # control loops log and go on
-    # Done notifications: the MAC follows the payload
+    # Done notifications: a stamp and the MAC follow the payload, bound to both agents
     done = wire.Done(room=7, prefill_rank=1, epoch="e", bytes=10)
-    payload = wire.encode_payload(done, a)
-    assert wire.decode_payload(payload, a) == done
-    with pytest.raises(wire.AuthenticationError) as info:
-        wire.decode_payload(payload, b)
-    assert info.value.unverified == done
+    payload = wire.encode_payload(done, a, sender="p", receiver="d")
+    notes = ReplayGuard()
+    assert wire.decode_payload(payload, a, sender="p", receiver="d", guard=notes) == done
+    with pytest.raises(wire.AuthenticationError, match="replayed"):
+        wire.decode_payload(payload, a, sender="p", receiver="d", guard=notes)
+    for secret, sender, receiver in ((b, "p", "d"), (a, "q", "d"), (a, "p", "e")):
+        with pytest.raises(wire.AuthenticationError) as info:
+            wire.decode_payload(payload, secret, sender=sender, receiver=receiver)
+        assert info.value.unverified == done
     with pytest.raises(wire.AuthenticationError):
         wire.decode_payload(wire.encode_payload(done), a)  # unauthenticated
     with pytest.raises(WireError, match="malformed"):

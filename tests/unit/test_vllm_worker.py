@@ -16,6 +16,7 @@ from kvbridge.adapters.vllm.params import PrefillAddress, RankAddress
 from kvbridge.adapters.vllm.worker import WorkerSide
 from kvbridge.config import load_config
 from kvbridge.errors import IncompatiblePeerError
+from kvbridge.wire.messages import Abort, Destination, Heartbeat
 
 
 def worker(ep, rank: int = 0, tp_size: int = 1) -> WorkerSide:
@@ -679,8 +680,8 @@ def test_vllm_s_cache_groups_are_read_and_groups_kvbridge_cannot_move_are_refuse
 
 
 def test_messages_kept_for_requests_not_tracked_yet_reach_a_gauge() -> None:
-    """A bound the operator can watch: decode messages that wait for their request."""
-    from kvbridge.wire.messages import Abort
+    """Bounds the operator can watch: decode messages that wait for their request, the
+    block ids they carry, the peers."""
 
     p_ep, d_ep = endpoint("P", make_cache(1)), endpoint("D", make_cache(None))
     try:
@@ -692,6 +693,26 @@ def test_messages_kept_for_requests_not_tracked_yet_reach_a_gauge() -> None:
             assert d_ep.node.client.request(p_ep.address, abort, 5).ok
         snap = p.stats()
         assert snap is not None and snap.sends_early == 2
+        assert snap.sends_early_block_ids == 0 and snap.peers == 1
+        dest = Destination(transfer_id="c", peer=d_ep.node.id, block_ids=[1, 2, 3], num_tokens=48)
+        assert d_ep.node.client.request(p_ep.address, dest, 5).ok
+        snap = p.stats()
+        assert snap is not None and (snap.sends_early, snap.sends_early_block_ids) == (3, 3)
+    finally:
+        d_ep.close()
+        p_ep.close()
+
+
+def test_the_replay_set_of_a_prefill_with_a_secret_reaches_a_gauge() -> None:
+    p_ep = endpoint("P", make_cache(1), secret="s")
+    d_ep = endpoint("D", make_cache(None), secret="s")
+    try:
+        p = worker(p_ep)
+        assert p.stats().replay_entries == 0
+        d_ep.node.connect(p_ep.address)  # one authenticated request: the Hello
+        assert d_ep.node.client.request(p_ep.address, Heartbeat(peer=d_ep.node.id), 5).ok
+        snap = p.stats()
+        assert snap is not None and snap.replay_entries == 2 and snap.peers == 1
     finally:
         d_ep.close()
         p_ep.close()

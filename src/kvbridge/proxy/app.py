@@ -94,11 +94,50 @@ def _error(status: int, message: str, *, retry: bool = False) -> UpstreamError:
     )
 
 
+def parse_request(data: bytes) -> dict[str, Any]:
+    """A client's request body, which must be a JSON object; else a 400 saying why."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise _error(400, f"request body is not JSON: {describe(exc)}") from None
+    if not isinstance(body, dict):
+        raise _error(400, "request body must be a JSON object")
+    return body
+
+
 def _side_channel(result: dict[str, Any]) -> dict[str, Any] | None:
-    """The kvbridge side-channel address a prefill response carries, if any."""
+    """The kvbridge side-channel address a prefill response carries, if any: an object
+    with a string ``address`` and, if given, a ``dp_rank`` the proxy routes over
+    (anything else in it passes to the decode as it is)."""
     kb = (result.get("kv_transfer_params") or {}).get("kvbridge") or {}
     address = kb.get("prefill") if isinstance(kb, dict) else None
-    return address if isinstance(address, dict) and "address" in address else None
+    if not isinstance(address, dict) or "address" not in address:
+        return None
+    rank = address.get("dp_rank", 0)
+    if (
+        not isinstance(address["address"], str)
+        or not isinstance(rank, int)
+        or isinstance(rank, bool)
+        or not 0 <= rank < MAX_DP_RANKS
+    ):
+        raise _error(
+            502,
+            f"answered with a malformed kvbridge side-channel address {repr(address)[:200]} (it "
+            f"needs a string address and a DP rank below {MAX_DP_RANKS})",
+        )
+    return address
+
+
+def read_prefill_answer(p: Instance, data: bytes) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A prefill's answer and the side-channel address it carries (None: none); a 502
+    naming the instance for an answer that is not a JSON object, a ``kv_transfer_params``
+    that is not one, or a malformed address."""
+    result = _prefill_result(p, data)
+    try:
+        return result, _side_channel(result)
+    except UpstreamError as exc:
+        message = exc.body["error"]["message"] if isinstance(exc.body, dict) else exc.status
+        raise _error(exc.status, f"prefill instance {p.url} {message}") from None
 
 
 def _prefill_result(p: Instance, data: bytes) -> dict[str, Any]:
@@ -259,13 +298,11 @@ class Proxy:
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
-            return _error(400, f"request body is not JSON: {describe(exc)}").response()
+            body = parse_request(await request.read())
+        except UpstreamError as exc:
+            return exc.response()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body over {MAX_BODY_BYTES} bytes").response()
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object").response()
         p, d = self.prefill.pick(), self.decode.pick()
         assert p is not None and d is not None
         d.inflight += 1
@@ -458,8 +495,7 @@ class Proxy:
         p.mark_up()
         if serving:
             p.served += 1
-        result = _prefill_result(p, data)
-        address = _side_channel(result)
+        result, address = read_prefill_answer(p, data)
         if address is not None:
             p.learn(address)
         return result

@@ -59,13 +59,23 @@ from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
-from kvbridge.wire.auth import seal, unseal
+from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
 
 log = logging.getLogger(__name__)
 
+
+MAX_PEERS = 1024
+"""Peers one worker keeps a handshake with (decode ranks of every decode instance that
+uses this prefill rank, and the reverse); a handshake beyond it is refused. A restarted
+peer (same engine and rank, new epoch) replaces its old self and counts once."""
+
+MAX_PEER_SLOTS = 1 << 26
+"""Slots (one block of one layer plane) a peer's cache may claim: its slot table is built
+and registered with the transport at the handshake, 24 bytes a slot here and more in the
+transport (about 1.6 GB at the bound, some 3x the largest real caches' tables)."""
 
 _SLOW_HANDSHAKE_S = 5.0
 """A handshake step logged as slow past this many seconds (a 60 s handshake was seen once in
@@ -165,6 +175,8 @@ class Node:
         except Exception:
             self.transport.close()
             raise
+        self.note_replays = ReplayGuard()
+        """With a secret: notifications taken (:meth:`decode_note`), against replays."""
         self._client: SideChannelClient | None = None
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, int, str], Peer] = {}
@@ -185,6 +197,12 @@ class Node:
     def knows(self, pid: PeerId) -> bool:
         with self._lock:
             return self._key(pid) in self._peers
+
+    @property
+    def num_peers(self) -> int:
+        """Peers we keep a handshake with (a level; any thread)."""
+        with self._lock:
+            return len(self._peers)
 
     def peer(self, pid: PeerId) -> Peer | None:
         with self._lock:
@@ -221,6 +239,7 @@ class Node:
             raise IncompatiblePeerError(
                 f"peer {msg.peer} sent a cache spec that contradicts its compatibility info"
             )
+        self._admit(msg)
         split = self._split(msg, prefill)
         if msg.geometry.layer_bytes != self.geometry.layer_bytes and split is None:
             # the compat hash covers the state layers' shapes; a mismatch means a hand-made frame
@@ -279,6 +298,28 @@ class Node:
             self.transport.remove_peer(old.agent)
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
+
+    def _admit(self, msg: Hello | Welcome) -> None:
+        """Refuse a handshake that would exceed :data:`MAX_PEERS` or whose cache claims
+        more than :data:`MAX_PEER_SLOTS` slots, before anything is built for it."""
+        if msg.geometry.num_slots > MAX_PEER_SLOTS:
+            raise IncompatiblePeerError(
+                f"peer {msg.peer} claims a cache of {msg.geometry.num_slots} slots (blocks x "
+                f"layer planes), over the {MAX_PEER_SLOTS} kvbridge builds a table for",
+                fix="check the peer's KV cache size; a real one is far smaller",
+            )
+        key = self._key(msg.peer)
+        with self._lock:
+            known = any(k[:2] == key[:2] for k in self._peers)
+            full = not known and len(self._peers) >= MAX_PEERS
+        if full:
+            raise KVBridgeError(
+                f"handshake from {msg.peer} refused: this worker already keeps {MAX_PEERS} peers",
+                fix=(
+                    "use fewer decode instances per prefill instance, or set a 'secret' so that "
+                    "only your own instances can shake hands"
+                ),
+            )
 
     def _build(
         self,
@@ -551,26 +592,40 @@ class Node:
 
     def encode_note(self, msg: Message, to: str) -> bytes:
         """The payload of a transport notification (``LayerDone``, ``Done``) for the peer
-        whose agent is ``to``: the codec's frame, followed by its MAC when a ``secret`` is
-        set (notifications travel outside the side channel, on the transport), bound to
-        our agent and ``to``'s, so that it is refused by any other receiver and as from
-        any other sender. Any thread."""
+        whose agent is ``to``: the codec's frame, followed, when a ``secret`` is set
+        (notifications travel outside the side channel, on the transport), by a time
+        stamp and a MAC over our agent and ``to``'s, the stamp and the frame, so that it
+        is refused by any other receiver, as from any other sender, later, and again
+        (:meth:`decode_note`). Any thread."""
+        frame = self.codec.encode(msg)
+        if self._secret is None:
+            return frame
+        when = stamp()
         agents = (self.transport.agent_name.encode(), to.encode())
-        return seal(self._secret, self.codec.encode(msg), b"note", *agents)
+        return frame + when + mac(self._secret, b"note", *agents, when, frame)
 
     def decode_note(self, payload: bytes, sender: str) -> Message:
         """Inverse of :meth:`encode_note`, for a notification the transport says came
         from the agent ``sender``. Raises :class:`~kvbridge.errors.WireError` for a
-        payload that fails authentication (another secret, sender or receiver), is
-        malformed, or comes from an incompatible peer."""
-        agents = (sender.encode(), self.transport.agent_name.encode())
-        body = unseal(self._secret, payload, b"note", *agents)
-        if body is None:
-            raise WireError(
-                "a notification failed authentication",
-                fix="set the same 'secret' on prefill and decode",
-            )
-        return self.codec.decode(body)
+        payload that fails authentication (another secret, sender or receiver), is stale
+        or replayed, is malformed, or comes from an incompatible peer. One thread (the
+        receiver's notification thread)."""
+        if self._secret is not None:
+            signed = STAMP_BYTES + MAC_BYTES
+            frame, when, tag = payload[:-signed], payload[-signed:-MAC_BYTES], payload[-MAC_BYTES:]
+            agents = (sender.encode(), self.transport.agent_name.encode())
+            if len(payload) <= signed or not verify(
+                self._secret, tag, b"note", *agents, when, frame
+            ):
+                raise WireError(
+                    "a notification failed authentication",
+                    fix="set the same 'secret' on prefill and decode",
+                )
+            why = self.note_replays.check(tag, when)
+            if why is not None:
+                raise WireError(f"a notification was refused: {why}")
+            payload = frame
+        return self.codec.decode(payload)
 
     # --- server side ---------------------------------------------------------------------
 

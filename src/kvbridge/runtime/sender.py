@@ -71,6 +71,17 @@ MAX_EARLY_TRANSFERS = 4096
 worker before its engine schedules the request; more than this many at once is a flood)."""
 MAX_EARLY_PER_TRANSFER = 16
 """Messages kept per such transfer (one destination, release or abort per decode rank)."""
+MAX_EARLY_BLOCK_IDS = 1 << 22
+"""Block ids all those messages may carry together (about 40 bytes each as Python ints:
+some 170 MB at most; a destination may carry up to
+:data:`~kvbridge.wire.messages.MAX_BLOCK_IDS`, so the count bound alone allows far more)."""
+
+
+def _block_ids(msg: Destination | Release | Abort) -> int:
+    """Block ids a message kept early holds (what its memory grows with)."""
+    if not isinstance(msg, Destination):
+        return 0
+    return len(msg.block_ids) + sum(len(ids) for ids in msg.group_block_ids)
 
 
 def _same_party(a: Destination | Release | Abort, b: Destination | Release | Abort) -> bool:
@@ -170,7 +181,14 @@ class Sender:
         """Destinations (and idle ranks' releases, and aborts) that came before
         :meth:`track`, with the time they are dropped; unauthorised until then (the
         ticket is checked at :meth:`track`), so bounded: :data:`MAX_EARLY_TRANSFERS`
-        transfers, :data:`MAX_EARLY_PER_TRANSFER` messages each."""
+        transfers, :data:`MAX_EARLY_PER_TRANSFER` messages each,
+        :data:`MAX_EARLY_BLOCK_IDS` block ids in all."""
+        self._early_ids = 0
+        """Block ids the messages in :attr:`_early` carry."""
+        self._early_order: deque[tuple[float, str]] = deque()
+        """(drop time, transfer id) per message kept early, oldest first (the lease is
+        the same for all): the sender thread drops expired ones without visiting the
+        others."""
         self._released: list[str] = []
         self._ended = EndedTransfers()
         """Released transfers and how they ended: a destination that comes later is
@@ -228,7 +246,7 @@ class Sender:
                 self._gates.append(_Gate(ready, transfer_id, _EVERY, computed_tokens, now))
             self._clear_tail(out, 0, blocks)
             refused: list[tuple[Peer, Done]] = []
-            for msg, _ in self._early.pop(transfer_id, []):
+            for msg, _ in self._drop_early(transfer_id, lambda msg, deadline: False):
                 if (reply := self._forbidden(out, msg)) is not None:
                     peer = self.node.peer(msg.peer)
                     if isinstance(msg, Destination) and peer is not None:
@@ -525,9 +543,8 @@ class Sender:
             out = self._out.get(msg.transfer_id)
             if out is None:
                 if msg.transfer_id not in self._ended:  # D may give up before this worker tracks it
-                    early = self._early.get(msg.transfer_id, [])
                     # what the same party sent before is void (a stranger's abort voids nothing)
-                    early[:] = [(m, t) for m, t in early if not _same_party(m, msg)]
+                    self._drop_early(msg.transfer_id, lambda m, _: not _same_party(m, msg))
                     reply = self._keep_early(msg, self.clock())
                     if not reply.ok:
                         return reply
@@ -570,19 +587,25 @@ class Sender:
     def _keep_early(self, msg: Destination | Release | Abort, now: float) -> Reply:
         """Keep a message for a transfer not tracked yet, within the bounds (lock held)."""
         early = self._early.get(msg.transfer_id)
-        if (early is None and len(self._early) >= MAX_EARLY_TRANSFERS) or (
-            early is not None and len(early) >= MAX_EARLY_PER_TRANSFER
+        ids = _block_ids(msg)
+        if (
+            (early is None and len(self._early) >= MAX_EARLY_TRANSFERS)
+            or (early is not None and len(early) >= MAX_EARLY_PER_TRANSFER)
+            or self._early_ids + ids > MAX_EARLY_BLOCK_IDS
         ):
             self.stats.add(messages_refused=1)
             log.warning(
                 "kvbridge: refused a %s for %s from %s: %d transfers not tracked yet have "
-                "messages waiting (at most %d, %d each)",
+                "messages with %d block ids waiting (at most %d transfers, %d messages each, "
+                "%d block ids)",
                 type(msg).__name__,
                 msg.transfer_id,
                 msg.peer,
                 len(self._early),
+                self._early_ids,
                 MAX_EARLY_TRANSFERS,
                 MAX_EARLY_PER_TRANSFER,
+                MAX_EARLY_BLOCK_IDS,
             )
             return Reply(
                 ok=False,
@@ -590,14 +613,46 @@ class Sender:
                 detail="too many messages for transfers this prefill worker does not track yet",
                 epoch=self.node.id.epoch,
             )
-        self._early.setdefault(msg.transfer_id, []).append((msg, now + self.cfg.timeouts.lease_s))
+        if len(self._early_order) >= 2 * MAX_EARLY_TRANSFERS * MAX_EARLY_PER_TRANSFER:
+            # entries of messages dropped before their time (tracked, voided): compact
+            self._early_order = deque(
+                sorted((t, tid) for tid, kept in self._early.items() for _, t in kept)
+            )
+        deadline = now + self.cfg.timeouts.lease_s
+        self._early.setdefault(msg.transfer_id, []).append((msg, deadline))
+        self._early_ids += ids
+        self._early_order.append((deadline, msg.transfer_id))
         return Reply(ok=True, epoch=self.node.id.epoch)
+
+    def _drop_early(
+        self, transfer_id: str, keep: Callable[[Destination | Release | Abort, float], bool]
+    ) -> list[tuple[Destination | Release | Abort, float]]:
+        """Drop the messages kept early for ``transfer_id`` that ``keep`` (message, drop
+        time) refuses; return them (lock held). Their entries in :attr:`_early_order`
+        go when their time comes."""
+        early = self._early.get(transfer_id)
+        if early is None:
+            return []
+        dropped = [(m, t) for m, t in early if not keep(m, t)]
+        if dropped:
+            early[:] = [(m, t) for m, t in early if keep(m, t)]
+            self._early_ids -= sum(_block_ids(m) for m, _ in dropped)
+            if not early:
+                del self._early[transfer_id]
+        return dropped
 
     @property
     def early(self) -> int:
         """Messages kept for transfers not tracked yet (a level; any thread)."""
         with self._lock:
             return sum(len(v) for v in self._early.values())
+
+    @property
+    def early_block_ids(self) -> int:
+        """Block ids those messages carry (a level, bounded by
+        :data:`MAX_EARLY_BLOCK_IDS`; any thread)."""
+        with self._lock:
+            return self._early_ids
 
     # --- the sender thread ---------------------------------------------------------------
 
@@ -847,10 +902,9 @@ class Sender:
         now = self.clock()
         tell: list[tuple[Peer, Done]] = []
         with self._lock:
-            for tid, early in list(self._early.items()):
-                early[:] = [(msg, deadline) for msg, deadline in early if now < deadline]
-                if not early:
-                    del self._early[tid]
+            while self._early_order and self._early_order[0][0] <= now:
+                _, tid = self._early_order.popleft()
+                self._drop_early(tid, lambda _, deadline: now < deadline)
             for tid, out in list(self._out.items()):
                 if out.prefill_done and out.dests:
                     self._maybe_finish(out, now)

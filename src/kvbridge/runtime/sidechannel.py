@@ -8,12 +8,17 @@ socket per server address) and gets a :class:`~kvbridge.wire.messages.Reply` (or
 Frames: ``[request id, kvbridge frame]``. With a shared secret, two more: an
 HMAC-SHA256 over the server's address, a time stamp, the request id and the frame, and
 the stamp. The server checks the MAC before decoding anything, refuses a stamp more
-than :data:`FRESH_S` away from its clock and a MAC it has seen before, so a captured
-request can be replayed neither later, nor again, nor to another server with the same
-secret (the sender's identity and epoch are inside the frame). A reply's MAC covers the
+than :data:`~kvbridge.wire.auth.FRESH_S` away from its clock and a MAC it has seen
+before (:class:`~kvbridge.wire.auth.ReplayGuard`), so a captured request can be
+replayed neither later, nor again, nor to another server with the same secret (the
+sender's identity and epoch are inside the frame). A reply's MAC covers the
 request's MAC and the reply. A frame that fails authentication or decoding is answered
-with an error and never acted on. Replies echo the request id, so a reply that arrives
-after its request timed out is recognised and dropped.
+with an error and never acted on; a peer of another compatibility class is told which
+properties differ, not our values (unless it is authenticated). Replies echo the
+request id, so a reply that arrives after its request timed out is recognised and
+dropped. Every connection has read
+deadlines (:mod:`kvbridge.transports.zmqlimits`): a peer that stalls mid-message is
+disconnected and its partial message dropped.
 
 Threads: the server runs the handler on its own thread, one request at a time; keep
 handlers short. Client methods may be called from any thread (one lock per address).
@@ -23,17 +28,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
 
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, PeerUnreachableError, WireError
-from kvbridge.wire.auth import mac, verify
+from kvbridge.transports.zmqlimits import limit_socket
+from kvbridge.wire.auth import ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
+from kvbridge.wire.compat import compat_digests
 from kvbridge.wire.messages import Message, Reply
 
 log = logging.getLogger(__name__)
@@ -42,19 +49,6 @@ Handler = Callable[[Message], Message]
 
 _MAX_RID_BYTES = 64
 """A request id is a client's counter; a longer one is not a kvbridge client's."""
-
-FRESH_S = 60.0
-"""With a secret: a request stamped further than this from the server's clock is refused
-(stale, or the two machines' clocks disagree)."""
-
-_SEEN_CAPACITY = 1 << 18
-"""With a secret: authenticated requests remembered, to refuse a replay, for
-``2 * FRESH_S`` each (only a holder of the secret adds to it); past this many the
-oldest are forgotten first."""
-
-
-def _stamp() -> bytes:
-    return int(time.time() * 1000).to_bytes(8, "big")
 
 
 def _request_parts(address: str, stamp: bytes, rid: bytes, payload: bytes) -> tuple[bytes, ...]:
@@ -109,14 +103,13 @@ class SideChannelServer:
         self._codec = codec
         self._handler = handler
         self._on_refused = on_refused
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
-        """With a secret: MACs of the requests served in the freshness window -> when they
-        are forgotten (oldest first)."""
+        self.replays = ReplayGuard()
+        """With a secret: the requests served in the freshness window (bounded)."""
         self._secret = secret.encode() if secret else None
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        limit_socket(self._sock, MAX_FRAME_BYTES + 4096)
         try:
             self._sock.bind(tcp_address(host, port))
         except zmq.ZMQError as exc:
@@ -186,23 +179,11 @@ class SideChannelServer:
         """None when the request is authentic, fresh and new; else why not."""
         if len(rest) != 2 or len(rest[1]) != 8:
             return "authentication failed: set the same 'secret' on prefill and decode"
-        tag, stamp = rest
-        if not verify(self._secret, tag, *_request_parts(self.address, stamp, rid, payload)):
+        tag, when = rest
+        if not verify(self._secret, tag, *_request_parts(self.address, when, rid, payload)):
             return "authentication failed: set the same 'secret' on prefill and decode"
-        now = time.time()
-        if abs(now - int.from_bytes(stamp, "big") / 1000) > FRESH_S:
-            return (
-                f"authentication failed: the request is stamped more than {FRESH_S:g} s from "
-                "this server's clock (a replay, or the machines' clocks disagree: sync them)"
-            )
-        while self._seen and next(iter(self._seen.values())) < now:
-            self._seen.popitem(last=False)
-        if tag in self._seen:
-            return "authentication failed: the request was replayed"
-        self._seen[tag] = now + 2 * FRESH_S
-        if len(self._seen) > _SEEN_CAPACITY:
-            self._seen.popitem(last=False)
-        return None
+        why = self.replays.check(tag, when)
+        return None if why is None else f"authentication failed: {why}"
 
     def _answer(self, rid: bytes, payload: bytes, rest: list[bytes]) -> Message:
         if self._secret is not None and (why := self._authentic(rid, payload, rest)) is not None:
@@ -214,8 +195,7 @@ class SideChannelServer:
         except IncompatiblePeerError as exc:
             self._on_refused()
             log.warning("side channel: refused an incompatible peer: %s", exc)
-            # our CompatInfo lets the peer's codec name every property that differs
-            return Reply(ok=False, code="incompatible", detail=str(exc), compat=self._codec.compat)
+            return self._incompatible(exc)
         except WireError as exc:
             self._on_refused()
             log.warning("side channel: refused a request: %s", exc)
@@ -227,6 +207,24 @@ class SideChannelServer:
         except Exception as exc:  # a handler bug must not kill the channel
             log.exception("side channel handler failed on %s", type(msg).__name__)
             return Reply(ok=False, code="error", detail=f"{type(exc).__name__}: {exc}")
+
+    def _incompatible(self, exc: IncompatiblePeerError) -> Reply:
+        """The answer to a peer of another compatibility class: the properties that
+        differ by name and, per property, a digest of our value, from which the peer
+        names them too; our values themselves only to an authenticated peer (a secret)."""
+        differ = ", ".join(sorted(exc.differences))
+        detail = "this prefill's KV cache is incompatible with the peer's" + (
+            f" ({differ} differ)" if differ else ""
+        )
+        salt = os.urandom(16)
+        return Reply(
+            ok=False,
+            code="incompatible",
+            detail=f"{detail} (fix: {exc.fix})" if exc.fix else detail,
+            compat=self._codec.compat if self._secret is not None else None,
+            salt=salt,
+            digests=compat_digests(self._codec.compat, salt),
+        )
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving; idempotent."""
@@ -258,7 +256,7 @@ class SideChannelClient:
             if entry is None:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+                limit_socket(sock, MAX_FRAME_BYTES + 4096)
                 sock.connect(address)
                 entry = self._socks[address] = (sock, threading.Lock())
             return entry
@@ -276,9 +274,9 @@ class SideChannelClient:
         payload = self._codec.encode(msg)
         parts, tag = [rid, payload], b""
         if self._secret is not None:
-            stamp = _stamp()
-            tag = mac(self._secret, *_request_parts(address, stamp, rid, payload))
-            parts += [tag, stamp]
+            when = stamp()
+            tag = mac(self._secret, *_request_parts(address, when, rid, payload))
+            parts += [tag, when]
         deadline = time.monotonic() + timeout
         with lock:
             sock.send_multipart(parts)

@@ -56,6 +56,17 @@ class StatsSnapshot:
     sends_early: int = 0
     """Level: peer messages a prefill rank keeps for requests it does not track yet
     (bounded: :data:`kvbridge.runtime.sender.MAX_EARLY_TRANSFERS`; largest over ranks)."""
+    sends_early_block_ids: int = 0
+    """Level: block ids those messages carry (bounded:
+    :data:`kvbridge.runtime.sender.MAX_EARLY_BLOCK_IDS`; largest over ranks)."""
+    peers: int = 0
+    """Level of :data:`LIMIT_GAUGES`: peers this rank keeps a handshake with (largest
+    over ranks)."""
+    replay_entries: int = 0
+    """Level: with a ``secret``, authenticated messages remembered to refuse their
+    replays (:class:`kvbridge.wire.auth.ReplayGuard`; largest over ranks)."""
+    early_rooms: int = 0
+    """Level: SGLang's rooms whose destination came before the prefill's request."""
     receives_allocated: int = 0
     """Level: decode requests whose destination has not reached the prefill side yet
     (staging room, handshake; largest over ranks)."""
@@ -82,7 +93,9 @@ class StatsSnapshot:
         """Nothing recorded: every counter zero and every histogram empty (levels are
         not recordings)."""
         return not any(
-            v for k, v in asdict(self).items() if k not in GAUGES and k not in REQUEST_GAUGES
+            v
+            for k, v in asdict(self).items()
+            if k not in GAUGES and k not in REQUEST_GAUGES and k not in LIMIT_GAUGES
         )
 
 
@@ -158,6 +171,10 @@ REQUEST_GAUGES: dict[str, str] = {
         "Decode messages kept for prefill requests this instance does not track yet (bounded; "
         "a flood of them is refused and counted in messages_refused)"
     ),
+    "sends_early_block_ids": (
+        "Block ids those kept decode messages carry (bounded; beyond it they are refused and "
+        "counted in messages_refused)"
+    ),
     "receives_allocated": (
         "Decode requests whose destination has not reached the prefill side yet (staging room, "
         "handshake)"
@@ -174,7 +191,25 @@ for adapters whose transfers run through :class:`~kvbridge.runtime.sender.Sender
 worker reports them in every snapshot it returns (:meth:`StatsSnapshot.merge` keeps
 the largest over ranks)."""
 
-_MAX_MERGED = frozenset({"staging_slots", *REQUEST_GAUGES})
+LIMIT_GAUGES: dict[str, str] = {
+    "peers": (
+        "Peers this rank keeps a handshake (vLLM) or registration (SGLang) with (bounded; a "
+        "peer beyond the bound is refused)"
+    ),
+    "replay_entries": (
+        "With a secret: authenticated messages remembered to refuse their replays (bounded; the "
+        "oldest are forgotten first)"
+    ),
+    "early_rooms": (
+        "SGLang: rooms whose decode destination came before the prefill's request (bounded; "
+        "dropped after timeouts.lease_s; vLLM counts these in sends_early)"
+    ),
+}
+"""Levels of the per-peer structures a hostile or mistaken peer could grow, each bounded:
+name -> description. Both engines export them (vLLM in every step's snapshot, largest
+over ranks; SGLang per rank, as :data:`GAUGES`)."""
+
+_MAX_MERGED = frozenset({"staging_slots", *REQUEST_GAUGES, *LIMIT_GAUGES})
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Histogram buckets, seconds."""
@@ -185,6 +220,7 @@ __all__ = [
     "COUNTERS",
     "GAUGES",
     "HISTOGRAMS",
+    "LIMIT_GAUGES",
     "REQUEST_GAUGES",
     "StatsSnapshot",
     "TransferStats",

@@ -8,8 +8,10 @@ that stops reading fills its own queue and gets an error, nobody else waits.
 
 Delivery: each notification reaches the peer once, in order per sender, while the TCP
 connection holds (ZeroMQ reconnects by itself; frames in flight on a broken connection
-can be lost, never duplicated). Frames are ``[sender agent name, payload]``; anything
-else from the network is dropped with a warning, never interpreted.
+can be lost, never duplicated). The PULL socket has read deadlines
+(:mod:`.zmqlimits`): a peer that stalls mid-message is disconnected. Frames are
+``[sender agent name, payload]``; anything else from the network is dropped with a
+warning, never interpreted.
 
 Threads: :meth:`send` may be called from any thread (one lock per peer socket);
 :meth:`receive` only from the transport's pump thread.
@@ -24,6 +26,7 @@ import zmq
 
 from kvbridge.errors import TransportError, UnknownPeerError
 from kvbridge.transports.base import Notification
+from kvbridge.transports.zmqlimits import limit_socket
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class ZmqNotifier:
         self._ctx = zmq.Context(io_threads=1)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        limit_socket(self._pull, 1 << 20)
         try:
             self._pull.bind(f"tcp://{host}:0" if ":" not in host else f"tcp://[{host}]:0")
         except zmq.ZMQError as exc:
@@ -61,6 +64,7 @@ class ZmqNotifier:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        limit_socket(sock)
         sock.connect(endpoint)
         with self._lock:
             old = self._push.pop(peer, None)

@@ -17,11 +17,20 @@ codec may be shared by threads.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from kvbridge.errors import IncompatiblePeerError, ProtocolVersionError, WireError
-from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo, compat_diff, compat_hash
-from kvbridge.wire.messages import Message
+from kvbridge.wire.compat import (
+    PROTOCOL_VERSION,
+    CompatInfo,
+    compat_diff,
+    compat_hash,
+    digest_diff,
+    shared_value,
+)
+from kvbridge.wire.messages import MAX_COMPAT_FIELDS, Message
 
 #: Upper bound on a frame kvbridge will try to decode (a handshake with a large
 #: geometry is a few KiB; per-request messages are smaller still).
@@ -48,6 +57,10 @@ def describe(exc: BaseException) -> str:
     return _clip(str(exc) or type(exc).__name__)
 
 
+_UNDISCLOSED = object()
+"""A peer's value that it did not tell (only that it differs from ours)."""
+
+
 class _Frame(msgspec.Struct, array_like=True, frozen=True):
     v: int
     compat: str
@@ -55,10 +68,14 @@ class _Frame(msgspec.Struct, array_like=True, frozen=True):
 
 
 class _HandshakeCompat(msgspec.Struct):
-    """Lenient view of a Hello/Welcome body: only what explains a compat mismatch."""
+    """Lenient view of a Hello/Welcome body, or of a ``Reply`` to one: only what explains
+    a compat mismatch (a Reply carries the prefill's values only to an authenticated
+    peer, to others digests of them)."""
 
     t: str
-    compat: CompatInfo
+    compat: CompatInfo | None = None
+    salt: bytes = b""
+    digests: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_COMPAT_FIELDS)] = {}
 
 
 class Codec:
@@ -111,15 +128,30 @@ class Codec:
 
     def _incompatible(self, frame: _Frame) -> IncompatiblePeerError:
         try:
-            theirs = self._handshake_decoder.decode(frame.body).compat
+            view = self._handshake_decoder.decode(frame.body)
         except UNDECODABLE:
+            view = None
+        if view is not None and view.compat is not None:
+            diffs = compat_diff(self.compat, view.compat)
+        elif view is not None and view.digests:
+            diffs = {
+                f: (shared_value(self.compat, f), _UNDISCLOSED)
+                for f in digest_diff(self.compat, view.digests, view.salt)
+            }
+        else:
             return IncompatiblePeerError(
                 f"peer's KV cache is incompatible (compat hash {frame.compat} != ours "
                 f"{self.compat_hash})",
                 fix="run prefill and decode with the same model, dtype, block size and parallelism",
             )
-        diffs = compat_diff(self.compat, theirs)
-        detail = _clip("; ".join(f"{k}: ours={a!r}, peer={b!r}" for k, (a, b) in diffs.items()))
+        detail = _clip(
+            "; ".join(
+                f"{k}: ours={a!r}, peer's differs"
+                if b is _UNDISCLOSED
+                else f"{k}: ours={a!r}, peer={b!r}"
+                for k, (a, b) in diffs.items()
+            )
+        )
         fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
         if "block_size" in diffs:
             fix += (
@@ -128,7 +160,7 @@ class Codec:
             )
         return IncompatiblePeerError(
             f"peer's KV cache is incompatible: {detail or 'compat hash differs'}",
-            differences=diffs,
+            differences={k: (a, None if b is _UNDISCLOSED else b) for k, (a, b) in diffs.items()},
             fix=fix,
         )
 

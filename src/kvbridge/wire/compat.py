@@ -128,6 +128,50 @@ _SINCE_V1 = ("layer_groups", "group_windows", "group_states")
 peers that do not use them keep the hash they had."""
 
 
+def _shared(info: CompatInfo) -> dict[str, object]:
+    """What peers must share, property by property (what :func:`compat_hash` hashes)."""
+    out: dict[str, object] = {
+        f: info.layout_key if f == "layout" else getattr(info, f)
+        for f in info.__struct_fields__
+        if f not in _TP_SPLIT
+    }
+    out["model_kv_heads"] = info.model_kv_heads
+    return out
+
+
+def shared_value(info: CompatInfo, field: str) -> object:
+    """The value of a property peers must share, as :func:`compat_digests` digests it."""
+    return _shared(info)[field]
+
+
+def compat_digests(info: CompatInfo, salt: bytes) -> dict[str, str]:
+    """Per property peers must share, a digest of its value under ``salt``: what a
+    prefill answers a peer whose compatibility hash differs, so that the peer can name
+    the properties that differ (:func:`digest_diff`) without learning our values. A
+    value from a short list (a dtype, a block size; a model name someone can guess) can
+    still be found by trying candidates against its digest: the salt only makes each
+    answer need its own tries.
+
+    >>> a = CompatInfo(model="m", dtype="bfloat16", layout="nhd", block_size=16,
+    ...                num_layers=32, num_kv_heads=8, head_dim=128)
+    >>> digest_diff(a, compat_digests(msgspec.structs.replace(a, model="n"), b"s"), b"s")
+    ['model']
+    """
+    return {
+        f: hashlib.sha256(
+            b"kvbridge-compat-field\0" + salt + msgspec.msgpack.encode([f, value])
+        ).hexdigest()[:16]
+        for f, value in _shared(info).items()
+    }
+
+
+def digest_diff(ours: CompatInfo, digests: dict[str, str], salt: bytes) -> list[str]:
+    """The properties whose digest (:func:`compat_digests`) differs from ours; those the
+    peer did not send (another version) are not compared."""
+    mine = compat_digests(ours, salt)
+    return [f for f, d in digests.items() if f in mine and mine[f] != d]
+
+
 def compat_hash(info: CompatInfo) -> str:
     """16 hex characters identifying what every pair of peers must share (stable
     across processes and versions of msgspec: values are encoded in field order)."""
@@ -150,4 +194,12 @@ def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object,
     }
 
 
-__all__ = ["PROTOCOL_VERSION", "CompatInfo", "compat_diff", "compat_hash"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CompatInfo",
+    "compat_diff",
+    "compat_digests",
+    "compat_hash",
+    "digest_diff",
+    "shared_value",
+]

@@ -36,6 +36,8 @@ MAX_GROUPS = 64
 """KV cache groups after the first in one :class:`Destination`."""
 MAX_LAYERS = 1 << 12
 """Layers one :class:`LayerDone` may name."""
+MAX_COMPAT_FIELDS = 64
+"""Properties a :class:`Reply`'s compatibility digests may name."""
 
 BlockIds = Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
 Layers = Annotated[list[int], msgspec.Meta(max_length=MAX_LAYERS)]
@@ -198,6 +200,13 @@ class Reply(_Msg, tag="reply"):
     detail: str = ""
     epoch: str = ""
     compat: CompatInfo | None = None
+    """To ``incompatible``: P's properties, only to an authenticated peer (with a
+    ``secret``); others get :attr:`digests`."""
+    salt: bytes = b""
+    digests: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_COMPAT_FIELDS)] = {}
+    """To ``incompatible``: per property peers must share, a digest of P's value under
+    :attr:`salt` (:func:`~kvbridge.wire.compat.compat_digests`): D names the properties
+    that differ without learning P's values."""
 
 
 Message = Hello | Welcome | Destination | Release | LayerDone | Done | Abort | Heartbeat | Reply

@@ -151,6 +151,13 @@ def common():
     )
 
 
+def control_endpoint(ip: str, port: int) -> str:
+    """The ZeroMQ endpoint of a rank's control socket as SGLang addresses it
+    (``tcp://ip:port``, IPv6 bracketed): what kvbridge binds a control message's MAC to
+    (:func:`.messages.sign`), computed alike by its sender and its receiver."""
+    return common().NetworkAddress(ip, int(port)).to_tcp()
+
+
 def serve_replica_dp_rank(mgr) -> None:
     """Make a prefill sender of SGLang's data-parallel *replicas* (``--dp-size N``
     without DP attention) name its replica as the request's prefill DP rank. Called once
@@ -447,6 +454,7 @@ __all__ = [
     "StateSplitInfo",
     "add_transfer_backend",
     "common",
+    "control_endpoint",
     "extend_requests",
     "full_attention_layers",
     "hook_get_kv_class",

@@ -40,7 +40,7 @@ from kvbridge.adapters.sglang.lifecycle import (
 from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts, window_start
 from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.adapters.sglang.states import state_slot
-from kvbridge.errors import IncompatiblePeerError, KVBridgeError
+from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -173,7 +173,6 @@ class DecodeSide:
                 state_split=self.state_split,
                 seat=self.seat,
             ),
-            self.secret,
         )
 
     def transfer_pages(self, kv_indices) -> np.ndarray:
@@ -265,7 +264,6 @@ class DecodeSide:
                 state_row=state_row,
                 nonce=self._holder_nonce(bootstrap_room),
             ),
-            self.secret,
         )
 
     def _holder_nonce(self, room) -> int | None:
@@ -288,12 +286,27 @@ class DecodeSide:
         )
         return False
 
+    def _from_source(self, done: wire.Done, sender: str) -> None:
+        """Raise unless ``done`` comes from one of its room's prefill ranks: the transport
+        agents the room's bootstrap named (SGLang's registry rows a kvbridge prefill
+        registers carry its agent; rows without one, from SGLang's multi-DP registry,
+        are not checked). Notification thread."""
+        holder = SoleHolder._holder(self, int(done.room))
+        infos = getattr(holder, "bootstrap_infos", None) or ()
+        agents = {info.get("kvbridge_agent") for info in infos} - {None}
+        if agents and sender not in agents:
+            raise WireError(
+                f"a Done for room {done.room} from {sender}, which is not one of the room's "
+                f"prefill ranks ({', '.join(sorted(agents))})"
+            )
+
     # --- decode: control and notification threads -------------------------------------------
 
     def _decode_control_loop(self) -> None:
         self._recv_loop(self._decode_handle)
 
     def _decode_handle(self, frames: list[bytes]) -> None:
+        frames = self._authentic(frames)  # with a secret: signed by the prefill, for us, fresh
         if self.handle_abort_ack_message(frames):
             return
         status = self.parse_kv_status_message(frames)
@@ -363,18 +376,30 @@ class DecodeSide:
             if self.packed is not None:
                 self.reservations.reap()
                 self._report_staging()
+            self._report_limits()
             for note in self.transport.take_notifications(timeout=self._poll_s):
                 try:
                     self._on_note(note)
                 except KVBridgeError as exc:
+                    self._count(messages_refused=1)
                     log.warning("kvbridge: dropped a notification from %s: %s", note.peer, exc)
                 except Exception:  # no notification may end the thread
+                    self._count(messages_refused=1)
                     log.exception("kvbridge: dropped a notification from %s", note.peer)
 
     def _on_note(self, note) -> None:
         """One transport notification (the notification thread)."""
-        msg = wire.decode_payload(note.payload, self.secret)
-        if not isinstance(msg, wire.Done) or not self._meant_for_holder(msg):
+        msg = wire.decode_payload(
+            note.payload,
+            self.secret,
+            sender=note.peer,
+            receiver=self.transport.agent_name,
+            guard=self.note_replays,
+        )
+        if not isinstance(msg, wire.Done):
+            raise WireError(f"unexpected {type(msg).__name__} as a notification")
+        self._from_source(msg, note.peer)
+        if not self._meant_for_holder(msg):
             return
         if self.packed is not None and not self._unpack(
             msg.room, msg.part, msg.pages, (msg.window_first, msg.window_pages)
@@ -386,6 +411,22 @@ class DecodeSide:
             prefill_rank=msg.prefill_rank,
         )
         self._count(requests_received=1, bytes_received=msg.bytes)
+
+
+class _Signing:
+    """A socket to one prefill rank's control socket that signs every message it sends
+    (:func:`.messages.sign`); everything else is the socket's."""
+
+    def __init__(self, sock, secret: bytes, receiver: str) -> None:
+        self._sock, self._secret, self._receiver = sock, secret, receiver
+
+    def send_multipart(self, frames, *args, **kwargs):
+        return self._sock.send_multipart(
+            wire.sign(frames, self._secret, self._receiver), *args, **kwargs
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
 
 
 class _StagingWait(NamedTuple):
@@ -426,6 +467,17 @@ class KVBridgeKVReceiver(SoleHolder, _c.Receiver):
         holder = self._holder(mgr, bootstrap_room)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
         self._hold_or_refuse(holder, "decode")
+
+    def _connect_to_bootstrap_server(self, bootstrap_info: dict):
+        """SGLang's socket to a prefill rank's control socket (every message this receiver
+        sends goes through it: registration, destination, bootstrap, abort), which with
+        a secret signs each message for that rank (:func:`.messages.sign`)."""
+        sock, lock = super()._connect_to_bootstrap_server(bootstrap_info)
+        secret = self.kv_mgr.secret
+        if secret is None:
+            return sock, lock
+        to = compat.control_endpoint(bootstrap_info["rank_ip"], bootstrap_info["rank_port"])
+        return _Signing(sock, secret, to), lock
 
     def send_metadata(self, kv_indices, aux_index=None, *args, **kwargs) -> None:
         mgr = self.kv_mgr

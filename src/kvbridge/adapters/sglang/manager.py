@@ -68,6 +68,7 @@ import weakref
 import zmq
 
 from kvbridge.adapters.sglang import compat, metrics
+from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
 from kvbridge.adapters.sglang.lanes import RoomLanes
@@ -85,6 +86,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
+from kvbridge.wire.auth import ReplayGuard
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -236,6 +238,12 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         except Exception:
             self.transport.close()
             raise
+        self.control_endpoint = compat.control_endpoint(self.local_ip, self.rank_port)
+        """This rank's control socket, as peers address it (what their MACs cover)."""
+        self.replays = ReplayGuard()
+        """With a secret: control messages taken (the control thread's)."""
+        self.note_replays = ReplayGuard()
+        """With a secret: notifications taken (a decode's notification thread's)."""
         compat.serve_replica_dp_rank(self)
         compat.warn_unless_balanced_by_room(self, compat.load_balance_method())
         self.seat = compat.server_seat(server_args, self)
@@ -292,6 +300,34 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
                 staging_slots=a.num_slots, staging_slots_used=a.num_slots - a.free_slots
             )
 
+    def _report_limits(self) -> None:
+        """Set the gauges of the bounded per-peer state
+        (:data:`~kvbridge.runtime.stats.LIMIT_GAUGES`; with ``--enable-metrics``): peers
+        registered with this prefill rank, messages remembered against replays, rooms
+        whose destination came before their request. Called
+        every loop by the prefill's transfer thread and the decode's notification thread."""
+        if self._metrics is not None:
+            self._metrics.set_levels(
+                peers=len(getattr(self, "peers", ())),
+                replay_entries=len(self.replays) + len(self.note_replays),
+                early_rooms=len(getattr(self, "_early_rooms", ())),
+            )
+
+    def _send_multipart_locked(self, endpoint: str, parts, is_ipv6: bool = False):
+        """Every message this rank sends to another's control socket (SGLang's status,
+        abort acknowledgements): signed for that socket with a secret (:func:`.messages.sign`)."""
+        super()._send_multipart_locked(
+            endpoint, wire.sign(parts, self.secret, endpoint), is_ipv6=is_ipv6
+        )
+
+    def _authentic(self, frames: list[bytes]) -> list[bytes]:
+        """A control message as its sender signed it, after checking its MAC, freshness
+        and novelty (:func:`.messages.unsign`) with a secret; unchanged without one.
+        Control thread."""
+        if self.secret is None:
+            return frames
+        return wire.unsign(frames, self.secret, self.control_endpoint, self.replays)
+
     def _thread(self, name: str, target) -> None:
         def guarded():
             try:
@@ -316,8 +352,10 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             try:
                 handle(frames)
             except KVBridgeError as exc:
+                self._count(messages_refused=1)
                 log.warning("kvbridge: dropped a control message: %s", exc)
             except Exception:  # no message may end the control thread
+                self._count(messages_refused=1)
                 log.exception("kvbridge: dropped a control message that failed unhandled")
 
     def _total_kv_heads(self) -> int:

@@ -16,10 +16,14 @@ Network input is decoded into these typed Structs once, at the boundary; a malfo
 foreign message raises :class:`~kvbridge.errors.WireError`.
 
 With a shared ``secret`` (config) every message carries an HMAC-SHA256
-(:mod:`kvbridge.wire.auth`): a control message as a third frame over the tag and the
-payload, a ``Done`` notification as the payload's last 32 bytes. A message whose MAC is
-missing, wrong, or present where this side has no secret raises
-:class:`AuthenticationError`, which carries what the message said, unverified.
+(:mod:`kvbridge.wire.auth`) bound to its receiver and a time stamp, and each receiver
+refuses a stale or replayed one (:class:`~kvbridge.wire.auth.ReplayGuard`): every message
+to a control socket (kvbridge's and SGLang's own frames alike) gets two more frames,
+the MAC over the receiver's control endpoint, the stamp and the frames, then the stamp
+(:func:`sign`, :func:`unsign`); a ``Done`` notification ends with the stamp and a MAC
+over both sides' transport agent names, the stamp and the message. A message whose MAC
+is missing, wrong, or present where this side has no secret raises
+:class:`AuthenticationError`, which carries what a control message said, unverified.
 
 >>> msg = Destination(room=7, agent="d", ip="127.0.0.1", port=5, pages=encode_pages([3, 4]),
 ...                   aux_index=1, required_dst_info_num=1)
@@ -34,6 +38,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -42,7 +47,7 @@ from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
-from kvbridge.wire.auth import MAC_BYTES, mac, seal, unseal, verify
+from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import UNDECODABLE, describe
 from kvbridge.wire.messages import StagingInfo
 
@@ -51,15 +56,22 @@ TAG = b"KVBRIDGE/%d" % PROTOCOL
 """First frame of every kvbridge control message (carries the protocol version)."""
 
 
+MAX_NAME = 256
+"""Characters of a name a message carries (an agent, an epoch, an address, a seat: tens
+in practice): a longer one is refused while its header is read."""
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+
+
 class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
-    agent: str
+    agent: Name
     """The decode rank's transport agent name (includes its epoch)."""
-    epoch: str
-    transport: str
+    epoch: Name
+    transport: Name
     transport_md: bytes
     geometry: CacheGeometry
     aux: AuxLayout
-    ip: str
+    ip: Name
     port: int
     """The decode rank's control socket (SGLang's ``rank_port``)."""
     wire_dtype: str = "exact"
@@ -94,7 +106,7 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """With ``states``: how each state tensor's row splits over attention TP ranks
     (:func:`.states.state_split`), for a prefill of another TP size. None: SGLang did
     not say, and the states move between equal TP sizes only."""
-    seat: str = ""
+    seat: Name = ""
     """Which rank of which decode server the agent is (:func:`.compat.server_seat`),
     the same after that server restarts: a registration from a seat a peer already has
     replaces that peer (a restarted rank's old agent). Empty (older decodes): replaces
@@ -103,8 +115,8 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     room: int
-    agent: str
-    ip: str
+    agent: Name
+    ip: Name
     port: int
     pages: bytes
     """Destination page ids, little-endian int32 (:func:`encode_pages`)."""
@@ -135,7 +147,7 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
 class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     room: int
     prefill_rank: int
-    epoch: str
+    epoch: Name
     bytes: int = 0
     """KV bytes written to this decode for the room (its metrics); 0 from older senders."""
     part: int = 0
@@ -173,12 +185,16 @@ def decode_pages(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i4").astype(np.int64)
 
 
-_AUTH_FIX = "set the same 'secret' in KVBRIDGE_CONFIG on the prefill and decode servers"
+_AUTH_FIX = (
+    "set the same 'secret' in KVBRIDGE_CONFIG on the prefill and decode servers, and run the "
+    "same kvbridge version on both"
+)
 
 
 class AuthenticationError(WireError):
-    """A kvbridge message that failed authentication. ``unverified``: what it said
-    (None if it did not decode): trust none of it."""
+    """A message that failed authentication. ``unverified``: what a kvbridge control
+    message whose MAC was missing or wrong said (None if it did not decode, and for a
+    stale or replayed one): trust none of it."""
 
     def __init__(self, message: str, unverified: Message | None) -> None:
         super().__init__(message, fix=_AUTH_FIX)
@@ -187,6 +203,9 @@ class AuthenticationError(WireError):
 
 MAX_UNVERIFIED_BYTES = 1 << 20
 """An unauthenticated payload larger than this is not even read for what it says."""
+
+_SIGNED = STAMP_BYTES + MAC_BYTES
+"""What :func:`encode_payload` appends with a secret."""
 
 
 def _unverified(payload: bytes) -> Message | None:
@@ -198,27 +217,104 @@ def _unverified(payload: bytes) -> Message | None:
         return None
 
 
-def encode(msg: Message, secret: bytes | None = None) -> list[bytes]:
-    """Frames of a control message: ``[TAG, payload]``, plus its MAC with a ``secret``."""
-    payload = _encoder.encode(msg)
-    return [TAG, payload] if secret is None else [TAG, payload, mac(secret, TAG, payload)]
+def _said(frames: Sequence[bytes]) -> Message | None:
+    """What an unauthenticated kvbridge control message says (None for other frames)."""
+    return _unverified(frames[1]) if len(frames) >= 2 and frames[0] == TAG else None
 
 
-def encode_payload(msg: Message, secret: bytes | None = None) -> bytes:
-    """A notification's payload: the message, followed by its MAC with a ``secret``."""
-    return seal(secret, _encoder.encode(msg))
+def encode(msg: Message) -> list[bytes]:
+    """Frames of a control message: ``[TAG, payload]`` (:func:`sign` adds the MAC for
+    its receiver when it is sent)."""
+    return [TAG, _encoder.encode(msg)]
 
 
-def decode_payload(data: bytes, secret: bytes | None = None) -> Message:
-    """Inverse of :func:`encode_payload` with the same ``secret``."""
-    body = unseal(secret, data)
-    if body is None:
+def _control_parts(receiver: str, when: bytes, frames: Sequence[bytes]) -> tuple[bytes, ...]:
+    return (b"sglang-control", receiver.encode(), when, *frames)
+
+
+def sign(
+    frames: Sequence[bytes], secret: bytes | None, receiver: str, when: bytes | None = None
+) -> list[bytes]:
+    """``frames`` (any message to a control socket: kvbridge's, or SGLang's abort,
+    bootstrap and status frames) followed, with a ``secret``, by a MAC over the
+    receiver's control endpoint (``tcp://ip:port``), a time stamp and the frames, and
+    the stamp. Without a secret, ``frames`` unchanged."""
+    frames = list(frames)
+    if secret is None:
+        return frames
+    when = stamp() if when is None else when
+    return [*frames, mac(secret, *_control_parts(receiver, when, frames)), when]
+
+
+def unsign(
+    frames: Sequence[bytes], secret: bytes, receiver: str, guard: ReplayGuard
+) -> list[bytes]:
+    """Inverse of :func:`sign` at the control socket of endpoint ``receiver``: the frames
+    it signed, after checking their MAC, then their stamp and that they are new
+    (``guard``). Raises :class:`AuthenticationError`: a message without a valid MAC (from
+    a peer with another secret or none, or altered, or sent to another receiver), a stale
+    or replayed one."""
+    if len(frames) < 3 or len(frames[-1]) != STAMP_BYTES or len(frames[-2]) != MAC_BYTES:
         raise AuthenticationError(
-            "a kvbridge notification failed authentication (its sender's secret differs, or it has "
-            "none)",
-            _unverified(data[:-MAC_BYTES]),
+            "a message on the control socket failed authentication: it carries no MAC (no "
+            "'secret' is set at its sender)",
+            _said(frames),
         )
-    data = body
+    *body, tag, when = frames
+    if not verify(secret, tag, *_control_parts(receiver, when, body)):
+        raise AuthenticationError(
+            "a message on the control socket failed authentication: it has a MAC made with "
+            "another secret, or for another receiver",
+            _said(body),
+        )
+    why = guard.check(tag, when)
+    if why is not None:
+        raise AuthenticationError(f"a message on the control socket was refused: {why}", None)
+    return body
+
+
+def _note_parts(sender: str, receiver: str, when: bytes, body: bytes) -> tuple[bytes, ...]:
+    return (b"sglang-note", sender.encode(), receiver.encode(), when, body)
+
+
+def encode_payload(
+    msg: Message, secret: bytes | None = None, *, sender: str = "", receiver: str = ""
+) -> bytes:
+    """A notification's payload: the message, followed, with a ``secret``, by a time
+    stamp and a MAC over the ``sender``'s and ``receiver``'s transport agent names, the
+    stamp and the message."""
+    body = _encoder.encode(msg)
+    if secret is None:
+        return body
+    when = stamp()
+    return body + when + mac(secret, *_note_parts(sender, receiver, when, body))
+
+
+def decode_payload(
+    data: bytes,
+    secret: bytes | None = None,
+    *,
+    sender: str = "",
+    receiver: str = "",
+    guard: ReplayGuard | None = None,
+) -> Message:
+    """Inverse of :func:`encode_payload` with the same ``secret``, for a notification the
+    transport says came from agent ``sender`` to us, ``receiver``; with a secret a stale
+    or replayed one is refused (``guard``)."""
+    if secret is not None:
+        body, when, tag = data[:-_SIGNED], data[-_SIGNED:-MAC_BYTES], data[-MAC_BYTES:]
+        if len(data) <= _SIGNED or not verify(
+            secret, tag, *_note_parts(sender, receiver, when, body)
+        ):
+            raise AuthenticationError(
+                "a kvbridge notification failed authentication (its sender's secret differs, or "
+                "it has none, or it was sealed for another sender or receiver)",
+                _unverified(body) if len(data) > _SIGNED else None,
+            )
+        why = None if guard is None else guard.check(tag, when)
+        if why is not None:
+            raise AuthenticationError(f"a kvbridge notification was refused: {why}", None)
+        data = body
     try:
         return _decoder.decode(data)
     except UNDECODABLE as exc:
@@ -229,33 +325,25 @@ def is_ours(frames: Sequence[bytes]) -> bool:
     return bool(frames) and frames[0].startswith(b"KVBRIDGE/")
 
 
-def decode(frames: Sequence[bytes], secret: bytes | None = None) -> Message:
-    """Decode the frames of :func:`encode` with the same ``secret``; a different
-    protocol version is refused by name."""
-    if len(frames) not in (2, 3) or not is_ours(frames):
+def decode(frames: Sequence[bytes]) -> Message:
+    """Decode the frames of :func:`encode` (after :func:`unsign` with a secret); a
+    different protocol version is refused by name, a signed message (the peer has a
+    secret, this instance none) by :class:`AuthenticationError`."""
+    if not is_ours(frames):
         raise WireError(f"not a kvbridge control message ({len(frames)} frames)")
     if frames[0] != TAG:
         raise WireError(
             f"peer speaks {frames[0].decode(errors='replace')}, this instance {TAG.decode()}: "
             "run the same kvbridge version on prefill and decode"
         )
-    if secret is not None and (
-        len(frames) != 3 or not verify(secret, frames[2], frames[0], frames[1])
-    ):
-        why = (
-            "carries no MAC (no 'secret' is set there)"
-            if len(frames) == 2
-            else "has a MAC made with another secret"
-        )
-        raise AuthenticationError(
-            f"a kvbridge control message failed authentication: it {why}", _unverified(frames[1])
-        )
-    if secret is None and len(frames) == 3:
+    if len(frames) == 4:
         raise AuthenticationError(
             "a kvbridge control message carries a MAC, but this instance has no 'secret' to check "
             "it",
-            _unverified(frames[1]),
+            _said(frames),
         )
+    if len(frames) != 2:
+        raise WireError(f"not a kvbridge control message ({len(frames)} frames)")
     return decode_payload(frames[1])
 
 
@@ -274,4 +362,6 @@ __all__ = [
     "encode_pages",
     "encode_payload",
     "is_ours",
+    "sign",
+    "unsign",
 ]

@@ -21,7 +21,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kvbridge.runtime.stats import BUCKETS, COUNTERS, GAUGES, HISTOGRAMS, StatsSnapshot
+from kvbridge.runtime.stats import (
+    BUCKETS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    LIMIT_GAUGES,
+    StatsSnapshot,
+)
 
 PREFIX = "sglang:kvbridge_"
 LABELS = ("engine_type", "tp_rank", "transport")
@@ -63,13 +70,14 @@ class PrometheusExport:
                 multiprocess_mode="livesum",
                 registry=registry,
             ).labels(*values)
-            for name, doc in GAUGES.items()
+            for name, doc in {**GAUGES, **LIMIT_GAUGES}.items()
         }
         self._levels: dict[str, float] = {}
 
     def set_levels(self, **levels: float) -> None:
-        """Set gauges of :data:`~kvbridge.runtime.stats.GAUGES` (a value that did not change
-        is not written again)."""
+        """Set gauges of :data:`~kvbridge.runtime.stats.GAUGES` and
+        :data:`~kvbridge.runtime.stats.LIMIT_GAUGES` (a value that did not change is not
+        written again)."""
         for name, value in levels.items():
             if self._levels.get(name) != value:
                 self._gauges[name].set(value)

@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from typing import NamedTuple
 
 import msgspec
@@ -69,7 +70,9 @@ from kvbridge.adapters.sglang.streaming import (
 from kvbridge.core.tp import heads_per_rank, prefill_ranks
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
+from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
+from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -153,6 +156,15 @@ class _Peer(NamedTuple):
     slot's row this rank writes into the decode rank's (:func:`.states.state_cut`);
     ``states`` is then None (each room's segments are posted as they are)."""
     seat: str = ""  # which rank of which decode server (Registration.seat)
+    control: tuple[str, int] = ("", 0)
+    """The decode rank's control socket (``Registration.ip``, ``port``): its destinations
+    must name it (statuses and abort acknowledgements go there)."""
+
+    @property
+    def server(self) -> str:
+        """The decode server this rank belongs to (its seat's address; an older decode
+        without a seat: its control socket's host)."""
+        return self.seat.split(" ")[0] if self.seat else self.control[0]
 
 
 class _Dest(NamedTuple):
@@ -171,6 +183,11 @@ class _Dest(NamedTuple):
     window_pages: np.ndarray | None = None
     nonce: int | None = None
     state_row: int | None = None
+
+
+def _rows(layout: AuxLayout | None) -> int:
+    """Descriptors of a peer's metadata or state buffers (a row of each buffer each)."""
+    return 0 if layout is None else len(layout.ptrs) * max(0, int(layout.rows))
 
 
 class PrefillSide:
@@ -192,6 +209,9 @@ class PrefillSide:
         self._first_post: dict[int, float] = {}
         self._packed_runs: dict[int, list[Run]] = {}  # room -> our staging runs
         self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
+        self._early_rooms: OrderedDict[int, float] = OrderedDict()
+        """Rooms with a destination but no request here when it came -> when they are
+        dropped (:meth:`_keep_early`)."""
         self._num_layers = self.geometry.spec.num_layers
         self._start_layer = compat.start_layer(args)
         self._full_layers: dict[int, int] | None = None
@@ -224,13 +244,20 @@ class PrefillSide:
         self._recv_loop(self._prefill_handle)
 
     def _prefill_handle(self, frames: list[bytes]) -> None:
+        try:
+            frames = self._authentic(frames)
+        except wire.AuthenticationError as exc:
+            self._refuse_unauthenticated(exc)
+            return
+        if frames and frames[0] == _c.ABORT_TAG and not self._abort_allowed(frames):
+            return
         if self.deferred_bootstrap is not None and self._handle_bootstrap_message(frames):
             return
         if frames and frames[0] == _c.ABORT_TAG:
             self._handle_abort(frames)
             return
         try:
-            msg = wire.decode(frames, self.secret)
+            msg = wire.decode(frames)
         except wire.AuthenticationError as exc:
             self._refuse_unauthenticated(exc)
             return
@@ -245,9 +272,12 @@ class PrefillSide:
         try:
             part = self._pairing(reg)
             cut = self._state_cut(reg)
+            self._admit(reg)
         except IncompatiblePeerError as exc:
             log.error("kvbridge: refused decode %s: %s", reg.agent, exc)
             self._refused[reg.agent] = str(exc)
+            while len(self._refused) > MAX_PEERS:  # the oldest refusals are forgotten
+                self._refused.pop(next(iter(self._refused)))
             return
         with self._peers_lock:
             if reg.agent in self.peers:
@@ -293,6 +323,7 @@ class PrefillSide:
                 reg.states,
                 cut,
                 reg.seat,
+                (reg.ip, reg.port),
             )
             # A restarted decode rank (same seat, new agent) replaces its old agent; the
             # ranks of other decode servers, and of other DP replicas, stay.
@@ -310,6 +341,33 @@ class PrefillSide:
                 reg.seat,
             )
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
+
+    def _admit(self, reg: wire.Registration) -> None:
+        """Refuse a registration beyond :data:`~kvbridge.runtime.node.MAX_PEERS` decode
+        ranks (one from a seat already registered replaces its old agent) or whose cache
+        claims more than :data:`~kvbridge.runtime.node.MAX_PEER_SLOTS` slots, before
+        anything is built for it."""
+        slots = reg.geometry.num_slots + _rows(reg.aux) + _rows(reg.states)
+        slots += 0 if reg.window is None else reg.window.num_slots
+        if slots > MAX_PEER_SLOTS:
+            raise IncompatiblePeerError(
+                f"decode {reg.agent} claims a cache of {slots} slots (pages, window pages, "
+                f"metadata and state rows), over the {MAX_PEER_SLOTS} kvbridge builds tables for",
+                fix="check the decode's KV cache size; a real one is far smaller",
+            )
+        with self._peers_lock:
+            known = reg.agent in self.peers or (
+                bool(reg.seat) and any(p.seat == reg.seat for p in self.peers.values())
+            )
+            full = not known and len(self.peers) >= MAX_PEERS
+        if full:
+            raise IncompatiblePeerError(
+                f"this prefill rank already has {MAX_PEERS} decode peers",
+                fix=(
+                    "use fewer decode ranks per prefill server, or set a 'secret' so that only "
+                    "your own servers can register"
+                ),
+            )
 
     def _pairing(self, reg: wire.Registration) -> Part | None:
         """Check a decode's registration: on the packed path, the heads this rank moves
@@ -453,6 +511,8 @@ class PrefillSide:
                 failure_reason=failed,
             )
             return
+        if not self._destination_allowed(msg):
+            return
         reason = None
         if not msg.is_dummy and msg.agent in self._refused:
             reason = (
@@ -476,6 +536,11 @@ class PrefillSide:
             )
         elif self._another_request_of(room, dest):
             reason = duplicate_reason(room, "prefill")
+        elif not self._keep_early(room):
+            reason = (
+                f"kvbridge: this prefill rank already keeps destinations for {MAX_EARLY_ROOMS} "
+                "rooms it has no request for yet"
+            )
         if reason is not None:
             self._refuse_room(msg, reason)
             return
@@ -487,6 +552,82 @@ class PrefillSide:
                 (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
             )
             self.update_status(room, KVPoll.WaitingForInput)
+
+    def _destination_allowed(self, msg: wire.Destination) -> bool:
+        """Whether a destination may act on its room: it names the control socket its
+        agent registered (statuses go there, not to whoever sent it), and the room's
+        destinations so far came from the same decode server (the first one binds the
+        room to its server). Otherwise it is dropped, logged and counted, and nothing of
+        the room changes. Control thread."""
+        peer = self.peers.get(msg.agent)
+        why = None
+        if peer is not None and not msg.is_dummy and peer.control != (msg.ip, msg.port):
+            why = (
+                f"it names control socket {msg.ip}:{msg.port}, its agent registered "
+                f"{peer.control[0]}:{peer.control[1]}"
+            )
+        elif peer is not None:
+            owners = {
+                self.peers[a].server
+                for a in self.transfer_infos.get(msg.room, {})
+                if a in self.peers and a != msg.agent
+            }
+            if owners and peer.server not in owners:
+                why = f"the room belongs to decode server {', '.join(sorted(owners))}"
+        if why is None:
+            return True
+        self._count(messages_refused=1)
+        log.warning(
+            "kvbridge: refused a destination for room %s from %s: %s", msg.room, msg.agent, why
+        )
+        return False
+
+    def _abort_allowed(self, frames: list[bytes]) -> bool:
+        """Whether SGLang's abort frames may fail their room: once the room has
+        destinations, only from one of their decode ranks (the abort names its control
+        socket, SGLang 0.5.23 always does); before, it cannot be told (SGLang's own
+        behaviour: the room's id is the secret). Otherwise dropped, logged and counted.
+        Control thread."""
+        note = _c.AbortNotification.from_zmq(frames)
+        if note is None:
+            return True  # SGLang's handler drops it, logged
+        dests = self.transfer_infos.get(note.room)
+        if not dests or (note.decode_ip, note.decode_port) in {
+            (d.endpoint, d.dst_port) for d in dests.values()
+        }:
+            return True
+        self._count(messages_refused=1)
+        log.warning(
+            "kvbridge: refused an abort of room %s from %s:%s, not one of the room's decode ranks",
+            note.room,
+            note.decode_ip,
+            note.decode_port,
+        )
+        return False
+
+    def _keep_early(self, room: int) -> bool:
+        """Whether a destination for ``room`` may be kept: always for a room this prefill
+        has a request (a sender) for; for one it has not (yet: the decode may be first),
+        within :data:`MAX_EARLY_ROOMS` such rooms, each dropped ``timeouts.lease_s`` after
+        its first destination unless a request took it by then, with the status SGLang
+        opened for it (a destination makes its room wait for input). Control thread."""
+        now = time.monotonic()
+        early = self._early_rooms
+        while early and next(iter(early.values())) <= now:
+            old, _ = early.popitem(last=False)
+            if SoleHolder._holder(self, old) is None:
+                self.transfer_infos.pop(old, None)
+                if self.request_status.get(old) == KVPoll.WaitingForInput:
+                    self.request_status.pop(old, None)
+        if room in early or SoleHolder._holder(self, room) is not None:
+            return True
+        if len(early) >= MAX_EARLY_ROOMS:  # forget those a request took meanwhile
+            for taken in [r for r in early if SoleHolder._holder(self, r) is not None]:
+                del early[taken]
+        if len(early) >= MAX_EARLY_ROOMS:
+            return False
+        early[room] = now + self.config.timeouts.lease_s
+        return True
 
     def _another_request_of(self, room: int, dest: _Dest) -> bool:
         """Whether this prefill still keeps a destination for ``room`` from the same
@@ -520,6 +661,7 @@ class PrefillSide:
         address). Room ids are random 64-bit numbers the router draws, so a stranger
         cannot aim this at other requests."""
         msg = exc.unverified
+        self._count(messages_refused=1)
         log.error(
             "kvbridge: refused a decode's %s: %s",
             type(msg).__name__ if msg is not None else "message",
@@ -675,6 +817,7 @@ class PrefillSide:
     def _transfer_loop(self) -> None:
         while not self._stop.is_set():
             self._report_staging()
+            self._report_limits()
             try:
                 items = [self._work.get(timeout=self._poll_s)]
             except queue.Empty:
@@ -1073,7 +1216,9 @@ class PrefillSide:
                 self.aux_layout.slots(chunk.aux_index, peer.aux_count),
                 peer.aux,
                 peer.aux_layout.slots(dest.aux_index, peer.aux_count),
-                notify=wire.encode_payload(done, self.secret),
+                notify=wire.encode_payload(
+                    done, self.secret, sender=self.transport.agent_name, receiver=dest.agent
+                ),
             )
             self._inflight.setdefault(room, []).append(x)
             self._staging_outstanding[room] += 1

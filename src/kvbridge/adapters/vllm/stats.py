@@ -40,6 +40,7 @@ from kvbridge.runtime.stats import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    LIMIT_GAUGES,
     REQUEST_GAUGES,
     StatsSnapshot,
 )
@@ -123,7 +124,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             }
 
         self._gauges = gauges(GAUGES)
-        self._request_gauges = gauges(REQUEST_GAUGES)
+        self._request_gauges = gauges({**REQUEST_GAUGES, **LIMIT_GAUGES})
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, metric in self._counters.items():

@@ -40,7 +40,7 @@ from kvbridge.core.lifecycle import RecvPhase, SendPhase
 from kvbridge.errors import ConfigError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event
 from kvbridge.runtime.endpoint import Endpoint
-from kvbridge.runtime.stats import REQUEST_GAUGES, StatsSnapshot
+from kvbridge.runtime.stats import LIMIT_GAUGES, REQUEST_GAUGES, StatsSnapshot
 from kvbridge.wire.compat import CompatInfo
 
 if TYPE_CHECKING:
@@ -401,15 +401,20 @@ class WorkerSide:
     def stats(self) -> StatsSnapshot | None:
         """This step's statistics (vLLM's ``get_kv_connector_stats``, once per step), or
         None. A snapshot returned carries the current levels (:meth:`_levels`), and one
-        is returned whenever something was recorded, a level other than the staging
-        capacity is not zero, or a level changed since the last one: a rank that returns
-        None holds nothing, so vLLM's sum (staging slots) or maximum (requests) over the
-        ranks that report is the instance's level."""
+        is returned whenever something was recorded, a level of requests in flight
+        (:data:`~kvbridge.runtime.stats.REQUEST_GAUGES`) or of staging held is not zero,
+        or a level changed since the last one: a rank that returns None holds nothing, so
+        vLLM's sum (staging slots) or maximum (requests) over the ranks that report is the
+        instance's level."""
         if self.endpoint is None:
             return None
         snap = self.endpoint.stats.take()
         levels = self._levels()
-        held = any(value for name, value in levels.items() if name != "staging_slots")
+        held = any(
+            value
+            for name, value in levels.items()
+            if name in REQUEST_GAUGES or name == "staging_slots_used"
+        )
         if snap.is_empty() and not held and levels == self._reported_levels:
             return None
         self._reported_levels = levels
@@ -418,18 +423,25 @@ class WorkerSide:
         return snap
 
     def _levels(self) -> dict[str, int]:
-        """Requests in flight per phase (:data:`~kvbridge.runtime.stats.REQUEST_GAUGES`)
+        """Requests in flight per phase (:data:`~kvbridge.runtime.stats.REQUEST_GAUGES`),
+        the bounded per-peer structures (:data:`~kvbridge.runtime.stats.LIMIT_GAUGES`)
         and, on the packed path, the staging slots (of the instance: every rank has as
         many) and those this rank's requests hold."""
         ep = self.endpoint
         assert ep is not None
-        levels = dict.fromkeys(REQUEST_GAUGES, 0)
+        levels = dict.fromkeys((*REQUEST_GAUGES, *LIMIT_GAUGES), 0)
+        levels.update(
+            peers=ep.node.num_peers,
+            replay_entries=len(ep.node.note_replays)
+            + (0 if ep.server is None else len(ep.server.replays)),
+        )
         if ep.sender is not None:
             sends = ep.sender.phases()
             levels.update(
                 sends_held=sends[SendPhase.HELD],
                 sends_sending=sends[SendPhase.SENDING],
                 sends_early=ep.sender.early,
+                sends_early_block_ids=ep.sender.early_block_ids,
             )
         if ep.receiver is not None:
             recvs = ep.receiver.phases()
