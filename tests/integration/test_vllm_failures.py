@@ -330,7 +330,10 @@ def test_incompatible_decode_is_refused_naming_the_difference(cluster: Cluster, 
     assert info.value.status >= 500
     assert time.monotonic() - start < 10
     log = cluster.x.log_path.read_text(errors="replace")
-    assert "block_size: ours=64, peer=32" in log, "the refusal must say what differs"
+    # what differs and the decode's own value; without a secret the prefill does not
+    # disclose its values to a peer (issue 46)
+    assert "block_size: ours=64, peer's differs" in log, "the refusal must say what differs"
+    assert "transfer_block_size" in log, "the refusal must name the fix"
     # still serving
     assert complete(cluster.x.url, random_prompt(30, seed=8), max_tokens=2).token_ids
     assert wait_metric(cluster.x.url, USAGE, lambda v: v <= x_before + 1e-9) <= x_before + 1e-9
