@@ -31,6 +31,20 @@ def test_free_port_is_below_the_ephemeral_range_and_sglang_s_store_ports() -> No
         assert all(p < min(low, 22_000 - 240) for p in ports)
 
 
+def test_free_port_keeps_to_the_range_its_process_was_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """make test's streams start servers side by side, each in a port range of its own."""
+    if servers._ephemeral_low() <= 12_000:
+        pytest.skip("no port range below the ephemeral one to draw from")
+    monkeypatch.setenv("KVBRIDGE_PORT_RANGE", "11000-11999")
+    assert all(11_000 <= free_port() <= 11_999 for _ in range(20))
+    for bad, fix in (("11000", "joined by '-'"), ("5-9", "choose a range inside")):
+        monkeypatch.setenv("KVBRIDGE_PORT_RANGE", bad)
+        with pytest.raises(KVBridgeError, match=fix):
+            free_port()
+
+
 @pytest.mark.parametrize("near", [0, 233, 240, -233, -240])
 def test_free_port_never_hands_out_a_port_twice_or_one_sglang_derives_from_another(
     monkeypatch: pytest.MonkeyPatch, near: int

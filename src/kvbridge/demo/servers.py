@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 CPU_ENV: dict[str, str] = {
     "HF_HUB_OFFLINE": "1",  # no model hub here; never try one
     "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; default sizing takes a share of RAM
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # auto binding pins instances onto the same cores
     "VLLM_CPU_CI_ENV": "1",  # dynamo + eager backend instead of inductor: fast start
     "VLLM_NO_USAGE_STATS": "1",
@@ -132,12 +131,15 @@ def free_port(host: str = "127.0.0.1") -> int:
       on port ``p`` also listens on ``p + 233`` to ``p + 240`` (``ZMQ_TCP_PORT_DELTA``;
       with DP or TP above 1), and SGLang draws its ``torch.distributed`` store port from
       22000-29999 (seen: a decode failing to start, its ``p + 234`` held by the prefill's
-      store)."""
-    low = min(_ephemeral_low(), _SGLANG_STORE_PORTS_LOW - _SGLANG_DERIVED_PORTS[-1])
+      store);
+    - ``KVBRIDGE_PORT_RANGE=lo-hi`` (inclusive, inside the range above) narrows the draw:
+      processes that start servers side by side (``make test``'s streams) each take a range
+      of their own, so that one's choice cannot race another's slow bind."""
+    first, low = _port_range()
     rng = random.SystemRandom()
     with _ports_lock:
         for _ in range(200):
-            port = rng.randrange(10_000, low) if low > 10_000 else 0
+            port = rng.randrange(first, low) if low > first else 0
             if not _may_hand_out(port):
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -150,6 +152,28 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _ports_handed_out.add(port)
                 return port
         raise OSError(f"no free TCP port on {host} after 200 tries (fix: stop stray servers)")
+
+
+def _port_range() -> tuple[int, int]:
+    """``[first, end)`` of the ports :func:`free_port` draws from."""
+    first = 10_000
+    end = min(_ephemeral_low(), _SGLANG_STORE_PORTS_LOW - _SGLANG_DERIVED_PORTS[-1])
+    spec = os.environ.get("KVBRIDGE_PORT_RANGE")
+    if spec:
+        try:
+            lo, hi = (int(v) for v in spec.split("-"))
+        except ValueError:
+            raise KVBridgeError(
+                f"KVBRIDGE_PORT_RANGE={spec!r} is not a range of ports",
+                fix="set it to two port numbers joined by '-', e.g. 10000-13999",
+            ) from None
+        if not first <= lo <= hi < end:
+            raise KVBridgeError(
+                f"KVBRIDGE_PORT_RANGE={spec!r} leaves {first}-{end - 1}",
+                fix=f"choose a range inside {first}-{end - 1}",
+            )
+        first, end = lo, hi + 1
+    return first, end
 
 
 def _may_hand_out(port: int) -> bool:
@@ -725,6 +749,11 @@ class VllmServer(ServerProcess):
 
     name = "vLLM server"
     default_env = CPU_ENV
+    kv_cache_mb: int = 1024
+    """Each server's KV cache, MiB (``--kv-cache-memory-bytes``; vLLM's CPU default takes
+    a share of the machine's RAM). The engine tests lower it for the class (their
+    conftest): a vLLM worker's resident memory is about its KV cache plus 0.5 GB, and
+    the tests run many at once."""
 
     def __init__(
         self,
@@ -752,6 +781,7 @@ class VllmServer(ServerProcess):
             "--host", "127.0.0.1",
             "--dtype", "float32",
             "--max-model-len", str(self.max_model_len),
+            "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20),
             *self.extra_args,
         ]  # fmt: skip
 
