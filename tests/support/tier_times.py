@@ -7,7 +7,7 @@ teardown (module and session fixtures, i.e. engine starts, land on the test that
 needs them). With
 ``KVBRIDGE_TIER_LOG`` set, the figures are also appended to that file as JSON lines;
 ``python tests/support/tier_times.py FILE`` prints every run's figures together (what
-``make test`` does at its end, after its two pytest processes, which run side by side:
+``make test`` does at its end, after its pytest streams, which run side by side:
 the wall clock printed is from the first start to the last end).
 
 Also per test module: its time and the engine servers it started (every
@@ -166,8 +166,13 @@ def main(path: str) -> int:
             busy.append((r["end"] - r["start"], r.get("cpu_busy")))
         else:
             rows.append((r["tier"], r["tests"], r["seconds"]))
+    merged: dict[str, tuple[int, float]] = {}  # a tier split over streams counts once
+    for tier, n, seconds in rows:
+        m = merged.get(tier, (0, 0.0))
+        merged[tier] = (m[0] + n, m[1] + seconds)
+    rows = sorted(((t, n, sec) for t, (n, sec) in merged.items()), key=lambda r: -r[2])
     wall = max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
-    print("time per tier, this make test (tiers of the two streams overlap in time):")
+    print("time per tier, this make test (tiers of the streams overlap in time):")
     print(_table(rows, wall))
     modules.sort(key=lambda r: -r[1])
     print(f"\nthe {MODULES_SHOWN} slowest modules, and the engine servers each started:")
