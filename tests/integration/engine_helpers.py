@@ -184,6 +184,21 @@ def push_params(address: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]
     return prefill, decode
 
 
+_references: dict[tuple, Completion] = {}
+
+
+def reference(
+    server: VllmServer, prompt: Sequence[int], max_tokens: int, **kwargs: Any
+) -> Completion:
+    """A colocated server's greedy completion of ``prompt``, asked once per session and
+    server process (a server that runs no kvbridge answers a greedy request the same
+    way each time): what test modules compare a disaggregated output with."""
+    key = (server.url, server.pid, tuple(prompt), max_tokens, json.dumps(kwargs, sort_keys=True))
+    if key not in _references:
+        _references[key] = complete(server.url, prompt, max_tokens=max_tokens, **kwargs)
+    return _references[key]
+
+
 def handoff(
     flow: str,
     p_url: str,

@@ -6,14 +6,15 @@ decodes at once and each decode receiving from both prefills."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 from engine_helpers import (
@@ -27,6 +28,7 @@ from engine_helpers import (
     handoff,
     kv_args,
     metric,
+    reference,
     start_all,
 )
 
@@ -43,15 +45,20 @@ from kvbridge.demo.servers import (
 MAX_TOKENS = 10
 
 
-class Servers(NamedTuple):
+@dataclass
+class Servers:
     """P and P2 prefill, D (recompute policy) and D2 (fail policy) decode instances over
-    NIXL, C the colocated reference."""
+    NIXL, C the colocated reference. P2 may be replaced by a restarted instance on its
+    port (the load test at the end)."""
 
     p: VllmServer
     d: VllmServer
     c: VllmServer
     p2: VllmServer
     d2: VllmServer
+
+    def __iter__(self) -> Iterator[VllmServer]:
+        return (getattr(self, f.name) for f in fields(self))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +122,7 @@ def test_completions_match_colocated(proxy: ProxyProcess, servers) -> None:
     c = servers.c
     for n in (7, 70, 300):
         prompt = random_prompt(n, seed=1000 + n)
-        ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+        ref = reference(c, prompt, MAX_TOKENS)
         out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS)
         assert out.token_ids == ref.token_ids and out.text == ref.text
 
@@ -123,7 +130,7 @@ def test_completions_match_colocated(proxy: ProxyProcess, servers) -> None:
 def test_streaming_completions_match(proxy: ProxyProcess, servers) -> None:
     c = servers.c
     prompt = random_prompt(90, seed=7)
-    ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+    ref = reference(c, prompt, MAX_TOKENS)
     body = {
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
@@ -153,7 +160,7 @@ def test_unknown_fields_and_token_prompts_pass_through(proxy: ProxyProcess, serv
     c = servers.c
     prompt = random_prompt(40, seed=11)
     extras = {"top_k": 1, "repetition_penalty": 1.3, "logprobs": 2, "seed": 5}
-    ref = complete(c.url, prompt, max_tokens=MAX_TOKENS, **extras)
+    ref = reference(c, prompt, MAX_TOKENS, **extras)
     out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS, **extras)
     assert out.token_ids == ref.token_ids
     assert (
@@ -165,7 +172,7 @@ def test_unknown_fields_and_token_prompts_pass_through(proxy: ProxyProcess, serv
 def test_concurrent_requests_through_the_proxy(proxy: ProxyProcess, servers) -> None:
     c = servers.c
     prompts = [random_prompt(n, seed=50 + n) for n in (5, 33, 64, 120, 257, 400)]
-    refs = [complete(c.url, p, max_tokens=MAX_TOKENS).token_ids for p in prompts]
+    refs = [reference(c, p, MAX_TOKENS).token_ids for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(
             pool.map(lambda p: complete(proxy.url, p, max_tokens=MAX_TOKENS).token_ids, prompts)
@@ -179,7 +186,7 @@ def test_dead_instances_are_skipped_and_reported(servers, tmp_path: Path) -> Non
     proxy = ProxyProcess([dead, p.url], [dead, d.url], log=tmp_path / "proxy.log")
     try:
         prompt = random_prompt(50, seed=3)
-        ref = complete(c.url, prompt, max_tokens=MAX_TOKENS)
+        ref = reference(c, prompt, MAX_TOKENS)
         outcomes = []
         for _ in range(4):  # the first requests may be routed to the dead instances
             try:
@@ -321,3 +328,86 @@ def test_the_proxy_spreads_requests_over_two_prefills_and_two_decodes(
         check_idle((*prefills, *decodes), usage)
     finally:
         proxy.stop()
+
+
+# --- a prefill killed under load ------------------------------------------------------
+
+CLIENTS = 6
+KILL_AFTER = 12
+"""Requests served through the proxy before P2 is killed."""
+FAILURES_WITHIN_S = 10.0
+"""A client request may fail only this soon after the kill: those in flight on P2 that
+the proxy could not send elsewhere (a decode that already learnt of P2's death)."""
+
+
+def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """Issue 46's fault injection: six clients through the proxy (push flow) over P and P2
+    to D2 (fail policy: a load that fails is an error, never hidden by a recompute), a
+    mix of short and long prompts; P2 is SIGKILLed mid-run and restarted on its port.
+    No request hangs (each has a deadline); none fails later than a few seconds after
+    the kill (later ones go to P while P2 is down, and the proxy probes P2 in the
+    background, never with a client's request); the restarted P2 serves again; every
+    output equals the colocated one; every instance is idle afterwards. Last in the
+    module: the restarted P2 replaces the fixture's."""
+    prompts = [random_prompt(n, seed=700 + n) for n in (17, 60, 130, 250, 333, 420)]
+    refs = {tuple(p): reference(servers.c, p, MAX_TOKENS).token_ids for p in prompts}
+    proxy = ProxyProcess(
+        [servers.p.url, servers.p2.url], [servers.d2.url], log=tmp_path / "proxy.log"
+    )
+    served, stop = threading.Semaphore(0), threading.Event()
+    errors: list[tuple[float, str]] = []
+    wrong: list[int] = []
+
+    def client(i: int) -> None:
+        k = i
+        while not stop.is_set():
+            prompt = prompts[k % len(prompts)]
+            k += 1
+            try:
+                out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS, timeout=60)
+            except (ServerError, OSError) as exc:
+                errors.append((time.monotonic(), str(exc)[:300]))
+                continue
+            if out.token_ids != refs[tuple(prompt)]:
+                wrong.append(len(prompt))
+            served.release()
+
+    def p2_served() -> int:
+        health = json.loads(urllib.request.urlopen(f"{proxy.url}/health", timeout=5).read())
+        return next(i["served"] for i in health["prefill"] if i["url"] == servers.p2.url)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(KILL_AFTER):
+            assert served.acquire(timeout=120), f"the proxy served too slowly: {errors[-3:]}"
+        assert p2_served() > 0, "P2 got no request before the kill: nothing was tested"
+        servers.p2.kill()
+        killed = time.monotonic()
+        restarted = VllmServer(
+            servers.p2.model_dir,
+            port=servers.p2.port,
+            extra_args=servers.p2.extra_args,
+            log_path=tmp_path / "P2-restarted.log",
+        )
+        servers.p2 = restarted  # the module's teardown stops it
+        start_all([restarted])
+        before = p2_served()
+        deadline = time.monotonic() + 60
+        while p2_served() == before:  # the proxy's own probe notices it: nothing to wait on
+            assert time.monotonic() < deadline, "the restarted prefill got no request in 60 s"
+            assert served.acquire(timeout=60), f"the proxy stopped serving: {errors[-3:]}"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=90)
+        proxy.stop()
+    assert not any(t.is_alive() for t in threads), "a client request hung"
+    late = [(round(at - killed, 1), why) for at, why in errors if at - killed > FAILURES_WITHIN_S]
+    assert not late, f"requests failed long after the kill: {late}"
+    assert not wrong, f"outputs differ from the colocated ones for prompts of {wrong} tokens"
+    usage = {s.url: 0.0 for s in (servers.p, servers.p2, servers.d2)}
+    check_idle((servers.p, servers.p2, servers.d2), usage)
