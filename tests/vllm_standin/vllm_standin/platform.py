@@ -90,7 +90,9 @@ class StandInPlatform(Platform):
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         compilation.cudagraph_capture_sizes = []
-        if vllm_config.model_config is not None and not vllm_config.use_v2_model_runner:
+        # 0.34 has no other runner and no such property
+        mrv2 = getattr(vllm_config, "use_v2_model_runner", True)
+        if vllm_config.model_config is not None and not mrv2:
             raise RuntimeError(
                 "the kvbridge stand-in drives the connector in Model Runner V2's order; "
                 "vLLM resolved the V1 runner (set VLLM_USE_V2_MODEL_RUNNER=1)"

@@ -58,7 +58,7 @@ that block; set it on a decode only.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
 import torch
@@ -73,6 +73,7 @@ from vllm.v1.worker.utils import allocate_kv_cache, copy_kv_cache_blocks_inplace
 from vllm_standin import model as standin
 
 DEFER_ENV = "KVBRIDGE_STANDIN_DEFER_FINALIZE"
+_HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 SKIP_ENV = "KVBRIDGE_STANDIN_SKIP_BLOCK"
 
 
@@ -325,8 +326,12 @@ class StandInRunner:
             sampled = {}
         output = ModelRunnerOutput(
             req_ids=[e.req_id for e in batch],
-            req_id_to_index={e.req_id: i for i, e in enumerate(batch)},
             sampled_token_ids=[[sampled[e.req_id]] if e.req_id in sampled else [] for e in batch],
+            **(
+                {"req_id_to_index": {e.req_id: i for i, e in enumerate(batch)}}
+                if _HAS_REQ_ID_TO_INDEX  # 0.33; 0.34 dropped the field
+                else {}
+            ),
         )
         output.kv_connector_output = self.kv_connector.post_forward(
             finished, defer_finalize=self.defer_finalize
