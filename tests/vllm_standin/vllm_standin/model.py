@@ -83,12 +83,48 @@ def layer_digest(
     return int((values * w).sum().item()) % MODULUS
 
 
-def sample(digests: list[int], vocab_size: int, first: int = 4) -> int:
-    """The token sampled from the per-layer digests (summed over TP ranks)."""
+def _fold(digests: list[int]) -> int:
     acc = 0
     for layer, d in enumerate(digests):
         acc = (acc * 1000003 + d * (layer + 1)) % MODULUS
-    return first + acc % (vocab_size - first)
+    return acc
 
 
-__all__ = ["MODULUS", "gather_positions", "kv_values", "layer_digest", "sample", "weights"]
+def sample(digests: list[int], vocab_size: int, first: int = 4) -> int:
+    """The token sampled from the per-layer digests (summed over TP ranks)."""
+    return first + _fold(digests) % (vocab_size - first)
+
+
+def top_logprobs(
+    digests: list[int], vocab_size: int, k: int, first: int = 4
+) -> tuple[list[int], list[float]]:
+    """The ``k`` most likely tokens and their log-probabilities, most likely first: the
+    sampled token (:func:`sample`), then ``k - 1`` others, all a function of the
+    digests (a stand-in has no logits; these only have to move with the KV).
+
+    >>> ids, lps = top_logprobs([1, 2], 2048, 3)
+    >>> ids[0] == sample([1, 2], 2048), len(set(ids)), lps == sorted(lps, reverse=True)
+    (True, 3, True)
+    """
+    acc = _fold(digests)
+    span = vocab_size - first
+    ids = [first + acc % span]
+    step = 1
+    while len(ids) < min(k, span):
+        candidate = first + (acc + step * 40503) % span
+        if candidate not in ids:
+            ids.append(candidate)
+        step += 1
+    margin = 0.25 + (acc % 1000) / 1000.0
+    return ids, [-margin * (i + 1) for i in range(len(ids))]
+
+
+__all__ = [
+    "MODULUS",
+    "gather_positions",
+    "kv_values",
+    "layer_digest",
+    "sample",
+    "top_logprobs",
+    "weights",
+]

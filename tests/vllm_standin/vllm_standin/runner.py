@@ -52,7 +52,9 @@ own decorator those:
 Fault injection (the tier's test of itself): ``KVBRIDGE_STANDIN_SKIP_BLOCK=<i>`` zeroes
 block ``i`` of every layer of each request that arrives with computed tokens (a decode's
 loaded prompt, a prefix-cache hit) before its first forward, as if a transfer had skipped
-that block; set it on a decode only.
+that block; set it on a decode only. Per request: ``"vllm_xargs":
+{"kvbridge_standin_skip_block": i}`` in the completion request (vLLM passes it on as
+``SamplingParams.extra_args``).
 """
 
 from __future__ import annotations
@@ -61,20 +63,25 @@ import os
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
 from vllm.v1.kv_cache_interface import FullAttentionSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.gpu.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
 from vllm.v1.worker.utils import allocate_kv_cache, copy_kv_cache_blocks_inplace
 
 from vllm_standin import model as standin
 
 DEFER_ENV = "KVBRIDGE_STANDIN_DEFER_FINALIZE"
+log = init_logger("vllm.kvbridge_standin")  # under "vllm": its log handlers print it
 _HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 SKIP_ENV = "KVBRIDGE_STANDIN_SKIP_BLOCK"
+SKIP_ARG = "kvbridge_standin_skip_block"
+"""The same per request: ``vllm_xargs`` of a completion request (``extra_args``)."""
 
 
 @dataclass
@@ -85,6 +92,8 @@ class RequestState:
     prefill_len: int
     num_computed_tokens: int
     block_ids: list[list[int]]
+    num_logprobs: int | None = None
+    """``SamplingParams.logprobs``: how many top tokens to return with each sample."""
 
 
 @dataclass
@@ -196,6 +205,18 @@ class StandInRunner:
         for name, layer in self.layers.items():
             layer.kv_cache = self.kv_caches[name]
         self.kv_connector = get_kv_connector(self.vllm_config, self.kv_caches)
+        import vllm
+
+        log.info(
+            "kvbridge stand-in: vLLM %s, MRV2 connector order (%s finalize), KV cache layout "
+            "%s, %d blocks, async scheduling %s, connector %s",
+            vllm.__version__,
+            "deferred" if self.defer_finalize else "plain",
+            layout.name,
+            kv_cache_config.num_blocks,
+            self.vllm_config.scheduler_config.async_scheduling,
+            type(self.kv_connector).__name__,
+        )
 
     def scramble_kv_cache(self) -> None:
         """What sleeping leaves in the cache's memory: not the KV that was there."""
@@ -215,11 +236,13 @@ class StandInRunner:
                 prefill_len=len(tokens),
                 num_computed_tokens=new.num_computed_tokens,
                 block_ids=[list(b) for b in new.block_ids],
+                num_logprobs=getattr(new.sampling_params, "logprobs", None),
             )
-            if self.skip_block is not None and new.num_computed_tokens > 0:
-                self._zero_blocks(
-                    [ids[self.skip_block] for ids in new.block_ids if len(ids) > self.skip_block]
-                )
+            extra = getattr(new.sampling_params, "extra_args", None) or {}
+            skip = extra.get(SKIP_ARG, self.skip_block)
+            if skip is not None and new.num_computed_tokens > 0:
+                skip = int(skip)
+                self._zero_blocks([ids[skip] for ids in new.block_ids if len(ids) > skip])
         cached = so.scheduled_cached_reqs
         for req_id, computed, new_blocks in zip(
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
@@ -307,6 +330,28 @@ class StandInRunner:
         offsets = slots % self.block_size
         cache[blocks, :, offsets, :] = values
 
+    def _logprobs(self, batch: list[BatchEntry], folded: dict[str, list[int]]):
+        """``LogprobsLists`` for the batch (row per request, column 0 the sampled token,
+        then the top ``k``), or None when no sampling request asked for logprobs."""
+        asked = {
+            e.req_id: self.requests[e.req_id].num_logprobs
+            for e in batch
+            if e.req_id in folded and self.requests[e.req_id].num_logprobs is not None
+        }
+        if not asked:
+            return None
+        width = max(*asked.values(), 1) + 1
+        ids = np.zeros((len(batch), width), dtype=np.int64)
+        lps = np.full((len(batch), width), -9999.0, dtype=np.float32)
+        ranks = np.ones(len(batch), dtype=np.int64)
+        for row, e in enumerate(batch):
+            if e.req_id not in folded:
+                continue
+            top, values = standin.top_logprobs(folded[e.req_id], self.vocab_size, width - 1)
+            ids[row, 0], lps[row, 0] = top[0], values[0]
+            ids[row, 1 : len(top) + 1], lps[row, 1 : len(top) + 1] = top, values
+        return LogprobsLists(ids, lps, ranks)
+
     def sample_tokens(self, grammar_output):
         if self._step is None:
             return None
@@ -318,15 +363,17 @@ class StandInRunner:
             tp = get_tp_group()
             if tp.world_size > 1:
                 sums = tp.all_reduce(sums)
-            sampled = {
-                e.req_id: standin.sample([int(d) % standin.MODULUS for d in row], self.vocab_size)
+            folded = {
+                e.req_id: [int(d) % standin.MODULUS for d in row]
                 for e, row in zip(sampling, sums.tolist(), strict=True)
             }
         else:
-            sampled = {}
+            folded = {}
+        sampled = {r: standin.sample(d, self.vocab_size) for r, d in folded.items()}
         output = ModelRunnerOutput(
             req_ids=[e.req_id for e in batch],
             sampled_token_ids=[[sampled[e.req_id]] if e.req_id in sampled else [] for e in batch],
+            logprobs=self._logprobs(batch, folded),
             **(
                 {"req_id_to_index": {e.req_id: i for i, e in enumerate(batch)}}
                 if _HAS_REQ_ID_TO_INDEX  # 0.33; 0.34 dropped the field
