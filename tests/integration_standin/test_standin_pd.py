@@ -149,16 +149,12 @@ def test_the_pairs_end_idle(pd: Instances) -> None:
     check_idle((pd.p, pd.d), {pd.p.url: 0.0, pd.d.url: 0.0})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 48, difference 4: kvbridge's decode reports nothing for a request "
-    "aborted before admission, so the prefill holds its blocks until lease_s (60 s)",
-)
 def test_a_decode_rejected_before_admission_frees_the_prefill_at_once(pd: Instances) -> None:
     """P-first: the prefill holds the prompt's blocks for the decode; the decode's API
     server rejects the request (max_tokens past the model length), and vLLM submits an
     ``abort_immediately`` marker (``notify_kv_transfer_request_rejected``) so that the
-    connector can free the prefill's blocks."""
+    connector can free the prefill's blocks: the decode tells the prefill to let go at
+    once, well before its lease (60 s)."""
     prompt = fresh_prompt(3 * BLOCK)
     p = complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     assert metric(pd.p.url, USAGE) > 0, "the prefill holds nothing for the decode"
