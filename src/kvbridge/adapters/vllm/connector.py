@@ -25,6 +25,7 @@ from kvbridge.adapters.vllm.compat import (
     check_version,
     data_parallel_rank,
     is_mla,
+    kv_cache_access_registers,
     model_kv_heads,
 )
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
@@ -88,6 +89,30 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     prompt token from the prefill's state). Other groups
     are refused at start-up; ``--disable-hybrid-kv-cache-manager`` gives such a
     deployment one group again where the model allows it."""
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        """No: vLLM (0.32+) asks at start-up and refuses ``--enable-sleep-mode`` with
+        "KVBridgeConnector does not support sleep mode". Sleep unmaps the KV cache
+        that kvbridge registered with NIXL or Mooncake and whose addresses peers
+        hold; supporting it means draining, deregistering and re-registering under a
+        new epoch, which kvbridge does not do yet."""
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config=None):
+        """vLLM 0.34 asks how the connector reaches the KV cache: kvbridge registers
+        its memory with NIXL or Mooncake (:func:`.compat.kv_cache_access_registers`),
+        so each segment must be one physical allocation."""
+        return kv_cache_access_registers()
+
+    def may_load_async(self, request) -> bool:
+        """vLLM 0.34, scheduler side, whenever ``request`` enters the waiting queues
+        (with ``--max-num-inflight-kv-loads``): whether it may load its prompt's KV
+        asynchronously. True for a decode-side handoff (both flows; vLLM's default
+        reads ``do_remote_prefill``, which the push flow's parameters do not carry)."""
+        h = self._scheduler.handoff(request) if self._scheduler is not None else None
+        return h is not None and h.role == "decode"
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

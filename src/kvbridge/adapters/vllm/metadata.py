@@ -37,14 +37,16 @@ class RecvTask:
 
 @dataclass
 class Forgo:
-    """Decode side: vLLM computes ``req_id``'s prompt itself although it names a
-    transfer (it asked for prompt logprobs, which vLLM computes from the prompt's
-    forward pass): tell ``prefill``'s workers to let go of ``transfer_id``."""
+    """Decode side: ``req_id`` names a transfer it will never load (vLLM computes its
+    prompt itself, as for prompt logprobs; or the request ended before admission, e.g.
+    rejected by the API server): tell ``prefill``'s workers to let go of
+    ``transfer_id`` now rather than when their lease runs out."""
 
     req_id: str
     transfer_id: str
     prefill: PrefillAddress
     ticket: str = ""
+    reason: str = "the decode computes the prompt itself"
 
 
 @dataclass

@@ -70,9 +70,9 @@ from kvbridge.adapters.vllm import params as kvparams
 from kvbridge.adapters.vllm.compat import (
     FINISHED_OK,
     NULL_BLOCK_ID,
+    block_updates,
     drop_prompt_tail,
     state_block,
-    yield_req_data,
 )
 from kvbridge.adapters.vllm.metadata import (
     Forgo,
@@ -304,18 +304,9 @@ class SchedulerSide:
             return
         assert h.prefill is not None
         if num_external_tokens <= 0:
-            req_id, tid = request.request_id, h.transfer_id
-            if req_id in self._recv_done or tid in self._recv_owner or tid in self._recv_ended:
-                return  # recomputing after a load, or a sibling of the request that loads it
             # vLLM computes the prompt itself (it does for prompt logprobs) after all
-            log.info(
-                "kvbridge: request %s computes its prompt here; transfer %s is let go of",
-                req_id,
-                tid,
-            )
-            self._forgo_new.append(Forgo(req_id, tid, h.prefill, ticket=h.ticket))
-            self._recv_ended.add(tid, "forgone")
-            self._recv_done.add(req_id)
+            if self._let_go(request.request_id, h, "the decode computes the prompt itself"):
+                self._recv_done.add(request.request_id)
             return
         num_tokens = self._to_load(request)
         if not self._grouped:
@@ -373,11 +364,11 @@ class SchedulerSide:
             cached = scheduler_output.scheduled_cached_reqs
             computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
             preempted = scheduler_output.preempted_req_ids or set()
-            for req_id, new_blocks, resumed in yield_req_data(scheduler_output):
+            for req_id, new_blocks, whole_table in block_updates(scheduler_output):
                 p = self._prefill.get(req_id)
                 if p is None:
                     continue
-                if resumed and p.started:
+                if whole_table and p.started:  # resumed after a preemption
                     self._preempted(meta, req_id)
                     continue
                 before = computed[req_id]
@@ -435,6 +426,20 @@ class SchedulerSide:
         meta.drop_send[req_id] = p.transfer_id
         self._handoffs[req_id] = _NONE
 
+    def _let_go(self, req_id: str, h: kvparams.Handoff, reason: str) -> bool:
+        """Decode side: ``req_id`` will not load its transfer; tell its prefill's workers
+        to let go of it (:class:`Forgo`, sent by the workers at the next step). False,
+        and nothing sent, when the transfer is another request's (a sibling that loads
+        it, n > 1) or already ended here (loaded, or let go of)."""
+        tid = h.transfer_id
+        if req_id in self._recv_done or tid in self._recv_owner or tid in self._recv_ended:
+            return False
+        assert h.prefill is not None
+        log.info("kvbridge: request %s lets go of transfer %s: %s", req_id, tid, reason)
+        self._forgo_new.append(Forgo(req_id, tid, h.prefill, ticket=h.ticket, reason=reason))
+        self._recv_ended.add(tid, "forgone")
+        return True
+
     def request_finished(
         self, request, block_ids: Sequence[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -445,6 +450,9 @@ class SchedulerSide:
         self._recv_done.discard(req_id)
         self._sharing.pop(req_id, None)
         h = self._handoffs.pop(req_id, None)
+        if h is None and request.kv_transfer_params:
+            h = self.handoff(request)  # ended before the scheduler first saw it
+            self._handoffs.pop(req_id, None)
         if req_id in self._not_handed:
             self._not_handed.discard(req_id)
             return False, kvparams.local_response()
@@ -454,6 +462,11 @@ class SchedulerSide:
         if h.role == "decode":
             transfer_id = self._recv_active.get(req_id)
             if transfer_id is None:
+                # Never loaded: ended before admission (vLLM 0.33+ submits a request its
+                # API server rejected as an ``abort_immediately`` marker, so that this
+                # hook runs), or before its load began. The prefill still holds its
+                # blocks: let go of them now, not at the end of its lease.
+                self._let_go(req_id, h, "the decode request ended before its KV was loaded")
                 return False, None
             # aborted while its KV is still arriving: hold the blocks until the prefill side stops
             self._abort_recv[req_id] = transfer_id

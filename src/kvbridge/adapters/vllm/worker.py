@@ -316,7 +316,7 @@ class WorkerSide:
                 forgo.transfer_id,
                 [s.address for s in sources],
                 [s.epoch or None for s in sources],
-                "the decode computes the prompt itself",
+                forgo.reason,
                 ticket=forgo.ticket,
             )
         for req_id, tid in meta.abort_recv.items():

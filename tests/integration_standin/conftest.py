@@ -1,0 +1,29 @@
+"""The vLLM stand-in tier (issue 48; prototype, not part of ``make test``).
+
+Runs in a release's own environment (``scripts/setup-vllm-standin.sh 0.34.0``), with
+``KVBRIDGE_VLLM_STANDIN=1`` in the test process's environment so that every vLLM server
+it starts inherits it and runs the stand-in forward (``tests/vllm_standin``):
+
+    KVBRIDGE_VLLM_STANDIN=1 .venv-vllm-0.34/bin/python -m pytest tests/integration_standin
+
+The engine modules of ``tests/integration`` run the same way (``test_vllm_pd.py``: all
+but the prompt-logprobs test pass on 0.33.0 and 0.34.0, the stand-in computes no
+logits). Anywhere else this directory collects nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+_ACTIVE = (
+    os.environ.get("KVBRIDGE_VLLM_STANDIN") == "1"
+    and importlib.util.find_spec("vllm_standin") is not None
+)
+
+collect_ignore_glob = [] if _ACTIVE else ["test_*.py"]
+
+# the engine tests' helpers (engine_helpers)
+sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
