@@ -103,6 +103,48 @@ def test_a_decode_that_stalls_mid_stream_fails_at_the_read_timeout() -> None:
     assert "Timeout" in _error_event(events)
 
 
+def test_a_client_hanging_up_mid_stream_is_not_the_decode_s_failure() -> None:
+    """Found by the soak (benchmarks/soak.py): writing to a departed client raises
+    aiohttp's ``ClientConnectionResetError``, an ``aiohttp.ClientError`` like an upstream
+    failure's, and the proxy marked the healthy decode down (and wrote an error event
+    and an end into the closed connection, which raised again)."""
+
+    async def run() -> Any:
+        decode_done = asyncio.Event()
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            await request.json()
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            try:
+                for i in range(500):  # until the proxy, its client gone, closes this request
+                    await out.write(_event(i))
+                    await asyncio.sleep(0.01)  # the upstream's pace is part of the case
+                await out.write(b"data: [DONE]\n\n")
+            finally:
+                decode_done.set()
+            return out
+
+        d_runner, d_url = await _serve(_completions_app(handle))
+        p_runner, p_url = await _prefill(b'{"choices": [], "kv_transfer_params": {"x": 1}}')
+        proxy = Proxy([p_url], [d_url], flow="pull")
+        runner, url = await _serve(proxy.app())
+        try:
+            async with aiohttp.ClientSession() as client:
+                resp = await client.post(f"{url}/v1/completions", json=BODY)
+                assert resp.status == 200
+                assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")
+                resp.close()  # hang up after the first event
+            await asyncio.wait_for(decode_done.wait(), 30)
+            return proxy.decode.instances[0]
+        finally:
+            for r in (runner, p_runner, d_runner):
+                await r.cleanup()
+
+    decode = asyncio.run(run())
+    assert decode.up and decode.failures == 0, decode.last_error
+
+
 @pytest.mark.parametrize(
     ("reply", "says"),
     [

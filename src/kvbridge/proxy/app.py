@@ -30,6 +30,7 @@ decode that fails after its stream started ends the stream with an SSE error eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -541,8 +542,13 @@ class Proxy:
         tail = b"\n\n"  # the stream's last bytes: whether it stopped between two events
         try:
             async for chunk in upstream.content.iter_any():
-                await out.write(chunk)
+                await _to_client(out, chunk)
                 tail = (tail + chunk)[-2:]
+        except _ClientGone:
+            # the client hung up: not the decode's failure; leaving closes the upstream
+            # request, which makes the decode abort it
+            log.debug("a client of %s hung up mid-stream", d.url)
+            return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # the status line is sent: end the stream as vLLM's server ends a failed one
             self._down(d, f"{type(exc).__name__}: {exc}")
@@ -550,11 +556,27 @@ class Proxy:
             log.warning("%s", message)
             event = b"data: " + json.dumps(_error(502, message).body).encode()
             event += b"\n\ndata: [DONE]\n\n"
-            await out.write(event if tail == b"\n\n" else b"\n\n" + event)
+            with contextlib.suppress(_ClientGone):
+                await _to_client(out, event if tail == b"\n\n" else b"\n\n" + event)
         else:
             d.served += 1
-        await out.write_eof()
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
         return out
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it hung up (:func:`_to_client`)."""
+
+
+async def _to_client(out: web.StreamResponse, data: bytes) -> None:
+    """Write ``data`` to the client; its hang-up raises :class:`_ClientGone`, which the
+    relay must not take for a failure of the decode (aiohttp raises
+    ``ClientConnectionResetError``, an ``aiohttp.ClientError`` like the upstream's)."""
+    try:
+        await out.write(data)
+    except ConnectionError as exc:
+        raise _ClientGone from exc
 
 
 async def serve(proxy: Proxy, host: str, port: int, ready: asyncio.Event | None = None) -> None:
