@@ -338,11 +338,8 @@ async def sampler(
             "hung_up": tally.hung_up,
         }
         for name, s in servers.items():
-            try:
-                got = await asyncio.to_thread(prom, s.url, "vllm:")
-                row[name] = {k: got.get(k, 0.0) for k in WATCHED}
-            except OSError as exc:  # URLError too
-                row[name] = {"error": str(exc)[:200]}
+            got = await asyncio.to_thread(watched, s.url)
+            row[name] = got if "error" in got else {k: got.get(k, 0.0) for k in WATCHED}
         timeline.append(row)
         with contextlib.suppress(TimeoutError):  # the next sample is due
             await asyncio.wait_for(stop.wait(), SAMPLE_S)
@@ -495,6 +492,8 @@ def run(
             health = json.loads(urllib.request.urlopen(f"{url}/health", timeout=10).read())
         except OSError as exc:
             health = {"error": str(exc)}
+        # before the servers stop: what a shutdown logs is not the soak's
+        problems = {name: log_problems(logs / f"{name}.log") for name in (*servers, "proxy")}
     finally:
         if proxy is not None:
             proxy.terminate()
@@ -502,7 +501,6 @@ def run(
         reference.stop()
         for s in servers.values():
             s.stop()
-    problems = {name: log_problems(logs / f"{name}.log") for name in (*servers, "proxy")}
     reasons = []
     if tally.failed:
         reasons.append(f"{tally.failed} requests failed")
