@@ -33,6 +33,9 @@ class StatsSnapshot:
     forward (every layer of the chunk's pages, or what streaming left)."""
     requests_sent: int = 0
     requests_received: int = 0
+    requests_shared: int = 0
+    """vLLM's decode scheduler: requests that took the KV another request of the same
+    transfer loaded (a request's ``n > 1`` samples) from the prefix cache."""
     failures: int = 0
     leases_expired: int = 0
     aborted: int = 0
@@ -139,6 +142,10 @@ COUNTERS: dict[str, str] = {
     ),
     "requests_sent": "Requests whose KV was sent",
     "requests_received": "Requests whose KV was received",
+    "requests_shared": (
+        "vLLM: decode requests that read the KV another request of the same transfer loaded "
+        "(n > 1's samples) from the prefix cache"
+    ),
     "failures": "Failed request transfers",
     "leases_expired": "Held blocks released because the peer never read them",
     "aborted": "Aborted request transfers",
