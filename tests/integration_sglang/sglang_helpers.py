@@ -104,7 +104,6 @@ class PD(NamedTuple):
 
 
 PD_FLAGS = ["--enable-metrics"]
-SENT_LINE = re.compile(rb"kvbridge: room (\d+) sent: (\d+) layer writes, (\d+) chunk writes")
 LOG_LINE_TIMEOUT_S = 30.0
 
 
@@ -202,34 +201,6 @@ def expect_refused(pd: PD, what: str) -> str:
     return body.decode(errors="replace") + pd.decode.log_path.read_text(errors="replace")
 
 
-def sent_lines(prefill: Proc, offset: int) -> list[tuple[int, int, int]]:
-    with open(prefill.log_path, "rb") as f:
-        f.seek(offset)
-        return [tuple(int(g) for g in m.groups()) for m in SENT_LINE.finditer(f.read())]
-
-
-def wait_sent_lines(prefill: Proc, offset: int, count: int = 1) -> list[tuple[int, int, int]]:
-    """The prefill's ``count`` "room R sent" lines logged after ``offset`` (one per
-    prefill rank the room went through): each is written just after the decode was
-    notified, so it may trail the response by a moment; poll for them."""
-    deadline = time.monotonic() + LOG_LINE_TIMEOUT_S
-    while True:
-        lines = sent_lines(prefill, offset)
-        if len(lines) >= count or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    assert len(lines) == count, (
-        f"expected {count} 'room R sent' lines in the prefill log, got "
-        f"{lines}:\n{prefill.log_tail()}"
-    )
-    return lines
-
-
-def wait_sent_line(prefill: Proc, offset: int) -> tuple[int, int, int]:
-    """:func:`wait_sent_lines` of one prefill rank."""
-    return wait_sent_lines(prefill, offset)[0]
-
-
 KV_DTYPE_LINE = re.compile(rb"KV Cache is allocated\. dtype: torch\.(\w+)")
 METRICS_TIMEOUT_S = 30.0
 
@@ -248,6 +219,75 @@ def kvbridge_metrics(url: str) -> dict[str, float]:
             if exc.code != 500 or time.monotonic() >= deadline:
                 raise
         time.sleep(0.1)
+
+
+RANK_SAMPLE = re.compile(r"^sglang:kvbridge_(\w+)_total\{([^}]*)\} ([0-9.e+\-]+)$", re.MULTILINE)
+
+
+class Sent(NamedTuple):
+    """What one prefill rank counted sent (``sglang:kvbridge_*_total{tp_rank=...}``):
+    requests, and the writes they were posted in, per layer (streamed) and per chunk."""
+
+    tp_rank: int
+    requests: float = 0.0
+    layer_writes: float = 0.0
+    chunk_writes: float = 0.0
+
+    def minus(self, before: Sent | None) -> Sent:
+        if before is None:
+            return self
+        return Sent(self.tp_rank, *(a - b for a, b in zip(self[1:], before[1:], strict=True)))
+
+
+def sent_by_rank(prefill: Proc) -> dict[int, Sent]:
+    """The prefill's :class:`Sent` counters per TP rank, from its ``/metrics`` (one
+    scrape, retried as :func:`kvbridge_metrics` is)."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        try:
+            body = urllib.request.urlopen(f"{prefill.url}/metrics", timeout=10).read().decode()
+            break
+        except urllib.error.HTTPError as exc:
+            if exc.code != 500 or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.1)
+    fields = {
+        "requests_sent": "requests",
+        "layer_writes": "layer_writes",
+        "chunk_writes": "chunk_writes",
+    }
+    out: dict[int, dict[str, float]] = {}
+    for name, labels, value in RANK_SAMPLE.findall(body):
+        rank = re.search(r'tp_rank="(\d+)"', labels)
+        if name in fields and rank:
+            counts = out.setdefault(int(rank.group(1)), {})
+            counts[fields[name]] = counts.get(fields[name], 0.0) + float(value)
+    return {rank: Sent(rank, **counts) for rank, counts in out.items()}
+
+
+def wait_sent(prefill: Proc, before: dict[int, Sent], ranks: int = 1) -> list[Sent]:
+    """What each prefill rank counted sent since ``before`` (:func:`sent_by_rank`), once
+    ``ranks`` of them counted a request (one per prefill rank the room went through;
+    each counts just after notifying the decode, so it may trail the response by a
+    moment: polled). Asserts that exactly ``ranks`` ranks counted one request each. A
+    rank counts a request's writes before the request (``COUNTERS``' order), so the
+    scrape that shows the request shows its writes."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        now = sent_by_rank(prefill)
+        sent = [
+            d
+            for rank, counts in sorted(now.items())
+            if (d := counts.minus(before.get(rank))).requests
+        ]
+        if len(sent) >= ranks or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    assert len(sent) == ranks and all(d.requests == 1 for d in sent), (
+        f"expected {ranks} prefill ranks to count one request sent each, got {sent}:\n"
+        f"{prefill.log_tail()}"
+    )
+    return sent
 
 
 def kv_rows(model: Path, num_tokens: int) -> tuple[int, int]:
@@ -401,19 +441,15 @@ def generate_as_colocated(
     return got
 
 
-def check_sent_lines(pd: PD, offset: int, ranks: int) -> None:
-    """Each of the prefill's ``ranks`` logged the room sent (after ``offset`` of its
-    log) by the pair's path: per layer, some layer writes; per chunk, chunk writes
-    only."""
-    for room, layer_writes, chunk_writes in wait_sent_lines(pd.prefill, offset, ranks):
+def check_sent(pd: PD, before: dict[int, Sent], ranks: int) -> None:
+    """Each of the prefill's ``ranks`` counted the request sent (since ``before``:
+    :func:`sent_by_rank`) by the pair's path: per layer, some layer writes; per chunk,
+    chunk writes only."""
+    for sent in wait_sent(pd.prefill, before, ranks):
         if pd.layerwise:
-            assert layer_writes > 0, (
-                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk"
-            )
+            assert sent.layer_writes > 0, f"not streamed: {sent}"
         else:
-            assert layer_writes == 0 and chunk_writes > 0, (
-                f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
-            )
+            assert sent.layer_writes == 0 and sent.chunk_writes > 0, f"not per chunk: {sent}"
 
 
 def check_hit(turn: int, received: float, moved: dict[int, int], most: int) -> int:

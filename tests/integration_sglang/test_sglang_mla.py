@@ -31,10 +31,11 @@ from sglang_helpers import (
     prompt_ids,
     reference_ids,
     reference_logprobs,
+    sent_by_rank,
     server_env,
     start_pd,
     wait_received_bytes,
-    wait_sent_line,
+    wait_sent,
     wait_staging_idle,
 )
 
@@ -77,19 +78,15 @@ def test_mla_greedy_output_equals_colocated(
     input_ids = prompt_ids(n, seed=700 + n)
     want = reference_ids(colocated_mla, input_ids)
     assert len(want) == MAX_NEW_TOKENS
-    offset = mla_pd.prefill.log_path.stat().st_size
+    sent_before = sent_by_rank(mla_pd.prefill)
     before = kvbridge_metrics(mla_pd.decode.url)
     got = generate_through(mla_pd, input_ids)
     assert got == want, f"{n} tokens: disaggregated {got} != colocated {want}"
-    room, layer_writes, chunk_writes = wait_sent_line(mla_pd.prefill, offset)
+    (sent,) = wait_sent(mla_pd.prefill, sent_before)
     if mla_pd.layerwise:
-        assert layer_writes > 0 and chunk_writes == 0, (
-            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
-        )
+        assert sent.layer_writes > 0 and sent.chunk_writes == 0, f"not all streamed: {sent}"
     else:
-        assert layer_writes == 0 and chunk_writes > 0, (
-            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
-        )
+        assert sent.layer_writes == 0 and sent.chunk_writes > 0, f"not per chunk: {sent}"
     expected = latent_bytes(mla_model, mla_pd.decode, n)
     got_bytes = wait_received_bytes(mla_pd.decode.url, before, expected)
     assert got_bytes == expected, (

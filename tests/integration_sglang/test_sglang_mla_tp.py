@@ -28,11 +28,12 @@ from sglang_helpers import (
     latent_bytes,
     pd_config,
     prompt_ids,
+    sent_by_rank,
     start_colocated,
     start_pd,
     tp_sides,
     wait_received_bytes,
-    wait_sent_lines,
+    wait_sent,
     wait_staging_idle,
 )
 
@@ -59,11 +60,11 @@ def test_mla_tp1_prefill_writes_the_whole_latent_pages_to_both_decode_ranks(
     config = {**pd_config("nixl", True), "data_path": data_path}
     with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(config, p_tp=1, d_tp=2)) as pd:
         for n in PROMPTS:
-            offset = pd.prefill.log_path.stat().st_size
+            sent_before = sent_by_rank(pd.prefill)
             before = kvbridge_metrics(pd.decode.url)
             assert generate_through(pd, prompt_ids(n, seed=800 + n)) == want[n], f"{n} tokens"
-            ((room, layer_writes, _),) = wait_sent_lines(pd.prefill, offset)
-            assert layer_writes > 0, f"room {room} was not streamed"
+            (sent,) = wait_sent(pd.prefill, sent_before)
+            assert sent.layer_writes > 0, f"not streamed: {sent}"
             expected = 2 * latent_bytes(mla_model, pd.decode, n)  # each decode rank holds all of it
             assert wait_received_bytes(pd.decode.url, before, expected) == expected
         if data_path == "packed":
@@ -84,15 +85,15 @@ def test_mla_tp2_prefill_sends_from_one_rank_and_the_dummy_rank_lets_go(
     with pd_pair(mla_model, log_dir, layerwise=True, **tp_sides(config, p_tp=2, d_tp=1)) as pd:
         for n in PROMPTS:
             for attempt in range(2):  # the second request finds both prefill ranks free again
-                offset = pd.prefill.log_path.stat().st_size
+                sent_before = sent_by_rank(pd.prefill)
                 before = kvbridge_metrics(pd.decode.url)
                 assert generate_through(pd, prompt_ids(n, seed=900 + n)) == want[n], (
                     f"{n} tokens, request {attempt}"
                 )
-                lines = wait_sent_lines(pd.prefill, offset, count=2)  # both ranks finish the room
-                writes = sorted(layer + chunk for _, layer, chunk in lines)
+                sent = wait_sent(pd.prefill, sent_before, ranks=2)  # both ranks finish the room
+                writes = sorted(s.layer_writes + s.chunk_writes for s in sent)
                 assert writes[0] == 0 and writes[1] > 0, (
-                    f"exactly one prefill rank writes, the dummy one nothing: {lines}"
+                    f"exactly one prefill rank writes, the dummy one nothing: {sent}"
                 )
                 expected = latent_bytes(mla_model, pd.decode, n)
                 assert wait_received_bytes(pd.decode.url, before, expected) == expected

@@ -56,11 +56,12 @@ from sglang_helpers import (
     prompt_ids,
     reference_ids,
     reference_logprobs,
+    sent_by_rank,
     server_env,
     start_pd,
     wait_counted,
     wait_received_bytes,
-    wait_sent_line,
+    wait_sent,
     wait_staging_idle,
 )
 
@@ -156,23 +157,19 @@ def test_greedy_output_equals_colocated(pd_router: PD, colocated: Proc, prompt: 
     _router, prefill, _decode, layerwise = pd_router
     input_ids = prompt_ids(PROMPTS[prompt], seed=len(prompt))
     want = reference_ids(colocated, input_ids)
-    offset = prefill.log_path.stat().st_size
+    before = sent_by_rank(prefill)
     got = generate_through(pd_router, input_ids)
     assert len(want) == MAX_NEW_TOKENS
     assert got == want, (
         f"{prompt} ({PROMPTS[prompt]} tokens): disaggregated {got} != colocated {want}"
     )
-    room, layer_writes, chunk_writes = wait_sent_line(prefill, offset)
+    (sent,) = wait_sent(prefill, before)
     if layerwise:
         # Every page went out from the attention hook; the chunk sends found nothing left
         # (random prompts: no radix-cache hits on the prefill).
-        assert layer_writes > 0 and chunk_writes == 0, (
-            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
-        )
+        assert sent.layer_writes > 0 and sent.chunk_writes == 0, f"not all streamed: {sent}"
     else:
-        assert layer_writes == 0 and chunk_writes > 0, (
-            f"room {room}: {layer_writes} layer writes, {chunk_writes} chunk writes"
-        )
+        assert sent.layer_writes == 0 and sent.chunk_writes > 0, f"not per chunk: {sent}"
 
 
 def test_plugin_registers_backend() -> None:
@@ -316,7 +313,7 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
     for input_ids in FP8_PROMPTS:
         want, want_tops = reference_logprobs(colocated, input_ids)
         d0 = kvbridge_metrics(decode.url)
-        offset = prefill.log_path.stat().st_size
+        before = sent_by_rank(prefill)
         got, got_tops = generate_logprobs(router.url, input_ids)
         assert len(got) == MAX_NEW_TOKENS and got[0] == want[0], (
             f"the prefill's token differs: {got} vs {want}"
@@ -327,16 +324,16 @@ def test_fp8_on_the_wire_stays_within_fp8_noise_and_moves_fewer_bytes(
             f"{len(input_ids)} tokens: logprobs moved by {drift:.2f}\n{decode.log_tail()}"
         )
         worst, same = max(worst, drift), same + (got == want)
-        room, layer_writes, chunk_writes = wait_sent_line(prefill, offset)
-        assert (layer_writes > 0) == layerwise and chunk_writes + layer_writes > 0
+        (sent,) = wait_sent(prefill, before)
+        assert (sent.layer_writes > 0) == layerwise, sent
+        assert sent.chunk_writes + sent.layer_writes > 0, sent
         d1 = wait_counted(decode.url, d0, "bytes_received_total")
         received = d1.get("sglang:kvbridge_bytes_received_total", 0.0) - d0.get(
             "sglang:kvbridge_bytes_received_total", 0.0
         )
         want_bytes = fp8_bytes(model, len(input_ids))
         assert received == want_bytes, (
-            f"room {room}: {received} bytes on the wire, FP8 of {len(input_ids)} tokens is "
-            f"{want_bytes}"
+            f"{received} bytes on the wire, FP8 of {len(input_ids)} tokens is {want_bytes}"
         )
         exact = kv_bytes(model, prefill, len(input_ids))
         # the test model: float16, head_dim 32: 64 bytes per row vs 36

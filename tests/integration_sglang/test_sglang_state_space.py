@@ -39,12 +39,13 @@ from sglang_helpers import (
     TP_MAX_DRIFT,
     Proc,
     check_hit,
-    check_sent_lines,
+    check_sent,
     generate_as_colocated,
     kv_itemsize,
     kvbridge_metrics,
     pd_config,
     prompt_ids,
+    sent_by_rank,
     start_colocated,
     start_pd,
     tp_sides,
@@ -180,12 +181,12 @@ def test_state_space_output_equals_colocated(
 ) -> None:
     pd, fp8 = state_pd.pd, state_pd.wire == "fp8"
     input_ids = prompt_ids(n, seed=1700 + n)
-    offset = pd.prefill.log_path.stat().st_size
+    sent_before = sent_by_rank(pd.prefill)
     before = kvbridge_metrics(pd.decode.url)
     generate_as_colocated(pd, colocated_conv, input_ids, max_drift=state_pd.max_drift)
     # one line per prefill rank; per layer: the attention layers (the states go after
     # the last chunk)
-    check_sent_lines(pd, offset, state_pd.prefill_tp)
+    check_sent(pd, sent_before, state_pd.prefill_tp)
     expected = expected_bytes(conv_model, state_pd, n)
     received = wait_received_bytes(pd.decode.url, before, expected)
     assert received == expected, (

@@ -35,7 +35,7 @@ from sglang_helpers import (
     PD,
     Proc,
     check_hit,
-    check_sent_lines,
+    check_sent,
     fp8_drift,
     generate_as_colocated,
     generate_logprobs,
@@ -46,6 +46,7 @@ from sglang_helpers import (
     prompt_ids,
     reference_ids,
     reference_logprobs,
+    sent_by_rank,
     start_colocated,
     start_pd,
     tp_sides,
@@ -164,12 +165,12 @@ def test_sliding_window_output_equals_colocated(
 ) -> None:
     pd, fp8 = swa_pd.pd, swa_pd.wire == "fp8"
     input_ids = prompt_ids(n, seed=900 + n)
-    offset = pd.prefill.log_path.stat().st_size
+    sent_before = sent_by_rank(pd.prefill)
     before = kvbridge_metrics(pd.decode.url)
     generate_as_colocated(pd, colocated_swa, input_ids, max_drift=FP8_MAX_DRIFT if fp8 else None)
     # one line per prefill rank; per layer: the full-attention layers (the window
     # layers' pages go after the last chunk)
-    check_sent_lines(pd, offset, swa_pd.prefill_tp)
+    check_sent(pd, sent_before, swa_pd.prefill_tp)
     expected = expected_bytes(swa_model, pd.decode, n, fp8=fp8)
     received = wait_received_bytes(pd.decode.url, before, expected)
     assert received == expected, (

@@ -38,10 +38,11 @@ from sglang_helpers import (
     kvbridge_metrics,
     prompt_ids,
     reference_ids,
+    sent_by_rank,
     start_pd,
     tp_sides,
     wait_received_bytes,
-    wait_sent_lines,
+    wait_sent,
     wait_staging_idle,
 )
 
@@ -83,17 +84,15 @@ def test_greedy_output_between_tp_sizes_equals_colocated(
     input_ids = prompt_ids(PROMPTS[prompt], seed=SEED + PROMPTS[prompt])
     want = reference_ids(colocated, input_ids)
     d0 = kvbridge_metrics(decode.url)
-    offset = prefill.log_path.stat().st_size
+    sent_before = sent_by_rank(prefill)
     got = generate_through(tp_pd[0], input_ids)
     assert len(want) == MAX_NEW_TOKENS
     assert got == want, (
         f"{prompt} ({PROMPTS[prompt]} tokens), prefill TP {p_tp} -> decode TP {d_tp}: {got} != "
         f"colocated {want}"
     )
-    lines = wait_sent_lines(prefill, offset, count=p_tp)  # one per prefill rank
-    assert len({room for room, _, _ in lines}) == 1 and all(layer > 0 for _, layer, _ in lines), (
-        lines
-    )
+    sent = wait_sent(prefill, sent_before, ranks=p_tp)  # one request on each prefill rank
+    assert all(s.layer_writes > 0 for s in sent), f"not streamed on every rank: {sent}"
     expected = kv_bytes(model, prefill, len(input_ids))
     received = wait_received_bytes(decode.url, d0, expected)
     assert received == expected, (

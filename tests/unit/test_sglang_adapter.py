@@ -536,6 +536,24 @@ def test_prometheus_export_accumulates_snapshots_under_sglang_names() -> None:
     assert value("sglang:kvbridge_request_transfer_seconds_sum") == pytest.approx(0.2)
 
 
+def test_prometheus_export_counts_a_requests_writes_before_the_request() -> None:
+    """The per-path write counters: a reader that sees a request sent sees its writes
+    (the integration tests read which path a room took this way)."""
+    registry = CollectorRegistry()
+    labels = {"engine_type": "prefill", "tp_rank": "1", "transport": "nixl"}
+    export = PrometheusExport(labels, registry=registry)
+    seen: list[tuple[str, float]] = []
+    for name, counter in export._counters.items():
+        counter.inc = lambda value, name=name, inc=counter.inc: (
+            seen.append((name, value)),
+            inc(value),
+        )
+    export.export(StatsSnapshot(layer_writes=24, chunk_writes=2, requests_sent=1))
+    assert [name for name, _ in seen] == ["layer_writes", "chunk_writes", "requests_sent"]
+    assert registry.get_sample_value("sglang:kvbridge_layer_writes_total", labels) == 24
+    assert registry.get_sample_value("sglang:kvbridge_chunk_writes_total", labels) == 2
+
+
 def test_prometheus_export_sets_staging_levels() -> None:
     registry = CollectorRegistry()
     labels = {"engine_type": "decode", "tp_rank": "1", "transport": "nixl"}

@@ -234,6 +234,7 @@ def test_decode_siblings_of_one_transfer_load_it_once_then_read_the_prefix_cache
     assert s.matched_tokens(_decode_req("3_r", tid="t2"), 0) == (40, True), (
         "other transfers load as before"
     )
+    assert s.stats.take().requests_shared == 2, "each sibling counted once, however often asked"
 
 
 def test_a_sibling_waits_for_an_aborted_owner_until_the_workers_let_go() -> None:

@@ -25,8 +25,17 @@ class StatsSnapshot:
     transfers: int = 0
     """Posted transfers (one per layer group and destination range)."""
     descriptors: int = 0
+    layer_writes: int = 0
+    """SGLang's prefill, per request sent: its KV writes posted per layer during the forward
+    (streaming)."""
+    chunk_writes: int = 0
+    """SGLang's prefill, per request sent: its KV writes posted per chunk after the chunk's
+    forward (every layer of the chunk's pages, or what streaming left)."""
     requests_sent: int = 0
     requests_received: int = 0
+    requests_shared: int = 0
+    """vLLM's decode scheduler: requests that took the KV another request of the same
+    transfer loaded (a request's ``n > 1`` samples) from the prefix cache."""
     failures: int = 0
     leases_expired: int = 0
     aborted: int = 0
@@ -123,8 +132,20 @@ COUNTERS: dict[str, str] = {
     "bytes_sent": "KV bytes written to peers",
     "bytes_received": "KV bytes received from peers",
     "transfers": "Posted KV transfers",
+    "layer_writes": (
+        "SGLang: KV writes of the requests sent, posted per layer while the prefill computed "
+        "(streaming)"
+    ),
+    "chunk_writes": (
+        "SGLang: KV writes of the requests sent, posted per chunk after its forward (not "
+        "streamed, or what streaming left)"
+    ),
     "requests_sent": "Requests whose KV was sent",
     "requests_received": "Requests whose KV was received",
+    "requests_shared": (
+        "vLLM: decode requests that read the KV another request of the same transfer loaded "
+        "(n > 1's samples) from the prefix cache"
+    ),
     "failures": "Failed request transfers",
     "leases_expired": "Held blocks released because the peer never read them",
     "aborted": "Aborted request transfers",
@@ -133,7 +154,9 @@ COUNTERS: dict[str, str] = {
         "the transfer's (wrong ticket or decode instance)"
     ),
 }
-"""Counter fields of :class:`StatsSnapshot` -> description (exported as ``<name>_total``)."""
+"""Counter fields of :class:`StatsSnapshot` -> description (exported as ``<name>_total``),
+in the order an export adds one snapshot: a request's writes are counted before the request
+(``requests_sent``), so a reader that sees a request counted sees its writes too."""
 
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "transfer_s": ("transfer_seconds", "Posted KV transfers, post to completion"),

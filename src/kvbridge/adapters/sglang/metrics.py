@@ -84,7 +84,9 @@ class PrometheusExport:
                 self._levels[name] = value
 
     def export(self, snapshot: StatsSnapshot) -> None:
-        """Add one snapshot (what was recorded since the previous one)."""
+        """Add one snapshot (what was recorded since the previous one), counters in the
+        catalogue's order (:data:`~kvbridge.runtime.stats.COUNTERS`: a request's writes
+        before the request)."""
         for name, counter in self._counters.items():
             value = getattr(snapshot, name)
             if value:

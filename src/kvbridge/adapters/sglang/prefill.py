@@ -1233,8 +1233,8 @@ class PrefillSide:
         with self.failure_lock:
             failed = room in self.failure_records
         if not failed and room in self.request_status:
-            # Tests read this line: it shows which path a room took. The time is what the
-            # transfer added after the last chunk's forward (what streaming hides).
+            # Which path the room took (also counted: layer_writes, chunk_writes). The time
+            # is what the transfer added after the last chunk's forward (what streaming hides).
             now = time.monotonic()
             log.info(
                 "kvbridge: room %d sent: %d layer writes, %d chunk writes, done %.1f ms after the "
@@ -1246,6 +1246,8 @@ class PrefillSide:
             )
             self.update_status(room, KVPoll.Success)
             self._count(
+                layer_writes=layer_writes,
+                chunk_writes=chunk_writes,
                 requests_sent=1,
                 exposed_s=[now - chunk.queued_at],
                 request_transfer_s=[now - first_post] if first_post is not None else [],

@@ -278,6 +278,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_kv_connector_stats(self):
+        if self._scheduler is not None:  # vLLM adds it to the workers' (requests_shared)
+            snap = self._scheduler.stats.take()
+            return None if snap.is_empty() else KVBridgeStats(snap.to_dict())
         if self._worker is None:
             return None
         snap = self._worker.stats()

@@ -85,6 +85,7 @@ from kvbridge.core.blocks import NONE, BlockTable
 from kvbridge.core.layout import sub_block_ids
 from kvbridge.core.lifecycle import EndedTransfers
 from kvbridge.errors import ConfigError, PlanError
+from kvbridge.runtime.stats import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,9 @@ class SchedulerSide:
         self._workers: dict[int, KVBridgeHandshake] = {}
         # P-first prefill requests too short to hand off (module docstring)
         self._not_handed: set[str] = set()
+        self.stats = TransferStats()
+        """What this side counts (``requests_shared``); the connector reports it with
+        the workers' statistics."""
 
     # --- handshake metadata from the workers ----------------------------------------------
 
@@ -264,6 +268,7 @@ class SchedulerSide:
                 owner,
             )
             self._sharing[req_id] = h.transfer_id
+            self.stats.add(requests_shared=1)
             return None, False
         if h.transfer_id in self._recv_ended:
             log.info(
@@ -273,6 +278,7 @@ class SchedulerSide:
                 h.transfer_id,
             )
             self._recv_done.add(req_id)
+            self.stats.add(requests_shared=1)
             return 0, False
         count = self._to_load(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)

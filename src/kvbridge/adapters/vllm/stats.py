@@ -6,7 +6,8 @@ feeds the data to :class:`KVBridgePromMetrics`, which exports:
 
 - ``vllm:kvbridge_bytes_sent_total`` / ``..._bytes_received_total``,
 - ``vllm:kvbridge_transfers_total``, ``vllm:kvbridge_requests_sent_total`` /
-  ``..._received_total``,
+  ``..._received_total``, ``vllm:kvbridge_requests_shared_total`` (counted by the
+  scheduler side: a request's ``n > 1`` samples reading the load of the first),
 - ``vllm:kvbridge_failures_total``, ``vllm:kvbridge_leases_expired_total``,
   ``vllm:kvbridge_aborted_total``,
 - histograms ``vllm:kvbridge_transfer_seconds`` (per posted transfer),
