@@ -5,6 +5,7 @@ in-process loopback transport, with real numpy KV caches on both sides
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -25,6 +26,17 @@ def pd() -> Iterator[tuple]:
     yield P, D, p_cache[0], d_cache[0]
     D.close()
     P.close()
+
+
+def outcomes(D, count: int, timeout: float = 10.0) -> tuple[list[str], list[str]]:
+    """The next ``count`` transfers ``D`` finished or failed (sorted), within ``timeout``."""
+    done, failed = [], []
+    deadline = time.monotonic() + timeout
+    while len(done) + len(failed) < count and time.monotonic() < deadline:
+        ok, bad = D.receiver.wait_finished(deadline - time.monotonic())
+        done += ok
+        failed += bad
+    return sorted(done), sorted(failed)
 
 
 def test_layerwise_push_streams_layer_by_layer_across_chunks(pd) -> None:
@@ -320,6 +332,24 @@ def test_destination_that_does_not_fit_fails_both_sides(pd) -> None:
     D.receiver.expect_push("m", P.address, [5], 40)  # 1 block for 3 blocks of prompt
     assert D.receiver.wait_finished(5) == ([], ["m"])
     assert P.sender.wait_released(5) == ["m"]
+
+
+def test_a_destination_that_came_early_and_does_not_fit_fails_the_decode_at_once() -> None:
+    """Decode first: the destination waits at the prefill for its request; when the
+    request comes and the destination does not fit, the decode hears so at once, not
+    at its ``receive_s``."""
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 60})
+    try:
+        D.receiver.expect_push("m", P.address, [5], 40)  # 1 block for 3 blocks of prompt
+        eventually(lambda: D.receiver.phase("m") == RecvPhase.WAITING)
+        P.sender.track("m", [1, 2, 3], 40)
+        start = time.monotonic()
+        assert outcomes(D, 1) == ([], ["m"])
+        assert time.monotonic() - start < 3, "failed by its deadline, not by the prefill's word"
+        assert P.sender.wait_released(5) == ["m"]
+    finally:
+        D.close()
+        P.close()
 
 
 def test_a_destination_for_a_p_first_request_is_refused_on_the_direct_path(
@@ -779,3 +809,80 @@ def test_state_layers_write_their_state_block_once_the_prompt_is_computed() -> N
     finally:
         D.close()
         P.close()
+
+
+@pytest.fixture
+def restarted() -> Iterator[tuple]:
+    """A decode waiting for the KV of transfer "old" from a prefill that then restarts
+    on its side-channel port: yields the decode and the new prefill (whose epoch
+    differs); the decode heartbeats every 0.3 s and would wait 60 s for "old"."""
+    from kvbridge.demo.servers import free_port
+
+    port = free_port()
+    P1 = endpoint("P", make_cache(1), side_channel_port=port)
+    D = endpoint("D", make_cache(None), {"receive_s": 60, "heartbeat_s": 0.3})
+    P2 = None
+    try:
+        D.receiver.expect_push("old", P1.address, [1], 10)
+        eventually(lambda: D.receiver.phase("old") == RecvPhase.WAITING)
+        P1.close()
+        P2 = endpoint("P", make_cache(2), side_channel_port=port)
+        assert P2.address == P1.address and P2.epoch != P1.epoch
+        yield D, P2
+    finally:
+        D.close()
+        if P2 is not None:
+            P2.close()
+
+
+def _stream_new(D, P2, wait: bool) -> None:
+    """Transfer "new" of 40 tokens (3 blocks of 16) from ``P2`` to ``D``, decode first;
+    ``wait``: once the decode waits for it, until a heartbeat has failed "old"."""
+    n, pblocks, dblocks = 40, [1, 2, 3], [20, 21, 22]
+    D.receiver.expect_push("new", P2.address, dblocks, n)
+    P2.sender.track("new", pblocks, n)
+    if wait:
+        eventually(lambda: D.receiver.phase("new") == RecvPhase.WAITING)
+        # a beat is due every 0.3 s: one finds the new epoch before the prefill finishes
+        eventually(lambda: D.receiver.phase("old") != RecvPhase.WAITING, timeout=5)
+    for layer in range(L):
+        P2.sender.layer_done("new", layer, n)
+    P2.sender.prefill_done("new")
+
+
+def test_a_restart_on_the_same_port_fails_only_the_old_instance_s_transfers(restarted) -> None:
+    """A prefill restarts on its port while the decode waits for the old instance's KV
+    and already streams from the new one: the heartbeat that finds the new epoch fails
+    the old instance's transfer only; the new one's completes (its handshake and
+    transport peer stay). Found by the vLLM 0.34 stand-in tier: a decode's first
+    handoff after a prefill restart failed and was computed again."""
+    D, P2 = restarted
+    _stream_new(D, P2, wait=True)
+    assert outcomes(D, 2) == (["new"], ["old"])
+
+
+def test_a_destination_on_its_way_to_a_restarted_prefill_is_not_failed_by_a_heartbeat(
+    restarted,
+) -> None:
+    """The decode's cached handshake is still the old instance's when a new request
+    starts: its destination goes out addressed from that handshake, and a heartbeat
+    that finds the new epoch meanwhile must leave it to the destination's own answer
+    (``unknown_peer``: shake hands again), not fail it. Held in that order here: the
+    destination waits until a heartbeat has answered with the new epoch."""
+    from kvbridge.wire.messages import Destination, Heartbeat
+
+    D, P2 = restarted
+    new_epoch_seen = threading.Event()
+    request = D.node.client.request
+
+    def ordered(address, msg, timeout):
+        if isinstance(msg, Destination) and msg.transfer_id == "new":
+            assert new_epoch_seen.wait(10), "no heartbeat reached the new instance"
+        reply = request(address, msg, timeout)
+        if isinstance(msg, Heartbeat) and getattr(reply, "epoch", None) == P2.epoch:
+            new_epoch_seen.set()
+        return reply
+
+    D.node.client.request = ordered
+    _stream_new(D, P2, wait=False)
+    assert outcomes(D, 2) == (["new"], ["old"])

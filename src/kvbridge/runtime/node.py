@@ -688,12 +688,15 @@ class Node:
             )
         return peer
 
-    def forget(self, address: str) -> None:
-        """Drop the cached handshake with ``address`` (the peer died or restarted)."""
+    def forget(self, address: str, *, unless_epoch: str | None = None) -> None:
+        """Drop the cached handshake with ``address`` (the peer died or restarted), unless
+        it is with ``unless_epoch`` (the instance that serves the address now: transfers
+        of that epoch use it)."""
         with self._lock:
-            peer = self._by_address.pop(address, None)
-            if peer is None:
+            peer = self._by_address.get(address)
+            if peer is None or (unless_epoch is not None and peer.id.epoch == unless_epoch):
                 return
+            del self._by_address[address]
             self._peers.pop(self._key(peer.id), None)
             self._unbuild(self._key(peer.id))
         self.transport.remove_peer(peer.agent)  # releases its tables

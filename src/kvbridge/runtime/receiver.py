@@ -83,6 +83,14 @@ class _Source:
         return (1, 1) if split is None else (sum(n for _, _, n in split.runs), split.local_parts)
 
 
+def _of_another(src: _Source, epoch: str, pull: bool) -> bool:
+    """Whether ``src`` is an instance other than ``epoch`` (the one now serving its
+    address) that holds our request: a read posted to it, or our destination delivered
+    to it. A destination still on its way finds the new instance by itself (it answers
+    ``unknown_peer``, and we shake hands again)."""
+    return src.peer is not None and src.peer.id.epoch != epoch and (pull or src.delivered)
+
+
 def _remote(i: int) -> str:
     """In-flight key standing for source ``i``'s writes into a push destination."""
     return f"{_REMOTE}:{i}"
@@ -578,7 +586,14 @@ class Receiver:
         """One beat: a new epoch or a closed port fails the peer's transfers at once. No
         reply while the port still accepts connections is a busy peer (its side-channel
         thread waits for the GIL, e.g. through a compilation), not a dead one: its
-        transfers keep their own deadlines (``receive_s``, ``transfer_s``)."""
+        transfers keep their own deadlines (``receive_s``, ``transfer_s``).
+
+        ``epoch``: the one a transfer that asked for this beat shook hands with. The
+        instance that answers may be a newer one on the same port, which later transfers
+        already shook hands with: only transfers from another epoch than the one that
+        answers are gone (and the cached handshake only if it is of another epoch)."""
+        current: str | None = None
+        """The epoch serving ``address`` now; None: nothing usable serves it."""
         try:
             try:
                 reply = self.node.client.request(
@@ -594,28 +609,29 @@ class Receiver:
                 raise
             if not isinstance(reply, Reply):
                 raise WireError(f"unexpected {type(reply).__name__} to a heartbeat")
-            if reply.epoch != epoch:
-                raise KVBridgeError(
-                    f"prefill at {address} restarted (epoch {reply.epoch}, was {epoch}); its KV is "
-                    "gone"
-                )
+            current = reply.epoch
+            reason = f"prefill at {address} restarted (epoch {current}); its KV is gone"
         except (KVBridgeError, WireError) as exc:
-            self.node.forget(address)
-            with self._lock:
-                victims = []
-                for e in self._in.values():
-                    gone = [
-                        i
-                        for i, src in enumerate(e.sources)
-                        if src.address == address and _remote(i) in e.req._inflight_keys()
-                    ]
-                    for i in gone:
-                        # it is gone: no more writes from it
-                        self._writes_stopped(e, self.clock(), i)
-                    if gone and not e.pull:
-                        victims.append(e)
-            for e in victims:
-                self._fail(e, f"prefill instance lost: {exc}")
+            reason = str(exc)
+        if current != epoch:
+            self.node.forget(address, unless_epoch=current)
+        with self._lock:
+            victims = []
+            for e in self._in.values():
+                gone = [
+                    i
+                    for i, src in enumerate(e.sources)
+                    if src.address == address
+                    and _remote(i) in e.req._inflight_keys()
+                    and (current is None or _of_another(src, current, e.pull))
+                ]
+                for i in gone:
+                    # it is gone: no more writes from it
+                    self._writes_stopped(e, self.clock(), i)
+                if gone and not e.pull:
+                    victims.append(e)
+        for e in victims:
+            self._fail(e, f"prefill instance lost: {reason}")
 
     # --- notifications thread ------------------------------------------------------------
 

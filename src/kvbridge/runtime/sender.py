@@ -247,25 +247,21 @@ class Sender:
             self._clear_tail(out, 0, blocks)
             refused: list[tuple[Peer, Done]] = []
             for msg, _ in self._drop_early(transfer_id, lambda msg, deadline: False):
+                why = None  # why the message is refused, if it is
                 if (reply := self._forbidden(out, msg)) is not None:
-                    peer = self.node.peer(msg.peer)
-                    if isinstance(msg, Destination) and peer is not None:
-                        # it waits for writes: tell it now rather than at its deadline
-                        note = Done(
-                            transfer_id=transfer_id,
-                            ok=False,
-                            reason=reply.detail,
-                            source=msg.source,
-                        )
-                        refused.append((peer, note))
-                    continue
-                if isinstance(msg, Release):
+                    why = reply.detail
+                elif isinstance(msg, Release):
                     self._release(out, msg, now)
                 elif isinstance(msg, Abort):
                     if out.req.abort(f"decode side aborted: {msg.reason}", now):
                         self.stats.add(aborted=1)
                 else:
-                    self._accept(out, msg, now)
+                    why = self._accept(out, msg, now)
+                peer = self.node.peer(msg.peer) if why is not None else None
+                if isinstance(msg, Destination) and peer is not None:
+                    # it waits for writes: tell it now rather than at its deadline
+                    note = Done(transfer_id=transfer_id, ok=False, reason=why, source=msg.source)
+                    refused.append((peer, note))
             self._lock.notify()
         self._tell(refused)
 
