@@ -404,9 +404,10 @@ def test_decode_killed_mid_transfer_then_restarted_on_the_same_port(pair: Pair) 
     """A router cancels the prefill's half of a request when the decode's half fails
     (mini_lb does), which ends it on the prefill whatever kvbridge does; so the halves
     go straight to each server here, and the prefill's request stays open: kvbridge's
-    writes to the dead decode must fail it (measured: NIXL at once, Mooncake after its
-    engine gives up reconnecting, 10-15 s). The restarted decode, at the same address,
-    is a new peer to the prefill."""
+    writes to the dead decode must fail it (the room fails at its first failed write,
+    NIXL's at once, Mooncake's after a refused reconnect; the answer comes once the
+    prompt is computed, measured 10 s on Mooncake). The restarted decode, at the same
+    address, is a new peer to the prefill."""
     ids = prompt_ids(LONG_PROMPT, seed=15)
     room = random.getrandbits(63)
     prefill_req = pair.in_background(ids, server=pair.prefill, room=room)

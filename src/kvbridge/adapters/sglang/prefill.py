@@ -203,6 +203,8 @@ class PrefillSide:
         self.peers: dict[str, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._inflight: dict[int, list] = {}
+        self._seen_done: dict[int, int] = {}
+        """Room -> how many of its first in-flight transfers completed (:meth:`_raise_failed`)."""
         self._progress: dict[int, RoomProgress] = {}
         self._chunk_writes: dict[int, int] = {}
         self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
@@ -867,7 +869,9 @@ class PrefillSide:
     ) -> int:
         """Write ``src_pages`` (of ``layers``, default all) to the pages at ``positions``
         (a slice or an index array) of every destination's page list; returns the
-        number of writes posted. The room's list of in-flight transfers owns them."""
+        number of writes posted. The room's list of in-flight transfers owns them.
+        Raises (posting nothing) if one of the room's earlier writes failed."""
+        self._raise_failed(room)
         xfers = self._inflight.setdefault(room, [])
         # head range -> packed chunks
         packed: dict[tuple[int, int], tuple[list[int], np.ndarray, object]] = {}
@@ -919,6 +923,22 @@ class PrefillSide:
                 self._posted(room, dest, int(src.size) * slot_bytes)
                 posted += 1
         return posted
+
+    def _raise_failed(self, room: int) -> None:
+        """Raise the error of the room's first failed write, if one failed (never blocks).
+
+        A room whose decode died would otherwise go on posting a write per chunk or layer
+        until its last chunk waits on them; each write to a dead Mooncake peer spends a
+        second or more in the engine (reconnecting, probing), so a long prompt's chunks
+        took minutes to fail under load. Polls the writes after the completed prefix, up to
+        the first one still running."""
+        xfers = self._inflight.get(room)
+        if not xfers:
+            return
+        seen = self._seen_done.get(room, 0)
+        while seen < len(xfers) and self.transport.poll(xfers[seen]):  # raises its error
+            seen += 1
+        self._seen_done[room] = seen
 
     def _posted(self, room: int, dest: _Dest, nbytes: int) -> None:
         """Account one write of ``nbytes`` to ``dest`` just posted for ``room`` (its
@@ -1266,6 +1286,7 @@ class PrefillSide:
         decode frees its pages at SGLang's deferred-release timeout instead). Drops the
         room's bookkeeping. Transfer thread only."""
         self._progress.pop(room, None)
+        self._seen_done.pop(room, None)
         self._chunk_writes.pop(room, None)
         self._room_bytes.pop(room, None)
         self._first_post.pop(room, None)
