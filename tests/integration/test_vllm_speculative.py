@@ -61,10 +61,12 @@ def repetitive_prompt(n: int) -> list[int]:
 
 
 class Cluster:
-    def __init__(self, model: Path, logs: Path) -> None:
-        self.p = VllmServer(
-            model, extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl"), log_path=logs / "P.log"
-        )
+    """``p`` the session pool's NIXL prefill (``nixl_prefill``, no drafts: a prefill
+    computes no token after the first), ``d`` a drafting decode, ``c`` a colocated
+    drafting instance; :meth:`stop` stops the module's own ``d`` and ``c``."""
+
+    def __init__(self, model: Path, logs: Path, p: VllmServer) -> None:
+        self.p = p
         self.d = VllmServer(
             model,
             extra_args=COMMON_ARGS + SPECULATIVE + kv_args("kv_consumer", "nixl", policy="fail"),
@@ -75,13 +77,15 @@ class Cluster:
         self.address = discover(self.p.url)
 
     def stop(self) -> None:
-        for s in (self.p, self.d, self.c):
+        for s in (self.d, self.c):
             s.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(model_dir, tmp_path_factory.mktemp("speculative"))
+def cluster(
+    model_dir: Path, nixl_prefill: VllmServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    c = Cluster(model_dir, tmp_path_factory.mktemp("speculative"), nixl_prefill)
     yield c
     c.stop()
 

@@ -176,6 +176,13 @@ def trio(
             s.stop()
 
 
+OWN_SERVERS_TIMEOUT_S = 900
+"""What a test that starts servers of its own in its body may take, not the suite's
+300 s (pytest-timeout counts the start): four TP instances (seven engine processes) took
+213 s to start and test in one fresh-clone make test and over 300 s in the next, with
+the other stream's engines starting beside them."""
+
+
 @pytest.fixture(scope="module")
 def model() -> Path:
     return build_tiny_model(default_model_dir("hybrid"), shape="hybrid")
@@ -188,6 +195,7 @@ def cluster(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
     c.stop()
 
 
+@pytest.mark.timeout(OWN_SERVERS_TIMEOUT_S)
 def test_states_kept_per_block_drafted_or_sent_as_fp8_are_refused_at_start_up(
     model: Path, tmp_path: Path
 ) -> None:
@@ -241,6 +249,7 @@ def short_conv_expected_bytes(n: int) -> int:
     )
 
 
+@pytest.mark.timeout(OWN_SERVERS_TIMEOUT_S)
 @pytest.mark.parametrize(
     ("shape", "transport"),
     [
@@ -349,6 +358,7 @@ def test_a_gated_deltanet_model_decodes_exactly_as_an_instance_computing_the_sam
                 )
 
 
+@pytest.mark.timeout(OWN_SERVERS_TIMEOUT_S)
 def test_a_short_convolution_model_decodes_as_colocated_and_moves_its_conv_states(
     tmp_path: Path,
 ) -> None:

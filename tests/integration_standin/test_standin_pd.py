@@ -29,6 +29,7 @@ from engine_helpers import (
     USAGE,
     check_handoff,
     check_idle,
+    check_parallel_sampling,
     discover,
     handoff,
     kv_args,
@@ -143,6 +144,13 @@ def test_the_decode_s_prefix_cache_serves_what_it_holds(pd: Instances) -> None:
     ref = complete(pd.c.url, second, max_tokens=MAX_TOKENS)
     out = handoff("push", pd.p.url, pd.d.url, second, MAX_TOKENS, pd.address)
     assert out.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_parallel_sampling_loads_the_prompt_once(pd: Instances, flow: str) -> None:
+    """``n > 1`` (engine_helpers.check_parallel_sampling): the stand-in samples as a
+    function of the KV, so the samples are equal, and must equal the colocated ones."""
+    check_parallel_sampling(flow, pd.p.url, pd.d.url, pd.c.url, pd.address, MAX_TOKENS)
 
 
 def test_the_pairs_end_idle(pd: Instances) -> None:

@@ -11,9 +11,10 @@ Between users the pool checks the server is idle (``idle``, given with the lease
 usage back to its value when the server became ready, nothing in flight), so a test that
 leaks fails its own module's teardown, not the next module. A server that is not idle,
 or that died, is stopped and not handed out again. Leases are counted: the last
-user's release leaves the server running, idle, for a later module, and at most
-``keep_idle`` idle servers are kept (the oldest released is stopped first) so that idle
-engines do not pile up in memory.
+user's release leaves the server running, idle, for a later module (unless the caller
+says no later one needs it: ``keep=False``), and at most ``keep_idle`` idle servers are
+kept (the oldest released is stopped first) so that idle engines do not pile up in
+memory.
 """
 
 from __future__ import annotations
@@ -66,10 +67,13 @@ class EnginePool(Generic[S]):
         entry.users += 1
         return entry.server
 
-    def release(self, key: Hashable, idle: Callable[[S], None] | None = None) -> None:
+    def release(
+        self, key: Hashable, idle: Callable[[S], None] | None = None, keep: bool = True
+    ) -> None:
         """A user is done with ``key``'s server. ``idle(server)`` raises (an
         ``AssertionError``) if the server is not back at rest: the server is then
-        stopped and the error raised to the caller, whose teardown fails."""
+        stopped and the error raised to the caller, whose teardown fails. ``keep=False``:
+        no later user will come, stop it once idle (after the check)."""
         entry = self._entries[key]
         entry.users -= 1
         try:
@@ -80,7 +84,9 @@ class EnginePool(Generic[S]):
             if entry.users == 0:
                 self._drop(key)
             raise
-        if entry.users == 0:
+        if entry.users == 0 and not keep:
+            self._drop(key)
+        elif entry.users == 0:
             self._idle[key] = None
             while len(self._idle) > self.keep_idle:
                 oldest, _ = self._idle.popitem(last=False)
@@ -88,14 +94,18 @@ class EnginePool(Generic[S]):
 
     @contextlib.contextmanager
     def lease(
-        self, key: Hashable, make: Callable[[], S], idle: Callable[[S], None] | None = None
+        self,
+        key: Hashable,
+        make: Callable[[], S],
+        idle: Callable[[S], None] | None = None,
+        keep: bool = True,
     ) -> Iterator[S]:
-        """:meth:`get` and, on exit, :meth:`release` with ``idle``."""
+        """:meth:`get` and, on exit, :meth:`release` with ``idle`` and ``keep``."""
         server = self.get(key, make)
         try:
             yield server
         finally:
-            self.release(key, idle)
+            self.release(key, idle, keep)
 
     def close(self) -> None:
         """Stop every server (end of the session)."""

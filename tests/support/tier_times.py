@@ -17,7 +17,7 @@ modules that cost most listed first; and how busy the machine's CPUs were over t
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import os
 import sys
@@ -44,16 +44,36 @@ _started = time.monotonic()
 _started_at = time.time()
 
 
+@functools.cache
+def _standin() -> str | None:
+    """``vLLM <release> stand-in`` when the vLLM servers of this run are stand-ins
+    (``KVBRIDGE_VLLM_STANDIN=1``: the tier of ``tests/integration_standin``, and of the
+    ``tests/integration`` modules that scripts/test.sh runs there too), else None."""
+    if os.environ.get("KVBRIDGE_VLLM_STANDIN") != "1":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"vLLM {version('vllm')} stand-in"
+    except PackageNotFoundError:
+        return "vLLM stand-in"
+
+
 def _tier(nodeid: str) -> str:
     parts = nodeid.split("/")
     folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
-    tier = TIERS.get(folder, folder)
-    if folder == "integration_standin":  # one environment per vLLM release: say which
-        from importlib.metadata import PackageNotFoundError, version
+    if folder in ("integration", "integration_standin") and _standin():
+        return _standin()  # one environment per vLLM release: say which
+    return TIERS.get(folder, folder)
 
-        with contextlib.suppress(PackageNotFoundError):
-            tier = f"vLLM {version('vllm')} stand-in"
-    return tier
+
+def _module(nodeid: str) -> str:
+    """The test's module; an engine module run with stand-ins says so (its name is
+    also the real engine's module of the other stream)."""
+    module = nodeid.split("::", 1)[0]
+    if module.startswith("tests/integration/") and _standin():
+        return f"{module} ({_standin()})"
+    return module
 
 
 def _cpu_times() -> tuple[int, int] | None:
@@ -89,13 +109,13 @@ def pytest_configure(config) -> None:
 
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
-    _current["module"] = nodeid.split("::", 1)[0]
+    _current["module"] = _module(nodeid)
 
 
 def pytest_runtest_logreport(report) -> None:
     tier = _tier(report.nodeid)
     _seconds[tier] += report.duration
-    _module_seconds[report.nodeid.split("::", 1)[0]] += report.duration
+    _module_seconds[_module(report.nodeid)] += report.duration
     if report.when == "call" or (report.when == "setup" and report.skipped):
         _tests[tier] += 1
 
@@ -112,8 +132,8 @@ MODULES_SHOWN = 12
 
 
 def _modules_table(rows: list[tuple[str, float, int]]) -> str:
-    lines = [f"{'module':<58}{'minutes':>9}{'servers':>9}"]
-    lines += [f"{m[-58:]:<58}{s / 60:>9.1f}{n:>9}" for m, s, n in rows]
+    lines = [f"{'module':<66}{'minutes':>9}{'servers':>9}"]
+    lines += [f"{m[-66:]:<66}{s / 60:>9.1f}{n:>9}" for m, s, n in rows]
     return "\n".join(lines)
 
 

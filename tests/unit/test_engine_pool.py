@@ -1,6 +1,7 @@
 """The test suite's pool of shared engine servers (``tests/support/engine_pool.py``), with
-stand-in servers: reuse by key, leases counted, idle servers bounded, a leak fails the
-releasing user and the server is not handed out again, a dead server is replaced."""
+stand-in servers: reuse by key, leases counted, idle servers bounded, a server no later
+user needs stopped at release, a leak fails the releasing user and the server is not
+handed out again, a dead server is replaced."""
 
 from __future__ import annotations
 
@@ -67,3 +68,17 @@ def test_a_server_that_died_is_replaced() -> None:
     pool.release("a")
     a.running = False  # killed by a test, or stopped by a failed start_all
     assert pool.get("a", lambda: Server("a-new")).name == "a-new" and pool.created == 2
+
+
+def test_a_release_with_no_later_user_stops_the_server_after_its_idle_check() -> None:
+    pool = _pool(keep_idle=2)
+    a = pool.get("a", lambda: Server("a"))
+    pool.get("a", lambda: Server("a2"))
+    checked: list[str] = []
+    pool.release("a", lambda s: checked.append(s.name), keep=False)
+    assert a.running, "another user still leases it"
+    with pool.lease("a", lambda: Server("a3"), keep=False) as again:
+        assert again is a
+    pool.release("a", lambda s: checked.append(s.name), keep=False)
+    assert not a.running and checked == ["a", "a"]
+    assert pool.get("a", lambda: Server("a-new")).name == "a-new"
