@@ -89,7 +89,10 @@ THINK_S = 0.5
 """A client waits up to this long (uniform) between two requests."""
 SAMPLE_S = 5.0
 IDLE_TIMEOUT_S = 120.0
-"""How long every instance has, after the last request, to come back to its baseline."""
+"""How long every instance has, after the last request, to come back to its baseline
+(more than ``timeouts.lease_s``, 60 s: what a client hanging up early leaves)."""
+TICK_TOKEN = 7
+"""The prompt of :func:`tick`."""
 USAGE = "vllm:kv_cache_usage_perc"
 IN_FLIGHT = tuple(f"vllm:kvbridge_{name}" for name in REQUEST_GAUGES)
 """kvbridge's gauges of transfers in flight: 0 on an idle instance."""
@@ -382,14 +385,30 @@ def back_to_baseline(
 ) -> tuple[bool, dict[str, dict[str, float]], float]:
     """Poll every instance (another process: there is no event to wait on) until its KV
     usage is at most its baseline and no kvbridge gauge counts a request in flight, or
-    ``timeout``; returns whether they all got there, their last metrics and the wait."""
+    ``timeout``; returns whether they all got there, their last metrics and the wait.
+
+    vLLM exports a connector's gauges as of the engine's last step, and an idle engine
+    does not step: a level that fell while it idled (a message kept early for a request
+    that never came, dropped after ``timeouts.lease_s``) still reads as before. So each
+    round, an instance not at rest gets a :func:`tick`, whose step reports the level of
+    now: a gauge that stays up after it counts something still held."""
     start = time.monotonic()
     while True:
         after = {name: watched(s.url) for name, s in servers.items()}
-        done = all(idle(baseline[n], after[n]) for n in servers)
-        if done or time.monotonic() - start > timeout:
-            return done, after, time.monotonic() - start
+        busy = [name for name in servers if not idle(baseline[name], after[name])]
+        if not busy or time.monotonic() - start > timeout:
+            return not busy, after, time.monotonic() - start
+        for name in busy:
+            tick(servers[name].url)
         time.sleep(0.5)
+
+
+def tick(url: str) -> None:
+    """One 1-token request of a 1-token prompt, no transfer (the instance computes it
+    itself): one engine step, so the instance's gauges are current. A failure is left
+    to the metrics that follow (``watched``)."""
+    with contextlib.suppress(Exception):
+        complete(url, [TICK_TOKEN], max_tokens=1, timeout=30)
 
 
 def idle(before: dict[str, Any], after: dict[str, Any]) -> bool:

@@ -9,6 +9,8 @@ import asyncio
 import json
 import random
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -141,3 +143,59 @@ def test_the_mix_is_mostly_short_half_streamed_and_hangs_up_sometimes() -> None:
     assert 0.02 < sum(p.hang == "early" for p in plans) / len(plans) < 0.08
     assert soak.pool_prompts(1) == pool and len({len(p) for p in pool}) > 3
     assert soak.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and soak.percentile([], 99) is None
+
+
+class StepGauges:
+    """An instance that, like vLLM, exports its gauges as of its last engine step (a
+    request), while what it holds falls on its own: ``held`` messages kept early,
+    dropped (the level falls to 0) once ``expire`` is set, with no step."""
+
+    def __init__(self) -> None:
+        self.expire = threading.Event()
+        self.reported = 1.0  # the gauge as of the last step: one message kept early
+        self.steps = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # /metrics
+                self.answer(
+                    f"vllm:kv_cache_usage_perc 0.0\nvllm:kvbridge_sends_early {outer.reported}\n"
+                )
+
+            def do_POST(self) -> None:  # /v1/completions: one engine step
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.steps += 1
+                outer.reported = 0.0 if outer.expire.is_set() else 1.0
+                self.answer(json.dumps({"choices": [{"text": "", "token_ids": [1]}]}))
+
+            def answer(self, text: str) -> None:
+                body = text.encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_idle_check_makes_an_idle_engine_report_a_level_that_fell_without_a_step() -> None:
+    instance = StepGauges()
+    try:
+        servers: dict[str, Any] = {"prefill": instance}
+        baseline = {"prefill": soak.watched(instance.url)}
+        done, after, _ = soak.back_to_baseline(servers, baseline, timeout=1.0)
+        assert not done and after["prefill"]["vllm:kvbridge_sends_early"] == 1.0, (
+            "a message still held is not at rest"
+        )
+        instance.expire.set()  # dropped after the lease, the engine idle
+        done, after, _ = soak.back_to_baseline(servers, baseline, timeout=5.0)
+        assert done and after["prefill"]["vllm:kvbridge_sends_early"] == 0.0
+        assert instance.steps >= 1
+    finally:
+        instance.server.shutdown()
+        instance.server.server_close()
