@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-sglang setup-standin lint docs test test-all test-sglang test-standin unit conformance demo demo-sglang bench bench-sglang soak doctor clean
+.PHONY: setup setup-sglang setup-standin lint docs test test-all test-sglang test-standin unit conformance demo demo-sglang bench bench-sglang soak goodput doctor clean
 
 setup:
 	@bash scripts/setup.sh
@@ -69,6 +69,12 @@ bench: setup
 ## instance back at its baseline (about 35 min; exit 1 on any error or leftover)
 soak: setup
 	$(BIN)/python benchmarks/run.py soak
+
+## the goodput benchmark of issue 51: two colocated replicas against one prefill + one
+## decode with kvbridge under Poisson load of a mixed workload, on the same 2 cores
+## (about 20 min; sglang-router from .venv-sglang balances the replicas)
+goodput: setup setup-sglang
+	$(BIN)/python benchmarks/run.py goodput
 
 ## the SGLang serving benchmark (7 configurations; see benchmarks/README.md)
 bench-sglang: setup-sglang

@@ -17,6 +17,10 @@
                                       [--quick] (120 s, 40 clients; exit status 1 on any
                                       failed request, wrong output or instance not back
                                       to its baseline)
+    python benchmarks/run.py goodput  [--configs colocated-x2,kvbridge-nixl]
+                                      [--rates 1,2,3,3.5,4,5] [--rate-seconds 60] [--reps 5]
+                                      [--quick] (2 rates, a few requests each; needs
+                                      sglang-router: .venv-sglang or KVBRIDGE_ROUTER_PYTHON)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
@@ -42,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import goodput
 import ops
 import ops_host
 import serving
@@ -859,6 +864,46 @@ def markdown_soak(doc: dict) -> str:
     return _markdown(intro, *soak.rows(doc), left=1)
 
 
+def goodput_routine(args: argparse.Namespace) -> dict:
+    rates = [float(r) for r in (args.rates or ("1,3" if args.quick else GOODPUT_RATES)).split(",")]
+    doc = {
+        "routine": "goodput",
+        "machine": machine(),
+        "quick": args.quick,
+        **goodput.run(
+            (args.configs or ",".join(goodput.CONFIGS)).split(","),
+            rates,
+            args.rate_seconds or (12.0 if args.quick else 60.0),
+            args.reps or (2 if args.quick else 5),
+            args.shape,
+            Path(args.out),
+            args.quick,
+            log=lambda m: console.print(f"[dim]{m}[/dim]"),
+        ),
+    }
+    console.print(goodput_table(doc))
+    return doc
+
+
+GOODPUT_RATES = "1,2,3,3.5,4,5"
+
+
+def goodput_table(doc: dict) -> Group:
+    slo = doc["slo"]
+    return Group(
+        _table(
+            (
+                f"goodput: Poisson arrivals of a mixed load; objectives TTFT <= "
+                f"{slo['ttft_ms']:.0f} ms, TPOT <= {slo['tpot_ms']:.1f} ms"
+            ),
+            *goodput.rows(doc),
+        ),
+        _table("unloaded, one request at a time (medians)", *goodput.unloaded_rows(doc)),
+        _table("TPOT of a long decode alone and under arrivals", *goodput.arrival_rows(doc)),
+        _table("health", *goodput.health_rows(doc)),
+    )
+
+
 ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
@@ -867,6 +912,7 @@ ROUTINES = {
     "sglang": (sglang_routine, plot_sglang, sglang_serving.markdown),
     "transport-costs": (transport_costs_routine, plot_transport_costs, markdown_transport_costs),
     "soak": (soak_routine, soak.plot, markdown_soak),
+    "goodput": (goodput_routine, goodput.plot, goodput.markdown),
 }
 
 
@@ -880,14 +926,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reps",
         type=int,
-        help="timed repetitions per method, interleaved (default 15; 5 with --quick)",
+        help=(
+            "timed repetitions per method, interleaved (default 15; 5 with --quick); goodput: "
+            "repetitions of the decode alone / under arrivals (default 5; 2 with --quick)"
+        ),
     )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument(
         "--configs",
         help=(
-            f"serving, sglang: configurations, comma separated (serving: {SERVING_CONFIGS}; "
-            f"sglang: {','.join(sglang_serving.CONFIGS)})"
+            f"serving, sglang, goodput: configurations, comma separated (serving: "
+            f"{SERVING_CONFIGS}; sglang: {','.join(sglang_serving.CONFIGS)}; goodput: "
+            f"{','.join(goodput.CONFIGS)})"
         ),
     )
     parser.add_argument(
@@ -900,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
         "--output-len", type=int, default=32, help="serving, sglang: output tokens per request"
     )
     parser.add_argument(
-        "--shape", default="bench", help="serving, sglang: model shape (bench, tiny)"
+        "--shape", default="bench", help="serving, sglang, goodput: model shape (bench, tiny)"
     )
     parser.add_argument(
         "--geometries", help=f"ops: KV geometries, comma separated ({', '.join(ops.GEOMETRIES)})"
@@ -919,6 +969,15 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=300.0,
         help="soak: seconds one request may take before it counts as failed",
+    )
+    parser.add_argument(
+        "--rates",
+        help=f"goodput: request rates per second, comma separated (default {GOODPUT_RATES})",
+    )
+    parser.add_argument(
+        "--rate-seconds",
+        type=float,
+        help="goodput: seconds of arrivals per rate (default 60; 12 with --quick)",
     )
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--from-json", help="re-render the table, plot and Markdown of a saved run")

@@ -302,6 +302,12 @@ def bench_serve(
         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90",
         "--save-result", "--save-detailed", "--result-dir", str(out), "--result-filename", name,
     ]  # fmt: skip
+    return run_bench_client(args, out / name, log_path)
+
+
+def run_bench_client(args: list[str], result: Path, log_path: Path) -> dict[str, Any]:
+    """Run ``vllm bench serve`` with ``args`` (offline, output appended to ``log_path``,
+    at most an hour) and return the document it saved at ``result``."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     with open(log_path, "ab") as log:
         subprocess.run(
@@ -312,7 +318,7 @@ def bench_serve(
             check=True,
             timeout=3600,
         )
-    return json.loads((out / name).read_text())
+    return json.loads(result.read_text())
 
 
 def _metric_delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
