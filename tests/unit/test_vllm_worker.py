@@ -716,3 +716,59 @@ def test_the_replay_set_of_a_prefill_with_a_secret_reaches_a_gauge() -> None:
     finally:
         d_ep.close()
         p_ep.close()
+
+
+def _forward(p: WorkerSide, d: WorkerSide, meta: KVBridgeMetadata, deferred: bool, finished):
+    """One engine step of both workers in Model Runner V2's order: bind, the forward's
+    layers, then ``post_forward`` (``wait_for_save`` first unless ``deferred``, then the
+    transfer results) and, if deferred, ``finalize_step`` (``wait_for_save``) after it,
+    where a speculator's propose runs between the two. Returns both workers' results."""
+    p.bind_send(meta)
+    d.bind_recv(KVBridgeMetadata())
+    for step in meta.send:
+        for layer in range(L):  # save_kv_layer, by layer index
+            p.endpoint.sender.layer_done(step.transfer_id, layer, step.computed_after)
+    if not deferred:
+        p.after_forward()
+    out = p.results(finished), d.results(set())
+    if deferred:
+        p.after_forward()
+    return out
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["plain", "deferred-finalize"])
+def test_mrv2_s_deferred_finalize_reports_each_outcome_once_and_not_a_step_late(
+    pd, deferred: bool
+) -> None:
+    """MRV2 with a speculator asks for transfer results before ``wait_for_save`` (the
+    forward's end) and clears the metadata after the drafter. A two-chunk prefill pushed
+    to a decode: the load is reported once, as soon as it has completed; the prefill
+    request in the first step after both its release and the scheduler's finish (vLLM
+    frees its blocks then: a report a step late holds them a step, a second one kills
+    the engine), whichever order the steps take."""
+    p, d = pd
+    tid = "t-deferred"
+    prefill = PrefillAddress(p.endpoint.address)
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", tid, "push", prefill, [1, 2], 20, 0)]))
+    chunks = [
+        SendStep("rp", tid, "push", 20, [5, 6], 0, 16, True),
+        SendStep("rp", tid, "push", 20, [], 16, 20, False),
+    ]
+    reports: list[tuple[set[str], set[str]]] = []
+    for step in chunks:
+        (sending, _, _), (_, recving, _) = _forward(
+            p, d, KVBridgeMetadata(send=[step]), deferred, set()
+        )
+        reports.append((sending, recving))
+    # the decode's load completes and its release reaches the prefill's sender
+    eventually(lambda: p.endpoint.sender._released or not p._send_req)
+    # the scheduler finished the prefill request with the last chunk: the next step says so
+    finished = {"rp"}
+    for _ in range(5):
+        (sending, _, _), (_, recving, _) = _forward(p, d, KVBridgeMetadata(), deferred, finished)
+        reports.append((sending, recving))
+        finished = set()
+    sent = [i for i, (s, _) in enumerate(reports) if "rp" in s]
+    loaded = [i for i, (_, r) in enumerate(reports) if "rd" in r]
+    assert sent == [2], f"the prefill request reported in steps {sent}, not once in step 2"
+    assert len(loaded) == 1, f"the load reported in steps {loaded}, not once"
