@@ -303,3 +303,78 @@ def test_a_dead_prefill_among_healthy_ones_costs_clients_nothing(flow: str) -> N
     assert dead_before["failures"] == 1 and not dead_before["up"], before
     assert live_before["served"] == 6
     assert after["prefill"][0]["up"], after
+
+
+def test_a_streamed_push_request_whose_prefill_dies_before_any_token_is_retried() -> None:
+    """Push flow, streamed: the decode answers its headers at once and then waits for the
+    KV. A prefill that dies then (SIGKILLed mid-forward) left the client with a 200 and,
+    once the decode gave up, an error event: the proxy had relayed the headers. Nothing
+    had reached the client, so the request goes to the other prefill with a new transfer
+    id, the decode's request for the dead transfer is closed (vLLM aborts it), and the
+    client sees only the second attempt's tokens."""
+    address = {"address": "tcp://127.0.0.1:1", "engine_id": "p", "epoch": "e1"}
+    reply = {"choices": [{"text": "x"}], "kv_transfer_params": {"kvbridge": {"prefill": address}}}
+    waiting: dict[str, asyncio.Event] = {}  # transfer id -> the decode holds its request
+    computed: dict[str, asyncio.Event] = {}  # transfer id -> its prefill answered
+    closed: list[str] = []  # transfer ids whose decode request the proxy closed
+    dying: list[str] = []
+
+    def ticket(tid: str) -> tuple[asyncio.Event, asyncio.Event]:
+        return waiting.setdefault(tid, asyncio.Event()), computed.setdefault(tid, asyncio.Event())
+
+    async def run() -> tuple[int, list[str]]:
+        async def prefill(request: web.Request, dies: bool) -> web.Response:
+            tid = (await request.json())["kv_transfer_params"]["kvbridge"]["transfer_id"]
+            held, done = ticket(tid)
+            await held.wait()  # the decode already answered its headers
+            if dies:  # no KV will come for this transfer
+                dying.append(tid)
+                request.transport.close()
+            else:
+                done.set()
+            return web.json_response(reply)
+
+        async def decode(request: web.Request) -> web.StreamResponse:
+            tid = (await request.json())["kv_transfer_params"]["kvbridge"]["transfer_id"]
+            held, done = ticket(tid)
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            held.set()
+            try:
+                await asyncio.wait_for(done.wait(), 5)  # the KV arrives, or the load fails
+            except asyncio.CancelledError:
+                closed.append(tid)
+                raise
+            except TimeoutError:
+                await out.write(b'data: {"error": {"message": "load failed"}}\n\n')
+            else:
+                for i in range(3):
+                    await out.write(_event(i))
+            await out.write(b"data: [DONE]\n\n")
+            return out
+
+        dead_runner, dead_url = await _serve(_completions_app(lambda r: prefill(r, True)))
+        live_runner, live_url = await _serve(_completions_app(lambda r: prefill(r, False)))
+        # cancelled when its client goes, as vLLM's server aborts a request then
+        d_runner, d_url = await _serve(_completions_app(decode), handler_cancellation=True)
+        proxy = Proxy([dead_url, live_url], [d_url], flow="push")
+        for instance in proxy.prefill.instances:  # probed already: no discovery request
+            instance.learn(address)
+            instance.dp_size = 0
+        runner, url = await _serve(proxy.app())
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as client,
+                client.post(f"{url}/v1/completions", json=BODY) as resp,
+            ):
+                body = await resp.read()
+                return resp.status, [e for e in body.decode().split("\n\n") if e]
+        finally:
+            for r in (runner, dead_runner, live_runner, d_runner):
+                await r.cleanup()
+
+    status, events = asyncio.run(run())
+    assert len(dying) == 1, "the request did not go to the dying prefill first"
+    assert status == 200
+    assert events == [_event(i).decode().strip() for i in range(3)] + ["data: [DONE]"], events
+    assert closed == dying, "the decode's request for the dead transfer was not closed"

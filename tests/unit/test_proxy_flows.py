@@ -29,9 +29,10 @@ def _completions_app(handle: Any) -> web.Application:
     return app
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on a free loopback port: its runner (to clean up) and its URL."""
-    runner = web.AppRunner(app)
+async def _serve(app: web.Application, **runner_kw: Any) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on a free loopback port: its runner (to clean up) and its URL;
+    ``runner_kw``: for :class:`aiohttp.web.AppRunner`."""
+    runner = web.AppRunner(app, **runner_kw)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -361,7 +361,8 @@ class Proxy:
                 raise p_task.exception()  # type: ignore[misc]
             d_resp = await d_task
             try:
-                return await self._relay(request, d, d_resp)
+                first = await self._first_event(d, d_resp, p_task)
+                return await self._relay(request, d, d_resp, first)
             finally:
                 d_resp.release()
         finally:
@@ -518,9 +519,40 @@ class Proxy:
         d.mark_up()
         return resp
 
+    async def _first_event(
+        self, d: Instance, upstream: aiohttp.ClientResponse, p_task: asyncio.Task[Any]
+    ) -> bytes:
+        """A streamed decode answer's first bytes (b"" for an answer that is not a stream),
+        read before the client gets its status line: until they come, the request can
+        still go to another prefill. The decode answers its headers at once and its first
+        event with the first token, once the KV is in; if the prefill (``p_task``) fails
+        first, its error is raised, and the caller's release of ``upstream`` closes the
+        decode's request (vLLM aborts it)."""
+        if "text/event-stream" not in upstream.headers.get("Content-Type", ""):
+            return b""
+        read = asyncio.ensure_future(upstream.content.readany())
+        try:
+            await asyncio.wait({read, p_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done() and p_task.exception() is not None:
+                raise p_task.exception()  # type: ignore[misc]
+            return await read
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self._down(d, f"{type(exc).__name__}: {exc}")
+            raise _error(
+                502, f"decode instance {d.url} failed before its first event: {describe(exc)}"
+            ) from exc
+        finally:
+            read.cancel()
+
     async def _relay(
-        self, request: web.Request, d: Instance, upstream: aiohttp.ClientResponse
+        self,
+        request: web.Request,
+        d: Instance,
+        upstream: aiohttp.ClientResponse,
+        first: bytes = b"",
     ) -> web.StreamResponse:
+        """Relay the decode's answer to the client, a stream after its ``first`` bytes
+        (already read: :meth:`_first_event`)."""
         content_type = upstream.headers.get("Content-Type", "application/json")
         try:
             if "text/event-stream" not in content_type:
@@ -541,6 +573,9 @@ class Proxy:
             ) from exc
         tail = b"\n\n"  # the stream's last bytes: whether it stopped between two events
         try:
+            if first:
+                await _to_client(out, first)
+                tail = (tail + first)[-2:]
             async for chunk in upstream.content.iter_any():
                 await _to_client(out, chunk)
                 tail = (tail + chunk)[-2:]
