@@ -79,6 +79,21 @@ def test_compat_hash_is_checked_before_the_body() -> None:
         Codec(INFO).decode(garbage_body)
 
 
+def test_an_incompatible_hello_of_megabytes_gets_an_error_of_a_few_hundred_characters() -> None:
+    """A peer's values are quoted in the error that is logged and answered to it: a
+    3.8 MB model name used to make 11 MB of error text (issue 46, reproduction 5)."""
+    theirs = msgspec.structs.replace(INFO, model="m" * 3_800_000)
+    hello = m.Hello(
+        peer=PEER, compat=theirs, transport="nixl", transport_metadata=b"", geometry=GEO
+    )
+    with pytest.raises(IncompatiblePeerError) as info:
+        Codec(INFO).decode(Codec(theirs).encode(hello))
+    text = str(info.value)
+    assert len(text) < 600, f"{len(text)} characters"
+    assert text.startswith("peer's KV cache is incompatible: model: ours='tiny-llama', peer='mmm")
+    assert text.endswith("(fix: start prefill and decode with identical model)")
+
+
 def test_protocol_version_mismatch() -> None:
     frame = msgspec.msgpack.encode(
         [PROTOCOL_VERSION + 1, compat_hash(INFO), {"t": "done", "transfer_id": "x"}]
