@@ -886,3 +886,33 @@ def test_a_destination_on_its_way_to_a_restarted_prefill_is_not_failed_by_a_hear
     D.node.client.request = ordered
     _stream_new(D, P2, wait=False)
     assert outcomes(D, 2) == (["new"], ["old"])
+
+
+@pytest.mark.parametrize("destination", ["before", "after"])
+def test_a_request_the_prefill_s_engine_never_computed_ends_its_decode_at_once_as_aborted(
+    destination: str,
+) -> None:
+    """The prefill's engine ended a pushed request while it was queued (its client went
+    away: the proxy closed the prefill request). Its decode, whose destination reached
+    the prefill before that or comes after it, used to wait out ``receive_s`` holding its
+    blocks (the soak's minute-long holds); it now ends at once, counted as aborted and
+    not as a failure, and the prefill keeps nothing for it."""
+    P, D = endpoint("P", make_cache(1)), endpoint("D", make_cache(None), {"receive_s": 60})
+    try:
+        if destination == "before":
+            D.receiver.expect_push("q", P.address, [5, 6, 7], 40)
+            eventually(lambda: D.receiver.phase("q") == RecvPhase.WAITING)
+            assert P.sender.early == 1
+        P.sender.never_sent("q", "the prefill request ended before it was computed (ABORTED)")
+        if destination == "after":
+            D.receiver.expect_push("q", P.address, [5, 6, 7], 40)
+        start = time.monotonic()
+        assert outcomes(D, 1) == ([], ["q"])
+        assert time.monotonic() - start < 3, "ended by its deadline, not by the prefill's word"
+        counted = D.stats.take()
+        assert (counted.aborted, counted.failures) == (1, 0)
+        assert P.sender.early == 0
+        assert P.sender.take_released() == [], "nothing was held for it: nothing to release"
+    finally:
+        D.close()
+        P.close()

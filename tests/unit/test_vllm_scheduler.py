@@ -303,6 +303,40 @@ def test_a_second_prefill_request_naming_a_transfer_in_use_is_computed_without_a
     ] == ["3_r"]
 
 
+@pytest.mark.parametrize("allocated", [False, True], ids=["queued", "allocated"])
+def test_a_pushed_prefill_request_ended_before_it_was_computed_tells_the_workers_once(
+    allocated: bool,
+) -> None:
+    """The proxy closes the prefill request when its client hangs up; vLLM aborts it
+    while it is queued (or allocated, before its first step), nothing was computed or is
+    held, and ``request_finished`` is the last kvbridge hears of it. Its decode may
+    already wait for the KV: the workers are told the transfer will never be sent, once.
+    A P-first request has no decode waiting yet, and a sibling naming another request's
+    transfer tells nothing."""
+    s = SchedulerSide(16, "eng", "127.0.0.1")
+    r = _prefill_req("r")
+    assert s.matched_tokens(r, 0) == (0, False)
+    if allocated:
+        s.after_alloc(r, None, 0)
+    r.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(r, ([],)) == (False, None), "nothing is held"
+    never_sent = s.build_meta(_output()).never_sent
+    assert list(never_sent) == ["t1"] and "before it was computed" in never_sent["t1"]
+    assert s.build_meta(_output()).never_sent == {}, "told once"
+    assert not s.has_pending_work() and not s._send_owner
+    pulled = _prefill_req("p", tid="t2", flow="pull")
+    pulled.status = RequestStatus.FINISHED_ABORTED
+    assert s.matched_tokens(pulled, 0) == (0, False)
+    assert s.request_finished(pulled, ([],)) == (False, None)
+    owner, sibling = _prefill_req("o", tid="t3"), _prefill_req("s", tid="t3")
+    for q in (owner, sibling):
+        assert s.matched_tokens(q, 0) == (0, False)
+    s.after_alloc(owner, None, 0)
+    sibling.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(sibling, ([],)) == (False, None)
+    assert s.build_meta(_output()).never_sent == {}
+
+
 def test_a_preempted_prefill_drops_its_transfer_and_resumes_as_a_plain_request() -> None:
     """vLLM frees a preempted request's blocks itself: the workers abort the transfer
     without reporting it (vLLM asserts every ``finished_sending`` id is a live request),

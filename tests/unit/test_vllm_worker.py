@@ -777,3 +777,19 @@ def test_mrv2_s_deferred_finalize_reports_each_outcome_once_and_not_a_step_late(
     for _ in range(5):
         assert "rd" not in d.results(set(), idle=True)[1], "the load reported twice"
     assert len(loaded) == 1, f"the load reported in steps {loaded}, not once"
+
+
+def test_a_transfer_the_prefill_never_sent_fails_the_decode_s_load_at_once(pd) -> None:
+    """The prefill's scheduler says a pushed request ended before it was computed
+    (``never_sent``): the decode waiting for it reports the load failed now, not at
+    ``receive_s``; the prefill reports nothing (vLLM holds nothing for it)."""
+    p, d = pd
+    tid = "t-never"
+    prefill = PrefillAddress(p.endpoint.address)
+    d.bind_recv(KVBridgeMetadata(recv=[RecvTask("rd", tid, "push", prefill, [1, 2], 20, 0)]))
+    eventually(lambda: p.endpoint.sender.early == 1)  # its destination waits at the prefill
+    p.bind_send(KVBridgeMetadata(never_sent={tid: "the prefill request ended (ABORTED)"}))
+    seen = _until(d, set(), "rd", 2, steps=100)  # 100 idle steps: at most half a second
+    # vLLM's contract: a failed load is finished (recving) and failed, in the same step
+    assert "rd" in seen[-1][1] and sum("rd" in r for _, r, _ in seen) == 1
+    assert all(p.results({"rp"}, idle=True) == (set(), set(), set()) for _ in range(5))

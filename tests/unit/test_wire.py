@@ -36,6 +36,7 @@ ALL_MESSAGES = [
     m.Release(transfer_id="r1", peer=PEER, ok=False, reason="read failed"),
     m.LayerDone(transfer_id="r1", layers=[0, 1], first_block=2, num_blocks=3),
     m.Done(transfer_id="r1", ok=False, reason="lease expired"),
+    m.Done(transfer_id="r1", ok=False, reason="the prefill request ended", aborted=True),
     m.Abort(transfer_id="r1", peer=PEER, reason="client gone"),
     m.Heartbeat(peer=PEER),
     m.Reply(ok=False, code="unknown_peer", detail="say Hello", epoch="e2"),
@@ -58,6 +59,7 @@ def test_frame_layout_is_version_hash_body() -> None:
         "ok": True,
         "reason": "",
         "source": 0,
+        "aborted": False,
     }
 
 

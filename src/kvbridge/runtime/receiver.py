@@ -466,6 +466,7 @@ class Receiver:
                 return
             entry.req.posted(key)
         maybe_held = False  # the source may hold our destination without our knowing
+        reply: object = None
         try:
             for attempt in range(2):
                 peer = self._connect(entry, i, fresh=attempt > 0)
@@ -509,7 +510,8 @@ class Receiver:
                     src.delivered = True  # the failure below asks it to stop
                 else:
                     entry.req.settled(key, self.clock())
-            self._fail(entry, f"destination not delivered: {exc}")
+            aborted = isinstance(reply, Reply) and reply.code == "aborted"
+            self._fail(entry, f"destination not delivered: {exc}", aborted=aborted)
             return
         with self._lock:
             src.delivered = True
@@ -677,7 +679,7 @@ class Receiver:
         with self._lock:
             self._writes_stopped(entry, self.clock(), msg.source)  # Done comes after its last write
         if not msg.ok:
-            self._fail(entry, f"prefill gave up: {msg.reason}")
+            self._fail(entry, f"prefill gave up: {msg.reason}", aborted=msg.aborted)
 
     def _writes_stopped(self, entry: _In, now: float, i: int | None = None) -> None:
         """Source ``i`` (default: every source) will not write into this destination
@@ -905,10 +907,16 @@ class Receiver:
         keys = entry.req._inflight_keys()
         return [i for i, src in enumerate(entry.sources) if src.delivered and _remote(i) in keys]
 
-    def _fail(self, entry: _In, reason: str) -> None:
+    def _fail(self, entry: _In, reason: str, aborted: bool = False) -> None:
+        """End ``entry`` as failed (the engine is told its blocks hold no KV) and ask its
+        sources to stop. ``aborted``: the prefill's engine ended the request first (its
+        client went away); counted as aborted, not as a failure."""
         with self._lock:
             ended = entry.req.fail(reason, self.clock())
-            if ended:
+            if ended and aborted:
+                self.stats.add(aborted=1)
+                log.info("kvbridge: receiving %s ended: %s", entry.req.transfer_id, reason)
+            elif ended:
                 self.stats.add(failures=1)
                 log.warning("kvbridge: receiving %s failed: %s", entry.req.transfer_id, reason)
             writing = self._writing(entry) if ended else []

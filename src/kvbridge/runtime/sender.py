@@ -190,6 +190,10 @@ class Sender:
         the same for all): the sender thread drops expired ones without visiting the
         others."""
         self._released: list[str] = []
+        self._never_sent = EndedTransfers()
+        """Transfers whose request the engine ended before this worker tracked it
+        (:meth:`never_sent`), with why: a destination that comes later is answered
+        ``aborted`` at once."""
         self._ended = EndedTransfers()
         """Released transfers and how they ended: a destination that comes later is
         refused at once (its decode side fails the load instead of waiting)."""
@@ -368,6 +372,34 @@ class Sender:
                 self.stats.add(aborted=1)
                 self._lock.notify()
 
+    def never_sent(self, transfer_id: str, reason: str) -> None:
+        """The engine ended the request of ``transfer_id`` before this worker tracked it
+        (aborted while queued: its client went away), so nothing will be sent. Any
+        thread, once per such request. A decode whose destination waits here is told now
+        (a ``Done`` marked ``aborted``: it counts no failure), one whose destination
+        comes later is answered ``aborted`` at once; either would otherwise wait
+        out ``timeouts.receive_s``, holding its blocks. A transfer tracked meanwhile
+        ends the usual way."""
+        told: list[tuple[Peer, Done]] = []
+        with self._lock:
+            if transfer_id in self._out or transfer_id in self._ended:
+                return
+            if transfer_id in self._never_sent:
+                return
+            self._never_sent.add(transfer_id, reason)
+            for msg, _ in self._drop_early(transfer_id, lambda msg, deadline: False):
+                peer = self.node.peer(msg.peer)
+                if isinstance(msg, Destination) and peer is not None:
+                    note = Done(
+                        transfer_id=transfer_id,
+                        ok=False,
+                        reason=reason,
+                        source=msg.source,
+                        aborted=True,
+                    )
+                    told.append((peer, note))
+        self._tell(told)
+
     def take_released(self) -> list[str]:
         """Transfer ids whose blocks the engine may free now, each exactly once."""
         with self._lock:
@@ -402,6 +434,13 @@ class Sender:
         now = self.clock()
         with self._lock:
             out = self._out.get(msg.transfer_id)
+            if out is None and (why := self._never_sent.get(msg.transfer_id)) is not None:
+                return Reply(
+                    ok=False,
+                    code="aborted",
+                    detail=f"transfer {msg.transfer_id} was never sent: {why}",
+                    epoch=self.node.id.epoch,
+                )
             if out is None:
                 how = self._ended.get(msg.transfer_id)
                 if how is not None:  # e.g. the engine aborted or preempted the request first
@@ -538,7 +577,8 @@ class Sender:
         with self._lock:
             out = self._out.get(msg.transfer_id)
             if out is None:
-                if msg.transfer_id not in self._ended:  # D may give up before this worker tracks it
+                if msg.transfer_id not in self._ended and msg.transfer_id not in self._never_sent:
+                    # D may give up before this worker tracks it
                     # what the same party sent before is void (a stranger's abort voids nothing)
                     self._drop_early(msg.transfer_id, lambda m, _: not _same_party(m, msg))
                     reply = self._keep_early(msg, self.clock())

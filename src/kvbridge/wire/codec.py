@@ -86,7 +86,7 @@ class Codec:
     ...                   num_layers=2, num_kv_heads=2, head_dim=64)
     >>> codec = Codec(info)
     >>> codec.decode(codec.encode(Done(transfer_id="r1", ok=False, reason="lease expired")))
-    Done(transfer_id='r1', ok=False, reason='lease expired', source=0)
+    Done(transfer_id='r1', ok=False, reason='lease expired', source=0, aborted=False)
     """
 
     _frame_encoder = msgspec.msgpack.Encoder()

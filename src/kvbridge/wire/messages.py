@@ -159,6 +159,9 @@ class Done(_Msg, tag="done"):
     reason: str = ""
     source: int = 0
     """The destination's ``source``."""
+    aborted: bool = False
+    """With ``ok=False``: P's engine ended the request before computing it (its client
+    went away), so the decode counts an aborted transfer, not a failed one."""
 
 
 class Abort(_Msg, tag="abort"):
@@ -189,7 +192,9 @@ class Reply(_Msg, tag="reply"):
 
     ``code``: ``ok``; ``stopped`` (to an Abort: P holds nothing for the transfer and
     will not write, D may reuse its blocks now); ``unknown_peer`` (P has no handshake with this D,
-    e.g. P restarted: D must say Hello again); ``unknown_transfer``; ``forbidden`` (the message
+    e.g. P restarted: D must say Hello again); ``unknown_transfer``; ``aborted`` (to a
+    Destination: P's engine ended the request before computing it, nothing will be
+    written; D fails the load without counting a failure); ``forbidden`` (the message
     does not carry the transfer's ticket, or comes from another decode instance than its
     destination's: nothing changed); ``incompatible`` (``compat``
     carries P's properties, so D's error names what differs); ``error`` (``detail`` says what).

@@ -82,6 +82,11 @@ class KVBridgeMetadata(KVConnectorMetadata):
     drop_send: dict[str, str] = field(default_factory=dict)
     """req_id -> transfer_id of prefill requests vLLM preempted: it freed their blocks
     itself, so the workers abort the transfer and never report it as finished."""
+    never_sent: dict[str, str] = field(default_factory=dict)
+    """transfer_id -> why: pushed prefill requests the engine ended before computing
+    them (aborted while queued: their client went away). Nothing is held for them; the
+    workers answer their decodes now, which would otherwise wait ``timeouts.receive_s``
+    for KV that never comes."""
     idle: bool = False
     """No tokens are computed this step: the engine steps only to poll transfers."""
 

@@ -168,6 +168,7 @@ class SchedulerSide:
         self._held: set[str] = set()
         self._abort_send: dict[str, str] = {}
         self._abort_recv: dict[str, str] = {}
+        self._never_sent: dict[str, str] = {}
         self._workers: dict[int, KVBridgeHandshake] = {}
         # P-first prefill requests too short to hand off (module docstring)
         self._not_handed: set[str] = set()
@@ -360,9 +361,11 @@ class SchedulerSide:
             forgo=self._forgo_new,
             abort_send=self._abort_send,
             abort_recv=self._abort_recv,
+            never_sent=self._never_sent,
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._recv_new, self._forgo_new, self._abort_send, self._abort_recv = [], [], {}, {}
+        self._never_sent = {}
         if self._prefill:
             computed = {
                 r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
@@ -484,6 +487,12 @@ class SchedulerSide:
         p = self._prefill.pop(req_id, None)
         if p is None or not p.started:
             self._free_transfer_id(req_id)
+            if h.flow == "push" and self._send_owner.get(h.transfer_id) is None:
+                # its decode may wait for it already: tell it now (not another request's)
+                self._never_sent[h.transfer_id] = (
+                    "the prefill request ended before it was computed "
+                    f"({getattr(request.status, 'name', request.status)})"
+                )
             return False, None  # never computed, nothing was sent or held
         self._held.add(req_id)
         if request.status not in FINISHED_OK:

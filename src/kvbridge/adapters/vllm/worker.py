@@ -218,6 +218,8 @@ class WorkerSide:
             self._send_req.pop(tid, None)
             self._released.discard(req_id)
             ep.sender.abort(tid, "vLLM preempted the prefill request and freed its blocks")
+        for tid, why in meta.never_sent.items():  # nothing held, never reported
+            ep.sender.never_sent(tid, why)
         self._steps = []
         for step in meta.send:
             if step.req_id in self._refused_send:
