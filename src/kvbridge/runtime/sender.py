@@ -261,11 +261,8 @@ class Sender:
                         self.stats.add(aborted=1)
                 else:
                     why = self._accept(out, msg, now)
-                peer = self.node.peer(msg.peer) if why is not None else None
-                if isinstance(msg, Destination) and peer is not None:
-                    # it waits for writes: tell it now rather than at its deadline
-                    note = Done(transfer_id=transfer_id, ok=False, reason=why, source=msg.source)
-                    refused.append((peer, note))
+                if why is not None:
+                    refused += self._nothing_for(msg, why)
             self._lock.notify()
         self._tell(refused)
 
@@ -382,23 +379,31 @@ class Sender:
         ends the usual way."""
         told: list[tuple[Peer, Done]] = []
         with self._lock:
-            if transfer_id in self._out or transfer_id in self._ended:
-                return
-            if transfer_id in self._never_sent:
+            if (
+                transfer_id in self._out
+                or transfer_id in self._ended
+                or transfer_id in self._never_sent
+            ):
                 return
             self._never_sent.add(transfer_id, reason)
             for msg, _ in self._drop_early(transfer_id, lambda msg, deadline: False):
-                peer = self.node.peer(msg.peer)
-                if isinstance(msg, Destination) and peer is not None:
-                    note = Done(
-                        transfer_id=transfer_id,
-                        ok=False,
-                        reason=reason,
-                        source=msg.source,
-                        aborted=True,
-                    )
-                    told.append((peer, note))
+                told += self._nothing_for(msg, reason, aborted=True)
         self._tell(told)
+
+    def _nothing_for(
+        self, msg: Destination | Release | Abort, why: str, aborted: bool = False
+    ) -> list[tuple[Peer, Done]]:
+        """The failed ``Done`` (for :meth:`_tell`) that tells the decode behind an early
+        ``msg`` now, rather than at its deadline, that nothing will be written for it:
+        only a destination waits for writes, and only a peer we shook hands with can be
+        told (lock held)."""
+        peer = self.node.peer(msg.peer)
+        if not isinstance(msg, Destination) or peer is None:
+            return []
+        note = Done(
+            transfer_id=msg.transfer_id, ok=False, reason=why, source=msg.source, aborted=aborted
+        )
+        return [(peer, note)]
 
     def take_released(self) -> list[str]:
         """Transfer ids whose blocks the engine may free now, each exactly once."""
