@@ -92,7 +92,7 @@ def test_chat_completion(server: VllmServer) -> None:
 
 def test_stop_leaves_no_process(server: VllmServer) -> None:
     pids = server.pids()
-    assert server.pid in pids and len(pids) >= 3  # API server, engine core, worker
+    assert server.pid in pids and len(pids) >= 2  # API server, engine core (and its worker)
     server.stop()
     assert not server.alive() and server.pids() == []
     assert not [pid for pid in pids if _running(pid)]

