@@ -27,11 +27,12 @@ from kvbridge.demo.model import build_tiny_model, default_model_dir
 from kvbridge.demo.servers import VllmServer
 
 VllmServer.kv_cache_mb = 256
-VllmServer.one_process_engine = True  # a server with one worker: two processes, not three
 """Every test server's KV cache (the tiny models' prompts take a few MiB): a vLLM worker
 holds about its KV cache plus 0.5 GB, and a TP 2 cluster runs seven engine processes
 (1 GiB each: 1.55 GB a worker, 24 GB in use with the streams of make test side by side,
 and the kernel killing workers)."""
+VllmServer.one_process_engine = True
+"""A server with one worker runs it in its engine core: two processes, not three."""
 
 
 @pytest.fixture(scope="session")

