@@ -93,7 +93,8 @@ for req in project["dependencies"] + extras["nixl"] + extras["mooncake"] + extra
 EOF
 )
 log "installing kvbridge (editable) and: ${KVB_DEPS[*]}"
-quiet "${PIP[@]}" --no-deps -e .
+mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
+{ flock 9; quiet "${PIP[@]}" --no-deps -e .; } 9>build/.editable-install.lock
 quiet "${PIP[@]}" "${KVB_DEPS[@]}"
 
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries: with CPU

