@@ -54,7 +54,7 @@ test-sglang: setup-sglang
 
 ## the vLLM stand-in tier alone, release by release
 test-standin: setup-standin
-	for r in 0.33 0.34; do KVBRIDGE_VLLM_STANDIN=1 .venv-vllm-$$r/bin/python -m pytest tests/integration_standin -ra || exit 1; done
+	for r in 0.33 0.34; do KVBRIDGE_VLLM_STANDIN=1 .venv-vllm-$$r/bin/python -m pytest tests/component_standin tests/integration_standin -ra || exit 1; done
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q

@@ -22,7 +22,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# vLLM releases of the stand-in tier (tests/integration_standin; scripts/setup-vllm-standin.sh)
+# vLLM releases of the stand-in tier (tests/component_standin, tests/integration_standin;
+# scripts/setup-vllm-standin.sh)
 STANDIN=(${KVBRIDGE_STANDIN_RELEASES:-0.33 0.34})
 # engine modules of tests/integration that each of them runs too, with stand-ins: aborts
 # on either side, dead and restarted peers, preemption (about 4 minutes per release)
@@ -43,7 +44,7 @@ second() {
     # shellcheck disable=SC2086  # the module list splits into paths
     KVBRIDGE_VLLM_STANDIN=1 \
       KVBRIDGE_PORT_RANGE=17000-21499 ".venv-vllm-$release/bin/python" -m pytest -ra \
-      --durations=10 tests/integration_standin $STANDIN_ENGINE_MODULES "$@" ||
+      --durations=10 tests/component_standin tests/integration_standin $STANDIN_ENGINE_MODULES "$@" ||
       { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
   done
   return "$rc"
@@ -58,7 +59,7 @@ trap 'kill -- -"$second_pid" 2>/dev/null' INT TERM
 
 KVBRIDGE_PORT_RANGE=10000-16999 .venv/bin/python -m pytest tests -ra --durations=10 "$@" \
   --ignore=tests/integration_sglang --ignore=tests/component_sglang \
-  --ignore=tests/integration_standin
+  --ignore=tests/component_standin --ignore=tests/integration_standin
 main_rc=$?
 
 wait "$second_pid"

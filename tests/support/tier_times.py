@@ -33,6 +33,7 @@ TIERS = {
     "integration_sglang": "SGLang engines",
     "gpu": "GPU",
     "integration_standin": "vLLM stand-in",
+    "component_standin": "vLLM stand-in components",
 }
 
 _seconds: dict[str, float] = defaultdict(float)
@@ -64,6 +65,8 @@ def _tier(nodeid: str) -> str:
     folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
     if folder in ("integration", "integration_standin") and _standin():
         return _standin()  # one environment per vLLM release: say which
+    if folder == "component_standin" and _standin():
+        return f"{_standin()} components"
     return TIERS.get(folder, folder)
 
 
