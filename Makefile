@@ -9,7 +9,7 @@ system:
 	@bash -c 'log() { echo "[system] $$*"; }; source scripts/debian-packages.sh; ensure_debian_packages'
 
 ## every test environment, built side by side (pip waits on the network and the disk as
-## much as on the CPUs): 250-270 s for the four on 2 cores, against about 7.6 min one after
+## much as on the CPUs): 250-310 s for the four on 2 cores, against about 7.6 min one after
 ## another; four at once (-j4) took 300 s
 envs: system
 	@$(MAKE) --no-print-directory --output-sync=target -j3 setup setup-sglang setup-standin

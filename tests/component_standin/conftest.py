@@ -11,12 +11,6 @@ Anywhere else this directory collects nothing.
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import standin_gate
 
-collect_ignore_glob = (
-    []
-    if os.environ.get("KVBRIDGE_VLLM_STANDIN") == "1"
-    and importlib.util.find_spec("vllm_standin") is not None
-    else ["test_*.py"]
-)
+collect_ignore_glob = [] if standin_gate.active() else ["test_*.py"]

@@ -13,15 +13,12 @@ logits). Anywhere else this directory collects nothing.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import sys
 from pathlib import Path
 
-_ACTIVE = (
-    os.environ.get("KVBRIDGE_VLLM_STANDIN") == "1"
-    and importlib.util.find_spec("vllm_standin") is not None
-)
+import standin_gate
+
+_ACTIVE = standin_gate.active()
 
 collect_ignore_glob = [] if _ACTIVE else ["test_*.py"]
 
