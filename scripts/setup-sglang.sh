@@ -94,7 +94,10 @@ EOF
 )
 log "installing kvbridge (editable) and: ${KVB_DEPS[*]}"
 mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
-{ flock 9; quiet "${PIP[@]}" --no-deps -e .; } 9>build/.editable-install.lock
+{
+  flock -w 1200 9 || { echo "waited 20 min for build/.editable-install.lock (another setup script holds it); let it finish or stop it, then run this again" >&2; exit 1; }
+  quiet "${PIP[@]}" --no-deps -e .
+} 9>build/.editable-install.lock
 quiet "${PIP[@]}" "${KVB_DEPS[@]}"
 
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries: with CPU

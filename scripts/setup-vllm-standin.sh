@@ -41,7 +41,10 @@ pip_install() {
 "${PIP[@]}" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
   "pytest-timeout>=2.3"
 mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
-{ flock 9; "${PIP[@]}" --no-deps -e . -e tests/vllm_standin; } 9>build/.editable-install.lock
+{
+  flock -w 1200 9 || { echo "waited 20 min for build/.editable-install.lock (another setup script holds it); let it finish or stop it, then run this again" >&2; exit 1; }
+  "${PIP[@]}" --no-deps -e . -e tests/vllm_standin
+} 9>build/.editable-install.lock
 echo "(vLLM's GPU requirements left out on purpose: the stand-in never calls them)"
 echo "vLLM $VERSION stand-in environment in $VENV: $(( $(date +%s) - start )) s," \
   "$(du -sh "$VENV" | cut -f1)"

