@@ -358,14 +358,28 @@ def check_parallel_sampling(
     )
 
 
-def check_idle(instances: tuple[VllmServer, ...], usage: dict[str, float]) -> None:
-    """Every instance is back where it started: KV cache usage at its value before
-    (``usage``), no kvbridge request in flight."""
+IDLE_GAUGES = [USAGE, *IN_FLIGHT]
+"""What :func:`check_idle` compares: KV cache usage and kvbridge's requests in flight."""
+
+
+def idle_state(instances: tuple[VllmServer, ...]) -> dict[str, dict[str, float]]:
+    """Each instance's :data:`IDLE_GAUGES` now, by URL: what :func:`check_idle` compares a
+    test's end against. An earlier test's transfer may still be held under its lease
+    (a proxy test whose decode was unreachable): it counts here, not against this test."""
+    return {s.url: {g: metric(s.url, g) for g in IDLE_GAUGES} for s in instances}
+
+
+def check_idle(
+    instances: tuple[VllmServer, ...], before: dict[str, dict[str, float]] | None = None
+) -> None:
+    """Every instance is back where it started: each of :data:`IDLE_GAUGES` at most its
+    value in ``before`` (from :func:`idle_state`; ``None``: 0, an idle instance), waited
+    for within :func:`wait_metric`'s deadline."""
     for s in instances:
-        got = wait_metric(s.url, USAGE, lambda v, s=s: v <= usage[s.url] + 1e-9)
-        assert got <= usage[s.url] + 1e-9, f"{s.url}'s KV cache usage stayed at {got}"
-        in_flight = {gauge: metric(s.url, gauge) for gauge in IN_FLIGHT}
-        assert not any(in_flight.values()), f"{s.url} counts requests in flight: {in_flight}"
+        for gauge in IDLE_GAUGES:
+            was = 0.0 if before is None else before[s.url][gauge]
+            got = wait_metric(s.url, gauge, lambda v, was=was: v <= was + 1e-9)
+            assert got <= was + 1e-9, f"{s.url}'s {gauge} stayed at {got} (it was {was})"
 
 
 def metric(url: str, name: str) -> float:

@@ -20,12 +20,12 @@ import pytest
 from engine_helpers import (
     COMMON_ARGS,
     RECEIVED,
-    USAGE,
     ProxyProcess,
     blocks_bytes,
     check_idle,
     discover,
     handoff,
+    idle_state,
     kv_args,
     metric,
     reference,
@@ -283,7 +283,7 @@ def test_each_prefill_feeds_both_decodes_at_once(servers: Servers, flow: str) ->
     prompts = fresh_prompts([40 + 37 * i for i in range(len(pairs))])
     refs = [complete(servers.c.url, pr, max_tokens=MAX_TOKENS).token_ids for pr in prompts]
     address = {p.url: discover(p.url) for p in prefills} if flow == "push" else {}
-    usage = {s.url: metric(s.url, USAGE) for s in (*prefills, *decodes)}
+    usage = idle_state((*prefills, *decodes))
     before = {d.url: metric(d.url, RECEIVED) for d in decodes}
 
     def run(job: tuple[tuple[VllmServer, VllmServer], list[int]]) -> list[int]:
@@ -314,7 +314,7 @@ def test_the_proxy_spreads_requests_over_two_prefills_and_two_decodes(
     try:
         prompts = fresh_prompts([30 + 41 * i for i in range(8)])
         refs = [complete(servers.c.url, pr, max_tokens=MAX_TOKENS).token_ids for pr in prompts]
-        usage = {s.url: metric(s.url, USAGE) for s in (*prefills, *decodes)}
+        usage = idle_state((*prefills, *decodes))
         before = {d.url: metric(d.url, RECEIVED) for d in decodes}
         with ThreadPoolExecutor(len(prompts)) as pool:
             outs = list(
@@ -340,9 +340,11 @@ def test_the_proxy_spreads_requests_over_two_prefills_and_two_decodes(
 CLIENTS = 6
 KILL_AFTER = 12
 """Requests served through the proxy before P2 is killed."""
-FAILURES_WITHIN_S = 10.0
-"""A client request may fail only this soon after the kill: those in flight on P2 that
-the proxy could not send elsewhere (a decode that already learnt of P2's death)."""
+IN_FLIGHT_FAILS_WITHIN_S = 30.0
+"""How soon after the kill a request in flight on P2 fails: its decode learns of the death
+within the side channel's deadlines (seconds), but under the suite's load it may first
+wait in the decode's queue for many (12.9 s seen); half the clients' 60 s timeout tells
+such a failure from a hang."""
 
 
 def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
@@ -351,9 +353,10 @@ def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
     """Issue 46's fault injection: six clients through the proxy (push flow) over P and P2
     to D2 (fail policy: a load that fails is an error, never hidden by a recompute), a
     mix of short and long prompts; P2 is SIGKILLed mid-run and restarted on its port.
-    No request hangs (each has a deadline); none fails later than a few seconds after
-    the kill (later ones go to P while P2 is down, and the proxy probes P2 in the
-    background, never with a client's request); the restarted P2 serves again; every
+    No request hangs (each has a deadline); only a request already in flight when P2
+    died may fail, and within :data:`IN_FLIGHT_FAILS_WITHIN_S` of the kill; one sent
+    after the kill goes to P while P2 is down (the proxy probes P2 in the background,
+    never with a client's request); the restarted P2 serves again; every
     output equals the colocated one; every instance is idle afterwards. Last in the
     module: the restarted P2 replaces the fixture's."""
     prompts = [random_prompt(n, seed=700 + n) for n in (17, 60, 130, 250, 333, 420)]
@@ -362,7 +365,8 @@ def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
         [servers.p.url, servers.p2.url], [servers.d2.url], log=tmp_path / "proxy.log"
     )
     served, stop = threading.Semaphore(0), threading.Event()
-    errors: list[tuple[float, str]] = []
+    errors: list[tuple[float, float, str]] = []
+    """(sent, failed, why) of each failed request, monotonic seconds."""
     wrong: list[int] = []
 
     def client(i: int) -> None:
@@ -370,10 +374,11 @@ def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
         while not stop.is_set():
             prompt = prompts[k % len(prompts)]
             k += 1
+            sent = time.monotonic()
             try:
                 out = complete(proxy.url, prompt, max_tokens=MAX_TOKENS, timeout=60)
             except (ServerError, OSError) as exc:
-                errors.append((time.monotonic(), str(exc)[:300]))
+                errors.append((sent, time.monotonic(), str(exc)[:300]))
                 continue
             if out.token_ids != refs[tuple(prompt)]:
                 wrong.append(len(prompt))
@@ -411,8 +416,15 @@ def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
             t.join(timeout=90)
         proxy.stop()
     assert not any(t.is_alive() for t in threads), "a client request hung"
-    late = [(round(at - killed, 1), why) for at, why in errors if at - killed > FAILURES_WITHIN_S]
-    assert not late, f"requests failed long after the kill: {late}"
+    late = [
+        (round(sent - killed, 1), round(failed - killed, 1), why)
+        for sent, failed, why in errors
+        if sent > killed
+    ]
+    assert not late, f"requests sent after the kill failed (sent, failed, why): {late}"
+    slow = [
+        (round(f - killed, 1), why) for _, f, why in errors if f - killed > IN_FLIGHT_FAILS_WITHIN_S
+    ]
+    assert not slow, f"requests failed long after the kill: {slow}"
     assert not wrong, f"outputs differ from the colocated ones for prompts of {wrong} tokens"
-    usage = {s.url: 0.0 for s in (servers.p, servers.p2, servers.d2)}
-    check_idle((servers.p, servers.p2, servers.d2), usage)
+    check_idle((servers.p, servers.p2, servers.d2))

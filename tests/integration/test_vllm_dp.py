@@ -31,10 +31,10 @@ import pytest
 from engine_helpers import (
     COMMON_ARGS,
     RECEIVED,
-    USAGE,
     ProxyProcess,
     blocks_bytes,
     check_idle,
+    idle_state,
     kv_args,
     metric,
     start_all,
@@ -75,7 +75,7 @@ def test_dp_instances_decode_as_colocated_through_the_proxy(
     p, d, c = servers
     prompts = [random_prompt(40 + 30 * i, seed=uuid.uuid4().int % 2**31) for i in range(8)]
     refs = [complete(c.url, pr, max_tokens=MAX_TOKENS).token_ids for pr in prompts]
-    usage = {s.url: metric(s.url, USAGE) for s in (p, d)}
+    usage = idle_state((p, d))
     before = metric(d.url, RECEIVED)
     proxy = ProxyProcess([p.url], [d.url], flow=flow, log=tmp_path / "proxy.log")
     try:
