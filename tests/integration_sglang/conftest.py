@@ -17,6 +17,10 @@ from sglang_helpers import START_TIMEOUT_S, Proc, http, new_colocated, server_en
 
 from kvbridge.demo.servers import ServerProcess
 
+ServerProcess.omp_threads = 1
+"""One OpenMP thread per engine process, as in tests/integration/conftest.py (a TP rank
+that SGLang binds to one core has one anyway)."""
+
 
 @pytest.fixture(scope="session")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -26,7 +26,9 @@ collect_ignore_glob = [] if _ACTIVE else ["test_*.py"]
 sys.path.insert(0, str(Path(__file__).parents[1] / "integration"))
 
 if _ACTIVE:
-    from kvbridge.demo.servers import VllmServer
+    from kvbridge.demo.servers import ServerProcess, VllmServer
+
+    ServerProcess.omp_threads = 1  # as in tests/integration/conftest.py
 
     # the stand-in's cache is plain host memory, allocated whole: 64 MiB holds the
     # tier's longest prompts many times over, and keeps six instances small

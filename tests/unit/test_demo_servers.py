@@ -191,6 +191,23 @@ def test_a_one_worker_vllm_server_runs_its_worker_in_the_engine_core(
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server._own_env()
 
 
+def test_omp_threads_is_what_an_engine_gets_unless_its_caller_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """``omp_threads`` (the test suite's 1) reaches both engines' servers as
+    ``OMP_NUM_THREADS``, an ``OMP_NUM_THREADS`` of the caller wins, and by default the
+    variable is left alone."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    vllm = VllmServer(tmp_path, port=free_port(), log_path=tmp_path / "v.log")
+    sglang = SglangServer(tmp_path, port=free_port(), log_path=tmp_path / "s.log")
+    monkeypatch.setattr(servers.ServerProcess, "omp_threads", None)
+    assert "OMP_NUM_THREADS" not in vllm.environment()
+    monkeypatch.setattr(servers.ServerProcess, "omp_threads", 1)
+    assert vllm.environment()["OMP_NUM_THREADS"] == sglang.environment()["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert vllm.environment()["OMP_NUM_THREADS"] == "3"
+
+
 def test_demo_without_sglang_names_the_fix(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

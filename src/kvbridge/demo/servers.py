@@ -446,6 +446,11 @@ class ServerProcess:
     """Seconds :meth:`stop` waits after SIGTERM before SIGKILL; ``None``: SIGKILL at once."""
     default_env: Mapping[str, str] = {}
     """Set in the server's environment unless the caller's environment already sets them."""
+    omp_threads: int | None = None
+    """OpenMP threads per engine process (``OMP_NUM_THREADS``) unless the caller's
+    environment sets it; ``None``: the engine's own choice. A worker's idle OpenMP threads
+    spin, so where servers outnumber cores (the test suite: 1) they take the cores from
+    the processes that have work."""
 
     def __init__(
         self,
@@ -497,11 +502,13 @@ class ServerProcess:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        """The caller's environment, then :attr:`default_env` where it is silent, then
-        :meth:`_own_env`, then the ``env`` overrides."""
+        """The caller's environment, then :attr:`default_env` and :attr:`omp_threads` where
+        it is silent, then :meth:`_own_env`, then the ``env`` overrides."""
         env = dict(os.environ)
         for key, value in self.default_env.items():
             env.setdefault(key, value)
+        if self.omp_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(self.omp_threads))
         env.update(self._own_env())
         env.update(self.env_overrides)
         return env
