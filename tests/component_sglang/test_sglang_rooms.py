@@ -204,7 +204,17 @@ def test_a_destination_from_another_request_of_the_room_is_told_apart() -> None:
     from kvbridge.adapters.sglang.prefill import PrefillSide, _Dest
 
     def dest(agent: str, nonce: int | None) -> _Dest:
-        return _Dest(agent, "127.0.0.1", 1, np.array([1]), 0, 1, None, False, nonce=nonce)
+        return _Dest(
+            agent=agent,
+            endpoint="127.0.0.1",
+            dst_port=1,
+            pages=np.array([1]),
+            aux_index=0,
+            required_dst_info_num=1,
+            decode_prefix_len=None,
+            is_dummy=False,
+            nonce=nonce,
+        )
 
     side = SimpleNamespace(transfer_infos={ROOM: {"d0": dest("d0", 1)}})
 

@@ -90,7 +90,17 @@ class _Prefill(PrefillSide):
 
 
 def _peer(agent: str, control: tuple[str, int], seat: str) -> _Peer:
-    return _Peer(agent, None, None, None, None, 1, seat=seat, control=control)
+    # the buffers are never posted to in these tests: no descriptor tables
+    return _Peer(
+        agent=agent,
+        kv=None,
+        aux=None,
+        geometry=None,
+        aux_layout=None,
+        aux_count=1,
+        seat=seat,
+        control=control,
+    )
 
 
 def _destination(agent: str, ip: str, port: int, **kw) -> wire.Destination:

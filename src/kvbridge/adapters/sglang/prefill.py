@@ -31,7 +31,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 import numpy as np
@@ -57,7 +58,7 @@ from kvbridge.adapters.sglang.packed import (
     window_start,
 )
 from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
-from kvbridge.adapters.sglang.states import check_states, state_cut, state_slot
+from kvbridge.adapters.sglang.states import Segment, check_states, state_cut, state_slot
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
     LayerReady,
@@ -67,12 +68,16 @@ from kvbridge.adapters.sglang.streaming import (
     completed_span,
     streams,
 )
+from kvbridge.core.layout import CacheGeometry
 from kvbridge.core.tp import heads_per_rank, prefill_ranks
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
+
+if TYPE_CHECKING:
+    from kvbridge.transports.base import DescTable
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -136,26 +141,39 @@ def stop_streaming(mgr) -> None:
         _streaming_managers.remove(mgr)
 
 
-class _Peer(NamedTuple):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Peer:
+    """A registered decode rank, as this prefill rank writes to it: built once per
+    :class:`~.messages.Registration` (the decode's buffers prepared as transport
+    descriptor tables), read by the transfer thread, dropped with the peer."""
+
     agent: str
-    kv: object  # DescTable of the decode's KV slots
-    aux: object  # DescTable of the decode's metadata rows
-    geometry: object
+    kv: DescTable
+    """The decode's KV slots."""
+    aux: DescTable
+    """The decode's metadata rows."""
+    geometry: CacheGeometry
     aux_layout: AuxLayout
     aux_count: int
-    staging: object = (
-        None  # packed path: DescTable of the decode's staging, in chunks of part.heads
-    )
-    part: Part | None = None  # packed path: the heads this rank moves to the decode rank
-    window: object = None  # sliding-window pool: DescTable of the decode's window pages
-    window_geometry: object = None  # sliding-window pool: the decode's window layers' pages
-    states: object = None  # state-space layers: DescTable of the decode's state rows
-    state_layout: AuxLayout | None = None  # state-space layers: the decode's state tensors
-    state_cut: tuple | None = None
+    """Metadata buffers both sides have (:func:`.layout.paired_count`)."""
+    staging: DescTable | None = None
+    """Packed path: the decode's staging, in chunks of ``part.heads``."""
+    part: Part | None = None
+    """Packed path: the heads this rank moves to the decode rank."""
+    window: DescTable | None = None
+    """Sliding-window pool: the decode's window pages."""
+    window_geometry: CacheGeometry | None = None
+    """Sliding-window pool: the decode's window layers' pages."""
+    states: DescTable | None = None
+    """State-space layers: the decode's state rows."""
+    state_layout: AuxLayout | None = None
+    """State-space layers: the decode's state tensors."""
+    state_cut: tuple[tuple[Segment, ...], ...] | None = None
     """State-space layers, another attention TP size: per state tensor, the segments of a
     slot's row this rank writes into the decode rank's (:func:`.states.state_cut`);
     ``states`` is then None (each room's segments are posted as they are)."""
-    seat: str = ""  # which rank of which decode server (Registration.seat)
+    seat: str = ""
+    """Which rank of which decode server (``Registration.seat``)."""
     control: tuple[str, int] = ("", 0)
     """The decode rank's control socket (``Registration.ip``, ``port``): its destinations
     must name it (statuses and abort acknowledgements go there)."""
@@ -167,8 +185,10 @@ class _Peer(NamedTuple):
         return self.seat.split(" ")[0] if self.seat else self.control[0]
 
 
-class _Dest(NamedTuple):
-    """One decode rank's destination for a room; SGLang's helpers read ``endpoint``,
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Dest:
+    """One decode rank's destination for a room (from a :class:`~.messages.Destination`),
+    kept in SGLang's ``transfer_infos``; SGLang's helpers read ``endpoint``,
     ``dst_port``, ``is_dummy`` and ``required_dst_info_num``."""
 
     agent: str
@@ -311,21 +331,21 @@ class PrefillSide:
             if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
                 self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
             self.peers[reg.agent] = _Peer(
-                reg.agent,
-                kv,
-                aux,
-                reg.geometry,
-                reg.aux,
-                count,
-                staging,
-                part,
-                window,
-                reg.window,
-                states,
-                reg.states,
-                cut,
-                reg.seat,
-                (reg.ip, reg.port),
+                agent=reg.agent,
+                kv=kv,
+                aux=aux,
+                geometry=reg.geometry,
+                aux_layout=reg.aux,
+                aux_count=count,
+                staging=staging,
+                part=part,
+                window=window,
+                window_geometry=reg.window,
+                states=states,
+                state_layout=reg.states,
+                state_cut=cut,
+                seat=reg.seat,
+                control=(reg.ip, reg.port),
             )
             # A restarted decode rank (same seat, new agent) replaces its old agent; the
             # ranks of other decode servers, and of other DP replicas, stay.
@@ -491,18 +511,18 @@ class PrefillSide:
     def _add_destination(self, msg: wire.Destination) -> None:
         room = msg.room
         dest = _Dest(
-            msg.agent,
-            msg.ip,
-            msg.port,
-            wire.decode_pages(msg.pages),
-            msg.aux_index,
-            msg.required_dst_info_num,
-            msg.decode_prefix_len,
-            msg.is_dummy,
-            msg.staging_first,
-            None if msg.window_pages is None else wire.decode_pages(msg.window_pages),
-            msg.nonce,
-            msg.state_row,
+            agent=msg.agent,
+            endpoint=msg.ip,
+            dst_port=msg.port,
+            pages=wire.decode_pages(msg.pages),
+            aux_index=msg.aux_index,
+            required_dst_info_num=msg.required_dst_info_num,
+            decode_prefix_len=msg.decode_prefix_len,
+            is_dummy=msg.is_dummy,
+            staging_first=msg.staging_first,
+            window_pages=None if msg.window_pages is None else wire.decode_pages(msg.window_pages),
+            nonce=msg.nonce,
+            state_row=msg.state_row,
         )
         failed = self.tombstones.reason(room)
         if failed is not None:
