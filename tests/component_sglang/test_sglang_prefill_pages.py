@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 try:
-    from kvbridge.adapters.sglang import messages as wire
     from kvbridge.adapters.sglang.prefill import PrefillSide, _Chunk
+    from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
         "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
     ) from exc
 
-from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError
 
 UNIT = 16
@@ -71,7 +71,7 @@ def _registration(prefix_cache: bool, page_size: int) -> wire.Registration:
         transport="nixl",
         transport_md=b"",
         geometry=geometry,
-        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3),
+        aux=RowLayout(ptrs=(1,), item_lens=(64,), rows=3),
         ip="127.0.0.1",
         port=5,
         prefix_cache=prefix_cache,

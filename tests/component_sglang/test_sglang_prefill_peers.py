@@ -20,16 +20,16 @@ import msgspec
 import pytest
 
 try:
-    from kvbridge.adapters.sglang import messages as wire
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide
+    from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
         "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
     ) from exc
 
-from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.rows import RowLayout
 from kvbridge.transports.testing import Local, Peer, unique
 
 pytest.importorskip("mooncake.engine", reason="Mooncake is part of the SGLang suite's environment")
@@ -46,7 +46,7 @@ def _registration(decode: Peer) -> wire.Registration:
         num_blocks=8,
         plane_bases=tuple(decode.base + i * 8 * spec.block_bytes for i in range(planes)),
     )
-    aux = AuxLayout(ptrs=(decode.base + planes * 8 * spec.block_bytes,), item_lens=(64,), rows=3)
+    aux = RowLayout(ptrs=(decode.base + planes * 8 * spec.block_bytes,), item_lens=(64,), rows=3)
     return wire.Registration(
         agent=decode.agent_name,
         epoch="e",

@@ -168,8 +168,8 @@ def test_a_done_for_an_earlier_request_of_the_room_is_dropped(
     and the prefill's ``Done`` echoes it. A ``Done`` naming a failed, cleared request of
     the room reaches neither SGLang's status table nor the packed path's unpack once
     another sample holds the room (``DecodeSide._meant_for_holder``)."""
-    from kvbridge.adapters.sglang import messages as wire
     from kvbridge.adapters.sglang.decode import DecodeSide
+    from kvbridge.wire import room_messages as wire
 
     mgr = Manager()
     side = SimpleNamespace(room_holders=mgr.room_holders)

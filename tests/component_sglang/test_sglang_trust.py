@@ -24,10 +24,10 @@ import msgspec
 import pytest
 
 try:
-    from kvbridge.adapters.sglang import messages as wire
     from kvbridge.adapters.sglang.decode import DecodeSide
     from kvbridge.adapters.sglang.manager import KVBridgeKVManager
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide, _c, _Peer
+    from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
         "tests/integration_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"

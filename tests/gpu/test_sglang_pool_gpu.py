@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.adapters.sglang.layout import kv_geometry
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
+from kvbridge.adapters.sglang.pools import kv_geometry
 from kvbridge.ops import jit
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.transports.loopback import LoopbackTransport

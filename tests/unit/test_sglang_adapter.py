@@ -16,18 +16,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from kvbridge.adapters.sglang import compat
-from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.lanes import RoomLanes, lane_room
-from kvbridge.adapters.sglang.layout import (
-    AuxLayout,
-    check_windows,
-    kv_geometry,
-    pages_differ,
-    paired_count,
-    pool_states,
-    transfer_pages,
-    window_overlap,
-)
 from kvbridge.adapters.sglang.lifecycle import (
     EpochWatcher,
     InstanceEpoch,
@@ -38,11 +27,21 @@ from kvbridge.adapters.sglang.lifecycle import (
     rank_key,
 )
 from kvbridge.adapters.sglang.metrics import PrometheusExport, exporter
+from kvbridge.adapters.sglang.pools import (
+    check_windows,
+    kv_geometry,
+    pages_differ,
+    pool_states,
+    transfer_pages,
+    window_overlap,
+)
 from kvbridge.adapters.sglang.settings import CONFIG_ENV, config_from_env, transfer_page_size
 from kvbridge.core.layout import CacheSpec
+from kvbridge.core.rows import RowLayout, paired_count
 from kvbridge.core.states import Section, StateTensor
 from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError, WireError
 from kvbridge.runtime.stats import StatsSnapshot
+from kvbridge.wire import room_messages as wire
 from kvbridge.wire.auth import FRESH_S, ReplayGuard, stamp
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 3, 9, 4, 2, 8
@@ -202,7 +201,7 @@ def test_sliding_window_layers_pair_only_with_the_same_pages_on_both_sides() -> 
 def test_aux_rows() -> None:
     ids = np.zeros((6, 16), dtype=np.int32)
     room = np.zeros((6, 8), dtype=np.uint64)
-    aux = AuxLayout.build(
+    aux = RowLayout.build(
         ptrs=[ids.ctypes.data, room.ctypes.data], lens=[ids.nbytes, room.nbytes], item_lens=[64, 64]
     )
     ids[4, 0], room[4, 0] = 123, 99
@@ -215,9 +214,9 @@ def test_aux_rows() -> None:
 
 
 def test_aux_pairing_stops_at_the_first_difference() -> None:
-    a = AuxLayout(ptrs=(1, 2, 3), item_lens=(64, 64, 128), rows=4)
-    assert paired_count(a, AuxLayout(ptrs=(9, 8), item_lens=(64, 64), rows=8)) == 2
-    assert paired_count(a, AuxLayout(ptrs=(9, 8, 7), item_lens=(64, 32, 128), rows=8)) == 1
+    a = RowLayout(ptrs=(1, 2, 3), item_lens=(64, 64, 128), rows=4)
+    assert paired_count(a, RowLayout(ptrs=(9, 8), item_lens=(64, 64), rows=8)) == 2
+    assert paired_count(a, RowLayout(ptrs=(9, 8, 7), item_lens=(64, 32, 128), rows=8)) == 1
 
 
 def test_messages_round_trip_and_refuse_foreign_frames() -> None:
@@ -229,7 +228,7 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
         transport="nixl",
         transport_md=b"\x00md",
         geometry=geo,
-        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3),
+        aux=RowLayout(ptrs=(1,), item_lens=(64,), rows=3),
         ip="127.0.0.1",
         port=5555,
     )
@@ -240,7 +239,7 @@ def test_messages_round_trip_and_refuse_foreign_frames() -> None:
     # a state-space pool's registration carries its state tensors, a destination its slot
     stateful = msgspec.structs.replace(
         reg,
-        states=AuxLayout(ptrs=(4096, 8192), item_lens=(24, 96), rows=3),
+        states=RowLayout(ptrs=(4096, 8192), item_lens=(24, 96), rows=3),
         state_split=(
             StateTensor("uint8", 1, (Section(6, 4),)),
             StateTensor("uint8", 1, (Section(2, 48),)),
@@ -441,7 +440,7 @@ def test_importing_the_adapter_imports_no_sglang() -> None:
     import sys
 
     code = (
-        "import sys, kvbridge.adapters.sglang, kvbridge.adapters.sglang.messages; print('sglang' "
+        "import sys, kvbridge.adapters.sglang, kvbridge.wire.room_messages; print('sglang' "
         "in sys.modules)"
     )
     out = subprocess.run(
@@ -645,7 +644,7 @@ def test_a_registration_without_a_seat_comes_from_an_older_decode_and_replaces_n
         transport="nixl",
         transport_md=b"",
         geometry=kv_geometry(page_size=PAGE, ptrs=ptrs, lens=lens, item_lens=item),
-        aux=AuxLayout(ptrs=(1,), item_lens=(64,), rows=3),
+        aux=RowLayout(ptrs=(1,), item_lens=(64,), rows=3),
         ip="127.0.0.1",
         port=5555,
     )

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.adapters.sglang.layout import kv_geometry
 from kvbridge.adapters.sglang.packed import (
     Part,
     RoomReservations,
@@ -27,6 +26,7 @@ from kvbridge.adapters.sglang.packed import (
     typed_geometry,
     window_start,
 )
+from kvbridge.adapters.sglang.pools import kv_geometry
 from kvbridge.errors import ConfigError, IncompatiblePeerError, PlanError
 from kvbridge.runtime.packed import PackedPath, staging_descs
 from kvbridge.transports.loopback import LoopbackTransport

@@ -21,8 +21,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.adapters.sglang.states import check_states, state_cut, state_sources, state_split
+from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError, PlanError
 
 
@@ -30,12 +30,12 @@ def sglang_states(slots: int, seed: int):
     """A state-space pool's states as SGLang registers them: per layer a conv state
     ``(slots, channels, width - 1)`` bfloat16-sized (here int16) and an SSM state
     ``(slots, heads, head_dim, state)`` float32, listed tensor-major (every layer's conv
-    state, then every layer's SSM state); and their ``AuxLayout``."""
+    state, then every layer's SSM state); and their ``RowLayout``."""
     rng = np.random.default_rng(seed)
     conv = [rng.integers(-99, 99, (slots, 6, 2), dtype=np.int16) for _ in range(2)]
     ssm = [rng.standard_normal((slots, 2, 4, 3)).astype(np.float32) for _ in range(2)]
     tensors = conv + ssm
-    layout = AuxLayout.build(
+    layout = RowLayout.build(
         ptrs=[t.ctypes.data for t in tensors],
         lens=[t.nbytes for t in tensors],
         item_lens=[t[0].nbytes for t in tensors],
@@ -50,7 +50,7 @@ def test_a_state_slot_is_one_row_of_every_state_tensor() -> None:
     got = [ctypes.string_at(int(table[s, 0]), int(table[s, 1])) for s in states.slots(3)]
     assert got == [t[3].tobytes() for t in tensors]
     with pytest.raises(PlanError, match="state-space state tensors have different row counts"):
-        AuxLayout.build(
+        RowLayout.build(
             ptrs=[1, 2], lens=[5 * 24, 6 * 24], item_lens=[24, 24], what="state-space state tensors"
         )
 
@@ -220,9 +220,9 @@ def test_a_split_sglang_does_not_describe_is_none() -> None:
     assert state_split(**{**kwargs, "item_lens": [63, 64]}) is None
 
 
-def states_of(split, tp: int) -> AuxLayout:
+def states_of(split, tp: int) -> RowLayout:
     """A rank of ``tp``'s state tensors (eight slots)."""
-    return AuxLayout(
+    return RowLayout(
         ptrs=tuple(range(4096, 4096 * (len(split) + 1), 4096)),
         item_lens=tuple(t.nbytes(tp) for t in split),
         rows=8,

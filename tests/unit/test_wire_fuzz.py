@@ -1,7 +1,7 @@
 """Seeded fuzzing of every decoder kvbridge exposes to the network: the side channel's and
 the transport notifications' frames (:class:`~kvbridge.wire.codec.Codec`, with and
 without a secret), the SGLang backend's control messages and notifications
-(:mod:`kvbridge.adapters.sglang.messages`), and what ``kvbridge proxy`` parses of a
+(:mod:`kvbridge.wire.room_messages`), and what ``kvbridge proxy`` parses of a
 client's request and of a prefill's answer (:mod:`kvbridge.proxy.app`; it may raise
 only its own HTTP error).
 
@@ -28,12 +28,12 @@ import msgspec
 import pytest
 from test_wire import ALL_MESSAGES, INFO
 
-from kvbridge.adapters.sglang import messages as sg
 from kvbridge.core.layout import MAX_PLANES, CacheGeometry, CacheSpec
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
 from kvbridge.proxy.app import MAX_DP_RANKS, UpstreamError, parse_request, read_prefill_answer
 from kvbridge.proxy.pool import Instance
 from kvbridge.runtime.node import Node
+from kvbridge.wire import room_messages as sg
 from kvbridge.wire.auth import ReplayGuard
 from kvbridge.wire.codec import Codec
 from kvbridge.wire.messages import (
@@ -186,7 +186,7 @@ SG_SPEC = CacheSpec(
 
 
 def _sglang_messages() -> list[sg.Message]:
-    from kvbridge.adapters.sglang.layout import AuxLayout
+    from kvbridge.core.rows import RowLayout
 
     geo = CacheGeometry(spec=SG_SPEC, num_blocks=8, plane_bases=(1 << 20, 1 << 21))
     return [
@@ -196,7 +196,7 @@ def _sglang_messages() -> list[sg.Message]:
             transport="nixl",
             transport_md=b"md",
             geometry=geo,
-            aux=AuxLayout(ptrs=(1 << 22,), item_lens=(4,), rows=2),
+            aux=RowLayout(ptrs=(1 << 22,), item_lens=(4,), rows=2),
             ip="127.0.0.1",
             port=5,
         ),

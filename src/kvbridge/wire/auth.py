@@ -3,7 +3,7 @@ length-prefixed parts, so no two different part lists share a MAC.
 
 Who uses it: the side channel (:mod:`kvbridge.runtime.sidechannel`) and the transport
 notifications (:class:`kvbridge.runtime.node.Node`) of the vLLM path, and the SGLang
-backend's messages (:mod:`kvbridge.adapters.sglang.messages`). Pure.
+backend's messages (:mod:`kvbridge.wire.room_messages`). Pure.
 
 >>> a = mac(b"s3cret", b"id", b"payload")
 >>> len(a), verify(b"s3cret", a, b"id", b"payload"), verify(b"other", a, b"id", b"payload")

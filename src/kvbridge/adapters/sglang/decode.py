@@ -5,8 +5,8 @@ receiver (:class:`KVBridgeKVReceiver`).
 Threads and who calls what:
 
 - SGLang's ``CommonKVReceiver`` (decode scheduler thread) sends the prefill this
-  rank's :class:`~.messages.Registration` once per prefill rank and a
-  :class:`~.messages.Destination` per room, built here;
+  rank's :class:`~kvbridge.wire.room_messages.Registration` once per prefill rank and a
+  :class:`~kvbridge.wire.room_messages.Destination` per room, built here;
 - the *notification thread* (:meth:`DecodeSide._decode_notify_loop`) turns each
   ``Done`` into SGLang's Success for that prefill rank (packed path: after unpacking
   that source's part of the room's staging run into its pages' heads);
@@ -28,8 +28,6 @@ import numpy as np
 import requests
 
 from kvbridge.adapters.sglang import compat
-from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import transfer_pages
 from kvbridge.adapters.sglang.lifecycle import (
     EPOCH_PATH,
     EpochWatcher,
@@ -38,9 +36,11 @@ from kvbridge.adapters.sglang.lifecycle import (
     decode_epoch,
 )
 from kvbridge.adapters.sglang.packed import Part, RoomReservations, decode_parts, window_start
+from kvbridge.adapters.sglang.pools import transfer_pages
 from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.adapters.sglang.states import state_slot
 from kvbridge.errors import IncompatiblePeerError, KVBridgeError, WireError
+from kvbridge.wire import room_messages as wire
 
 log = logging.getLogger(__name__)
 _c = compat.common()

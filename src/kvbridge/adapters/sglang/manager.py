@@ -3,8 +3,8 @@
 Reading order: this module (the manager, one per scheduler rank: what both sides
 share), then :mod:`.prefill` (the prefill rank's threads and SGLang's sender) and
 :mod:`.decode` (the decode rank's threads and SGLang's receiver), :mod:`.bootstrap`
-(the prefill's bootstrap server), then the pure pieces: :mod:`.messages` (the wire),
-:mod:`.layout` (pools as slot tables), :mod:`.streaming` (per-layer plans),
+(the prefill's bootstrap server), then the pure pieces: :mod:`.pools` (pools as slot
+tables), :mod:`.streaming` (per-layer plans),
 :mod:`.packed` (staging runs and TP parts), :mod:`.lifecycle` (epochs, tombstones),
 :mod:`.lanes` (room ids for several requests on one room; :mod:`.rooms` says why).
 
@@ -14,20 +14,20 @@ semantics, status messages to decode, the decode heartbeat, abort notifications 
 acks. What kvbridge adds:
 
 - a transport (NIXL or Mooncake, from ``KVBRIDGE_CONFIG``) with SGLang's KV pool and
-  metadata buffers registered once, as prepared slot tables (:mod:`.layout`);
-- decode -> prefill :class:`~.messages.Registration` (once per peer) and
-  :class:`~.messages.Destination` (per room) on SGLang's control socket;
+  metadata buffers registered once, as prepared slot tables (:mod:`.pools`);
+- the messages of :mod:`kvbridge.wire.room_messages`: decode -> prefill
+  ``Registration`` (once per peer) and ``Destination`` (per room) on SGLang's control socket;
 - on the prefill, a control thread (registrations, destinations, aborts) and one
   transfer thread that posts each chunk's (or, streaming per layer, each layer's) K and
-  V pages and, after the last chunk, the metadata row with a :class:`~.messages.Done`
-  notification (:mod:`.prefill`);
-- a sliding-window pool (:func:`.layout.pool_states`): its window layers'
+  V pages and, after the last chunk, the metadata row with a ``Done`` notification
+  (:mod:`.prefill`);
+- a sliding-window pool (:func:`.pools.pool_states`): its window layers'
   sub-pool registered as a second table; the prefill writes their pages of the
   prompt's last window (SGLang's state indices on both sides) after the last chunk,
   before ``Done`` (on the packed path through the room's staging run, after its
   full-attention layers);
 - a pool with state-space layers (Mamba2, Gated DeltaNet, short convolutions;
-  :func:`.layout.pool_states`): their state tensors registered as a third table; the
+  :func:`.pools.pool_states`): their state tensors registered as a third table; the
   prefill writes the request's state slot (SGLang's state index) into the decode's
   after the last chunk, before ``Done``, directly on either data path (equal attention
   TP sizes);
@@ -68,12 +68,11 @@ import weakref
 import zmq
 
 from kvbridge.adapters.sglang import compat, metrics
-from kvbridge.adapters.sglang import messages as wire
 from kvbridge.adapters.sglang.bootstrap import KVBridgeKVBootstrapServer
 from kvbridge.adapters.sglang.decode import DecodeSide, KVBridgeKVReceiver
 from kvbridge.adapters.sglang.lanes import RoomLanes
-from kvbridge.adapters.sglang.layout import AuxLayout, kv_geometry, pool_states
 from kvbridge.adapters.sglang.packed import pool_planes, typed_geometry
+from kvbridge.adapters.sglang.pools import kv_geometry, pool_states
 from kvbridge.adapters.sglang.prefill import (
     KVBridgeKVSender,
     PrefillSide,
@@ -82,10 +81,12 @@ from kvbridge.adapters.sglang.prefill import (
 )
 from kvbridge.adapters.sglang.settings import config_from_env, transfer_page_size
 from kvbridge.adapters.sglang.states import state_split
+from kvbridge.core.rows import RowLayout
 from kvbridge.errors import KVBridgeError
 from kvbridge.runtime.packed import PackedPath
 from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
+from kvbridge.wire import room_messages as wire
 from kvbridge.wire.auth import ReplayGuard
 
 log = logging.getLogger(__name__)
@@ -113,12 +114,13 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         self.page_ratio = args.page_size // unit
         """Transfer pages per SGLang page: 1, or on the side with the larger pages
         (``transfer_block_size``) each of its pages is this many transfer pages
-        (:func:`.layout.transfer_pages`)."""
+        (:func:`.pools.transfer_pages`)."""
         self.decode_prefix_cache = compat.decode_prefix_cache(server_args)
         """A decode that keeps finished requests' pages (its radix cache) and asks the
         prefill only for the pages past a hit, which ends on one of its own pages."""
         self.secret = self.config.secret.encode() if self.config.secret else None
-        """Authenticates kvbridge's messages between the two sides (:mod:`.messages`)."""
+        """Authenticates kvbridge's messages between the two sides
+        (:mod:`kvbridge.wire.room_messages`)."""
         self.epoch = uuid.uuid4().hex[:12]
         on_cpu = getattr(server_args, "device", "cuda") == "cpu"
         self.memory = "host" if on_cpu else "device"
@@ -151,7 +153,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         """A pool with state-space layers: their states (SGLang's ``state_data_ptrs[0]``,
         one row per state slot). None for other pools."""
         if states == "mamba":
-            self.state_layout = AuxLayout.build(
+            self.state_layout = RowLayout.build(
                 ptrs=args.state_data_ptrs[0],
                 lens=args.state_data_lens[0],
                 item_lens=args.state_item_lens[0],
@@ -161,7 +163,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         """The KV pool holds some of the model's layers only (a hybrid pool: its
         attention layers, or its full-attention ones): per-layer streaming maps a
         model layer id to its index among them (:func:`.compat.full_attention_layers`)."""
-        self.aux_layout = AuxLayout.build(
+        self.aux_layout = RowLayout.build(
             ptrs=args.aux_data_ptrs, lens=args.aux_data_lens, item_lens=args.aux_item_lens
         )
         role = "prefill" if disaggregation_mode == Mode.PREFILL else "decode"

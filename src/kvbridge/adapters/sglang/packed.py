@@ -2,7 +2,7 @@
 SGLang's KV pool as typed planes, the packed slots of a room on both sides, and the decode's
 reservations. No SGLang imports.
 
-The direct path moves SGLang's pages as opaque bytes (:func:`.layout.kv_geometry`). The
+The direct path moves SGLang's pages as opaque bytes (:func:`.pools.kv_geometry`). The
 packed path needs to read them as numbers, so it describes the same pool with its real
 dtype, KV heads and head dim (:func:`typed_geometry`; the dtype and head dim come from
 SGLang's model config, see :func:`.compat.kv_dtype_and_head_dim`) and views each layer's

@@ -5,9 +5,9 @@ sender (:class:`KVBridgeKVSender`).
 Threads and who calls what:
 
 - the *control thread* (:meth:`PrefillSide._prefill_control_loop`) reads SGLang's
-  control socket: a decode's :class:`~.messages.Registration` (once per decode rank:
-  checked, then its KV, metadata and staging tables prepared), its
-  :class:`~.messages.Destination` per room, and abort notifications;
+  control socket: a decode's ``Registration`` (:mod:`kvbridge.wire.room_messages`;
+  once per decode rank: checked, then its KV, metadata and staging tables prepared), its
+  ``Destination`` per room, and abort notifications;
 - SGLang's scheduler calls :meth:`PrefillSide.add_transfer_request` after each chunk's
   forward (queued, never blocks) and, per forward, :func:`plan_forward` through the
   hook of :func:`.compat.hook_layerwise` (per-layer streaming: the decode page
@@ -18,7 +18,7 @@ Threads and who calls what:
   K and V pages (packed path: the decode rank's heads of them, packed into our staging
   and written into its part of the room's run), after the last chunk a sliding-window
   pool's window pages or a state-space pool's state slot and the metadata row with a
-  :class:`~.messages.Done`, then marks
+  ``Done``, then marks
   the room sent and releases what it holds (each transfer and staging run exactly once,
   :meth:`PrefillSide._release_room`). A failed or aborted room posts nothing more; its
   transfers are released once drained.
@@ -38,15 +38,6 @@ import msgspec
 import numpy as np
 
 from kvbridge.adapters.sglang import compat
-from kvbridge.adapters.sglang import messages as wire
-from kvbridge.adapters.sglang.layout import (
-    AuxLayout,
-    check_windows,
-    pages_differ,
-    paired_count,
-    transfer_pages,
-    window_overlap,
-)
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import (
     Part,
@@ -56,6 +47,12 @@ from kvbridge.adapters.sglang.packed import (
     room_slots,
     window_chunks,
     window_start,
+)
+from kvbridge.adapters.sglang.pools import (
+    check_windows,
+    pages_differ,
+    transfer_pages,
+    window_overlap,
 )
 from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
 from kvbridge.adapters.sglang.states import Segment, check_states, state_cut, state_slot
@@ -69,12 +66,14 @@ from kvbridge.adapters.sglang.streaming import (
     streams,
 )
 from kvbridge.core.layout import CacheGeometry
+from kvbridge.core.rows import RowLayout, paired_count
 from kvbridge.core.tp import heads_per_rank, prefill_ranks
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
+from kvbridge.wire import room_messages as wire
 
 if TYPE_CHECKING:
     from kvbridge.transports.base import DescTable
@@ -144,8 +143,9 @@ def stop_streaming(mgr) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Peer:
     """A registered decode rank, as this prefill rank writes to it: built once per
-    :class:`~.messages.Registration` (the decode's buffers prepared as transport
-    descriptor tables), read by the transfer thread, dropped with the peer."""
+    :class:`~kvbridge.wire.room_messages.Registration` (the decode's buffers prepared
+    as transport descriptor tables), read by the transfer thread, dropped with the
+    peer."""
 
     agent: str
     kv: DescTable
@@ -153,9 +153,9 @@ class _Peer:
     aux: DescTable
     """The decode's metadata rows."""
     geometry: CacheGeometry
-    aux_layout: AuxLayout
+    aux_layout: RowLayout
     aux_count: int
-    """Metadata buffers both sides have (:func:`.layout.paired_count`)."""
+    """Metadata buffers both sides have (:func:`kvbridge.core.rows.paired_count`)."""
     staging: DescTable | None = None
     """Packed path: the decode's staging, in chunks of ``part.heads``."""
     part: Part | None = None
@@ -166,7 +166,7 @@ class _Peer:
     """Sliding-window pool: the decode's window layers' pages."""
     states: DescTable | None = None
     """State-space layers: the decode's state rows."""
-    state_layout: AuxLayout | None = None
+    state_layout: RowLayout | None = None
     """State-space layers: the decode's state tensors."""
     state_cut: tuple[tuple[Segment, ...], ...] | None = None
     """State-space layers, another attention TP size: per state tensor, the segments of a
@@ -187,9 +187,10 @@ class _Peer:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Dest:
-    """One decode rank's destination for a room (from a :class:`~.messages.Destination`),
-    kept in SGLang's ``transfer_infos``; SGLang's helpers read ``endpoint``,
-    ``dst_port``, ``is_dummy`` and ``required_dst_info_num``."""
+    """One decode rank's destination for a room (from a
+    :class:`~kvbridge.wire.room_messages.Destination`), kept in SGLang's
+    ``transfer_infos``; SGLang's helpers read ``endpoint``, ``dst_port``, ``is_dummy``
+    and ``required_dst_info_num``."""
 
     agent: str
     endpoint: str
@@ -205,7 +206,7 @@ class _Dest:
     state_row: int | None = None
 
 
-def _rows(layout: AuxLayout | None) -> int:
+def _rows(layout: RowLayout | None) -> int:
     """Descriptors of a peer's metadata or state buffers (a row of each buffer each)."""
     return 0 if layout is None else len(layout.ptrs) * max(0, int(layout.rows))
 
@@ -752,7 +753,7 @@ class PrefillSide:
     ):
         """Queue one chunk (never blocks the scheduler). ``state_indices`` (last chunk):
         one entry, for the one state kind a pool may carry
-        (:func:`~kvbridge.adapters.sglang.layout.pool_states`): a sliding-window pool's
+        (:func:`~kvbridge.adapters.sglang.pools.pool_states`): a sliding-window pool's
         window pages, or a state-space pool's state slot."""
         if bootstrap_room not in self.transfer_infos:
             return  # dummy rank, or already cleared
@@ -974,7 +975,7 @@ class PrefillSide:
     ) -> dict[str, tuple[int, int]]:
         """A sliding-window pool, after the room's last chunk: write the window layers'
         pages of the prompt's last window (SGLang's state indices on both sides, in
-        transfer pages, matched by position: :func:`.layout.window_overlap`, the room's
+        transfer pages, matched by position: :func:`.pools.window_overlap`, the room's
         page list ending at transfer page ``src_end`` here) into every destination's:
         the pages themselves, or on the packed path the decode rank's heads of them into
         its part of the room's run, after the part's full-attention layers

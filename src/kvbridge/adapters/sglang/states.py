@@ -1,5 +1,5 @@
 """SGLang's state-space states (a hybrid pool's ``state_data_ptrs[0]``, one row per state
-slot, :func:`.layout.pool_states`): a request's slot, whether a decode's states take a
+slot, :func:`.pools.pool_states`): a request's slot, whether a decode's states take a
 prefill's, and which bytes of a slot's row each pair of ranks of different attention TP
 sizes moves. Pure; no I/O. The prefill's control thread checks and cuts once per
 registration (:func:`check_states`, :func:`state_cut`); both sides derive their split
@@ -12,7 +12,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvbridge.adapters.sglang.layout import AuxLayout, check_presence
+from kvbridge.adapters.sglang.pools import check_presence
+from kvbridge.core.rows import RowLayout
 from kvbridge.core.states import (
     Section,
     Segment,
@@ -104,8 +105,8 @@ def state_split(
 
 
 def check_states(
-    theirs: AuxLayout | None,
-    mine: AuxLayout | None,
+    theirs: RowLayout | None,
+    mine: RowLayout | None,
     *,
     prefill_tp: int,
     decode_tp: int,
@@ -114,7 +115,7 @@ def check_states(
 ) -> None:
     """Raise :class:`IncompatiblePeerError` unless a decode's state-space states
     (``theirs``, from its registration) take this prefill's, or neither side has any
-    (:func:`.layout.pool_states`). Called by the prefill's control thread per registration.
+    (:func:`.pools.pool_states`). Called by the prefill's control thread per registration.
 
     A request's state is one slot's row of every tensor on each side. Between equal TP
     sizes each rank moves its rows whole to the decode rank of its rank, so the rows

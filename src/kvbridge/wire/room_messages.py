@@ -1,9 +1,10 @@
-"""kvbridge's messages between SGLang prefill and decode ranks. Pure; no I/O.
+"""The room-addressed messages of kvbridge's SGLang backend, between prefill and decode
+ranks, under the wire protocol version of :mod:`kvbridge.wire.compat`. Pure; no I/O.
 
 They travel on SGLang's own control channel (each rank's ZMQ PULL socket, see
-:mod:`.manager`) as two frames ``[TAG, msgpack]`` next to SGLang's untagged status,
-``ABORT`` and ``ABORT_ACK`` frames; :class:`Done` travels as a transport notification,
-delivered only once the data posted with it has landed.
+:mod:`~kvbridge.adapters.sglang.manager`) as two frames ``[TAG, msgpack]`` next to
+SGLang's untagged status, ``ABORT`` and ``ABORT_ACK`` frames; :class:`Done` travels as
+a transport notification, delivered only once the data posted with it has landed.
 
 - :class:`Registration` (decode -> prefill, once per peer): the decode rank's transport
   metadata, cache geometry and metadata buffers, and its instance epoch.
@@ -43,15 +44,16 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from kvbridge.adapters.sglang.layout import AuxLayout
 from kvbridge.core.layout import CacheGeometry, CacheSpec
+from kvbridge.core.rows import RowLayout
 from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
 from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import UNDECODABLE, describe
+from kvbridge.wire.compat import PROTOCOL_VERSION
 from kvbridge.wire.messages import StagingInfo
 
-PROTOCOL = 1
+PROTOCOL = PROTOCOL_VERSION
 TAG = b"KVBRIDGE/%d" % PROTOCOL
 """First frame of every kvbridge control message (carries the protocol version)."""
 
@@ -70,13 +72,14 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     transport: Name
     transport_md: bytes
     geometry: CacheGeometry
-    aux: AuxLayout
+    aux: RowLayout
     ip: Name
     port: int
     """The decode rank's control socket (SGLang's ``rank_port``)."""
     wire_dtype: str = "exact"
     staging: StagingInfo | None = None
-    """Packed path (``config.packed``): the decode rank's staging buffer (:mod:`.packed`)."""
+    """Packed path (``config.packed``): the decode rank's staging buffer
+    (:mod:`~kvbridge.adapters.sglang.packed`)."""
     packed_spec: CacheSpec | None = None
     """Packed path: the pool as numbers (dtype, heads, head dim); both sides' must be
     equal."""
@@ -84,7 +87,7 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """``direct`` or ``packed`` (config ``data_path``, resolved)."""
     tp_size: int = 1
     """The decode's attention TP size; the prefill pairs its heads with the decode
-    rank's from it (:func:`.packed.room_part`)."""
+    rank's from it (:func:`~kvbridge.adapters.sglang.packed.room_part`)."""
     tp_rank: int = 0
     """The decode rank's attention TP rank."""
     kv_heads: int = 0
@@ -95,22 +98,23 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     page_size: int = 0
     """The decode's ``--page-size`` (its geometry counts transfer pages; 0: not given)."""
     window: CacheGeometry | None = None
-    """A hybrid sliding-window pool (:func:`.layout.pool_states`): the window
-    layers' pages; ``geometry`` then holds the full-attention layers. None: no window
+    """A hybrid sliding-window pool
+    (:func:`~kvbridge.adapters.sglang.pools.pool_states`): the window layers' pages;
+    ``geometry`` then holds the full-attention layers. None: no window layers."""
+    states: RowLayout | None = None
+    """A pool with state-space layers
+    (:func:`~kvbridge.adapters.sglang.pools.pool_states`): their state tensors, one row
+    per state slot; ``geometry`` then holds the attention layers. None: no state-space
     layers."""
-    states: AuxLayout | None = None
-    """A pool with state-space layers (:func:`.layout.pool_states`): their state
-    tensors, one row per state slot; ``geometry`` then holds the attention layers.
-    None: no state-space layers."""
     state_split: tuple[StateTensor, ...] | None = None
     """With ``states``: how each state tensor's row splits over attention TP ranks
-    (:func:`.states.state_split`), for a prefill of another TP size. None: SGLang did
-    not say, and the states move between equal TP sizes only."""
+    (:func:`~kvbridge.adapters.sglang.states.state_split`), for a prefill of another TP
+    size. None: SGLang did not say, and the states move between equal TP sizes only."""
     seat: Name = ""
-    """Which rank of which decode server the agent is (:func:`.compat.server_seat`),
-    the same after that server restarts: a registration from a seat a peer already has
-    replaces that peer (a restarted rank's old agent). Empty (older decodes): replaces
-    nothing."""
+    """Which rank of which decode server the agent is
+    (:func:`~kvbridge.adapters.sglang.compat.server_seat`), the same after that server
+    restarts: a registration from a seat a peer already has replaces that peer (a
+    restarted rank's old agent). Empty (older decodes): replaces nothing."""
 
 
 class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
@@ -126,9 +130,9 @@ class Destination(msgspec.Struct, frozen=True, kw_only=True, tag="dst"):
     is_dummy: bool = False
     staging_first: int | None = None
     """Packed path: the first chunk of the room's run in the decode's staging buffer,
-    cut into chunks of the pairing's heads (:mod:`.packed`; ``sources * layers *
-    pages`` chunks); None: the decode had no free run, the room fails naming
-    ``staging_mb``."""
+    cut into chunks of the pairing's heads (:mod:`~kvbridge.adapters.sglang.packed`;
+    ``sources * layers * pages`` chunks); None: the decode had no free run, the room
+    fails naming ``staging_mb``."""
     window_pages: bytes | None = None
     """A sliding-window pool: the window layers' destination pages of the prompt's last
     window (SGLang's state indices; :func:`encode_pages`), matched by position with the
@@ -152,7 +156,7 @@ class Done(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     """KV bytes written to this decode for the room (its metrics); 0 from older senders."""
     part: int = 0
     """Packed path: which part of the room's staging run this prefill rank wrote (its
-    place among the decode rank's sources, :class:`.packed.Part`)."""
+    place among the decode rank's sources, :class:`~kvbridge.adapters.sglang.packed.Part`)."""
     pages: int = -1
     """How many positions of the room's page list the prefill wrote (the last ones of
     a decode with larger pages than the prefill's may hold no prompt token: the decode

@@ -29,9 +29,6 @@ and layout of both sides before any transfer (``try_ensure_parallel_info``).
 (2, 8, ['0x1000', '0x5000', '0x9000', '0xd000'])
 >>> geo.slots([3, 4]).tolist()        # layer 0 K, layer 0 V, layer 1 K, layer 1 V
 [3, 4, 11, 12, 19, 20, 27, 28]
->>> aux = AuxLayout.build(ptrs=[0x100, 0x900], lens=[64, 128], item_lens=[16, 32])
->>> aux.rows, aux.slots(2, count=2).tolist()
-(4, [2, 6])
 """
 
 from __future__ import annotations
@@ -61,7 +58,8 @@ def pool_states(state_types: Sequence[object] | None) -> PoolStates | None:
       (Mamba2, Gated DeltaNet, short convolutions). ``kv_data_ptrs`` hold the attention
       layers, ``state_data_ptrs[0]`` one tensor per (state, layer) (e.g. conv then
       SSM states), one row of ``state_item_lens[0][j]`` bytes per state slot; a request
-      owns one slot on each side (its state index): :class:`AuxLayout` describes them.
+      owns one slot on each side (its state index): :class:`~kvbridge.core.rows.RowLayout`
+      describes them.
 
     Raises:
         PlanError: the pool carries other state (sparse-attention indexer tails, MXFP8
@@ -237,80 +235,12 @@ def check_windows(
         )
 
 
-class AuxLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """Buffers of equally many rows as one descriptor table: buffer ``j``'s row ``r`` is
-    slot ``j * rows + r``. SGLang's metadata buffers (a row per request slot; both
-    sides pair buffers by position) and a state-space pool's states (a row per state
-    slot, :func:`pool_states`)."""
-
-    ptrs: tuple[int, ...]
-    item_lens: tuple[int, ...]
-    rows: int
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        ptrs: Sequence[int],
-        lens: Sequence[int],
-        item_lens: Sequence[int],
-        what: str = "metadata buffers",
-    ) -> AuxLayout:
-        """From SGLang's ``KVArgs`` lists (``what`` names them in errors)."""
-        if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
-            raise PlanError(
-                f"{what}: {len(ptrs)} pointers, {len(lens)} lengths, {len(item_lens)} row sizes"
-            )
-        rows = {int(length) // int(item) for length, item in zip(lens, item_lens, strict=True)}
-        if len(rows) != 1:
-            raise PlanError(f"{what} have different row counts: {sorted(rows)}")
-        return cls(
-            ptrs=tuple(int(p) for p in ptrs),
-            item_lens=tuple(int(i) for i in item_lens),
-            rows=rows.pop(),
-        )
-
-    def regions(self) -> list[tuple[int, int]]:
-        return [(p, item * self.rows) for p, item in zip(self.ptrs, self.item_lens, strict=True)]
-
-    def table(self, device: int = 0) -> np.ndarray:
-        """``(buffers * rows, 3)`` uint64 descriptors ``(address, length, device)``."""
-        rows = np.arange(self.rows, dtype=np.uint64)
-        out = np.empty((len(self.ptrs) * self.rows, 3), dtype=np.uint64)
-        for j, (ptr, item) in enumerate(zip(self.ptrs, self.item_lens, strict=True)):
-            part = out[j * self.rows : (j + 1) * self.rows]
-            part[:, 0] = np.uint64(ptr) + rows * np.uint64(item)
-            part[:, 1] = item
-            part[:, 2] = device
-        return out
-
-    def slots(self, row: int, count: int | None = None) -> np.ndarray:
-        """Slot indices of ``row`` in the first ``count`` buffers (default all)."""
-        count = len(self.ptrs) if count is None else count
-        if not 0 <= row < self.rows:
-            raise PlanError(f"metadata row {row} out of range [0, {self.rows})")
-        return np.arange(count, dtype=np.int64) * self.rows + row
-
-
-def paired_count(local: AuxLayout, remote: AuxLayout) -> int:
-    """How many leading metadata buffers both sides have with equal row sizes (SGLang
-    pairs them by position and transfers the shorter list)."""
-    count = 0
-    for a, b in zip(local.item_lens, remote.item_lens, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
-
-
 __all__ = [
-    "AuxLayout",
     "PoolStates",
     "check_presence",
     "check_windows",
     "kv_geometry",
     "pages_differ",
-    "paired_count",
     "pool_states",
     "transfer_pages",
 ]
