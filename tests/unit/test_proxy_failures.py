@@ -378,3 +378,143 @@ def test_a_streamed_push_request_whose_prefill_dies_before_any_token_is_retried(
     assert status == 200
     assert events == [_event(i).decode().strip() for i in range(3)] + ["data: [DONE]"], events
     assert closed == dying, "the decode's request for the dead transfer was not closed"
+
+
+def _kvbridge_prefill(body: dict[str, Any]) -> str:
+    """Which prefill stand-in (its address's ``engine_id``) a decode request's KV is from."""
+    return body["kv_transfer_params"]["kvbridge"]["prefill"]["engine_id"]
+
+
+async def _decode_failing_loads_from(
+    lost: str, stream: bool, before_failing: Any = None
+) -> tuple[web.AppRunner, str, list[str]]:
+    """A decode that fails (vLLM's fail policy: a 500, or a stream's first event an error)
+    every request whose KV is on prefill ``lost``, after ``await before_failing()``, and
+    serves the others; returns the prefills whose KV its requests named, in order."""
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        source = _kvbridge_prefill(await request.json())
+        seen.append(source)
+        failed = source == lost
+        if failed and before_failing is not None:
+            await before_failing()
+        if not stream:
+            if failed:
+                return web.json_response({"error": {"message": "load failed"}}, status=500)
+            return web.json_response({"choices": [{"text": "ok"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        if failed:
+            await out.write(b'data: {"error": {"message": "load failed", "code": 500}}\n\n')
+        else:
+            await out.write(_event(0))
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    runner, url = await _serve(_completions_app(handle))
+    return runner, url, seen
+
+
+async def _prefill_named(engine_id: str, answered: asyncio.Event | None = None):
+    """A prefill stand-in whose answers carry a kvbridge address of ``engine_id`` (the
+    push flow reads it from ``learn``, the pull flow from the answer)."""
+    address = {"address": "tcp://127.0.0.1:1", "engine_id": engine_id, "epoch": "e1"}
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        if answered is not None:
+            answered.set()
+        return web.json_response(
+            {"choices": [{"text": "x"}], "kv_transfer_params": {"kvbridge": {"prefill": address}}}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = _completions_app(handle)
+    app.router.add_get("/health", health)
+    runner, url = await _serve(app)
+    return runner, url, address
+
+
+async def _one_request(
+    flow: str, stream: bool, prefills: list[tuple[str, dict]], d_url: str
+) -> tuple[int, bytes, dict[str, Any]]:
+    """One request through a proxy over ``prefills`` (url, address) and ``d_url``: the
+    client's status and body, and the proxy's /health after it."""
+    proxy = Proxy([u for u, _ in prefills], [d_url], flow=flow)
+    for instance, (_, address) in zip(proxy.prefill.instances, prefills, strict=True):
+        instance.learn(address)  # probed already: no discovery request
+        instance.dp_size = 0
+    runner, url = await _serve(proxy.app())
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as client:
+            async with client.post(f"{url}/v1/completions", json=dict(BODY, stream=stream)) as resp:
+                status, body = resp.status, await resp.read()
+            async with client.get(f"{url}/health") as resp:
+                return status, body, await resp.json()
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("flow", ["push", "pull"])
+def test_a_request_whose_prefill_dies_after_answering_goes_to_another(
+    flow: str, stream: bool
+) -> None:
+    """The prefill answered (its KV held for the decode), then died: the decode's load
+    fails (vLLM's fail policy answers 500, or a stream's first event is an error). The
+    CI run of 8c0637e showed such a request in flight at a prefill's SIGKILL fail 12.9 s
+    later. Nothing had reached the client, and the prefill no longer answers: the proxy
+    sends the request to the other prefill, and the client gets its answer."""
+
+    async def run() -> tuple[int, bytes, dict[str, Any], list[str]]:
+        answered = asyncio.Event()
+        dying, dying_url, dying_address = await _prefill_named("dying", answered)
+        live, live_url, live_address = await _prefill_named("live")
+
+        async def kill() -> None:  # the prefill's answer went out; now its port refuses
+            await answered.wait()
+            await dying.cleanup()
+
+        d_runner, d_url, seen = await _decode_failing_loads_from("dying", stream, kill)
+        try:
+            status, body, health = await _one_request(
+                flow, stream, [(dying_url, dying_address), (live_url, live_address)], d_url
+            )
+            return status, body, health, seen
+        finally:
+            for r in (live, d_runner):
+                await r.cleanup()
+
+    status, body, health, seen = asyncio.run(run())
+    assert seen == ["dying", "live"], f"the decode's requests named the prefills {seen}"
+    assert status == 200, body
+    assert b"error" not in body, body
+    dead = health["prefill"][0]  # it had answered: the decode's failure was the lost KV
+    assert dead["served"] == 1 and not dead["up"], health
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_decode_failure_with_its_prefill_alive_is_the_client_s_answer(stream: bool) -> None:
+    """The other side of the rule above: a decode that fails a request whose prefill
+    still answers is not retried (it would run the request twice for a failure that is
+    the decode's): the client gets the decode's error."""
+
+    async def run() -> tuple[int, bytes, list[str]]:
+        alive, alive_url, alive_address = await _prefill_named("alive")
+        other, other_url, other_address = await _prefill_named("other")
+        d_runner, d_url, seen = await _decode_failing_loads_from("alive", stream)
+        try:
+            prefills = [(alive_url, alive_address), (other_url, other_address)]
+            status, body, _ = await _one_request("push", stream, prefills, d_url)
+            return status, body, seen
+        finally:
+            for r in (alive, other, d_runner):
+                await r.cleanup()
+
+    status, body, seen = asyncio.run(run())
+    assert seen == ["alive"], f"the request was sent again: {seen}"
+    assert b"load failed" in body, body
+    assert status == (200 if stream else 500), body

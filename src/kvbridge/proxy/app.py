@@ -19,7 +19,10 @@ unchanged. Several instances per role are balanced by requests in flight; an ins
 that cannot be reached is skipped for a few seconds. In the push flow a prefill
 instance's data-parallel ranks (vLLM's ``--data-parallel-size``) are probed at its
 first request and taken in turn, each prefill request routed (``X-data-parallel-rank``)
-to the rank whose side channel the decode is told of. Errors the client sees name the
+to the rank whose side channel the decode is told of. A request goes to another prefill
+instance, once, when its prefill cannot be reached or dies before anything reached the
+client: before answering, or after it (its KV lost) when the decode then fails the
+request and the prefill no longer answers ``/health``. Errors the client sees name the
 instance and the cause; every upstream call has a timeout, so no request hangs: an
 upstream that sends nothing for ``read_timeout`` seconds fails the request, however long
 a healthy stream runs (``timeout``, off by default, caps a request's whole length). A
@@ -52,6 +55,10 @@ PROBE_S = 1.0
 
 DP_HEADER = "X-data-parallel-rank"
 """vLLM's request header naming the data-parallel rank that serves a request."""
+
+LOST_PROBE_S = 2.0
+"""How long the proxy waits for a prefill's ``/health`` when it asks whether the prefill
+died (:meth:`Proxy._lost`)."""
 
 MAX_DP_RANKS = 256
 """The most data-parallel ranks of one prefill instance the proxy probes."""
@@ -359,9 +366,16 @@ class Proxy:
             if p_task in done and p_task.exception() is not None:
                 d_task.cancel()  # nothing will come for it: abort the decode request
                 raise p_task.exception()  # type: ignore[misc]
-            d_resp = await d_task
+            try:
+                d_resp = await d_task
+            except UpstreamError as exc:
+                if exc.status >= 500:
+                    await self._retry_if_lost(p, d)
+                raise
             try:
                 first = await self._first_event(d, d_resp, p_task)
+                if _is_error_event(first):
+                    await self._retry_if_lost(p, d)
                 return await self._relay(request, d, d_resp, first)
             finally:
                 d_resp.release()
@@ -371,6 +385,30 @@ class Proxy:
                     task.cancel()
             if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
                 log.warning("prefill for %s failed: %s", tid, p_task.exception())
+
+    async def _retry_if_lost(self, p: Instance, d: Instance) -> None:
+        """Decode ``d`` failed a request (a 5xx, or a stream's first event an error)
+        before anything of it reached the client, and prefill ``p`` had answered: if
+        ``p`` is gone (down already, or its ``/health`` does not answer 200 within
+        :data:`LOST_PROBE_S`), its KV went with it, so raise an error the caller retries
+        on another prefill: a prefill killed while its KV waited for the decode costs
+        the client a retry, not an error. A prefill that answers leaves the failure the
+        decode's, and the client gets it."""
+        if p.up:
+            try:
+                probe = aiohttp.ClientTimeout(total=LOST_PROBE_S)
+                async with self.session.get(f"{p.url}/health", timeout=probe) as resp:
+                    if resp.status == 200:
+                        return
+                    error = f"/health answered {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+            self._down(p, error)
+        raise _error(
+            502,
+            f"prefill instance {p.url} died before decode instance {d.url} had the request's KV",
+            retry=True,
+        )
 
     async def _pull(
         self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
@@ -384,11 +422,19 @@ class Proxy:
                 "kvbridge or NixlConnector as "
                 "kv_producer? connectors that share KV through storage need --flow sequential)",
             )
-        d_resp = await self._open(
-            d, path, dict(body, kv_transfer_params=params) if params else body
-        )
         try:
-            return await self._relay(request, d, d_resp)
+            d_resp = await self._open(
+                d, path, dict(body, kv_transfer_params=params) if params else body
+            )
+        except UpstreamError as exc:
+            if exc.status >= 500:
+                await self._retry_if_lost(p, d)
+            raise
+        try:
+            first = await self._first_event(d, d_resp)
+            if _is_error_event(first):
+                await self._retry_if_lost(p, d)
+            return await self._relay(request, d, d_resp, first)
         finally:
             d_resp.release()
 
@@ -520,20 +566,24 @@ class Proxy:
         return resp
 
     async def _first_event(
-        self, d: Instance, upstream: aiohttp.ClientResponse, p_task: asyncio.Task[Any]
+        self,
+        d: Instance,
+        upstream: aiohttp.ClientResponse,
+        p_task: asyncio.Task[Any] | None = None,
     ) -> bytes:
         """A streamed decode answer's first bytes (b"" for an answer that is not a stream),
         read before the client gets its status line: until they come, the request can
         still go to another prefill. The decode answers its headers at once and its first
-        event with the first token, once the KV is in; if the prefill (``p_task``) fails
-        first, its error is raised, and the caller's release of ``upstream`` closes the
-        decode's request (vLLM aborts it)."""
+        event with the first token, once the KV is in; if the prefill (``p_task``, the
+        push flow's, still running) fails first, its error is raised, and the caller's
+        release of ``upstream`` closes the decode's request (vLLM aborts it)."""
         if "text/event-stream" not in upstream.headers.get("Content-Type", ""):
             return b""
         read = asyncio.ensure_future(upstream.content.readany())
+        waits = {read} if p_task is None else {read, p_task}
         try:
-            await asyncio.wait({read, p_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not read.done() and p_task.exception() is not None:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done() and p_task is not None and p_task.exception() is not None:
                 raise p_task.exception()  # type: ignore[misc]
             return await read
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -598,6 +648,18 @@ class Proxy:
         with contextlib.suppress(ConnectionError):
             await out.write_eof()
         return out
+
+
+def _is_error_event(first: bytes) -> bool:
+    """Whether a decode stream's first bytes (:meth:`Proxy._first_event`) are an error
+    event (vLLM's ``{"error": ...}``, or an older ``"object": "error"``)."""
+    if not first.startswith(b"data: "):
+        return False
+    try:
+        event = json.loads(first[6:].split(b"\n\n", 1)[0])
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(event, dict) and ("error" in event or event.get("object") == "error")
 
 
 class _ClientGone(Exception):
