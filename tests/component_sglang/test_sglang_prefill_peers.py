@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import msgspec
@@ -75,6 +76,7 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
             _state_cut=lambda reg: None,
             check_peer_aux_buffer_count=lambda *a: None,
             _drop_peer=lambda agent: None,
+            _count=lambda **fields: None,
         )
         prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
         try:
@@ -112,13 +114,16 @@ class _Transport:
 
 
 def _prefill(transport: _Transport) -> SimpleNamespace:
+    counted: Counter[str] = Counter()  # the metrics' counters, by StatsSnapshot field
     prefill = SimpleNamespace(
         transport=transport,
         peers={},
+        counted=counted,
         _peers_lock=threading.Lock(),
         _refused={},
         _pairing=lambda reg: None,
         _state_cut=lambda reg: None,
+        _count=counted.update,
         check_peer_aux_buffer_count=lambda *a: None,
     )
     prefill._drop_peer = lambda agent: PrefillSide._drop_peer(prefill, agent)
@@ -156,6 +161,8 @@ def test_decode_ranks_of_other_servers_stay_peers_and_a_restarted_rank_replaces_
     assert transport.removed == ["sglang-decode-r0-aaa"]
     register("sglang-decode-r0-eee", "")  # an older decode, without a seat: replaces nothing
     assert len(prefill.peers) == 4 and transport.removed == ["sglang-decode-r0-aaa"]
+    register("sglang-decode-r0-eee", "")  # registered already: nothing new
+    assert (prefill.counted["peers_registered"], prefill.counted["peers_replaced"]) == (5, 1)
 
 
 class _SGLangManager:

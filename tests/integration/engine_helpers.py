@@ -280,6 +280,8 @@ USAGE = "vllm:kv_cache_usage_perc"
 """vLLM's KV cache usage (0 to 1): back at its idle value once every block is released."""
 FAILURES = "vllm:kvbridge_failures_total"
 LEASES_EXPIRED = "vllm:kvbridge_leases_expired_total"
+PEERS_REPLACED = "vllm:kvbridge_peers_replaced_total"
+"""Peers a rank dropped for a new process of the same rank (a restart)."""
 SENDS_HELD = "vllm:kvbridge_sends_held"
 SENDS_SENDING = "vllm:kvbridge_sends_sending"
 IN_FLIGHT = [

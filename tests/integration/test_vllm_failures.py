@@ -17,6 +17,7 @@ from engine_helpers import (
     FAILURES,
     IN_FLIGHT,
     LEASES_EXPIRED,
+    PEERS_REPLACED,
     SENDS_HELD,
     SENDS_SENDING,
     USAGE,
@@ -302,6 +303,7 @@ def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:
         kv_transfer_params={"do_remote_decode": True},
     ).kv_transfer_params
     old_epoch = cluster.address["epoch"]
+    replaced = metric(cluster.d.url, PEERS_REPLACED)
     cluster.restart_prefill()
     assert (
         cluster.address["address"].endswith(f":{cluster.side_port}")
@@ -312,6 +314,9 @@ def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:
         handoff("push", cluster.p.url, cluster.d.url, prompt2, 6, cluster.address).token_ids
         == complete(cluster.c.url, prompt2, max_tokens=6).token_ids
     )
+    # D's handshake with the new instance replaced the old one's (not kept beside it)
+    got = wait_metric(cluster.d.url, PEERS_REPLACED, lambda v: v >= replaced + 1)
+    assert got == replaced + 1, f"D counted {got - replaced} peers replaced by the restart"
     start = time.monotonic()
     out = complete(cluster.d.url, random_prompt(50, seed=5), max_tokens=6, kv_transfer_params=stale)
     assert (

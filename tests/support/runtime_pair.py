@@ -46,12 +46,14 @@ def endpoint(
     spec: CacheSpec = SPEC,
     planes=None,
     groups: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()),
+    engine_id: str | None = None,
     **cfg,
 ) -> Endpoint:
     """A prefill (``role`` "P"), decode ("D") or both ("PD") endpoint over ``arr_geo``'s cache (the
     array and its geometry) with the config keys ``cfg``; ``planes``: the cache's K and
     V planes per layer, for the packed path (``wire_dtype: fp8``, ``data_path: packed``);
-    ``groups``: the layers' KV cache groups and the groups' windows (``CompatInfo``)."""
+    ``groups``: the layers' KV cache groups and the groups' windows (``CompatInfo``);
+    ``engine_id``: the instance's (default: ``role``)."""
     config = load_config({"timeouts": {"receive_s": 5, "transfer_s": 5, **(timeouts or {})}, **cfg})
     _, geo = arr_geo
     compat = CompatInfo.from_spec(
@@ -67,7 +69,7 @@ def endpoint(
         config,
         geo,
         compat,
-        role,
+        role if engine_id is None else engine_id,
         send="P" in role,
         receive="D" in role,
         transport=LoopbackTransport(name),

@@ -811,11 +811,12 @@ def test_state_layers_write_their_state_block_once_the_prompt_is_computed() -> N
         P.close()
 
 
-@pytest.fixture
-def restarted() -> Iterator[tuple]:
+@pytest.fixture(params=["same", "new"], ids=["same-engine-id", "new-engine-id"])
+def restarted(request: pytest.FixtureRequest) -> Iterator[tuple]:
     """A decode waiting for the KV of transfer "old" from a prefill that then restarts
     on its side-channel port: yields the decode and the new prefill (whose epoch
-    differs); the decode heartbeats every 0.3 s and would wait 60 s for "old"."""
+    differs, and whose engine id is the same, or new as vLLM draws one at each start);
+    the decode heartbeats every 0.3 s and would wait 60 s for "old"."""
     from kvbridge.demo.servers import free_port
 
     port = free_port()
@@ -826,7 +827,8 @@ def restarted() -> Iterator[tuple]:
         D.receiver.expect_push("old", P1.address, [1], 10)
         eventually(lambda: D.receiver.phase("old") == RecvPhase.WAITING)
         P1.close()
-        P2 = endpoint("P", make_cache(2), side_channel_port=port)
+        engine_id = "P" if request.param == "same" else "P-restarted"
+        P2 = endpoint("P", make_cache(2), side_channel_port=port, engine_id=engine_id)
         assert P2.address == P1.address and P2.epoch != P1.epoch
         yield D, P2
     finally:
@@ -859,6 +861,22 @@ def test_a_restart_on_the_same_port_fails_only_the_old_instance_s_transfers(rest
     D, P2 = restarted
     _stream_new(D, P2, wait=True)
     assert outcomes(D, 2) == (["new"], ["old"])
+
+
+def test_handshakes_count_each_peer_once_and_a_restart_as_a_replacement(restarted) -> None:
+    """``peers_registered`` and ``peers_replaced`` (exported as metrics, read by the
+    engine tests instead of log lines): the decode shook hands with the first prefill,
+    then with the restarted one, which replaced it (whether its engine id is the same or
+    new: a restart must not leave its old self among the peers, which are bounded by
+    ``MAX_PEERS``); a repeated handshake with a known peer counts nothing."""
+    D, P2 = restarted
+    _stream_new(D, P2, wait=True)
+    assert outcomes(D, 2) == (["new"], ["old"])
+    D.node.connect(P2.address, fresh=True)
+    d, p = D.stats.take(), P2.stats.take()
+    assert (d.peers_registered, d.peers_replaced) == (2, 1)
+    assert (p.peers_registered, p.peers_replaced) == (1, 0)
+    assert [k[0] for k in D.node._peers] == [P2.node.id.engine_id], D.node._peers
 
 
 def test_a_destination_on_its_way_to_a_restarted_prefill_is_not_failed_by_a_heartbeat(

@@ -51,10 +51,17 @@ class Endpoint:
         planes: list | None = None,
     ) -> None:
         self.config = config
-        self.node = Node(
-            config, geometry, compat, engine_id, rank, transport=transport, planes=planes
-        )
         self.stats = TransferStats()
+        self.node = Node(
+            config,
+            geometry,
+            compat,
+            engine_id,
+            rank,
+            transport=transport,
+            planes=planes,
+            stats=self.stats,
+        )
         self.activity = threading.Event()
         """Set whenever the sender released or the receiver finished something; the
         adapter clears it when it takes them (and may wait on it in between)."""

@@ -56,6 +56,7 @@ from kvbridge.errors import (
 )
 from kvbridge.runtime.packed import PackedPath, slot_format, staging_descs
 from kvbridge.runtime.sidechannel import SideChannelClient
+from kvbridge.runtime.stats import TransferStats
 from kvbridge.transports.base import DescTable
 from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
@@ -70,7 +71,8 @@ log = logging.getLogger(__name__)
 MAX_PEERS = 1024
 """Peers one worker keeps a handshake with (decode ranks of every decode instance that
 uses this prefill rank, and the reverse); a handshake beyond it is refused. A restarted
-peer (same engine and rank, new epoch) replaces its old self and counts once."""
+peer (same engine and rank, new epoch, or a new peer on its side channel's address)
+replaces its old self and counts once."""
 
 MAX_PEER_SLOTS = 1 << 26
 """Slots (one block of one layer plane) a peer's cache may claim: its slot table is built
@@ -138,9 +140,13 @@ class Node:
         rank: int = 0,
         transport: TransportBase | None = None,
         planes: list | None = None,
+        stats: TransferStats | None = None,
     ) -> None:
         self.config = config
         self.geometry = geometry
+        self.stats = stats if stats is not None else TransferStats()
+        """Where handshakes are counted (``peers_registered``, ``peers_replaced``): the
+        endpoint's, which the adapter exports."""
         self.codec = Codec(compat)
         self._secret = config.secret.encode() if config.secret else None
         self.id = PeerId(engine_id=engine_id, epoch=uuid.uuid4().hex[:12], rank=rank)
@@ -282,8 +288,16 @@ class Node:
                 self.transport.name,
             )
         with self._lock:
-            # a restart of a peer (same engine and rank, new epoch) replaces the old one
+            # a restart of a peer (same engine and rank, new epoch) replaces the old one, and
+            # so does another peer now serving its side channel's address (vLLM draws a new
+            # engine id at each start unless one is configured)
+            new = key not in self._peers
             stale = [k for k in self._peers if k[:2] == key[:2] and k[2] != key[2]]
+            prior = None if address is None else self._by_address.get(address)
+            if prior is not None:
+                k = self._key(prior.id)
+                if k != key and k in self._peers and k not in stale:
+                    stale.append(k)
             gone = [self._peers.pop(k) for k in stale]
             for old in gone:
                 if old.address is not None and self._by_address.get(old.address) is old:
@@ -296,6 +310,8 @@ class Node:
                 self._by_address[address] = peer
         for old in gone:
             self.transport.remove_peer(old.agent)
+        if new or gone:
+            self.stats.add(peers_registered=int(new), peers_replaced=len(gone))
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 

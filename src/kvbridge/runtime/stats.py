@@ -42,6 +42,12 @@ class StatsSnapshot:
     messages_refused: int = 0
     """Peer messages dropped unread or refused: undecodable, failing authentication, over a
     bound, or for a transfer they do not belong to (wrong ticket, another decode instance)."""
+    peers_registered: int = 0
+    """Peers a rank completed a handshake (vLLM) or registration (SGLang) with: once per
+    peer process and rank; a repeated handshake of the same one is not counted."""
+    peers_replaced: int = 0
+    """Peers dropped because the same rank registered again as a new process (a
+    restart: a new epoch, or on SGLang the same seat with a new agent)."""
     transfer_s: list[float] = field(default_factory=list)
     """Per posted transfer: post to completion."""
     exposed_s: list[float] = field(default_factory=list)
@@ -153,6 +159,8 @@ COUNTERS: dict[str, str] = {
         "Peer messages dropped or refused: undecodable, unauthenticated, over a bound, or not "
         "the transfer's (wrong ticket or decode instance)"
     ),
+    "peers_registered": "Peers a handshake or registration was completed with",
+    "peers_replaced": "Peers replaced by a new process of the same rank (a restart)",
 }
 """Counter fields of :class:`StatsSnapshot` -> description (exported as ``<name>_total``),
 in the order an export adds one snapshot: a request's writes are counted before the request

@@ -363,6 +363,7 @@ class PrefillSide:
                 reg.agent,
                 reg.seat,
             )
+        self._count(peers_registered=1, peers_replaced=len(stale))
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
 
     def _admit(self, reg: wire.Registration) -> None:
