@@ -215,3 +215,23 @@ def test_a_destination_for_a_room_sglang_failed_before_it_came_is_answered_with_
     decode_side = _Prefill()  # a decode's manager keeps no tombstones
     decode_side.record_failure(8, "x")
     assert decode_side.tombstones is None and decode_side.failure_records == {8: "x"}
+
+
+def test_a_decode_with_other_settings_is_refused_naming_each_and_the_fix() -> None:
+    """The settings both sides must share (transport, wire_dtype, data_path) are checked
+    as the vLLM handshake checks them (``wire.compat.settings_mismatch``): one error
+    naming every difference, and the fix apart from the message."""
+    from kvbridge.config import load_config
+    from kvbridge.errors import IncompatiblePeerError
+
+    base = _registration(SimpleNamespace(agent_name="d0", base=4096, metadata=b""))
+    reg = msgspec.structs.replace(base, transport="mooncake", data_path="packed")
+    prefill = SimpleNamespace(config=load_config({"transport": "nixl"}))
+    with pytest.raises(IncompatiblePeerError) as info:
+        PrefillSide._pairing(prefill, reg)
+    assert info.value.differences == {
+        "transport": ("nixl", "mooncake"),
+        "data_path": ("direct", "packed"),
+    }
+    assert info.value.fix is not None and "'transport', 'data_path'" in info.value.fix
+    assert "decode d0 uses transport 'mooncake', data_path 'packed'" in str(info.value)

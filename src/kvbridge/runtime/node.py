@@ -62,7 +62,7 @@ from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
 from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import Codec
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.compat import CompatInfo, settings_mismatch
 from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
 
 log = logging.getLogger(__name__)
@@ -225,13 +225,11 @@ class Node:
         )
 
     def _add(self, msg: Hello | Welcome, address: str | None, *, prefill: bool) -> Peer:
-        if msg.transport != self.transport.name:
-            raise IncompatiblePeerError(
-                f"peer {msg.peer} uses transport {msg.transport!r}, this instance "
-                f"{self.transport.name!r}",
-                differences={"transport": (self.transport.name, msg.transport)},
-                fix="set the same 'transport' in the kvbridge config of prefill and decode",
-            )
+        mismatch = settings_mismatch(
+            str(msg.peer), {"transport": self.transport.name}, {"transport": msg.transport}
+        )
+        if mismatch is not None:  # wire_dtype and data_path: in the compatibility hash
+            raise mismatch
         spec, theirs = self.geometry.spec, msg.geometry.spec
         # their head count may differ (another TP split), their layout where it packs alike
         layout = (

@@ -24,6 +24,7 @@ import hashlib
 import msgspec
 
 from kvbridge.core.layout import TOKEN_ROW_LAYOUTS, CacheSpec
+from kvbridge.errors import IncompatiblePeerError
 
 #: Version of the kvbridge wire protocol. Bumped only for incompatible changes; new
 #: optional fields (with defaults, at the end of a Struct) do not bump it.
@@ -194,6 +195,37 @@ def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object,
     }
 
 
+def settings_mismatch(
+    peer: str, ours: dict[str, object], theirs: dict[str, object]
+) -> IncompatiblePeerError | None:
+    """The kvbridge settings two peers must share (``transport``, ``wire_dtype``,
+    ``data_path``: name -> value, the same names on both sides) that differ, as one
+    error naming each value and the fix; None when they match. Called when a peer
+    introduces itself: by :class:`kvbridge.runtime.node.Node` at a handshake, by the
+    SGLang prefill at a decode's registration.
+
+    >>> err = settings_mismatch("d", {"transport": "nixl"}, {"transport": "mooncake"})
+    >>> err.message, err.differences
+    ("peer d uses transport 'mooncake', this instance 'nixl'", {'transport': ('nixl', 'mooncake')})
+    >>> err.fix
+    "set the same 'transport' in the kvbridge config (KVBRIDGE_CONFIG) of prefill and decode"
+    """
+    differences = {k: (v, theirs[k]) for k, v in ours.items() if theirs[k] != v}
+    if not differences:
+        return None
+    said = ", ".join(f"{k} {b!r}" for k, (_, b) in differences.items())
+    mine = ", ".join(f"{a!r}" for a, _ in differences.values())
+    return IncompatiblePeerError(
+        f"peer {peer} uses {said}, this instance {mine}",
+        differences=differences,
+        fix=(
+            "set the same "
+            + ", ".join(f"'{k}'" for k in differences)
+            + " in the kvbridge config (KVBRIDGE_CONFIG) of prefill and decode"
+        ),
+    )
+
+
 __all__ = [
     "PROTOCOL_VERSION",
     "CompatInfo",
@@ -201,5 +233,6 @@ __all__ = [
     "compat_digests",
     "compat_hash",
     "digest_diff",
+    "settings_mismatch",
     "shared_value",
 ]

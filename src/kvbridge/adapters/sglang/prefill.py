@@ -74,6 +74,7 @@ from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 from kvbridge.wire import room_messages as wire
+from kvbridge.wire.compat import settings_mismatch
 
 if TYPE_CHECKING:
     from kvbridge.transports.base import DescTable
@@ -404,22 +405,17 @@ class PrefillSide:
             IncompatiblePeerError: why it cannot be served (its rooms then fail with
                 this reason), naming the fix.
         """
-        fix = "set the same KVBRIDGE_CONFIG on prefill and decode"
-        if reg.transport != self.config.transport:
-            raise IncompatiblePeerError(
-                f"it uses transport {reg.transport!r}, this prefill {self.config.transport!r}; "
-                f"{fix}"
-            )
-        if reg.wire_dtype != self.config.wire_dtype:
-            raise IncompatiblePeerError(
-                f"it uses wire_dtype {reg.wire_dtype!r}, this prefill {self.config.wire_dtype!r}; "
-                f"{fix}"
-            )
-        if reg.data_path != self.config.resolved_data_path:
-            raise IncompatiblePeerError(
-                f"it uses data_path {reg.data_path!r}, this prefill "
-                f"{self.config.resolved_data_path!r}; {fix}"
-            )
+        mismatch = settings_mismatch(
+            f"decode {reg.agent}",
+            {
+                "transport": self.config.transport,
+                "wire_dtype": self.config.wire_dtype,
+                "data_path": self.config.resolved_data_path,
+            },
+            {"transport": reg.transport, "wire_dtype": reg.wire_dtype, "data_path": reg.data_path},
+        )
+        if mismatch is not None:
+            raise mismatch
         page, theirs = self.kv_args.page_size, reg.page_size or reg.geometry.spec.block_size
         if reg.prefix_cache and theirs % page:
             raise IncompatiblePeerError(
