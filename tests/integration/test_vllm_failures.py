@@ -17,7 +17,7 @@ from engine_helpers import (
     FAILURES,
     IN_FLIGHT,
     LEASES_EXPIRED,
-    PEERS_REPLACED,
+    PEERS,
     SENDS_HELD,
     SENDS_SENDING,
     USAGE,
@@ -303,7 +303,6 @@ def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:
         kv_transfer_params={"do_remote_decode": True},
     ).kv_transfer_params
     old_epoch = cluster.address["epoch"]
-    replaced = metric(cluster.d.url, PEERS_REPLACED)
     cluster.restart_prefill()
     assert (
         cluster.address["address"].endswith(f":{cluster.side_port}")
@@ -314,9 +313,11 @@ def test_restarted_prefill_is_a_new_peer(cluster: Cluster, baseline) -> None:
         handoff("push", cluster.p.url, cluster.d.url, prompt2, 6, cluster.address).token_ids
         == complete(cluster.c.url, prompt2, max_tokens=6).token_ids
     )
-    # D's handshake with the new instance replaced the old one's (not kept beside it)
-    got = wait_metric(cluster.d.url, PEERS_REPLACED, lambda v: v >= replaced + 1)
-    assert got == replaced + 1, f"D counted {got - replaced} peers replaced by the restart"
+    # D keeps a handshake with the new instance only, not the old one's beside it (which
+    # way D dropped the old one, at the new handshake or at a heartbeat, depends on timing;
+    # the unit tests count both)
+    kept = wait_metric(cluster.d.url, PEERS, lambda v: v == 1)
+    assert kept == 1, f"D keeps {kept} prefill handshakes after the restart, not 1"
     start = time.monotonic()
     out = complete(cluster.d.url, random_prompt(50, seed=5), max_tokens=6, kv_transfer_params=stale)
     assert (

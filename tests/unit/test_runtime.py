@@ -879,6 +879,18 @@ def test_handshakes_count_each_peer_once_and_a_restart_as_a_replacement(restarte
     assert [k[0] for k in D.node._peers] == [P2.node.id.engine_id], D.node._peers
 
 
+def test_a_restart_a_heartbeat_finds_first_counts_as_one_replacement(restarted) -> None:
+    """The other order: the decode's heartbeat finds the new instance first and drops
+    the old handshake then (not at a new handshake); counted once all the same."""
+    D, P2 = restarted
+    eventually(lambda: D.receiver.phase("old") != RecvPhase.WAITING, timeout=5)
+    assert D.node.num_peers == 0, "the old instance's handshake is kept"
+    _stream_new(D, P2, wait=False)
+    assert outcomes(D, 2) == (["new"], ["old"])
+    d = D.stats.take()
+    assert (d.peers_registered, d.peers_replaced) == (2, 1)
+
+
 def test_a_destination_on_its_way_to_a_restarted_prefill_is_not_failed_by_a_heartbeat(
     restarted,
 ) -> None:

@@ -713,6 +713,8 @@ class Node:
             del self._by_address[address]
             self._peers.pop(self._key(peer.id), None)
             self._unbuild(self._key(peer.id))
+        if unless_epoch is not None:  # another instance serves its address: a restart
+            self.stats.add(peers_replaced=1)
         self.transport.remove_peer(peer.agent)  # releases its tables
 
     def _unbuild(self, key: tuple[str, int, str]) -> None:

@@ -46,8 +46,10 @@ class StatsSnapshot:
     """Peers a rank completed a handshake (vLLM) or registration (SGLang) with: once per
     peer process and rank; a repeated handshake of the same one is not counted."""
     peers_replaced: int = 0
-    """Peers dropped because the same rank registered again as a new process (a
-    restart: a new epoch, or on SGLang the same seat with a new agent)."""
+    """Peers dropped for a new process of the same rank (a restart): at its handshake
+    (vLLM: same engine and rank with a new epoch, or a new peer on the old one's
+    side-channel address; SGLang: the same seat with a new agent), or when a heartbeat
+    finds another instance serving the address (vLLM)."""
     transfer_s: list[float] = field(default_factory=list)
     """Per posted transfer: post to completion."""
     exposed_s: list[float] = field(default_factory=list)
