@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -58,7 +59,7 @@ DP_HEADER = "X-data-parallel-rank"
 
 LOST_PROBE_S = 2.0
 """How long the proxy waits for a prefill's ``/health`` when it asks whether the prefill
-died (:meth:`Proxy._lost`)."""
+died (:meth:`Proxy._retry_if_lost`)."""
 
 MAX_DP_RANKS = 256
 """The most data-parallel ranks of one prefill instance the proxy probes."""
@@ -252,20 +253,23 @@ class Proxy:
             task.add_done_callback(lambda _: self._watching.pop(key, None))
 
     async def _watch(self, i: Instance) -> None:
-        probe = aiohttp.ClientTimeout(total=2 * PROBE_S)
         while not i.up:
             await asyncio.sleep(PROBE_S)  # polling another process: it sends no event
-            try:
-                async with self.session.get(f"{i.url}/health", timeout=probe) as resp:
-                    healthy = resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                continue
-            if healthy:
+            if await self._unhealthy(i, 2 * PROBE_S) is None:
                 if i.role == "prefill":  # a restarted prefill has new side channels
                     i.addresses.clear()
                     i.dp_size = None
                 log.info("%s instance %s answers again", i.role, i.url)
                 i.mark_up()
+
+    async def _unhealthy(self, i: Instance, timeout_s: float) -> str | None:
+        """Why ``i``'s ``/health`` did not answer 200 within ``timeout_s``; None if it did."""
+        probe = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self.session.get(f"{i.url}/health", timeout=probe) as resp:
+                return None if resp.status == 200 else f"/health answered {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -366,16 +370,8 @@ class Proxy:
             if p_task in done and p_task.exception() is not None:
                 d_task.cancel()  # nothing will come for it: abort the decode request
                 raise p_task.exception()  # type: ignore[misc]
+            d_resp, first = await self._decode_answer(p, d, d_task, p_task)
             try:
-                d_resp = await d_task
-            except UpstreamError as exc:
-                if exc.status >= 500:
-                    await self._retry_if_lost(p, d)
-                raise
-            try:
-                first = await self._first_event(d, d_resp, p_task)
-                if _is_error_event(first):
-                    await self._retry_if_lost(p, d)
                 return await self._relay(request, d, d_resp, first)
             finally:
                 d_resp.release()
@@ -386,6 +382,33 @@ class Proxy:
             if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
                 log.warning("prefill for %s failed: %s", tid, p_task.exception())
 
+    async def _decode_answer(
+        self,
+        p: Instance,
+        d: Instance,
+        opening: Awaitable[aiohttp.ClientResponse],
+        p_task: asyncio.Task[Any] | None = None,
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        """Decode ``d``'s answer (``opening``: :meth:`_open` of it) and, for a stream, its
+        first bytes (:meth:`_first_event`), before the client gets anything. A failure
+        there (a 5xx, or an error event first) is retried elsewhere if prefill ``p`` died
+        (:meth:`_retry_if_lost`). The caller releases the answer; on a raise it is
+        released here."""
+        try:
+            d_resp = await opening
+        except UpstreamError as exc:
+            if exc.status >= 500:
+                await self._retry_if_lost(p, d)
+            raise
+        try:
+            first = await self._first_event(d, d_resp, p_task)
+            if _is_error_event(first):
+                await self._retry_if_lost(p, d)
+        except BaseException:
+            d_resp.release()
+            raise
+        return d_resp, first
+
     async def _retry_if_lost(self, p: Instance, d: Instance) -> None:
         """Decode ``d`` failed a request (a 5xx, or a stream's first event an error)
         before anything of it reached the client, and prefill ``p`` had answered: if
@@ -395,14 +418,9 @@ class Proxy:
         the client a retry, not an error. A prefill that answers leaves the failure the
         decode's, and the client gets it."""
         if p.up:
-            try:
-                probe = aiohttp.ClientTimeout(total=LOST_PROBE_S)
-                async with self.session.get(f"{p.url}/health", timeout=probe) as resp:
-                    if resp.status == 200:
-                        return
-                    error = f"/health answered {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
+            error = await self._unhealthy(p, LOST_PROBE_S)
+            if error is None:
+                return
             self._down(p, error)
         raise _error(
             502,
@@ -422,18 +440,10 @@ class Proxy:
                 "kvbridge or NixlConnector as "
                 "kv_producer? connectors that share KV through storage need --flow sequential)",
             )
+        d_resp, first = await self._decode_answer(
+            p, d, self._open(d, path, dict(body, kv_transfer_params=params) if params else body)
+        )
         try:
-            d_resp = await self._open(
-                d, path, dict(body, kv_transfer_params=params) if params else body
-            )
-        except UpstreamError as exc:
-            if exc.status >= 500:
-                await self._retry_if_lost(p, d)
-            raise
-        try:
-            first = await self._first_event(d, d_resp)
-            if _is_error_event(first):
-                await self._retry_if_lost(p, d)
             return await self._relay(request, d, d_resp, first)
         finally:
             d_resp.release()
