@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvbridge.demo import servers as launch
 from kvbridge.demo.model import SHAPES
@@ -364,11 +364,20 @@ IDLE_GAUGES = [USAGE, *IN_FLIGHT]
 """What :func:`check_idle` compares: KV cache usage and kvbridge's requests in flight."""
 
 
+T = TypeVar("T")
+
+
+def _idle_gauges(url: str) -> dict[str, float]:
+    """:data:`IDLE_GAUGES` of one instance, from one scrape of its ``/metrics``."""
+    got = prom(url, prefix="vllm:")
+    return {g: got.get(g, 0.0) for g in IDLE_GAUGES}
+
+
 def idle_state(instances: tuple[VllmServer, ...]) -> dict[str, dict[str, float]]:
     """Each instance's :data:`IDLE_GAUGES` now, by URL: what :func:`check_idle` compares a
     test's end against. An earlier test's transfer may still be held under its lease
     (a proxy test whose decode was unreachable): it counts here, not against this test."""
-    return {s.url: {g: metric(s.url, g) for g in IDLE_GAUGES} for s in instances}
+    return {s.url: _idle_gauges(s.url) for s in instances}
 
 
 def check_idle(
@@ -376,12 +385,21 @@ def check_idle(
 ) -> None:
     """Every instance is back where it started: each of :data:`IDLE_GAUGES` at most its
     value in ``before`` (from :func:`idle_state`; ``None``: 0, an idle instance), waited
-    for within :func:`wait_metric`'s deadline."""
+    for per gauge within :func:`wait_for`'s deadline. One scrape of ``/metrics`` serves
+    every gauge it finds back already."""
     for s in instances:
+        was = dict.fromkeys(IDLE_GAUGES, 0.0) if before is None else before[s.url]
+        now = _idle_gauges(s.url)
         for gauge in IDLE_GAUGES:
-            was = 0.0 if before is None else before[s.url][gauge]
-            got = wait_metric(s.url, gauge, lambda v, was=was: v <= was + 1e-9)
-            assert got <= was + 1e-9, f"{s.url}'s {gauge} stayed at {got} (it was {was})"
+            limit = was[gauge] + 1e-9
+            if now[gauge] > limit:
+                now = wait_for(
+                    lambda s=s: _idle_gauges(s.url),
+                    lambda got, gauge=gauge, limit=limit: got[gauge] <= limit,
+                )
+            assert now[gauge] <= limit, (
+                f"{s.url}'s {gauge} stayed at {now[gauge]} (it was {was[gauge]})"
+            )
 
 
 def metric(url: str, name: str) -> float:
@@ -389,15 +407,22 @@ def metric(url: str, name: str) -> float:
     return prom(url, prefix=name).get(name, 0.0)
 
 
-def wait_metric(
-    url: str, name: str, done: Callable[[float], bool], timeout: float = 30, interval: float = 0.5
-) -> float:
-    """Poll ``/metrics`` every ``interval`` seconds until ``done(value)`` or ``timeout``
-    (metrics are the only view into another process's connector state, so there is no
-    event to wait on); returns the last value read."""
+def wait_for(
+    read: Callable[[], T], done: Callable[[T], bool], timeout: float = 30, interval: float = 0.5
+) -> T:
+    """Call ``read`` every ``interval`` seconds until ``done(value)`` or ``timeout``
+    (another process's ``/metrics`` is the only view into its connector state, so there
+    is no event to wait on); returns the last value read."""
     deadline = time.monotonic() + timeout
     while True:
-        value = metric(url, name)
+        value = read()
         if done(value) or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def wait_metric(
+    url: str, name: str, done: Callable[[float], bool], timeout: float = 30, interval: float = 0.5
+) -> float:
+    """:func:`wait_for` one metric of ``url``."""
+    return wait_for(lambda: metric(url, name), done, timeout, interval)

@@ -47,12 +47,24 @@ async def _streaming_decode(
     return await _serve(_completions_app(handle))
 
 
-async def _prefill(reply: bytes) -> tuple[web.AppRunner, str]:
+async def _prefill(
+    reply: bytes, answered: asyncio.Event | None = None
+) -> tuple[web.AppRunner, str]:
+    """A prefill that answers every request with ``reply`` (setting ``answered``) and
+    ``/health`` with 200."""
+
     async def handle(request: web.Request) -> web.Response:
         await request.read()
+        if answered is not None:
+            answered.set()
         return web.Response(body=reply, content_type="application/json")
 
-    return await _serve(_completions_app(handle))
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = _completions_app(handle)
+    app.router.add_get("/health", health)
+    return await _serve(app)
 
 
 async def _stream_through(
@@ -417,24 +429,11 @@ async def _decode_failing_loads_from(
 
 
 async def _prefill_named(engine_id: str, answered: asyncio.Event | None = None):
-    """A prefill stand-in whose answers carry a kvbridge address of ``engine_id`` (the
-    push flow reads it from ``learn``, the pull flow from the answer)."""
+    """A prefill stand-in (:func:`_prefill`) whose answers carry a kvbridge address of
+    ``engine_id`` (the push flow reads it from ``learn``, the pull flow from the answer)."""
     address = {"address": "tcp://127.0.0.1:1", "engine_id": engine_id, "epoch": "e1"}
-
-    async def handle(request: web.Request) -> web.Response:
-        await request.read()
-        if answered is not None:
-            answered.set()
-        return web.json_response(
-            {"choices": [{"text": "x"}], "kv_transfer_params": {"kvbridge": {"prefill": address}}}
-        )
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = _completions_app(handle)
-    app.router.add_get("/health", health)
-    runner, url = await _serve(app)
+    reply = {"choices": [{"text": "x"}], "kv_transfer_params": {"kvbridge": {"prefill": address}}}
+    runner, url = await _prefill(json.dumps(reply).encode(), answered)
     return runner, url, address
 
 
