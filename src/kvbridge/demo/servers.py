@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvbridge.demo import forkserver
 from kvbridge.errors import DeadlineExceeded, KVBridgeError
 
 if TYPE_CHECKING:
@@ -451,6 +452,15 @@ class ServerProcess:
     environment sets it; ``None``: the engine's own choice. A worker's idle OpenMP threads
     spin, so where servers outnumber cores (the test suite: 1) they take the cores from
     the processes that have work."""
+    preload: bool = False
+    """Fork the server from a fork server that has imported its entry module
+    (:mod:`kvbridge.demo.forkserver`; a command ``python -m MODULE ...`` on Linux) instead
+    of starting a new interpreter: the server skips that import (vLLM's API server about
+    10 of a test server's 23 CPU-seconds here). The engine tests set it (their
+    conftests); the demo and the benchmarks start servers as users do."""
+    preload_ignored_env: tuple[str, ...] = ()
+    """Variables that the server reads only after start-up, so that servers that differ
+    in them only share a fork server (see :func:`~kvbridge.demo.forkserver.fork_server`)."""
 
     def __init__(
         self,
@@ -526,13 +536,19 @@ class ServerProcess:
                 f"the {self.name} on port {self.port} was already started", fix="create a new one"
             )
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        command, env = self.command(), self.environment()
+        launcher = [self.python, "-c", _LAUNCHER, str(os.getpid()), *command]
+        if self.preload and sys.platform.startswith("linux") and command[:2] == [self.python, "-m"]:
+            launcher = forkserver.fork_server(
+                self.python, command[2], env, self.preload_ignored_env, nice=self.nice
+            ).launch_command(os.getpid(), command)
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                [self.python, "-c", _LAUNCHER, str(os.getpid()), *self.command()],
+                launcher,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.environment(),
+                env=env,
                 **_GROUP,  # own process group: stop() signals all of it
                 # affinity and nice only (async-signal-safe syscalls); no locks taken
                 preexec_fn=self._in_child if (self.cpus or self.nice) else None,  # noqa: PLW1509
@@ -882,3 +898,4 @@ def _kill_all() -> None:
         # at exit: do what can be done for the others
         with contextlib.suppress(Exception):
             server.kill()
+    forkserver.stop_all()

@@ -110,6 +110,7 @@ class SglangServer(ServerProcess):
     name = "SGLang server"
     default_env = CPU_ENV
     stop_grace_s = None  # SIGKILL: a disaggregated server may drain forever on SIGTERM
+    preload_ignored_env = ("KVBRIDGE_CONFIG",)  # read when the scheduler builds our manager
 
     def __init__(
         self,
