@@ -29,8 +29,9 @@ Contract:
 - Trust: it serves only connections of its own user (``SO_PEERCRED``) on an abstract
   Unix socket, and reads a bounded request.
 
-This module uses only the standard library: its source is also the program of the fork
-server and of the launcher (``python -c SOURCE serve|launch ...``).
+This module is also the program of the fork server and of the launcher (``python -m
+kvbridge.demo.forkserver serve|launch ...``), so it imports only the standard library:
+the fork server must import nothing the engine's own start would not.
 """
 
 from __future__ import annotations
@@ -64,13 +65,18 @@ one module only."""
 ALWAYS_IGNORED = ("PYTEST_CURRENT_TEST",)
 """Variables no fork server is keyed by: pytest names the test phase that runs in
 ``PYTEST_CURRENT_TEST``, which changes from one server's start to the next."""
-_GROUP: dict = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+PROCESS_GROUP: dict = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+)
+"""``Popen`` arguments for a process group of its own in the caller's session (why:
+:data:`kvbridge.demo.servers._GROUP`, which is this)."""
 _PID = struct.Struct("!i")
 """The fork server's first answer: the forked server's pid."""
 _STATUS = struct.Struct("!i")
 """Its second and last: the server's wait status, once it has exited."""
 _LENGTH = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
+_MODULE = "kvbridge.demo.forkserver"  # not __name__: that is "__main__" where it runs
 
 
 def _die_with_parent(parent: int) -> None:
@@ -81,7 +87,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-# --- the fork server (python -c SOURCE serve FD MODULE OWNER IDLE_EXIT_S) ---------------
+# --- the fork server (-m kvbridge.demo.forkserver serve FD MODULE OWNER IDLE_EXIT_S) ---
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]] | None:
@@ -195,6 +201,10 @@ def _fork_server_main(listen_fd: int, module: str, owner: int, idle_exit_s: floa
     importlib.import_module(module)
     # as under ``python -m``, the module itself runs only as __main__ (its imports stay)
     del sys.modules[module]
+    package, _, name = module.rpartition(".")
+    if package:
+        with contextlib.suppress(AttributeError):
+            delattr(sys.modules[package], name)
     if threading.active_count() != 1:  # a fork would copy held locks and lose the threads
         raise RuntimeError(f"importing {module} started threads: {threading.enumerate()}")
     server = os.getpid()
@@ -203,7 +213,7 @@ def _fork_server_main(listen_fd: int, module: str, owner: int, idle_exit_s: floa
     _run_server(server, request, fds, module)
 
 
-# --- a server's launcher (python -c SOURCE launch PPID NAME PYTHON -m MODULE ARGS...) ---
+# --- a server's launcher (-m kvbridge.demo.forkserver launch PPID NAME COMMAND...) -----
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
@@ -284,7 +294,7 @@ class ForkServer:
             listener.listen(64)  # launchers connect while it imports; it accepts after
             self.proc = subprocess.Popen(
                 [
-                    *(python, "-c", SOURCE, "serve", str(listener.fileno()), module),
+                    *(python, "-m", _MODULE, "serve", str(listener.fileno()), module),
                     *(str(os.getpid()), str(idle_exit_s)),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -292,7 +302,7 @@ class ForkServer:
                 stderr=subprocess.STDOUT,
                 env=dict(env),
                 pass_fds=[listener.fileno()],
-                **_GROUP,  # as the servers: a group of its own in our session
+                **PROCESS_GROUP,  # as the servers: a group of its own in our session
                 preexec_fn=(lambda: os.nice(nice)) if nice else None,  # noqa: PLW1509
             )
         finally:
@@ -304,7 +314,7 @@ class ForkServer:
 
     def launch_command(self, parent: int, command: list[str]) -> list[str]:
         """The argv of a launcher that asks this fork server for ``command``."""
-        return [self.python, "-c", SOURCE, "launch", str(parent), self.name, *command]
+        return [self.python, "-m", _MODULE, "launch", str(parent), self.name, *command]
 
     def stop(self) -> None:
         """SIGTERM; its servers get SIGTERM as it exits."""
@@ -346,10 +356,7 @@ def stop_all() -> None:
             server.stop()
 
 
-SOURCE = "" if __name__ == "__main__" else Path(__file__).read_text()
-"""This module's source: the program of fork servers and launchers."""
-
-if __name__ == "__main__":  # python -c SOURCE ...
+if __name__ == "__main__":  # python -m kvbridge.demo.forkserver ...
     if sys.argv[1] == "serve":
         _fork_server_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
     elif sys.argv[1] == "launch":

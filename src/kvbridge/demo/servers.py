@@ -88,9 +88,7 @@ _LAUNCHER = (
     "prctl\nos.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
-_GROUP: dict[str, Any] = (
-    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
-)
+_GROUP: dict[str, Any] = forkserver.PROCESS_GROUP
 """How a server leaves the caller's process group: a group of its own in the caller's
 session. Not a session of its own (Python 3.10's only option): on Linux with autogroups
 (``/proc/sys/kernel/sched_autogroup_enabled``, on in many VMs) each session is a
