@@ -16,6 +16,7 @@ from types import MethodType, SimpleNamespace
 import pytest
 
 try:
+    from kvbridge.adapters.sglang import compat
     from kvbridge.adapters.sglang.rooms import KVPoll, SoleHolder, _c
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
@@ -32,6 +33,7 @@ class Manager:
         self.request_status: dict[int, KVPoll] = {}
         self.failure_records: dict[int, str] = {}
         self.room_holders = weakref.WeakValueDictionary()
+        self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes it
 
     def record_failure(self, room: int, reason: str) -> None:
         self.failure_records[room] = reason

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 
 try:
+    from kvbridge.adapters.sglang import compat
     from kvbridge.adapters.sglang.decode import DecodeSide
     from kvbridge.adapters.sglang.manager import KVBridgeKVManager
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide, _c, _Peer
@@ -55,6 +56,7 @@ class _Prefill(PrefillSide):
         self.packed = self.state_layout = self.deferred_bootstrap = None
         self.request_status: dict[int, KVPoll] = {ROOM: KVPoll.Bootstrapping}
         self.failure_records: dict[int, str] = {}
+        self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes it
         self.sent: list[dict] = []
         self.refused = 0
         self.added: list[wire.Registration] = []

@@ -151,6 +151,68 @@ def common():
     )
 
 
+class RoomStatus:
+    """A manager's per-room status in SGLang's tables (``CommonKVManager.request_status``,
+    ``check_status``, ``update_status``, ``record_failure`` and ``failure_records`` under
+    ``failure_lock``): kvbridge reads and changes a room's status only through this.
+
+    Who calls: the prefill's and decode's threads and the endpoints (:mod:`.rooms`) of
+    one manager, any thread; SGLang's scheduler reads the same tables. SGLang owns them;
+    ``record_failure`` stays the manager's own (SGLang calls it too, and kvbridge's
+    prefill keeps a tombstone there)."""
+
+    def __init__(self, mgr) -> None:
+        self._mgr = mgr
+        self._poll = common().KVPoll
+
+    def known(self, room: int) -> bool:
+        """Whether SGLang keeps a status for ``room``."""
+        return room in self._mgr.request_status
+
+    def live(self, room: int) -> bool:
+        """Known and not failed: the room may still move KV."""
+        return self.known(room) and self._mgr.check_status(room) != self._poll.Failed
+
+    def failed(self, room: int) -> bool:
+        """Whether a failure was recorded for ``room`` (even if its status was cleared)."""
+        with self._mgr.failure_lock:
+            return room in self._mgr.failure_records
+
+    def fail(self, room: int, reason: str, *, unless: tuple | None = None) -> bool:
+        """Record ``reason`` and mark ``room`` failed (SGLang's scheduler then aborts its
+        request with it), unless it has no status or its status is in ``unless``
+        (``KVPoll`` values; default: succeeded or failed). Whether it failed it."""
+        done = (self._poll.Success, self._poll.Failed) if unless is None else unless
+        if not self.known(room) or self._mgr.check_status(room) in done:
+            return False
+        self.mark_failed(room, reason)
+        return True
+
+    def mark_failed(self, room: int, reason: str) -> None:
+        """Record ``reason`` and mark ``room`` failed, whatever its status (SGLang keeps
+        the reason of a room it has no status for, for its endpoints' errors)."""
+        self._mgr.record_failure(room, reason)
+        self._mgr.update_status(room, self._poll.Failed)
+
+    def concluded(self, room: int) -> bool:
+        """Whether ``room`` succeeded or failed."""
+        return self._mgr.request_status.get(room) in (self._poll.Success, self._poll.Failed)
+
+    def waiting_for_input(self, room: int) -> None:
+        """Every destination of ``room`` arrived: the prefill may send it."""
+        self._mgr.update_status(room, self._poll.WaitingForInput)
+
+    def succeeded(self, room: int) -> None:
+        """Every write of ``room`` landed."""
+        self._mgr.update_status(room, self._poll.Success)
+
+    def forget_waiting(self, room: int) -> None:
+        """Drop ``room``'s status if it only waits for input (destinations that no
+        request took)."""
+        if self._mgr.request_status.get(room) == self._poll.WaitingForInput:
+            self._mgr.request_status.pop(room, None)
+
+
 def control_endpoint(ip: str, port: int) -> str:
     """The ZeroMQ endpoint of a rank's control socket as SGLang addresses it
     (``tcp://ip:port``, IPv6 bracketed): what kvbridge binds a control message's MAC to

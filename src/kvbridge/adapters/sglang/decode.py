@@ -342,7 +342,7 @@ class DecodeSide:
                 )
                 return False
             try:
-                if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+                if not self.room_status.live(room):
                     return False
                 part, layers = res.parts[index], self.geometry.spec.num_layers
                 first = res.part_first(index, layers)
@@ -363,8 +363,8 @@ class DecodeSide:
             except Exception as exc:  # noqa: BLE001 - fail the room, keep the thread
                 log.warning("kvbridge: room %s: unpacking failed: %s", room, exc)
                 self._count(failures=1)
-                self.record_failure(room, f"kvbridge: unpacking the FP8 KV failed: {exc}")
-                self.update_status(room, KVPoll.Failed)
+                reason = f"kvbridge: unpacking the FP8 KV failed: {exc}"
+                self.room_status.mark_failed(room, reason)
                 return False
             finally:
                 if last:

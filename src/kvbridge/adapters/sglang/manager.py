@@ -109,6 +109,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
         compat.warn_if_untested()
+        self.room_status = compat.RoomStatus(self)
+        """SGLang's status of each room, read and set only through this."""
         self.config = config_from_env()
         unit = transfer_page_size(self.config, args.page_size)
         self.page_ratio = args.page_size // unit

@@ -571,7 +571,7 @@ class PrefillSide:
             self.req_to_decode_prefix_len[room] = next(
                 (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
             )
-            self.update_status(room, KVPoll.WaitingForInput)
+            self.room_status.waiting_for_input(room)
 
     def _destination_allowed(self, msg: wire.Destination) -> bool:
         """Whether a destination may act on its room: it names the control socket its
@@ -637,8 +637,7 @@ class PrefillSide:
             old, _ = early.popitem(last=False)
             if SoleHolder._holder(self, old) is None:
                 self.transfer_infos.pop(old, None)
-                if self.request_status.get(old) == KVPoll.WaitingForInput:
-                    self.request_status.pop(old, None)
+                self.room_status.forget_waiting(old)
         if room in early or SoleHolder._holder(self, room) is not None:
             return True
         if len(early) >= MAX_EARLY_ROOMS:  # forget those a request took meanwhile
@@ -706,23 +705,15 @@ class PrefillSide:
         """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's
         scheduler then aborts the request with ``reason``). Whether it did; False too
         when the room has no sender yet. Any thread."""
-        if room in self.request_status and self.check_status(room) not in (
-            KVPoll.Success,
-            KVPoll.Failed,
-        ):
-            self.record_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
-            return True
-        return False
+        return self.room_status.fail(room, reason)
 
     def _handle_abort(self, frames: list[bytes]) -> None:
         note = _c.AbortNotification.from_zmq(frames)
         if note is None:
             return
         room = note.room
-        if room in self.request_status and self.check_status(room) != KVPoll.Success:
-            self.record_failure(room, "Aborted by decode-side abort notification.")
-            self.update_status(room, KVPoll.Failed)
+        reason = "Aborted by decode-side abort notification."
+        if self.room_status.fail(room, reason, unless=(KVPoll.Success,)):
             self._count(aborted=1)
         if self.enable_deferred_decode_kv_release:
             target = note.deferred_ack_target()
@@ -865,11 +856,7 @@ class PrefillSide:
             self._release_room(room, drain_s=0.0)  # no waiting here: other rooms queue behind
 
     def _room_active(self, room: int) -> bool:
-        return (
-            room in self.request_status
-            and self.check_status(room) != KVPoll.Failed
-            and room in self.transfer_infos
-        )
+        return self.room_status.live(room) and room in self.transfer_infos
 
     def _release_if_inactive(self, room: int) -> bool:
         """A failed, aborted or cleared room posts nothing more: release what it holds,
@@ -1268,9 +1255,7 @@ class PrefillSide:
         else:
             layer_writes, chunk_writes = progress.layer_writes, progress.chunk_writes
         self._release_room(room)
-        with self.failure_lock:
-            failed = room in self.failure_records
-        if not failed and room in self.request_status:
+        if not self.room_status.failed(room) and self.room_status.known(room):
             # Which path the room took (also counted: layer_writes, chunk_writes). The time
             # is what the transfer added after the last chunk's forward (what streaming hides).
             now = time.monotonic()
@@ -1282,7 +1267,7 @@ class PrefillSide:
                 chunk_writes,
                 (now - chunk.queued_at) * 1000,
             )
-            self.update_status(room, KVPoll.Success)
+            self.room_status.succeeded(room)
             self._count(
                 layer_writes=layer_writes,
                 chunk_writes=chunk_writes,

@@ -105,15 +105,13 @@ class SoleHolder:
         self.duplicate = reason
         self._owns_bootstrap_room = False  # SGLang's own flag: its clear/abort skip the room
         self.conclude_state = KVPoll.Failed
-        if mgr.request_status.get(room) not in (KVPoll.Success, KVPoll.Failed):
+        if not mgr.room_status.concluded(room):
             self._fail_holder(reason)
         log.warning("%s", reason)
         return reason
 
     def _fail_holder(self, reason: str) -> None:
-        mgr = self.kv_mgr
-        mgr.record_failure(self.bootstrap_room, reason)
-        mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        self.kv_mgr.room_status.mark_failed(self.bootstrap_room, reason)
 
     def _clear_once(self) -> bool:
         """True at an endpoint's first ``clear`` (the caller clears it), False after.
