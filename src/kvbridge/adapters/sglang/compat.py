@@ -164,6 +164,7 @@ class RoomStatus:
     def __init__(self, mgr) -> None:
         self._mgr = mgr
         self._poll = common().KVPoll
+        self._concluded = (self._poll.Success, self._poll.Failed)
 
     def known(self, room: int) -> bool:
         """Whether SGLang keeps a status for ``room``."""
@@ -182,7 +183,7 @@ class RoomStatus:
         """Record ``reason`` and mark ``room`` failed (SGLang's scheduler then aborts its
         request with it), unless it has no status or its status is in ``unless``
         (``KVPoll`` values; default: succeeded or failed). Whether it failed it."""
-        done = (self._poll.Success, self._poll.Failed) if unless is None else unless
+        done = self._concluded if unless is None else unless
         if not self.known(room) or self._mgr.check_status(room) in done:
             return False
         self.mark_failed(room, reason)
@@ -196,7 +197,7 @@ class RoomStatus:
 
     def concluded(self, room: int) -> bool:
         """Whether ``room`` succeeded or failed."""
-        return self._mgr.request_status.get(room) in (self._poll.Success, self._poll.Failed)
+        return self._mgr.request_status.get(room) in self._concluded
 
     def waiting_for_input(self, room: int) -> None:
         """Every destination of ``room`` arrived: the prefill may send it."""

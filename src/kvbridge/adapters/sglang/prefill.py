@@ -670,7 +670,7 @@ class PrefillSide:
             failure_reason=reason,
         )
         self.tombstones.add(msg.room, reason)
-        self.fail_room(msg.room, reason)
+        self.room_status.fail(msg.room, reason)
 
     def _refuse_unauthenticated(self, exc: wire.AuthenticationError) -> None:
         """A decode's message failed authentication (its ``secret`` differs from ours,
@@ -700,12 +700,6 @@ class PrefillSide:
         super().record_failure(bootstrap_room, failure_reason)
         if self.tombstones is not None:
             self.tombstones.add(bootstrap_room, failure_reason)
-
-    def fail_room(self, room: int, reason: str) -> bool:
-        """Prefill: fail ``room`` here unless it succeeded or failed already (SGLang's
-        scheduler then aborts the request with ``reason``). Whether it did; False too
-        when the room has no sender yet. Any thread."""
-        return self.room_status.fail(room, reason)
 
     def _handle_abort(self, frames: list[bytes]) -> None:
         note = _c.AbortNotification.from_zmq(frames)
@@ -1352,7 +1346,7 @@ class KVBridgeKVSender(SoleHolder, _c.Sender):
         if (
             reason is not None
             and self.conclude_state is None
-            and mgr.fail_room(self.bootstrap_room, reason)
+            and mgr.room_status.fail(self.bootstrap_room, reason)
         ):
             log.warning(
                 "kvbridge: room %s failed before its request reached this prefill: %s",
