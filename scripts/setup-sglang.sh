@@ -16,7 +16,7 @@ VENV=.venv-sglang
 PYTHON=${PYTHON:-python3}
 STAMP="$VENV/.kvbridge-setup-sglang"
 STUBS="$ROOT/tests/sglang_stubs"
-inputs_hash=$( (cat pyproject.toml tests/sglang_stubs/pyproject.toml scripts/setup-sglang.sh scripts/debian-packages.sh; echo "$ROOT") | sha256sum | cut -c1-16)
+inputs_hash=$( (cat pyproject.toml tests/sglang_stubs/pyproject.toml scripts/setup-sglang.sh scripts/debian-packages.sh scripts/uv.sh; echo "$ROOT") | sha256sum | cut -c1-16)
 
 SGLANG_VERSION=0.5.23
 # The last sglang-router release; it ships `python -m sglang_router.launch_router` with
@@ -52,34 +52,29 @@ fi
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "kvbridge needs Python >= 3.10" >&2; exit 1; }
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
-[ -d /opt/wheels ] && PIP+=(--find-links /opt/wheels)
-# pip lists every dependency of SGLang's metadata left out on purpose (CUDA torch, kernels,
-# ...) as a conflict after each install: expected, so filtered out with its header.
-quiet() {
-  "$@" 2>&1 | grep -v -e "is ignored" -e "^sglang $SGLANG_VERSION requires" \
-    -e "dependency resolver does not currently take into account" || true
-}
+# shellcheck source=scripts/uv.sh
+source scripts/uv.sh
+ensure_uv
 
 # CPU torch first, or SGLang's and NIXL's dependencies pull CUDA torch (GBs).
 if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
   log "installing CPU torch"
-  quiet "${PIP[@]}" "torch==2.13.0"
+  uv_install "$VENV" "torch==2.13.0"
   "$PY" -c 'import torch' 2>/dev/null || { "$PY" -c 'import torch'; echo "torch did not install" >&2; exit 1; }
 fi
 # Keep that torch: every later install runs under this constraint.
 CONSTRAINTS="$VENV/constraints-sglang.txt"
 "$PY" -c 'import torch; print("torch==" + torch.__version__)' 2>/dev/null > "$CONSTRAINTS"
-PIP+=(-c "$CONSTRAINTS")
+PIN=(-c "$CONSTRAINTS")
 
 log "installing sglang==$SGLANG_VERSION (no CUDA deps), sglang-router==$SGLANG_ROUTER_VERSION"
-quiet "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION"
-quiet "${PIP[@]}" "${SGLANG_DEPS[@]}" "sglang-router==$SGLANG_ROUTER_VERSION"
+uv_install "$VENV" "${PIN[@]}" --no-deps "sglang==$SGLANG_VERSION"
+uv_install "$VENV" "${PIN[@]}" "${SGLANG_DEPS[@]}" "sglang-router==$SGLANG_ROUTER_VERSION"
 
 # kvbridge itself (editable, without the [sglang] extra, which would pull SGLang's CUDA
 # dependencies), its core dependencies and its nixl, mooncake and test extras, as
 # pyproject.toml states them.
-"$PY" -c 'import tomllib' 2>/dev/null || quiet "${PIP[@]}" tomli
+"$PY" -c 'import tomllib' 2>/dev/null || uv_install "$VENV" "${PIN[@]}" tomli
 mapfile -t KVB_DEPS < <("$PY" - <<'EOF'
 try:
     import tomllib
@@ -96,15 +91,15 @@ log "installing kvbridge (editable) and: ${KVB_DEPS[*]}"
 mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
 {
   flock -w 1200 9 || { echo "waited 20 min for build/.editable-install.lock (another setup script holds it); let it finish or stop it, then run this again" >&2; exit 1; }
-  quiet "${PIP[@]}" --no-deps -e .
+  uv_install "$VENV" "${PIN[@]}" --no-deps -e .
 } 9>build/.editable-install.lock
-quiet "${PIP[@]}" "${KVB_DEPS[@]}"
+uv_install "$VENV" "${PIN[@]}" "${KVB_DEPS[@]}"
 
 # The registry's torchvision/torchaudio/torchcodec builds link CUDA libraries: with CPU
 # torch `import torchvision` raises (operator torchvision::nms does not exist). None of them
 # may be installed; SGLang's unconditional `import torchvision.transforms` is served by the
 # stand-in below.
-"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+uv_uninstall "$VENV" torchvision torchaudio torchcodec
 
 # The test-only stand-ins (tests/sglang_stubs/README.md): a .pth file puts their directory
 # on sys.path, so edits to them take effect without re-running this script.
@@ -114,7 +109,7 @@ echo "$STUBS" > "$SITE/kvbridge-sglang-stubs.pth"
 # DeepSeek's MLA and sliding-window reads on the torch_native attention backend, and
 # short convolutions in torch: installed as a distribution, because SGLang finds plugins
 # by entry point.
-quiet "${PIP[@]}" --no-deps -e tests/sglang_stubs
+uv_install "$VENV" "${PIN[@]}" --no-deps -e tests/sglang_stubs
 
 PYTHONWARNINGS=ignore "$PY" - "$STUBS" <<'EOF' || { echo "SGLang environment check failed" >&2; exit 1; }
 import importlib.metadata, importlib.util, sys

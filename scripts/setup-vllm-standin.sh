@@ -27,23 +27,19 @@ fi
 
 start=$(date +%s)
 python3 -m venv "$VENV"
-PIP=(pip_install)
-# pip, quiet, without this machine's "Location ... is ignored" lines nor pip's list of
-# the vLLM and xgrammar requirements left out on purpose (GPU packages, CUDA torch);
-# pip's exit status
-pip_install() {
-  "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2> >(grep -Ev \
-    "is ignored: it is neither a file nor a directory|^(vllm|xgrammar) [0-9.]+ requires |^ERROR: pip's dependency resolver does not currently" >&2)
-}
-"${PIP[@]}" torch==2.13.0
-"${PIP[@]}" --no-deps "vllm==$VERSION" xgrammar==0.2.8
-"${PIP[@]}" -r "$REQS"
-"${PIP[@]}" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
+# shellcheck source=scripts/uv.sh
+source scripts/uv.sh
+ensure_uv
+INSTALL=(uv_install "$VENV")
+"${INSTALL[@]}" torch==2.13.0
+"${INSTALL[@]}" --no-deps "vllm==$VERSION" xgrammar==0.2.8
+"${INSTALL[@]}" -r "$REQS"
+"${INSTALL[@]}" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
   "pytest-timeout>=2.3"
 mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
 {
   flock -w 1200 9 || { echo "waited 20 min for build/.editable-install.lock (another setup script holds it); let it finish or stop it, then run this again" >&2; exit 1; }
-  "${PIP[@]}" --no-deps -e . -e tests/vllm_standin
+  "${INSTALL[@]}" --no-deps -e . -e tests/vllm_standin
 } 9>build/.editable-install.lock
 echo "(vLLM's GPU requirements left out on purpose: the stand-in never calls them)"
 echo "vLLM $VERSION stand-in environment in $VENV: $(( $(date +%s) - start )) s," \
