@@ -33,7 +33,8 @@ class Manager:
         self.request_status: dict[int, KVPoll] = {}
         self.failure_records: dict[int, str] = {}
         self.room_holders = weakref.WeakValueDictionary()
-        self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes it
+        self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes them
+        self.destinations = compat.RoomDestinations(self)
 
     def record_failure(self, room: int, reason: str) -> None:
         self.failure_records[room] = reason
@@ -219,6 +220,7 @@ def test_a_destination_from_another_request_of_the_room_is_told_apart() -> None:
         )
 
     side = SimpleNamespace(transfer_infos={ROOM: {"d0": dest("d0", 1)}})
+    side.destinations = compat.RoomDestinations(side)
 
     def another(d: _Dest, room: int = ROOM) -> bool:
         return PrefillSide._another_request_of(side, room, d)

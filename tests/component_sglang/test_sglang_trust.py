@@ -56,7 +56,8 @@ class _Prefill(PrefillSide):
         self.packed = self.state_layout = self.deferred_bootstrap = None
         self.request_status: dict[int, KVPoll] = {ROOM: KVPoll.Bootstrapping}
         self.failure_records: dict[int, str] = {}
-        self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes it
+        self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes them
+        self.destinations = compat.RoomDestinations(self)
         self.sent: list[dict] = []
         self.refused = 0
         self.added: list[wire.Registration] = []

@@ -214,6 +214,61 @@ class RoomStatus:
             self._mgr.request_status.pop(room, None)
 
 
+class RoomDestinations:
+    """A prefill manager's decode destinations per room in SGLang's tables
+    (``CommonKVManager.transfer_infos``: room -> {decode agent: destination}, and
+    ``req_to_decode_prefix_len``), which SGLang's own code reads too (its status
+    targets, its MLA replica factor, the sender's decode prefix length): kvbridge reads
+    and changes them only through this. A destination is kvbridge's record with the
+    attributes SGLang's helpers read (``endpoint``, ``dst_port``, ``is_dummy``,
+    ``required_dst_info_num``, ``decode_prefix_len``).
+
+    Who calls: the prefill's control thread adds and forgets; its transfer thread, the
+    scheduler thread (senders, the per-layer plan) and the endpoints read. SGLang owns
+    the tables; a room's entry goes when SGLang's sender clears it or kvbridge forgets
+    an early room no request took."""
+
+    def __init__(self, mgr) -> None:
+        self._mgr = mgr
+
+    def has(self, room: int) -> bool:
+        """Whether any destination of ``room`` is kept."""
+        return room in self._mgr.transfer_infos
+
+    def of(self, room: int) -> dict | None:
+        """``room``'s destinations by decode agent (a copy), None when none is kept."""
+        infos = self._mgr.transfer_infos.get(room)
+        return None if infos is None else dict(infos)
+
+    def get(self, room: int, agent: str):
+        """The destination ``agent`` sent for ``room``, or None."""
+        return self._mgr.transfer_infos.get(room, {}).get(agent)
+
+    def add(self, room: int, agent: str, dest, expected: int) -> bool:
+        """Keep ``agent``'s destination for ``room`` (replacing its earlier one). Once
+        ``expected`` are kept (the decode's ``required_dst_info_num``), settle what
+        SGLang derives from them (the MLA replica factor, the decode's prefix length) and
+        return True: the room may then wait for input."""
+        infos = self._mgr.transfer_infos.setdefault(room, {})
+        infos[agent] = dest
+        if len(infos) != expected:
+            return False
+        self._mgr.resolve_kv_replica_factor(infos)
+        self._mgr.req_to_decode_prefix_len[room] = next(
+            (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
+        )
+        return True
+
+    def forget(self, room: int) -> None:
+        """Drop ``room``'s destinations (an early room no request took)."""
+        self._mgr.transfer_infos.pop(room, None)
+
+    def status_targets(self, room: int) -> list[tuple[str, int]]:
+        """The control sockets SGLang sends ``room``'s statuses to (its decode ranks);
+        none when no destination is kept."""
+        return self._mgr._room_notify_targets(room) if self.has(room) else []
+
+
 def control_endpoint(ip: str, port: int) -> str:
     """The ZeroMQ endpoint of a rank's control socket as SGLang addresses it
     (``tcp://ip:port``, IPv6 bracketed): what kvbridge binds a control message's MAC to
@@ -514,6 +569,8 @@ __all__ = [
     "SUPPORTED",
     "TESTED",
     "ExtendReq",
+    "RoomDestinations",
+    "RoomStatus",
     "StateSplitInfo",
     "add_transfer_backend",
     "common",

@@ -111,6 +111,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         compat.warn_if_untested()
         self.room_status = compat.RoomStatus(self)
         """SGLang's status of each room, read and set only through this."""
+        self.destinations = compat.RoomDestinations(self)
+        """SGLang's table of each room's decode destinations, read and set only through
+        this (the prefill side)."""
         self.config = config_from_env()
         unit = transfer_page_size(self.config, args.page_size)
         self.page_ratio = args.page_size // unit

@@ -190,8 +190,8 @@ class _Peer:
 class _Dest:
     """One decode rank's destination for a room (from a
     :class:`~kvbridge.wire.room_messages.Destination`), kept in SGLang's
-    ``transfer_infos``; SGLang's helpers read ``endpoint``, ``dst_port``, ``is_dummy``
-    and ``required_dst_info_num``."""
+    ``transfer_infos`` (through :class:`.compat.RoomDestinations`); SGLang's helpers
+    read ``endpoint``, ``dst_port``, ``is_dummy`` and ``required_dst_info_num``."""
 
     agent: str
     endpoint: str
@@ -564,13 +564,7 @@ class PrefillSide:
         if reason is not None:
             self._refuse_room(msg, reason)
             return
-        infos = self.transfer_infos.setdefault(room, {})
-        infos[msg.agent] = dest
-        if len(infos) == msg.required_dst_info_num:
-            self.resolve_kv_replica_factor(infos)
-            self.req_to_decode_prefix_len[room] = next(
-                (d.decode_prefix_len for d in infos.values() if d.decode_prefix_len is not None), 0
-            )
+        if self.destinations.add(room, msg.agent, dest, msg.required_dst_info_num):
             self.room_status.waiting_for_input(room)
 
     def _destination_allowed(self, msg: wire.Destination) -> bool:
@@ -589,7 +583,7 @@ class PrefillSide:
         elif peer is not None:
             owners = {
                 self.peers[a].server
-                for a in self.transfer_infos.get(msg.room, {})
+                for a in self.destinations.of(msg.room) or {}
                 if a in self.peers and a != msg.agent
             }
             if owners and peer.server not in owners:
@@ -611,7 +605,7 @@ class PrefillSide:
         note = _c.AbortNotification.from_zmq(frames)
         if note is None:
             return True  # SGLang's handler drops it, logged
-        dests = self.transfer_infos.get(note.room)
+        dests = self.destinations.of(note.room)
         if not dests or (note.decode_ip, note.decode_port) in {
             (d.endpoint, d.dst_port) for d in dests.values()
         }:
@@ -636,7 +630,7 @@ class PrefillSide:
         while early and next(iter(early.values())) <= now:
             old, _ = early.popitem(last=False)
             if SoleHolder._holder(self, old) is None:
-                self.transfer_infos.pop(old, None)
+                self.destinations.forget(old)
                 self.room_status.forget_waiting(old)
         if room in early or SoleHolder._holder(self, room) is not None:
             return True
@@ -654,7 +648,7 @@ class PrefillSide:
         parallel sampling sends every sample on one room, and a sample's destination
         must not replace the one an earlier request's writes and ``Done`` go to.
         Destinations without a nonce (older decodes) are not compared."""
-        prior = self.transfer_infos.get(room, {}).get(dest.agent)
+        prior = self.destinations.get(room, dest.agent)
         if prior is None or None in (prior.nonce, dest.nonce):
             return False
         return prior.nonce != dest.nonce
@@ -737,7 +731,7 @@ class PrefillSide:
         one entry, for the one state kind a pool may carry
         (:func:`~kvbridge.adapters.sglang.pools.pool_states`): a sliding-window pool's
         window pages, or a state-space pool's state slot."""
-        if bootstrap_room not in self.transfer_infos:
+        if not self.destinations.has(bootstrap_room):
             return  # dummy rank, or already cleared
         window_pages = None
         if self.window_geometry is not None and is_last_chunk and state_indices:
@@ -777,7 +771,7 @@ class PrefillSide:
                 prompt_len=r.prompt_len,
             ):
                 continue
-            infos = self.transfer_infos.get(r.room)
+            infos = self.destinations.of(r.room)
             if not infos or all(d.is_dummy for d in list(infos.values())):
                 # no destination yet, or a dummy one only (MLA: another prefill rank
                 # writes this decode's latent pages): left to the chunk sends
@@ -850,7 +844,7 @@ class PrefillSide:
             self._release_room(room, drain_s=0.0)  # no waiting here: other rooms queue behind
 
     def _room_active(self, room: int) -> bool:
-        return self.room_status.live(room) and room in self.transfer_infos
+        return self.room_status.live(room) and self.destinations.has(room)
 
     def _release_if_inactive(self, room: int) -> bool:
         """A failed, aborted or cleared room posts nothing more: release what it holds,
@@ -861,7 +855,10 @@ class PrefillSide:
         return True
 
     def _dests(self, room: int) -> list[_Dest]:
-        return [d for d in self.transfer_infos[room].values() if not d.is_dummy]
+        infos = self.destinations.of(room)
+        if infos is None:
+            raise KeyError(f"room {room} has no destination")
+        return [d for d in infos.values() if not d.is_dummy]
 
     def _post(
         self, room: int, dests: list[_Dest], src_pages: np.ndarray, positions, layers=None
@@ -1375,7 +1372,7 @@ class KVBridgeKVSender(SoleHolder, _c.Sender):
             return  # failed already; the room is another sender's
         self._let_go()
         mgr, room = self.kv_mgr, self.bootstrap_room
-        targets = mgr._room_notify_targets(room) if room in mgr.transfer_infos else []
+        targets = mgr.destinations.status_targets(room)
         super().abort()
         mgr.forget(room)
         if self.conclude_state != KVPoll.Failed:
