@@ -30,16 +30,15 @@ python3 -m venv "$VENV"
 # shellcheck source=scripts/uv.sh
 source scripts/uv.sh
 ensure_uv
-INSTALL=(uv_install "$VENV")
-"${INSTALL[@]}" torch==2.13.0
-"${INSTALL[@]}" --no-deps "vllm==$VERSION" xgrammar==0.2.8
-"${INSTALL[@]}" -r "$REQS"
-"${INSTALL[@]}" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
+uv_install "$VENV" torch==2.13.0
+uv_install "$VENV" --no-deps "vllm==$VERSION" xgrammar==0.2.8
+uv_install "$VENV" -r "$REQS"
+uv_install "$VENV" "nixl==1.5.1" "mooncake-transfer-engine-non-cuda>=0.3.13" rich "pytest>=8" \
   "pytest-timeout>=2.3"
 mkdir -p build  # one editable install at a time (scripts/setup.sh says why)
 {
   flock -w 1200 9 || { echo "waited 20 min for build/.editable-install.lock (another setup script holds it); let it finish or stop it, then run this again" >&2; exit 1; }
-  "${INSTALL[@]}" --no-deps -e . -e tests/vllm_standin
+  uv_install "$VENV" --no-deps -e . -e tests/vllm_standin
 } 9>build/.editable-install.lock
 echo "(vLLM's GPU requirements left out on purpose: the stand-in never calls them)"
 echo "vLLM $VERSION stand-in environment in $VENV: $(( $(date +%s) - start )) s," \

@@ -18,13 +18,17 @@
 UV_VERSION=0.13.9
 UV_HOME=${UV_HOME:-build/uv}
 
+_uv_is_pinned() {
+  [ -x "$UV_HOME/bin/uv" ] && [ "$("$UV_HOME/bin/uv" --version | cut -d' ' -f2)" = "$UV_VERSION" ]
+}
+
 ensure_uv() {
-  [ -x "$UV_HOME/bin/uv" ] && [ "$("$UV_HOME/bin/uv" --version | cut -d' ' -f2)" = "$UV_VERSION" ] && return 0
+  _uv_is_pinned && return 0
   mkdir -p build
   {
     # the setup scripts run side by side: one of them installs uv, the others wait
     flock -w 300 8 || { echo "waited 5 min for build/.uv.lock; let the other setup finish, then run this again" >&2; exit 1; }
-    if ! [ -x "$UV_HOME/bin/uv" ] || [ "$("$UV_HOME/bin/uv" --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+    if ! _uv_is_pinned; then
       python3 -m venv "$UV_HOME"
       "$UV_HOME/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION" \
         2>&1 | grep -v "is ignored" || true
