@@ -772,7 +772,7 @@ class PrefillSide:
             ):
                 continue
             infos = self.destinations.of(r.room)
-            if not infos or all(d.is_dummy for d in list(infos.values())):
+            if not infos or all(d.is_dummy for d in infos.values()):
                 # no destination yet, or a dummy one only (MLA: another prefill rank
                 # writes this decode's latent pages): left to the chunk sends
                 continue
