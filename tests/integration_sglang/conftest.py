@@ -16,6 +16,7 @@ from engine_pool import EnginePool
 from sglang_helpers import START_TIMEOUT_S, Proc, http, new_colocated, server_env, start_server
 
 from kvbridge.demo.servers import ServerProcess
+from kvbridge.demo.sglang_servers import CPU_ENV, SglangServer
 
 ServerProcess.omp_threads = 1
 """One OpenMP thread per engine process, as in tests/integration/conftest.py (a TP rank
@@ -23,6 +24,14 @@ that SGLang binds to one core has one anyway)."""
 ServerProcess.preload = True
 """Servers and routers fork from a fork server that has imported SGLang's launcher (or
 the router's) once, as in tests/integration/conftest.py."""
+SglangServer.default_env = {**CPU_ENV, "KVBRIDGE_TEST_SGLANG_FORK": "1"}
+SglangServer.preload_also = (
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+)
+"""SGLang's scheduler and detokenizer fork from the server, which forked from a fork
+server that imported them (tests/sglang_stubs/sglang_fork_children): they import
+nothing at start-up (about 17 of a server's CPU-seconds)."""
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ def main():
         "name": __name__, "spec": sys.modules["__main__"].__spec__.name, "argv": sys.argv[1:],
         "cwd": os.getcwd(), "path0": sys.path[0], "mark": os.environ.get("KVB_MARK"),
         "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0)),
+        "worker_imported_by": getattr(sys.modules.get("kvb_fake_worker"), "IMPORTED_BY", None),
     }
     print("INFO " + json.dumps(info), flush=True)
     if sys.argv[1] == "exit":
@@ -58,6 +59,8 @@ def engine_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = tmp_path_factory.mktemp("engine")
     (root / "kvb_fake_lib.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
     (root / "kvb_fake_engine.py").write_text(ENGINE)
+    # what an engine's own child processes import, not the entry module
+    (root / "kvb_fake_worker.py").write_text("import os\nIMPORTED_BY = os.getpid()\n")
     return str(root)
 
 
@@ -167,6 +170,24 @@ def test_servers_share_a_fork_server_only_with_the_same_environment(engine_path,
     finally:
         for s in group:
             s.stop()
+
+
+def test_a_fork_server_also_imports_what_the_engine_s_children_need(engine_path, tmp_path) -> None:
+    """``preload_also``: the modules an engine's children import (SGLang's scheduler,
+    forked from the server in the tests) are imported once, by the fork server, and
+    the fork server is not shared with servers that preload less."""
+    bare = Engine(engine_path, tmp_path)
+    fuller = Engine(engine_path, tmp_path)
+    fuller.preload_also = ("kvb_fake_worker",)
+    try:
+        servers.start_all([bare, fuller], timeout=120)
+        without, with_worker = bare.info(), fuller.info()
+        assert without["worker_imported_by"] is None
+        assert with_worker["worker_imported_by"] == with_worker["imported_by"]
+        assert with_worker["imported_by"] not in (without["imported_by"], with_worker["pid"])
+    finally:
+        bare.stop()
+        fuller.stop()
 
 
 def test_without_its_fork_server_a_launcher_runs_the_command_itself(engine_path) -> None:

@@ -6,7 +6,10 @@ launcher about 9, its router about 6) and forks a server from that state on requ
 forked server then runs the module as ``python -m`` does (``runpy``, as ``__main__``), with
 its own arguments, standard streams, working directory, process group, CPU affinity and
 niceness. What the server starts in turn (vLLM's engine core, SGLang's scheduler) starts as
-before: engines spawn those, and they import for themselves.
+the engine starts it: a spawned child imports for itself; a forked one (vLLM's engine core
+on CPU; SGLang's scheduler in the tests, ``tests/sglang_stubs/sglang_fork_children``)
+finds imported whatever the fork server imported, which can include the children's
+modules (``also``).
 
 Contract:
 
@@ -51,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 MAX_REQUEST_BYTES = 1 << 20
@@ -196,8 +199,12 @@ def _run_server(server: int, request: dict, fds: list[int], module: str) -> None
     sys.exit(0)
 
 
-def _fork_server_main(listen_fd: int, module: str, owner: int, idle_exit_s: float) -> None:
+def _fork_server_main(
+    listen_fd: int, module: str, owner: int, idle_exit_s: float, also: list[str]
+) -> None:
     listener = socket.socket(fileno=listen_fd)
+    for name in also:  # first: ``module`` must be left unimported (it runs as __main__)
+        importlib.import_module(name)
     importlib.import_module(module)
     # as under ``python -m``, the module itself runs only as __main__ (its imports stay)
     del sys.modules[module]
@@ -282,6 +289,7 @@ class ForkServer:
         env: Mapping[str, str],
         nice: int = 0,
         idle_exit_s: float = IDLE_EXIT_S,
+        also: Iterable[str] = (),
     ) -> None:
         self.python = python
         self.module = module
@@ -295,7 +303,7 @@ class ForkServer:
             self.proc = subprocess.Popen(
                 [
                     *(python, "-m", _MODULE, "serve", str(listener.fileno()), module),
-                    *(str(os.getpid()), str(idle_exit_s)),
+                    *(str(os.getpid()), str(idle_exit_s), *also),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=fd,
@@ -332,17 +340,23 @@ _lock = threading.Lock()
 
 
 def fork_server(
-    python: str, module: str, env: Mapping[str, str], ignored: Iterable[str] = (), nice: int = 0
+    python: str,
+    module: str,
+    env: Mapping[str, str],
+    ignored: Iterable[str] = (),
+    nice: int = 0,
+    also: Sequence[str] = (),
 ) -> ForkServer:
-    """The running fork server of ``python`` that imported ``module`` under ``env`` (less
-    the variables ``ignored``); a new one if there is none (it imports while the first
-    launchers wait). ``nice``: the new one's niceness."""
+    """The running fork server of ``python`` that imported ``module`` (and the modules
+    ``also``, which the server's own children import) under ``env`` (less the variables
+    ``ignored``); a new one if there is none (it imports while the first launchers wait).
+    ``nice``: the new one's niceness."""
     skip = {*ignored, *ALWAYS_IGNORED}
-    key = (python, module, frozenset((k, v) for k, v in env.items() if k not in skip))
+    key = (python, module, *also, frozenset((k, v) for k, v in env.items() if k not in skip))
     with _lock:
         server = _servers.get(key)
         if server is None or not server.alive():
-            server = _servers[key] = ForkServer(python, module, env, nice)
+            server = _servers[key] = ForkServer(python, module, env, nice, also=also)
         return server
 
 
@@ -358,6 +372,8 @@ def stop_all() -> None:
 
 if __name__ == "__main__":  # python -m kvbridge.demo.forkserver ...
     if sys.argv[1] == "serve":
-        _fork_server_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        _fork_server_main(
+            int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), sys.argv[6:]
+        )
     elif sys.argv[1] == "launch":
         _launcher_main(int(sys.argv[2]), sys.argv[3], sys.argv[4:])

@@ -456,6 +456,9 @@ class ServerProcess:
     of starting a new interpreter: the server skips that import (vLLM's API server about
     10 of a test server's 23 CPU-seconds here). The engine tests set it (their
     conftests); the demo and the benchmarks start servers as users do."""
+    preload_also: tuple[str, ...] = ()
+    """More modules the fork server imports: those the engine's own children import, where
+    they start by ``fork`` from the server (tests/sglang_stubs/sglang_fork_children)."""
     preload_ignored_env: tuple[str, ...] = ()
     """Variables that the server reads only after start-up, so that servers that differ
     in them only share a fork server (see :func:`~kvbridge.demo.forkserver.fork_server`)."""
@@ -538,7 +541,12 @@ class ServerProcess:
         launcher = [self.python, "-c", _LAUNCHER, str(os.getpid()), *command]
         if self.preload and sys.platform.startswith("linux") and command[:2] == [self.python, "-m"]:
             launcher = forkserver.fork_server(
-                self.python, command[2], env, self.preload_ignored_env, nice=self.nice
+                self.python,
+                command[2],
+                env,
+                self.preload_ignored_env,
+                nice=self.nice,
+                also=self.preload_also,
             ).launch_command(os.getpid(), command)
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
