@@ -203,6 +203,10 @@ def expect_refused(pd: PD, what: str) -> str:
 
 KV_DTYPE_LINE = re.compile(rb"KV Cache is allocated\. dtype: torch\.(\w+)")
 METRICS_TIMEOUT_S = 30.0
+SCRAPE_TIMEOUT_S = REQUEST_TIMEOUT_S
+"""One scrape of ``/metrics``: the servers run at nice 19, and beside the other test
+stream's work at nice 0 (conformance's transfers, the kernels' unit tests) a server's
+answer once took over 10 s."""
 
 
 def kvbridge_metrics(url: str) -> dict[str, float]:
@@ -214,7 +218,7 @@ def kvbridge_metrics(url: str) -> dict[str, float]:
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         try:
-            return prom(url, prefix="sglang:kvbridge_")
+            return prom(url, prefix="sglang:kvbridge_", timeout=SCRAPE_TIMEOUT_S)
         except urllib.error.HTTPError as exc:
             if exc.code != 500 or time.monotonic() >= deadline:
                 raise
@@ -245,7 +249,8 @@ def sent_by_rank(prefill: Proc) -> dict[int, Sent]:
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         try:
-            body = urllib.request.urlopen(f"{prefill.url}/metrics", timeout=10).read().decode()
+            url = f"{prefill.url}/metrics"
+            body = urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S).read().decode()
             break
         except urllib.error.HTTPError as exc:
             if exc.code != 500 or time.monotonic() >= deadline:

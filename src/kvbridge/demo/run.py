@@ -56,11 +56,11 @@ def stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -
     )
 
 
-def prom(url: str, prefix: str = "vllm:kvbridge_") -> dict[str, float]:
+def prom(url: str, prefix: str = "vllm:kvbridge_", timeout: float = 10.0) -> dict[str, float]:
     """One instance's Prometheus samples whose names start with ``prefix``, each name
     summed over its label sets (counters keep their ``_total``, histograms give
-    ``_sum``/``_count``/``_bucket``)."""
-    body = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    ``_sum``/``_count``/``_bucket``); ``timeout``: seconds for the scrape."""
+    body = urllib.request.urlopen(f"{url}/metrics", timeout=timeout).read().decode()
     out: dict[str, float] = {}
     for m in re.finditer(
         rf"^({re.escape(prefix)}[A-Za-z0-9_:]*)(?:\{{[^}}]*\}})? ([0-9.e+\-]+)$", body, re.MULTILINE
