@@ -23,6 +23,7 @@ from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError
+from kvbridge.wire.compat import CompatInfo
 
 UNIT = 16
 
@@ -76,7 +77,16 @@ def _registration(prefix_cache: bool, page_size: int) -> wire.Registration:
         port=5,
         prefix_cache=prefix_cache,
         page_size=page_size,
+        compat=COMPAT,
     )
+
+
+COMPAT = CompatInfo(
+    model="tiny", dtype="float16", layout="nhd", block_size=UNIT, num_layers=2,
+    num_kv_heads=1, head_dim=64, total_kv_heads=1,
+)  # fmt: skip
+"""Both sides' compatibility info (the prefill's pages of 32 move as transfer pages of
+16, the decode's block size)."""
 
 
 def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -> None:
@@ -89,7 +99,10 @@ def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -
         window_geometry=None,  # no sliding-window layers
         state_layout=None,  # no state-space layers
         state_split=None,
+        compat_info=COMPAT,
+        secret=None,
     )
+    prefill._check_compat = lambda reg: PrefillSide._check_compat(prefill, reg)
     with pytest.raises(
         IncompatiblePeerError, match=r"radix cache.*pages of 16 tokens.*hold 32"
     ) as err:
@@ -105,4 +118,5 @@ def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -
         # a decode that does not say its page size
         PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=0))
     same_pages = SimpleNamespace(**{**vars(prefill), "kv_args": SimpleNamespace(page_size=UNIT)})
+    same_pages._check_compat = lambda reg: PrefillSide._check_compat(same_pages, reg)
     assert PrefillSide._pairing(same_pages, _registration(prefix_cache=True, page_size=16)) is None

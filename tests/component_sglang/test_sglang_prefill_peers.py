@@ -31,7 +31,9 @@ except ImportError as exc:  # pragma: no cover
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.rows import RowLayout
+from kvbridge.errors import IncompatiblePeerError
 from kvbridge.transports.testing import Local, Peer, unique
+from kvbridge.wire.compat import CompatInfo
 
 pytest.importorskip("mooncake.engine", reason="Mooncake is part of the SGLang suite's environment")
 
@@ -227,7 +229,7 @@ def test_a_decode_with_other_settings_is_refused_naming_each_and_the_fix() -> No
     base = _registration(SimpleNamespace(agent_name="d0", base=4096, metadata=b""))
     reg = msgspec.structs.replace(base, transport="mooncake", data_path="packed")
     prefill = SimpleNamespace(config=load_config({"transport": "nixl"}))
-    with pytest.raises(IncompatiblePeerError) as info:
+    with pytest.raises(IncompatiblePeerError) as info:  # before the compatibility info
         PrefillSide._pairing(prefill, reg)
     assert info.value.differences == {
         "transport": ("nixl", "mooncake"),
@@ -235,3 +237,55 @@ def test_a_decode_with_other_settings_is_refused_naming_each_and_the_fix() -> No
     }
     assert info.value.fix is not None and "'transport', 'data_path'" in info.value.fix
     assert "decode d0 uses transport 'mooncake', data_path 'packed'" in str(info.value)
+
+
+COMPAT = CompatInfo(
+    model="/models/tiny-llama", dtype="float16", layout="nhd", block_size=16, num_layers=2,
+    num_kv_heads=2, head_dim=64, tp_size=2, total_kv_heads=4,
+)  # fmt: skip
+
+
+def _checked(reg: wire.Registration, secret: bytes | None = None) -> IncompatiblePeerError | None:
+    """What a prefill with :data:`COMPAT` (attention TP 2) says of ``reg``'s info."""
+    prefill = SimpleNamespace(compat_info=COMPAT, secret=secret)
+    try:
+        PrefillSide._check_compat(prefill, reg)
+    except IncompatiblePeerError as exc:
+        return exc
+    return None
+
+
+def test_a_decode_of_another_model_or_cache_is_refused_by_its_compatibility_hash() -> None:
+    """As a vLLM prefill checks a Hello: the hash of what both sides must share first
+    (the model too, which no typed field of a registration names: a decode of another
+    model with the same cache shape was served before), one error naming each
+    difference and the fix. Without a secret the text, which travels to the decode as
+    its rooms' failure reason, carries the decode's values only."""
+    base = _registration(SimpleNamespace(agent_name="d0", base=4096, metadata=b""))
+    other = msgspec.structs.replace(COMPAT, model="/models/other", block_size=32)
+    err = _checked(msgspec.structs.replace(base, compat=other))
+    assert err is not None and set(err.differences) == {"model", "block_size"}
+    text = str(err)
+    assert "decode d0's KV cache is incompatible with this prefill's" in text
+    assert "model: prefill's differs, decode='/models/other'" in text
+    assert "tiny-llama" not in text, "the prefill's model is not told to an unauthenticated peer"
+    assert err.fix is not None and "identical model, block_size" in err.fix
+    assert "transfer_block_size" in err.fix
+    told = _checked(msgspec.structs.replace(base, compat=other), secret=b"s")
+    assert "model: prefill='/models/tiny-llama', decode='/models/other'" in str(told)
+
+
+def test_a_decode_of_another_tp_size_passes_the_hash_and_one_without_info_is_refused() -> None:
+    base = _registration(SimpleNamespace(agent_name="d0", base=4096, metadata=b""))
+    tp1 = msgspec.structs.replace(COMPAT, num_kv_heads=4, tp_size=1)
+    assert _checked(msgspec.structs.replace(base, compat=tp1)) is None, (
+        "the TP split is checked by the pairing, not the hash"
+    )
+    assert _checked(msgspec.structs.replace(base, compat=COMPAT)) is None
+    heads = msgspec.structs.replace(COMPAT, total_kv_heads=8)
+    assert set(_checked(msgspec.structs.replace(base, compat=heads)).differences) == {
+        "model_kv_heads"
+    }
+    err = _checked(base)  # a decode of an earlier kvbridge
+    assert err is not None and "sent no compatibility info" in str(err)
+    assert err.fix is not None and "same kvbridge version" in err.fix

@@ -57,10 +57,6 @@ def describe(exc: BaseException) -> str:
     return _clip(str(exc) or type(exc).__name__)
 
 
-_UNDISCLOSED = object()
-"""A peer's value that it did not tell (only that it differs from ours)."""
-
-
 class _Frame(msgspec.Struct, array_like=True, frozen=True):
     v: int
     compat: str
@@ -132,37 +128,68 @@ class Codec:
         except UNDECODABLE:
             view = None
         if view is not None and view.compat is not None:
-            diffs = compat_diff(self.compat, view.compat)
-        elif view is not None and view.digests:
-            diffs = {
-                f: (shared_value(self.compat, f), _UNDISCLOSED)
-                for f in digest_diff(self.compat, view.digests, view.salt)
-            }
-        else:
-            return IncompatiblePeerError(
-                f"peer's KV cache is incompatible (compat hash {frame.compat} != ours "
-                f"{self.compat_hash})",
-                fix="run prefill and decode with the same model, dtype, block size and parallelism",
-            )
-        detail = _clip(
-            "; ".join(
-                f"{k}: ours={a!r}, peer's differs"
-                if b is _UNDISCLOSED
-                else f"{k}: ours={a!r}, peer={b!r}"
-                for k, (a, b) in diffs.items()
-            )
-        )
-        fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
-        if "block_size" in diffs:
-            fix += (
-                " (engines with different block sizes: set transfer_block_size to a common "
-                "divisor of them, the same on both)"
+            return incompatible(compat_diff(self.compat, view.compat))
+        if view is not None and view.digests:
+            return incompatible(
+                {
+                    f: (shared_value(self.compat, f), UNDISCLOSED)
+                    for f in digest_diff(self.compat, view.digests, view.salt)
+                }
             )
         return IncompatiblePeerError(
-            f"peer's KV cache is incompatible: {detail or 'compat hash differs'}",
-            differences={k: (a, None if b is _UNDISCLOSED else b) for k, (a, b) in diffs.items()},
-            fix=fix,
+            f"peer's KV cache is incompatible (compat hash {frame.compat} != ours "
+            f"{self.compat_hash})",
+            fix="run prefill and decode with the same model, dtype, block size and parallelism",
         )
 
 
-__all__ = ["MAX_FRAME_BYTES", "UNDECODABLE", "Codec", "describe"]
+UNDISCLOSED = object()
+"""A side's value that is not told (only that it differs): a peer that answered with
+digests, or, in an error text that travels to an unauthenticated peer, our own."""
+
+
+def incompatible(
+    diffs: dict[str, tuple[object, object]],
+    *,
+    what: str = "peer's KV cache is incompatible",
+    sides: tuple[str, str] = ("ours", "peer"),
+) -> IncompatiblePeerError:
+    """The one error for two instances whose compatibility info
+    (:class:`~kvbridge.wire.compat.CompatInfo`) differs, on either engine: ``what``,
+    then each property with the two sides' values (``diffs``: ``{field: (first,
+    second)}``, named ``sides``; :data:`UNDISCLOSED` for a value not told), and the fix.
+    Raised by :class:`Codec` (a vLLM handshake) and by the SGLang prefill at a decode's
+    registration.
+
+    >>> str(incompatible({"block_size": (16, UNDISCLOSED)}))  # doctest: +ELLIPSIS
+    "peer's KV cache is incompatible: block_size: ours=16, peer's differs (fix: ... divisor ...)"
+    """
+    if not diffs:
+        detail = "compat hash differs"
+    else:
+        detail = _clip(
+            "; ".join(
+                f"{field}: "
+                + ", ".join(
+                    f"{side}'s differs" if value is UNDISCLOSED else f"{side}={value!r}"
+                    for side, value in zip(sides, pair, strict=True)
+                )
+                for field, pair in diffs.items()
+            )
+        )
+    fix = "start prefill and decode with identical " + (", ".join(diffs) or "cache settings")
+    if "block_size" in diffs:
+        fix += (
+            " (engines with different block sizes: set transfer_block_size to a common "
+            "divisor of them, the same on both)"
+        )
+    return IncompatiblePeerError(
+        f"{what}: {detail}",
+        differences={
+            k: tuple(None if v is UNDISCLOSED else v for v in pair) for k, pair in diffs.items()
+        },
+        fix=fix,
+    )
+
+
+__all__ = ["MAX_FRAME_BYTES", "UNDECODABLE", "UNDISCLOSED", "Codec", "describe", "incompatible"]

@@ -185,6 +185,13 @@ def compat_hash(info: CompatInfo) -> str:
     return hashlib.sha256(b"kvbridge-compat-v3\0" + payload).hexdigest()[:16]
 
 
+def hashed_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object, object]]:
+    """``{property: (ours, theirs)}`` for every property of :func:`compat_hash` that
+    differs (the TP split's fields are not among them: the model's head count is)."""
+    a, b = _shared(ours), _shared(theirs)
+    return {f: (a[f], b[f]) for f in a if a[f] != b[f]}
+
+
 def compat_diff(ours: CompatInfo, theirs: CompatInfo) -> dict[str, tuple[object, object]]:
     """``{field: (ours, theirs)}`` for every property that differs."""
     return {
@@ -233,6 +240,7 @@ __all__ = [
     "compat_digests",
     "compat_hash",
     "digest_diff",
+    "hashed_diff",
     "settings_mismatch",
     "shared_value",
 ]

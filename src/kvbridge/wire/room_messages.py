@@ -50,7 +50,7 @@ from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
 from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import UNDECODABLE, describe
-from kvbridge.wire.compat import PROTOCOL_VERSION
+from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo
 from kvbridge.wire.messages import StagingInfo
 
 PROTOCOL = PROTOCOL_VERSION
@@ -110,6 +110,11 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True, tag="reg"):
     """With ``states``: how each state tensor's row splits over attention TP ranks
     (:func:`~kvbridge.adapters.sglang.states.state_split`), for a prefill of another TP
     size. None: SGLang did not say, and the states move between equal TP sizes only."""
+    compat: CompatInfo | None = None
+    """What the decode must share with the prefill (the model, the KV cache's dtype, page
+    and shape, the settings that change what moves): the prefill compares its hash with
+    its own first, as a vLLM prefill does a ``Hello``'s. None (a decode of an earlier
+    kvbridge): refused, naming the fix."""
     seat: Name = ""
     """Which rank of which decode server the agent is
     (:func:`~kvbridge.adapters.sglang.compat.server_seat`), the same after that server

@@ -25,14 +25,16 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   ``ScheduleBatch.reqs / forward_mode / prefix_lens / extend_lens / req_to_token_pool`` and
   ``Req.disagg_kv_sender (its bootstrap_room) / origin_input_ids / disagg_decode_prefix_len /
   kv.req_pool_idx``; ``KVArgs.prefill_start_layer`` offsets layer ids (pipeline parallelism).
-- The packed path (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
-  .from_server_args`` (``.dtype``, ``.head_dim``) and ``KVArgs.kv_cache_dtype_str``
-  (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache). A room waiting for staging
-  (``decode.KVBridgeKVReceiver``) holds ``CommonKVReceiver.send_metadata(kv_indices,
-  aux_index, ...)`` (the decode scheduler's only call, made once a room's pages are
-  allocated, then ``poll`` each step; ``init_time`` unset until it runs, so SGLang's
-  waiting timeout does not start) and reads ``bootstrap_infos`` and
-  ``conclude_state``.
+- The compatibility info (:func:`kv_cache_identity`, :func:`model_identity`)
+  and the packed path (:func:`kv_dtype_and_head_dim`): ``configs.model_config.ModelConfig
+  .from_server_args`` (``.dtype``, ``.head_dim``, ``.get_total_num_kv_heads()``),
+  ``KVArgs.kv_cache_dtype_str``
+  (``"auto"`` or a dtype name; ``fp8*`` for an 8-bit cache), ``ServerArgs.model_path``.
+  A room waiting for staging (``decode.KVBridgeKVReceiver``) holds
+  ``CommonKVReceiver.send_metadata(kv_indices, aux_index, ...)`` (the decode scheduler's
+  only call, made once a room's pages are allocated, then ``poll`` each step;
+  ``init_time`` unset until it runs, so SGLang's waiting timeout does not start) and
+  reads ``bootstrap_infos`` and ``conclude_state``.
 - The packed path's pairing of ranks between TP sizes mirrors the rank mapping of
   ``CommonKVReceiver`` (``target_tp_rank(s)``, ``required_prefill_response_num``; for
   MLA the first target real and the rest dummy): :func:`.packed.latent_sources` for
@@ -421,10 +423,35 @@ def decode_prefix_cache(server_args) -> bool:
     return bool(getattr(server_args, "disaggregation_decode_enable_radix_cache", False))
 
 
+class KVCacheIdentity(NamedTuple):
+    """What a prefill and a decode must share of their KV caches beyond the pool's
+    geometry (their compatibility info, :mod:`.manager`)."""
+
+    dtype: str
+    """The cache's element type: a torch name, an 8-bit cache by SGLang's name for it
+    (``fp8_e4m3``)."""
+    head_dim: int
+    kv_heads: int
+    """The model's KV heads before the TP split."""
+
+
+def kv_cache_identity(server_args, kv_args) -> KVCacheIdentity:
+    """This server's :class:`KVCacheIdentity`, from the model's config (SGLang's
+    ``KVArgs`` carries none of it on the decode)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    name = str(getattr(kv_args, "kv_cache_dtype_str", None) or "auto").lower()
+    model_config = ModelConfig.from_server_args(server_args)
+    dtype = _KV_DTYPE_NAMES.get(name, name) or str(model_config.dtype).removeprefix("torch.")
+    return KVCacheIdentity(
+        dtype, int(model_config.head_dim), int(model_config.get_total_num_kv_heads())
+    )
+
+
 def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:
-    """The element type (torch name) and head dim of this server's KV pool, for packing
-    it (``wire_dtype: fp8``; SGLang's ``KVArgs`` carries neither on the decode). Raises
-    :class:`~kvbridge.errors.ConfigError` for an 8-bit or unknown KV cache dtype."""
+    """The element type and head dim of :func:`kv_cache_identity`, for packing the pool
+    (the packed path). Raises :class:`~kvbridge.errors.ConfigError` for an 8-bit or
+    unknown KV cache dtype."""
     from kvbridge.errors import ConfigError
 
     name = str(getattr(kv_args, "kv_cache_dtype_str", None) or "auto").lower()
@@ -435,11 +462,14 @@ def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:
             key="wire_dtype",
             fix="use wire_dtype 'exact' (an 8-bit KV cache is already as small)",
         )
-    from sglang.srt.configs.model_config import ModelConfig
+    return kv_cache_identity(server_args, kv_args)[:2]
 
-    model_config = ModelConfig.from_server_args(server_args)
-    dtype = _KV_DTYPE_NAMES[name] or str(model_config.dtype).removeprefix("torch.")
-    return dtype, int(model_config.head_dim)
+
+def model_identity(server_args) -> str:
+    """The model as the server names it (``--model-path``: a local directory or a hub
+    id), as vLLM's adapter names it (``model_config.model``): a prefill and a decode
+    must name the same."""
+    return str(server_args.model_path)
 
 
 def page_ids(batch, req_pool_idx: int, start: int, stop: int, page_size: int) -> np.ndarray:
@@ -569,6 +599,7 @@ __all__ = [
     "SUPPORTED",
     "TESTED",
     "ExtendReq",
+    "KVCacheIdentity",
     "RoomDestinations",
     "RoomStatus",
     "StateSplitInfo",
@@ -579,7 +610,9 @@ __all__ = [
     "full_attention_layers",
     "hook_get_kv_class",
     "hook_layerwise",
+    "kv_cache_identity",
     "kv_dtype_and_head_dim",
+    "model_identity",
     "page_ids",
     "sglang_version",
     "start_layer",

@@ -171,6 +171,7 @@ class DecodeSide:
                 window=self.window_geometry,
                 states=self.state_layout,
                 state_split=self.state_split,
+                compat=self.compat_info,
                 seat=self.seat,
             ),
         )

@@ -88,6 +88,7 @@ from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 from kvbridge.wire import room_messages as wire
 from kvbridge.wire.auth import ReplayGuard
+from kvbridge.wire.compat import CompatInfo
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -253,6 +254,11 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
         """With a secret: notifications taken (a decode's notification thread's)."""
         compat.serve_replica_dp_rank(self)
         compat.warn_unless_balanced_by_room(self, compat.load_balance_method())
+        self.compat_info = self._compat_info(server_args, args)
+        """What a prefill and a decode must share (the model, the KV cache's dtype, page
+        and shape, the settings that change what moves): a decode registers it, and a
+        prefill compares its hash with its own before anything else of the decode's
+        registration (:meth:`PrefillSide._pairing`), as a vLLM prefill does at a handshake."""
         self.seat = compat.server_seat(server_args, self)
         """Which rank of which server this is (a decode registers it: a restart of the
         same rank replaces its old agent on the prefill, another server's rank does not)."""
@@ -364,6 +370,27 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
             except Exception:  # no message may end the control thread
                 self._count(messages_refused=1)
                 log.exception("kvbridge: dropped a control message that failed unhandled")
+
+    def _compat_info(self, server_args, args) -> CompatInfo:
+        """This rank's :attr:`compat_info` (after SGLang's manager set ``attn_tp_size``).
+        From the model's config, not the pool's bytes: a rank's page holds its share of
+        the heads, which differs between TP sizes that pair."""
+        cache, spec = compat.kv_cache_identity(server_args, args), self.geometry.spec
+        latent = spec.layout == "latent"  # one latent vector per token, on every rank
+        total, tp = (1, 1) if latent else (cache.kv_heads, self.attn_tp_size)
+        return CompatInfo(
+            model=compat.model_identity(server_args),
+            dtype=cache.dtype,
+            layout=spec.layout,
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=max(total // tp, 1),
+            head_dim=cache.head_dim,
+            tp_size=tp,
+            wire_dtype=self.config.wire_dtype,
+            total_kv_heads=total,
+            data_path=self.config.resolved_data_path,
+        )
 
     def _total_kv_heads(self) -> int:
         """The model's KV heads over all ranks: 1 for an MLA pool (one latent vector per

@@ -74,7 +74,8 @@ from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
 from kvbridge.runtime.packed import Run, staging_descs
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 from kvbridge.wire import room_messages as wire
-from kvbridge.wire.compat import settings_mismatch
+from kvbridge.wire.codec import UNDISCLOSED, incompatible
+from kvbridge.wire.compat import compat_hash, hashed_diff, settings_mismatch
 
 if TYPE_CHECKING:
     from kvbridge.transports.base import DescTable
@@ -394,6 +395,31 @@ class PrefillSide:
                 ),
             )
 
+    def _check_compat(self, reg: wire.Registration) -> None:
+        """The decode's compatibility info against this rank's, by hash (as a vLLM
+        prefill checks a ``Hello``), before the registration's typed checks.
+
+        Raises:
+            IncompatiblePeerError: each property that differs with the decode's value,
+                and this prefill's only where the registration was authenticated (a
+                ``secret``): the text travels to the decode as its rooms' failure reason.
+        """
+        if reg.compat is None:
+            raise IncompatiblePeerError(
+                f"decode {reg.agent} sent no compatibility info (an earlier kvbridge)",
+                fix="run the same kvbridge version on the prefill and decode servers",
+            )
+        if compat_hash(reg.compat) == compat_hash(self.compat_info):
+            return
+        raise incompatible(
+            {
+                field: (ours if self.secret else UNDISCLOSED, theirs)
+                for field, (ours, theirs) in hashed_diff(self.compat_info, reg.compat).items()
+            },
+            what=f"decode {reg.agent}'s KV cache is incompatible with this prefill's",
+            sides=("prefill", "decode"),
+        )
+
     def _pairing(self, reg: wire.Registration) -> Part | None:
         """Check a decode's registration: on the packed path, the heads this rank moves
         to it (:func:`.packed.room_part`; any TP sizes that pair); on the direct path
@@ -416,6 +442,7 @@ class PrefillSide:
         )
         if mismatch is not None:
             raise mismatch
+        self._check_compat(reg)
         page, theirs = self.kv_args.page_size, reg.page_size or reg.geometry.spec.block_size
         if reg.prefix_cache and theirs % page:
             raise IncompatiblePeerError(
