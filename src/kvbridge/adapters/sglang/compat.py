@@ -51,6 +51,8 @@ Supported: SGLang 0.5.23 (tested; ``pip install 'kvbridge[sglang]'`` pins
   registration in ``CommonKVSender.__init__``; a rank's seat (:func:`server_seat`):
   those, ``local_ip``, ``attn_tp_rank``, ``pp_rank`` and ``ServerArgs.port``;
   ``runtime_context.get_parallel().load_balance_method`` (:func:`load_balance_method`).
+- The prefill's bootstrap row (:class:`TopologyRowHook`): ``CommonKVManager
+  ._register_topology_row(url, payload)``, private, called from its constructor.
 - One request per room (:mod:`.rooms`): ``CommonKVManager.request_status``,
   ``record_failure``, ``conclude_failure``,
   ``KVTransferError(room, reason)``, and the endpoints' ``_owns_bootstrap_room`` flag,
@@ -214,6 +216,21 @@ class RoomStatus:
         request took)."""
         if self._mgr.request_status.get(room) == self._poll.WaitingForInput:
             self._mgr.request_status.pop(room, None)
+
+
+class TopologyRowHook:
+    """A base of the manager (before SGLang's ``CommonKVManager``): lets the manager add
+    to the row a prefill rank registers with SGLang's bootstrap server, which decodes
+    read (:meth:`topology_row`, kvbridge's: the rank's epoch and agent). SGLang 0.5.23
+    registers the row from ``CommonKVManager.__init__`` through the private
+    ``_register_topology_row(url, payload)``, with no hook; overriding it, here and
+    nowhere else, is the only way in."""
+
+    def topology_row(self, payload: dict) -> dict:
+        return payload
+
+    def _register_topology_row(self, url, payload):
+        return super()._register_topology_row(url, self.topology_row(payload))
 
 
 class RoomDestinations:
@@ -603,6 +620,7 @@ __all__ = [
     "RoomDestinations",
     "RoomStatus",
     "StateSplitInfo",
+    "TopologyRowHook",
     "add_transfer_backend",
     "common",
     "control_endpoint",

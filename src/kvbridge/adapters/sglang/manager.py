@@ -95,7 +95,7 @@ _c = compat.common()
 Mode = _c.DisaggregationMode
 
 
-class KVBridgeKVManager(PrefillSide, DecodeSide, _c.Manager):
+class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Manager):
     """One per scheduler rank (SGLang makes it with the rank's KV pool): registers the
     pools with the transport, then runs the prefill's or the decode's threads
     (:meth:`PrefillSide._init_prefill`, :meth:`DecodeSide._init_decode`)."""

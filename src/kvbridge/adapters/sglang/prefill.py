@@ -252,16 +252,19 @@ class PrefillSide:
 
     # --- bootstrap registration (prefill) --------------------------------------------------
 
-    def _register_topology_row(self, url, payload):
-        # This rank's epoch is part of what it registers (a restart is a new instance);
-        # rows gathered from other ranks (SGLang's multi-DP registry path) carry their own.
+    def topology_row(self, payload: dict) -> dict:
+        """What this rank adds to the row it registers with SGLang's bootstrap server
+        (:class:`.compat.TopologyRowHook`; during SGLang's constructor): its epoch (a
+        restart is a new instance) and agent, and with ``transfer_block_size`` its
+        transfer page (the bootstrap server then hides its page size). Rows gathered
+        from other ranks (SGLang's multi-DP registry path) carry their own."""
         if payload.get("rank_port") == self.rank_port and payload.get("rank_ip") == self.local_ip:
             payload = dict(
                 payload, kvbridge_epoch=self.epoch, kvbridge_agent=self.transport.agent_name
             )
-            if self.config.transfer_block_size:  # the bootstrap server then hides our page size
+            if self.config.transfer_block_size:
                 payload["kvbridge_transfer_pages"] = self.geometry.spec.block_size
-        return super()._register_topology_row(url, payload)
+        return payload
 
     # --- prefill: control thread -----------------------------------------------------------
 
