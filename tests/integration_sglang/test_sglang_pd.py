@@ -100,6 +100,12 @@ PD_CONFIGS = [
 # larger prefill pages on the packed path (test_sglang_prefill_pages and test_sglang_swa
 # cut larger pages too)
 EXTENDED_PD = {0, 5}
+# Indices into PD_CONFIGS whose servers start their scheduler and detokenizer as SGLang
+# does, spawned (each loads the plugins itself); the others fork them from the server
+# (tests/sglang_stubs/sglang_fork_children, test speed), inheriting the hooks that the
+# server's plugins applied, so only a spawned pair would show a plugin that registers in
+# the server's process and not in the scheduler's.
+SPAWNED = {1}
 
 
 def _pd_id(
@@ -142,10 +148,13 @@ def pd_router(
         str(d_page),
         *(["--disaggregation-decode-enable-radix-cache"] if radix else []),
     ]
+    env = server_env(config)
+    if PD_CONFIGS.index(request.param) in SPAWNED:
+        env["KVBRIDGE_TEST_SGLANG_FORK"] = "0"
     yield from start_pd(
         model,
         log_dir,
-        server_env(config),
+        env,
         layerwise,
         prefill_args=["--page-size", str(p_page)],
         decode_args=decode_args,
