@@ -465,10 +465,10 @@ def kv_cache_identity(server_args, kv_args) -> KVCacheIdentity:
     )
 
 
-def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:
-    """The element type and head dim of :func:`kv_cache_identity`, for packing the pool
-    (the packed path). Raises :class:`~kvbridge.errors.ConfigError` for an 8-bit or
-    unknown KV cache dtype."""
+def kv_dtype_and_head_dim(kv_args, cache: KVCacheIdentity) -> tuple[str, int]:
+    """The element type and head dim of ``cache`` (:func:`kv_cache_identity`), for
+    packing the pool (the packed path). Raises :class:`~kvbridge.errors.ConfigError` for
+    an 8-bit or unknown KV cache dtype."""
     from kvbridge.errors import ConfigError
 
     name = str(getattr(kv_args, "kv_cache_dtype_str", None) or "auto").lower()
@@ -479,7 +479,7 @@ def kv_dtype_and_head_dim(server_args, kv_args) -> tuple[str, int]:
             key="wire_dtype",
             fix="use wire_dtype 'exact' (an 8-bit KV cache is already as small)",
         )
-    return kv_cache_identity(server_args, kv_args)[:2]
+    return cache.dtype, cache.head_dim
 
 
 def model_identity(server_args) -> str:

@@ -226,8 +226,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Mana
             """Packed path with a sliding-window pool: its window layers' planes, packed
             into the same staging chunks as the full-attention layers
             (:meth:`~kvbridge.runtime.packed.PackedPath.sibling`)."""
+            cache = compat.kv_cache_identity(server_args, args)
             if self.config.packed:
-                dtype, head_dim = compat.kv_dtype_and_head_dim(server_args, args)
+                dtype, head_dim = compat.kv_dtype_and_head_dim(args, cache)
                 typed = typed_geometry(self.geometry, dtype=dtype, head_dim=head_dim)
                 self.packed = PackedPath(
                     typed,
@@ -254,7 +255,7 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Mana
         """With a secret: notifications taken (a decode's notification thread's)."""
         compat.serve_replica_dp_rank(self)
         compat.warn_unless_balanced_by_room(self, compat.load_balance_method())
-        self.compat_info = self._compat_info(server_args, args)
+        self.compat_info = self._compat_info(server_args, cache)
         """What a prefill and a decode must share (the model, the KV cache's dtype, page
         and shape, the settings that change what moves): a decode registers it, and a
         prefill compares its hash with its own before anything else of the decode's
@@ -371,11 +372,11 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Mana
                 self._count(messages_refused=1)
                 log.exception("kvbridge: dropped a control message that failed unhandled")
 
-    def _compat_info(self, server_args, args) -> CompatInfo:
+    def _compat_info(self, server_args, cache: compat.KVCacheIdentity) -> CompatInfo:
         """This rank's :attr:`compat_info` (after SGLang's manager set ``attn_tp_size``).
-        From the model's config, not the pool's bytes: a rank's page holds its share of
-        the heads, which differs between TP sizes that pair."""
-        cache, spec = compat.kv_cache_identity(server_args, args), self.geometry.spec
+        From the model's config (``cache``), not the pool's bytes: a rank's page holds its
+        share of the heads, which differs between TP sizes that pair."""
+        spec = self.geometry.spec
         latent = spec.layout == "latent"  # one latent vector per token, on every rank
         total, tp = (1, 1) if latent else (cache.kv_heads, self.attn_tp_size)
         return CompatInfo(
