@@ -273,9 +273,11 @@ def check_first_token_logprobs(
 
 RECEIVED = "vllm:kvbridge_bytes_received_total"
 REFUSED = "vllm:kvbridge_messages_refused_total"
+"""Peer messages an instance refused or dropped (wrong ticket, undecodable, ...)."""
 SHARED = "vllm:kvbridge_requests_shared_total"
 """Decode requests that read another request's load of their transfer (``n > 1``)."""
-"""Peer messages an instance refused or dropped (wrong ticket, undecodable, ...)."""
+SENT = "vllm:kvbridge_requests_sent_total"
+"""Prefill requests whose KV was written in full (counted at the transfer's end)."""
 USAGE = "vllm:kv_cache_usage_perc"
 """vLLM's KV cache usage (0 to 1): back at its idle value once every block is released."""
 FAILURES = "vllm:kvbridge_failures_total"

@@ -20,6 +20,7 @@ from engine_helpers import (
     PEERS,
     SENDS_HELD,
     SENDS_SENDING,
+    SENT,
     USAGE,
     destination_at_prefill,
     discover,
@@ -34,6 +35,10 @@ from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, 
 from kvbridge.errors import DeadlineExceeded
 
 LEASE_S = 4
+P_CHUNK = ["--max-num-batched-tokens", "64", "--max-num-seqs", "64"]
+"""P computes a long prompt in many short steps and writes each step's layers: a decode
+killed while P is sending dies long before P's last write, however late the test's scrape of
+P returns on a loaded machine (with 256-token chunks it once came after the last write)."""
 P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
 D_CONFIG = {"timeouts": {"receive_s": 8, "heartbeat_s": 0.5, "handshake_s": 3}}
 
@@ -61,7 +66,7 @@ class Cluster:
         cfg = dict(P_CONFIG, side_channel_port=self.side_port)
         return VllmServer(
             self.model_dir,
-            extra_args=COMMON_ARGS + kv_args("kv_producer", "nixl", cfg),
+            extra_args=COMMON_ARGS + P_CHUNK + kv_args("kv_producer", "nixl", cfg),
             log_path=self.logs / f"P-{time.time():.0f}.log",
         )
 
@@ -212,10 +217,11 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
         handoff("push", cluster.p.url, cluster.d.url, warm, 2, cluster.address).token_ids
         == complete(cluster.c.url, warm, max_tokens=2).token_ids
     )
-    prompt = random_prompt(4000, seed=8)  # 16 chunks of 256 tokens
+    prompt = random_prompt(4000, seed=8)  # 63 chunks of 64 tokens (P_CHUNK)
     tid = uuid.uuid4().hex
     failures = metric(cluster.p.url, FAILURES)
     expired = metric(cluster.p.url, LEASES_EXPIRED)
+    sent = metric(cluster.p.url, SENT)
     try:
         with ThreadPoolExecutor(2) as pool:
             decode = pool.submit(
@@ -249,11 +255,13 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
             ), "P never wrote to D"
             cluster.d.kill()
             killed = time.monotonic()
-            assert (
-                wait_metric(
-                    cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05
-                )
-                == failures + 1
+            got = wait_metric(
+                cluster.p.url, FAILURES, lambda v: v > failures, timeout=30, interval=0.05
+            )
+            assert got == failures + 1, (
+                f"P counted {got - failures:g} failures; transfers it counted sent since the "
+                f"kill: {metric(cluster.p.url, SENT) - sent:g} (1: the kill came after its "
+                "last write)"
             )
             failed_after = time.monotonic() - killed
             assert (
