@@ -12,7 +12,6 @@ The servers' behaviour is in ``test_sglang_dp.py``."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -32,6 +31,7 @@ from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError
+from kvbridge.runtime.peers import PeerTable
 from kvbridge.transports.testing import Local, Peer, unique
 from kvbridge.wire.compat import CompatInfo
 
@@ -70,15 +70,12 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
         reg = _registration(decode)
         prefill = SimpleNamespace(
             transport=ours.t,
-            peers={},
-            _peers_lock=threading.Lock(),
+            peers=PeerTable(ours.t, lambda **fields: None),
             _refused={},
             aux_layout=reg.aux,
             _pairing=lambda reg: None,
             _state_cut=lambda reg: None,
             check_peer_aux_buffer_count=lambda *a: None,
-            _drop_peer=lambda agent: None,
-            _count=lambda **fields: None,
         )
         prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
         try:
@@ -97,7 +94,7 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
 
 
 class _Transport:
-    """What ``_add_peer`` / ``_drop_peer`` ask of a transport, recorded."""
+    """What ``_add_peer`` and the peer table ask of a transport, recorded."""
 
     def __init__(self) -> None:
         self.removed: list[str] = []
@@ -119,16 +116,13 @@ def _prefill(transport: _Transport) -> SimpleNamespace:
     counted: Counter[str] = Counter()  # the metrics' counters, by StatsSnapshot field
     prefill = SimpleNamespace(
         transport=transport,
-        peers={},
+        peers=PeerTable(transport, counted.update),
         counted=counted,
-        _peers_lock=threading.Lock(),
         _refused={},
         _pairing=lambda reg: None,
         _state_cut=lambda reg: None,
-        _count=counted.update,
         check_peer_aux_buffer_count=lambda *a: None,
     )
-    prefill._drop_peer = lambda agent: PrefillSide._drop_peer(prefill, agent)
     prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
     return prefill
 

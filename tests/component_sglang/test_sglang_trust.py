@@ -14,7 +14,6 @@ accepted."""
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -35,6 +34,7 @@ except ImportError as exc:  # pragma: no cover
     ) from exc
 
 from kvbridge.adapters.sglang.lifecycle import Tombstones
+from kvbridge.runtime.peers import PeerTable
 from kvbridge.transports.base import Notification
 from kvbridge.wire.auth import FRESH_S, ReplayGuard, stamp
 
@@ -48,8 +48,7 @@ class _Prefill(PrefillSide):
 
     def __init__(self, secret: bytes | None = None, at: str = PREFILL_AT) -> None:
         self.secret, self.control_endpoint, self.replays = secret, at, ReplayGuard()
-        self.peers: dict[str, _Peer] = {}
-        self._peers_lock = threading.Lock()
+        self.peers: PeerTable[str, _Peer] = PeerTable(None, self._count)  # no transport call
         self._refused: dict[str, str] = {}
         self.transfer_infos: dict[int, dict] = {}
         self.tombstones = Tombstones()
@@ -122,9 +121,21 @@ def _destination(agent: str, ip: str, port: int, **kw) -> wire.Destination:
 @pytest.fixture
 def prefill() -> _Prefill:
     p = _Prefill()
-    p.peers["d0"] = _peer("d0", ("10.0.0.2", 5000), "10.0.0.2:30000 dp0.0 tp0 pp0")
-    p.peers["d1"] = _peer("d1", ("10.0.0.2", 5001), "10.0.0.2:30000 dp0.0 tp1 pp0")
-    p.peers["e0"] = _peer("e0", ("10.0.0.9", 6000), "10.0.0.9:30000 dp0.0 tp0 pp0")
+    p.peers.put(
+        "d0",
+        "10.0.0.2:30000 dp0.0 tp0 pp0",
+        _peer("d0", ("10.0.0.2", 5000), "10.0.0.2:30000 dp0.0 tp0 pp0"),
+    )
+    p.peers.put(
+        "d1",
+        "10.0.0.2:30000 dp0.0 tp1 pp0",
+        _peer("d1", ("10.0.0.2", 5001), "10.0.0.2:30000 dp0.0 tp1 pp0"),
+    )
+    p.peers.put(
+        "e0",
+        "10.0.0.9:30000 dp0.0 tp0 pp0",
+        _peer("e0", ("10.0.0.9", 6000), "10.0.0.9:30000 dp0.0 tp0 pp0"),
+    )
     return p
 
 
@@ -251,10 +262,10 @@ def test_registrations_beyond_the_peer_bound_are_refused(monkeypatch) -> None:
     is added: its claim and the number of peers are bounded first."""
     from kvbridge.adapters.sglang import prefill as prefill_module
 
-    monkeypatch.setattr(prefill_module, "MAX_PEERS", 2)
     p = _Prefill()
-    p.peers["d0"] = _peer("d0", ("10.0.0.2", 5000), "s0")
-    p.peers["d1"] = _peer("d1", ("10.0.0.2", 5001), "s1")
+    monkeypatch.setattr(p.peers, "limit", 2)
+    p.peers.put("d0", "s0", _peer("d0", ("10.0.0.2", 5000), "s0"))
+    p.peers.put("d1", "s1", _peer("d1", ("10.0.0.2", 5001), "s1"))
     geometry = SimpleNamespace(num_slots=6)
     aux = SimpleNamespace(ptrs=(1,), rows=2)
     with pytest.raises(prefill_module.IncompatiblePeerError, match="already has 2 decode peers"):
@@ -307,7 +318,7 @@ def test_the_bounded_state_of_a_prefill_rank_reaches_its_gauges() -> None:
     p = _Prefill(SECRET)
     p._metrics = PrometheusExport(labels, registry=registry)
     p.note_replays = ReplayGuard()
-    p.peers["d0"] = _peer("d0", ("10.0.0.2", 5000), "s0")
+    p.peers.put("d0", "s0", _peer("d0", ("10.0.0.2", 5000), "s0"))
     p._prefill_handle(
         wire.sign(wire.encode(_destination("d0", "10.0.0.2", 5000)), SECRET, PREFILL_AT)
     )

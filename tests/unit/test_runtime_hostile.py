@@ -342,7 +342,7 @@ def test_handshakes_beyond_the_peer_bound_are_refused_and_a_restart_still_replac
     """Each handshake builds the peer's slot table (183 MB for a 587-byte Hello claiming
     2e6 blocks): the peers a worker keeps are bounded, and a peer's claimed cache too."""
     P, D, E, *_ = pde
-    monkeypatch.setattr(node_module, "MAX_PEERS", 2)
+    monkeypatch.setattr(P.node._peers, "limit", 2)
     D.node.connect(P.address)
     assert P.node.num_peers == 2
     F = endpoint("F", make_cache(None))

@@ -55,6 +55,7 @@ from kvbridge.errors import (
     WireError,
 )
 from kvbridge.runtime.packed import PackedPath, slot_format, staging_descs
+from kvbridge.runtime.peers import MAX_PEERS, PeerTable
 from kvbridge.runtime.sidechannel import SideChannelClient
 from kvbridge.runtime.stats import TransferStats
 from kvbridge.transports.base import DescTable
@@ -67,12 +68,6 @@ from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
 
 log = logging.getLogger(__name__)
 
-
-MAX_PEERS = 1024
-"""Peers one worker keeps a handshake with (decode ranks of every decode instance that
-uses this prefill rank, and the reverse); a handshake beyond it is refused. A restarted
-peer (same engine and rank, new epoch, or a new peer on its side channel's address)
-replaces its old self and counts once."""
 
 MAX_PEER_SLOTS = 1 << 26
 """Slots (one block of one layer plane) a peer's cache may claim: its slot table is built
@@ -185,7 +180,11 @@ class Node:
         """With a secret: notifications taken (:meth:`decode_note`), against replays."""
         self._client: SideChannelClient | None = None
         self._lock = threading.Lock()
-        self._peers: dict[tuple[str, int, str], Peer] = {}
+        self._peers: PeerTable[tuple[str, int, str], Peer] = PeerTable(
+            self.transport, self.stats.add, limit=MAX_PEERS
+        )
+        """Keyed by engine id, rank and epoch; the seat is the engine id and rank (a restart
+        keeps it). Changed under ``_lock`` with the maps of handshakes below."""
         self._by_address: dict[str, Peer] = {}
         self._built: dict[tuple[tuple[str, int, str], bool], tuple[bytes, Peer]] = {}
         """Per peer and role (we prefill: True), the transport metadata its tables were
@@ -201,18 +200,15 @@ class Node:
         return (pid.engine_id, pid.rank, pid.epoch)
 
     def knows(self, pid: PeerId) -> bool:
-        with self._lock:
-            return self._key(pid) in self._peers
+        return self._key(pid) in self._peers
 
     @property
     def num_peers(self) -> int:
         """Peers we keep a handshake with (a level; any thread)."""
-        with self._lock:
-            return len(self._peers)
+        return len(self._peers)
 
     def peer(self, pid: PeerId) -> Peer | None:
-        with self._lock:
-            return self._peers.get(self._key(pid))
+        return self._peers.get(self._key(pid))
 
     def _hello(self, cls: type[Hello | Welcome]):
         return cls(
@@ -289,27 +285,17 @@ class Node:
             # a restart of a peer (same engine and rank, new epoch) replaces the old one, and
             # so does another peer now serving its side channel's address (vLLM draws a new
             # engine id at each start unless one is configured)
-            new = key not in self._peers
-            stale = [k for k in self._peers if k[:2] == key[:2] and k[2] != key[2]]
             prior = None if address is None else self._by_address.get(address)
-            if prior is not None:
-                k = self._key(prior.id)
-                if k != key and k in self._peers and k not in stale:
-                    stale.append(k)
-            gone = [self._peers.pop(k) for k in stale]
+            also = () if prior is None else (self._key(prior.id),)
+            gone = self._peers.put(key, key[:2], peer, also=also)
             for old in gone:
                 if old.address is not None and self._by_address.get(old.address) is old:
                     del self._by_address[old.address]
-            for k in stale:
-                self._unbuild(k)
-            self._peers[key] = peer
+                self._unbuild(self._key(old.id))
             self._built[(key, prefill)] = (msg.transport_metadata, peer)
             if address is not None:
                 self._by_address[address] = peer
-        for old in gone:
-            self.transport.remove_peer(old.agent)
-        if new or gone:
-            self.stats.add(peers_registered=int(new), peers_replaced=len(gone))
+        self._peers.retire(gone)
         log.info("kvbridge: %s shook hands with %s", self.id, msg.peer)
         return peer
 
@@ -323,12 +309,10 @@ class Node:
                 fix="check the peer's KV cache size; a real one is far smaller",
             )
         key = self._key(msg.peer)
-        with self._lock:
-            known = any(k[:2] == key[:2] for k in self._peers)
-            full = not known and len(self._peers) >= MAX_PEERS
-        if full:
+        if self._peers.full_for(key, key[:2]):
             raise KVBridgeError(
-                f"handshake from {msg.peer} refused: this worker already keeps {MAX_PEERS} peers",
+                f"handshake from {msg.peer} refused: this worker already keeps "
+                f"{self._peers.limit} peers",
                 fix=(
                     "use fewer decode instances per prefill instance, or set a 'secret' so that "
                     "only your own instances can shake hands"
@@ -711,11 +695,11 @@ class Node:
             if peer is None or (unless_epoch is not None and peer.id.epoch == unless_epoch):
                 return
             del self._by_address[address]
-            self._peers.pop(self._key(peer.id), None)
+            self._peers.pop(self._key(peer.id))
             self._unbuild(self._key(peer.id))
         if unless_epoch is not None:  # another instance serves its address: a restart
             self.stats.add(peers_replaced=1)
-        self.transport.remove_peer(peer.agent)  # releases its tables
+        self._peers.retire([peer])
 
     def _unbuild(self, key: tuple[str, int, str]) -> None:
         """Forget what was built for peer ``key`` in both roles (caller holds ``_lock``)."""

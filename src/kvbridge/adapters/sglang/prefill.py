@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -70,8 +69,9 @@ from kvbridge.core.rows import RowLayout, paired_count
 from kvbridge.core.tp import heads_per_rank, prefill_ranks
 from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
-from kvbridge.runtime.node import MAX_PEER_SLOTS, MAX_PEERS
+from kvbridge.runtime.node import MAX_PEER_SLOTS
 from kvbridge.runtime.packed import Run, staging_descs
+from kvbridge.runtime.peers import MAX_PEERS, PeerTable
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 from kvbridge.wire import room_messages as wire
 from kvbridge.wire.codec import UNDISCLOSED, incompatible
@@ -150,6 +150,8 @@ class _Peer:
     peer."""
 
     agent: str
+    """The decode rank at the transport (the agent its transport metadata names; its
+    registration's agent is the key it is kept under)."""
     kv: DescTable
     """The decode's KV slots."""
     aux: DescTable
@@ -223,8 +225,8 @@ class PrefillSide:
 
     def _init_prefill(self, args) -> None:
         """State and threads of a prefill rank (the manager's constructor, once)."""
-        self.peers: dict[str, _Peer] = {}
-        self._peers_lock = threading.Lock()
+        self.peers: PeerTable[str, _Peer] = PeerTable(self.transport, self._count)
+        """Registered decode ranks by agent, each in its ``Registration.seat``."""
         self._inflight: dict[int, list] = {}
         self._seen_done: dict[int, int] = {}
         """Room -> how many of its first in-flight transfers completed (:meth:`_raise_failed`)."""
@@ -307,75 +309,67 @@ class PrefillSide:
             while len(self._refused) > MAX_PEERS:  # the oldest refusals are forgotten
                 self._refused.pop(next(iter(self._refused)))
             return
-        with self._peers_lock:
-            if reg.agent in self.peers:
-                return
-            # No waiting probe: this is the control thread, which every room's destination
-            # also passes through; a decode that does not answer shows at its first write.
-            peer = self.transport.add_peer(reg.transport_md, probe=False)
-            kv = self.transport.prepare(
-                reg.geometry.slot_table(), memory=reg.geometry.memory, peer=peer
+        if reg.agent in self.peers:  # only this thread adds peers
+            return
+        # No waiting probe: this is the control thread, which every room's destination
+        # also passes through; a decode that does not answer shows at its first write.
+        agent = self.transport.add_peer(reg.transport_md, probe=False)
+        kv = self.transport.prepare(
+            reg.geometry.slot_table(), memory=reg.geometry.memory, peer=agent
+        )
+        aux = self.transport.prepare(reg.aux.table(), memory="host", peer=agent)
+        staging = None
+        if part is not None:
+            chunks = staging_descs(reg.staging, self.packed.chunk(part.heads).nbytes)
+            staging = self.transport.prepare(chunks, memory=reg.staging.memory, peer=agent)
+        window = None
+        if reg.window is not None:
+            window = self.transport.prepare(
+                reg.window.slot_table(), memory=reg.window.memory, peer=agent
             )
-            aux = self.transport.prepare(reg.aux.table(), memory="host", peer=peer)
-            staging = None
-            if part is not None:
-                chunks = staging_descs(reg.staging, self.packed.chunk(part.heads).nbytes)
-                staging = self.transport.prepare(chunks, memory=reg.staging.memory, peer=peer)
-            window = None
-            if reg.window is not None:
-                window = self.transport.prepare(
-                    reg.window.slot_table(), memory=reg.window.memory, peer=peer
-                )
-            states = None
-            if reg.states is not None and cut is None:
-                states = self.transport.prepare(
-                    reg.states.table(reg.geometry.device),
-                    memory=reg.geometry.memory,
-                    peer=peer,
-                )
-            count = paired_count(self.aux_layout, reg.aux)
-            if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
-                self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
-            self.peers[reg.agent] = _Peer(
-                agent=reg.agent,
-                kv=kv,
-                aux=aux,
-                geometry=reg.geometry,
-                aux_layout=reg.aux,
-                aux_count=count,
-                staging=staging,
-                part=part,
-                window=window,
-                window_geometry=reg.window,
-                states=states,
-                state_layout=reg.states,
-                state_cut=cut,
-                seat=reg.seat,
-                control=(reg.ip, reg.port),
+        states = None
+        if reg.states is not None and cut is None:
+            states = self.transport.prepare(
+                reg.states.table(reg.geometry.device), memory=reg.geometry.memory, peer=agent
             )
-            # A restarted decode rank (same seat, new agent) replaces its old agent; the
-            # ranks of other decode servers, and of other DP replicas, stay.
-            stale = [
-                a
-                for a, p in self.peers.items()
-                if a != reg.agent and reg.seat and p.seat == reg.seat
-            ]
-        for agent in stale:
-            self._drop_peer(agent)
+        count = paired_count(self.aux_layout, reg.aux)
+        if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
+            self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
+        peer = _Peer(
+            agent=agent,
+            kv=kv,
+            aux=aux,
+            geometry=reg.geometry,
+            aux_layout=reg.aux,
+            aux_count=count,
+            staging=staging,
+            part=part,
+            window=window,
+            window_geometry=reg.window,
+            states=states,
+            state_layout=reg.states,
+            state_cut=cut,
+            seat=reg.seat,
+            control=(reg.ip, reg.port),
+        )
+        # A restarted decode rank (same seat, new agent) replaces its old agent; the ranks
+        # of other decode servers, and of other DP replicas, stay.
+        gone = self.peers.put(reg.agent, reg.seat or None, peer)
+        self.peers.retire(gone)
+        for old in gone:
             log.info(
                 "kvbridge: decode peer %s replaced by %s (restarted: %s)",
-                agent,
+                old.agent,
                 reg.agent,
                 reg.seat,
             )
-        self._count(peers_registered=1, peers_replaced=len(stale))
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
 
     def _admit(self, reg: wire.Registration) -> None:
-        """Refuse a registration beyond :data:`~kvbridge.runtime.node.MAX_PEERS` decode
-        ranks (one from a seat already registered replaces its old agent) or whose cache
-        claims more than :data:`~kvbridge.runtime.node.MAX_PEER_SLOTS` slots, before
-        anything is built for it."""
+        """Refuse a registration beyond the peer table's limit of decode ranks
+        (:data:`~kvbridge.runtime.peers.MAX_PEERS`; one from a seat already registered
+        replaces its old agent) or whose cache claims more than
+        :data:`~kvbridge.runtime.node.MAX_PEER_SLOTS` slots, before anything is built for it."""
         slots = reg.geometry.num_slots + _rows(reg.aux) + _rows(reg.states)
         slots += 0 if reg.window is None else reg.window.num_slots
         if slots > MAX_PEER_SLOTS:
@@ -384,14 +378,9 @@ class PrefillSide:
                 f"metadata and state rows), over the {MAX_PEER_SLOTS} kvbridge builds tables for",
                 fix="check the decode's KV cache size; a real one is far smaller",
             )
-        with self._peers_lock:
-            known = reg.agent in self.peers or (
-                bool(reg.seat) and any(p.seat == reg.seat for p in self.peers.values())
-            )
-            full = not known and len(self.peers) >= MAX_PEERS
-        if full:
+        if self.peers.full_for(reg.agent, reg.seat or None):
             raise IncompatiblePeerError(
-                f"this prefill rank already has {MAX_PEERS} decode peers",
+                f"this prefill rank already has {self.peers.limit} decode peers",
                 fix=(
                     "use fewer decode ranks per prefill server, or set a 'secret' so that only "
                     "your own servers can register"
@@ -525,16 +514,6 @@ class PrefillSide:
         return state_cut(
             self.state_split, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, kv_sources=kv_sources
         )
-
-    def _drop_peer(self, agent: str) -> None:
-        with self._peers_lock:
-            peer = self.peers.pop(agent, None)
-        if peer is None:
-            return
-        for table in (peer.kv, peer.aux, peer.staging, peer.window, peer.states):
-            if table is not None:
-                self.transport.release_table(table)
-        self.transport.remove_peer(peer.agent)
 
     def _add_destination(self, msg: wire.Destination) -> None:
         room = msg.room
