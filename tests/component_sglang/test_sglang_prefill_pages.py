@@ -6,6 +6,7 @@ cache, on the prefill's own methods (no servers). The servers' behaviour is in
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 try:
     from kvbridge.adapters.sglang.prefill import PrefillSide, _Chunk
+    from kvbridge.adapters.sglang.registrations import PrefillRank, Registrations
     from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
@@ -90,33 +92,35 @@ COMPAT = CompatInfo(
 
 
 def test_a_decode_whose_radix_hits_end_inside_the_prefill_s_pages_is_refused() -> None:
-    prefill = SimpleNamespace(  # pages of 32 tokens, moved as transfer pages of 16
-        config=load_config({"transfer_block_size": UNIT}),
-        kv_args=SimpleNamespace(page_size=2 * UNIT),
+    config = load_config({"transfer_block_size": UNIT})
+    rank = PrefillRank(  # pages of 32 tokens, moved as transfer pages of 16
+        transport=config.transport,
+        wire_dtype=config.wire_dtype,
+        data_path=config.resolved_data_path,
+        page_size=2 * UNIT,
         geometry=_registration(False, UNIT).geometry,
-        packed=None,
-        attn_tp_size=1,
-        window_geometry=None,  # no sliding-window layers
-        state_layout=None,  # no state-space layers
-        state_split=None,
-        compat_info=COMPAT,
-        secret=None,
-    )
-    prefill._check_compat = lambda reg: PrefillSide._check_compat(prefill, reg)
+        aux_layout=_registration(False, UNIT).aux,
+        compat=COMPAT,
+    )  # no packed path, sliding-window or state-space layers
+    prefill = Registrations(rank, None, lambda **fields: None, lambda *a: None)
     with pytest.raises(
         IncompatiblePeerError, match=r"radix cache.*pages of 16 tokens.*hold 32"
     ) as err:
-        PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=16))
+        prefill.pairing(_registration(prefix_cache=True, page_size=16))
     assert "--disaggregation-decode-enable-radix-cache" in (err.value.fix or "")
-    assert PrefillSide._pairing(prefill, _registration(prefix_cache=False, page_size=16)) is None, (
+    assert prefill.pairing(_registration(prefix_cache=False, page_size=16)) is None, (
         "every room starts at 0"
     )
-    assert PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=64)) is None, (
+    assert prefill.pairing(_registration(prefix_cache=True, page_size=64)) is None, (
         "its hits end on the prefill's pages too"
     )
     with pytest.raises(IncompatiblePeerError, match="radix cache"):
         # a decode that does not say its page size
-        PrefillSide._pairing(prefill, _registration(prefix_cache=True, page_size=0))
-    same_pages = SimpleNamespace(**{**vars(prefill), "kv_args": SimpleNamespace(page_size=UNIT)})
-    same_pages._check_compat = lambda reg: PrefillSide._check_compat(same_pages, reg)
-    assert PrefillSide._pairing(same_pages, _registration(prefix_cache=True, page_size=16)) is None
+        prefill.pairing(_registration(prefix_cache=True, page_size=0))
+    same_pages = Registrations(
+        dataclasses.replace(rank, page_size=UNIT),
+        None,
+        lambda **fields: None,
+        lambda *a: None,
+    )
+    assert same_pages.pairing(_registration(prefix_cache=True, page_size=16)) is None

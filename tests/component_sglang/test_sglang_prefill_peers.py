@@ -21,6 +21,7 @@ import pytest
 
 try:
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide
+    from kvbridge.adapters.sglang.registrations import PrefillRank, Registrations
     from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
@@ -31,7 +32,6 @@ from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError
-from kvbridge.runtime.peers import PeerTable
 from kvbridge.transports.testing import Local, Peer, unique
 from kvbridge.wire.compat import CompatInfo
 
@@ -68,20 +68,11 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
     with Peer("mooncake", unique("sglang-decode"), nbytes=1 << 20) as decode:
         ours = Local("mooncake", nbytes=1 << 20)
         reg = _registration(decode)
-        prefill = SimpleNamespace(
-            transport=ours.t,
-            peers=PeerTable(ours.t, lambda **fields: None),
-            _refused={},
-            aux_layout=reg.aux,
-            _pairing=lambda reg: None,
-            _state_cut=lambda reg: None,
-            check_peer_aux_buffer_count=lambda *a: None,
-        )
-        prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
+        prefill = _registrations(ours.t, reg.aux, lambda **fields: None)
         try:
             with decode.paused():
                 start = time.monotonic()
-                PrefillSide._add_peer(prefill, reg)
+                prefill.register(reg)
                 took = time.monotonic() - start
             assert took < 2, (
                 f"registering a stopped decode held the prefill's control thread {took:.1f}s"
@@ -94,7 +85,7 @@ def test_a_decode_that_does_not_answer_does_not_hold_the_control_thread() -> Non
 
 
 class _Transport:
-    """What ``_add_peer`` and the peer table ask of a transport, recorded."""
+    """What registering a decode and the peer table ask of a transport, recorded."""
 
     def __init__(self) -> None:
         self.removed: list[str] = []
@@ -112,32 +103,36 @@ class _Transport:
         self.removed.append(agent)
 
 
-def _prefill(transport: _Transport) -> SimpleNamespace:
-    counted: Counter[str] = Counter()  # the metrics' counters, by StatsSnapshot field
-    prefill = SimpleNamespace(
-        transport=transport,
-        peers=PeerTable(transport, counted.update),
-        counted=counted,
-        _refused={},
-        _pairing=lambda reg: None,
-        _state_cut=lambda reg: None,
-        check_peer_aux_buffer_count=lambda *a: None,
+def _registrations(transport, aux: RowLayout, count) -> Registrations:
+    """A prefill rank's registrations whose checks all pass (these tests are about
+    what is kept, not what is refused)."""
+    rank = PrefillRank(
+        transport="mooncake",
+        wire_dtype="exact",
+        data_path="direct",
+        compat=None,
+        page_size=16,
+        geometry=None,
+        aux_layout=aux,
     )
-    prefill._admit = lambda reg: PrefillSide._admit(prefill, reg)
-    return prefill
+    registrations = Registrations(rank, transport, count, lambda *a: None)
+    registrations.pairing = lambda reg: None
+    registrations.state_cut = lambda reg: None
+    return registrations
 
 
 def test_decode_ranks_of_other_servers_stay_peers_and_a_restarted_rank_replaces_its_agent() -> None:
     """Every decode server's first rank has an agent named ``sglang-decode-r0-<epoch>``
     (with DP replicas, every replica's too): the prefill tells them apart by seat."""
     transport = _Transport()
-    prefill = _prefill(transport)
     base = _registration(SimpleNamespace(agent_name="x", base=4096, metadata=b""))
+    counted: Counter[str] = Counter()  # the metrics' counters, by StatsSnapshot field
+    prefill = _registrations(transport, base.aux, counted.update)
 
     def register(agent: str, seat: str) -> None:
-        reg = msgspec.structs.replace(base, agent=agent, transport_md=agent.encode(), seat=seat)
-        prefill.aux_layout = reg.aux
-        PrefillSide._add_peer(prefill, reg)
+        prefill.register(
+            msgspec.structs.replace(base, agent=agent, transport_md=agent.encode(), seat=seat)
+        )
 
     register("sglang-decode-r0-aaa", "10.0.0.1:30001 dp0.0 tp0 pp0")
     register("sglang-decode-r0-bbb", "10.0.0.1:30002 dp0.0 tp0 pp0")  # another server
@@ -158,7 +153,7 @@ def test_decode_ranks_of_other_servers_stay_peers_and_a_restarted_rank_replaces_
     register("sglang-decode-r0-eee", "")  # an older decode, without a seat: replaces nothing
     assert len(prefill.peers) == 4 and transport.removed == ["sglang-decode-r0-aaa"]
     register("sglang-decode-r0-eee", "")  # registered already: nothing new
-    assert (prefill.counted["peers_registered"], prefill.counted["peers_replaced"]) == (5, 1)
+    assert (counted["peers_registered"], counted["peers_replaced"]) == (5, 1)
 
 
 class _SGLangManager:
@@ -222,9 +217,23 @@ def test_a_decode_with_other_settings_is_refused_naming_each_and_the_fix() -> No
 
     base = _registration(SimpleNamespace(agent_name="d0", base=4096, metadata=b""))
     reg = msgspec.structs.replace(base, transport="mooncake", data_path="packed")
-    prefill = SimpleNamespace(config=load_config({"transport": "nixl"}))
+    config = load_config({"transport": "nixl"})
+    prefill = Registrations(
+        PrefillRank(
+            transport=config.transport,
+            wire_dtype=config.wire_dtype,
+            data_path=config.resolved_data_path,
+            compat=None,
+            page_size=16,
+            geometry=None,
+            aux_layout=None,
+        ),
+        None,
+        lambda **fields: None,
+        lambda *a: None,
+    )
     with pytest.raises(IncompatiblePeerError) as info:  # before the compatibility info
-        PrefillSide._pairing(prefill, reg)
+        prefill.pairing(reg)
     assert info.value.differences == {
         "transport": ("nixl", "mooncake"),
         "data_path": ("direct", "packed"),
@@ -241,9 +250,18 @@ COMPAT = CompatInfo(
 
 def _checked(reg: wire.Registration, secret: bytes | None = None) -> IncompatiblePeerError | None:
     """What a prefill with :data:`COMPAT` (attention TP 2) says of ``reg``'s info."""
-    prefill = SimpleNamespace(compat_info=COMPAT, secret=secret)
+    rank = PrefillRank(
+        transport="mooncake",
+        wire_dtype="exact",
+        data_path="direct",
+        compat=COMPAT,
+        disclose=secret is not None,
+        page_size=16,
+        geometry=None,
+        aux_layout=None,
+    )
     try:
-        PrefillSide._check_compat(prefill, reg)
+        Registrations(rank, None, lambda **fields: None, lambda *a: None).check_compat(reg)
     except IncompatiblePeerError as exc:
         return exc
     return None

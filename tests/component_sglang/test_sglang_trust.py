@@ -26,7 +26,8 @@ try:
     from kvbridge.adapters.sglang import compat
     from kvbridge.adapters.sglang.decode import DecodeSide
     from kvbridge.adapters.sglang.manager import KVBridgeKVManager
-    from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide, _c, _Peer
+    from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide, _c
+    from kvbridge.adapters.sglang.registrations import DecodePeer, PrefillRank, Registrations
     from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
@@ -34,7 +35,7 @@ except ImportError as exc:  # pragma: no cover
     ) from exc
 
 from kvbridge.adapters.sglang.lifecycle import Tombstones
-from kvbridge.runtime.peers import PeerTable
+from kvbridge.errors import IncompatiblePeerError
 from kvbridge.transports.base import Notification
 from kvbridge.wire.auth import FRESH_S, ReplayGuard, stamp
 
@@ -43,13 +44,23 @@ SECRET = b"shared"
 PREFILL_AT = "tcp://10.0.0.1:7000"
 
 
+_RANK = PrefillRank(
+    transport="nixl", wire_dtype="exact", data_path="direct", compat=None, page_size=16,
+    geometry=None, aux_layout=None,
+)  # fmt: skip
+"""The prefill rank registrations would be checked against (these tests never get there)."""
+
+
 class _Prefill(PrefillSide):
     """A prefill rank's handlers over stand-ins for SGLang's manager state."""
 
     def __init__(self, secret: bytes | None = None, at: str = PREFILL_AT) -> None:
         self.secret, self.control_endpoint, self.replays = secret, at, ReplayGuard()
-        self.peers: PeerTable[str, _Peer] = PeerTable(None, self._count)  # no transport call
-        self._refused: dict[str, str] = {}
+        self.added: list[wire.Registration] = []
+        self.registrations = Registrations(_RANK, None, self._count, lambda *a: None)
+        self.registrations.register = self.added.append  # what reaches it, recorded
+        self.peers = self.registrations.peers  # as PrefillSide._init_prefill
+        self._refused = self.registrations.refused
         self.transfer_infos: dict[int, dict] = {}
         self.tombstones = Tombstones()
         self.packed = self.state_layout = self.deferred_bootstrap = None
@@ -59,7 +70,6 @@ class _Prefill(PrefillSide):
         self.destinations = compat.RoomDestinations(self)
         self.sent: list[dict] = []
         self.refused = 0
-        self.added: list[wire.Registration] = []
         self.enable_deferred_decode_kv_release = False
         self._staging_outstanding: dict[int, int] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
@@ -68,9 +78,6 @@ class _Prefill(PrefillSide):
         self.config = SimpleNamespace(timeouts=SimpleNamespace(lease_s=60.0))
 
     _authentic = KVBridgeKVManager._authentic
-
-    def _add_peer(self, reg: wire.Registration) -> None:
-        self.added.append(reg)
 
     def send_kv_status_message(self, **kw) -> None:
         self.sent.append(kw)
@@ -91,9 +98,9 @@ class _Prefill(PrefillSide):
         self.refused += fields.get("messages_refused", 0)
 
 
-def _peer(agent: str, control: tuple[str, int], seat: str) -> _Peer:
+def _peer(agent: str, control: tuple[str, int], seat: str) -> DecodePeer:
     # the buffers are never posted to in these tests: no descriptor tables
-    return _Peer(
+    return DecodePeer(
         agent=agent,
         kv=None,
         aux=None,
@@ -260,20 +267,20 @@ def _reg(agent: str, seat: str, geometry, aux) -> SimpleNamespace:
 def test_registrations_beyond_the_peer_bound_are_refused(monkeypatch) -> None:
     """A registration's tables (pages and metadata rows, 6 + 2 here) are built when it
     is added: its claim and the number of peers are bounded first."""
-    from kvbridge.adapters.sglang import prefill as prefill_module
+    from kvbridge.adapters.sglang import registrations as registrations_module
 
-    p = _Prefill()
+    p = _Prefill().registrations
     monkeypatch.setattr(p.peers, "limit", 2)
     p.peers.put("d0", "s0", _peer("d0", ("10.0.0.2", 5000), "s0"))
     p.peers.put("d1", "s1", _peer("d1", ("10.0.0.2", 5001), "s1"))
     geometry = SimpleNamespace(num_slots=6)
     aux = SimpleNamespace(ptrs=(1,), rows=2)
-    with pytest.raises(prefill_module.IncompatiblePeerError, match="already has 2 decode peers"):
-        PrefillSide._admit(p, _reg("d2", "s2", geometry, aux))
-    PrefillSide._admit(p, _reg("d3", "s1", geometry, aux))  # restarted
-    monkeypatch.setattr(prefill_module, "MAX_PEER_SLOTS", 7)
-    with pytest.raises(prefill_module.IncompatiblePeerError, match="claims a cache of 8 slots"):
-        PrefillSide._admit(p, _reg("d0", "s0", geometry, aux))
+    with pytest.raises(IncompatiblePeerError, match="already has 2 decode peers"):
+        p.admit(_reg("d2", "s2", geometry, aux))
+    p.admit(_reg("d3", "s1", geometry, aux))  # restarted
+    monkeypatch.setattr(registrations_module, "MAX_PEER_SLOTS", 7)
+    with pytest.raises(IncompatiblePeerError, match="claims a cache of 8 slots"):
+        p.admit(_reg("d0", "s0", geometry, aux))
 
 
 def test_destinations_for_rooms_without_a_request_are_bounded_and_expire(

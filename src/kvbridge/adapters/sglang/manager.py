@@ -259,7 +259,8 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Mana
         """What a prefill and a decode must share (the model, the KV cache's dtype, page
         and shape, the settings that change what moves): a decode registers it, and a
         prefill compares its hash with its own before anything else of the decode's
-        registration (:meth:`PrefillSide._pairing`), as a vLLM prefill does at a handshake."""
+        registration (:meth:`.registrations.Registrations.check_compat`), as a vLLM
+        prefill does at a handshake."""
         self.seat = compat.server_seat(server_args, self)
         """Which rank of which server this is (a decode registers it: a restart of the
         same rank replaces its old agent on the prefill, another server's rank does not)."""

@@ -6,7 +6,8 @@ Threads and who calls what:
 
 - the *control thread* (:meth:`PrefillSide._prefill_control_loop`) reads SGLang's
   control socket: a decode's ``Registration`` (:mod:`kvbridge.wire.room_messages`;
-  once per decode rank: checked, then its KV, metadata and staging tables prepared), its
+  once per decode rank: checked, then its KV, metadata and staging tables prepared, by
+  :class:`~.registrations.Registrations`), its
   ``Destination`` per room, and abort notifications;
 - SGLang's scheduler calls :meth:`PrefillSide.add_transfer_request` after each chunk's
   forward (queued, never blocks) and, per forward, :func:`plan_forward` through the
@@ -33,28 +34,24 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-import msgspec
 import numpy as np
 
 from kvbridge.adapters.sglang import compat
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import (
     Part,
-    latent_sources,
     part_start,
-    room_part,
     room_slots,
     window_chunks,
     window_start,
 )
 from kvbridge.adapters.sglang.pools import (
-    check_windows,
-    pages_differ,
     transfer_pages,
     window_overlap,
 )
+from kvbridge.adapters.sglang.registrations import DecodePeer, PrefillRank, Registrations
 from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
-from kvbridge.adapters.sglang.states import Segment, check_states, state_cut, state_slot
+from kvbridge.adapters.sglang.states import state_slot
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
     LayerReady,
@@ -64,21 +61,14 @@ from kvbridge.adapters.sglang.streaming import (
     completed_span,
     streams,
 )
-from kvbridge.core.layout import CacheGeometry
-from kvbridge.core.rows import RowLayout, paired_count
-from kvbridge.core.tp import heads_per_rank, prefill_ranks
-from kvbridge.errors import DeadlineExceeded, IncompatiblePeerError, KVBridgeError, PlanError
+from kvbridge.errors import DeadlineExceeded, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
-from kvbridge.runtime.node import MAX_PEER_SLOTS
-from kvbridge.runtime.packed import Run, staging_descs
-from kvbridge.runtime.peers import MAX_PEERS, PeerTable
+from kvbridge.runtime.packed import Run
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 from kvbridge.wire import room_messages as wire
-from kvbridge.wire.codec import UNDISCLOSED, incompatible
-from kvbridge.wire.compat import compat_hash, hashed_diff, settings_mismatch
 
 if TYPE_CHECKING:
-    from kvbridge.transports.base import DescTable
+    pass
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -143,53 +133,6 @@ def stop_streaming(mgr) -> None:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Peer:
-    """A registered decode rank, as this prefill rank writes to it: built once per
-    :class:`~kvbridge.wire.room_messages.Registration` (the decode's buffers prepared
-    as transport descriptor tables), read by the transfer thread, dropped with the
-    peer."""
-
-    agent: str
-    """The decode rank at the transport (the agent its transport metadata names; its
-    registration's agent is the key it is kept under)."""
-    kv: DescTable
-    """The decode's KV slots."""
-    aux: DescTable
-    """The decode's metadata rows."""
-    geometry: CacheGeometry
-    aux_layout: RowLayout
-    aux_count: int
-    """Metadata buffers both sides have (:func:`kvbridge.core.rows.paired_count`)."""
-    staging: DescTable | None = None
-    """Packed path: the decode's staging, in chunks of ``part.heads``."""
-    part: Part | None = None
-    """Packed path: the heads this rank moves to the decode rank."""
-    window: DescTable | None = None
-    """Sliding-window pool: the decode's window pages."""
-    window_geometry: CacheGeometry | None = None
-    """Sliding-window pool: the decode's window layers' pages."""
-    states: DescTable | None = None
-    """State-space layers: the decode's state rows."""
-    state_layout: RowLayout | None = None
-    """State-space layers: the decode's state tensors."""
-    state_cut: tuple[tuple[Segment, ...], ...] | None = None
-    """State-space layers, another attention TP size: per state tensor, the segments of a
-    slot's row this rank writes into the decode rank's (:func:`.states.state_cut`);
-    ``states`` is then None (each room's segments are posted as they are)."""
-    seat: str = ""
-    """Which rank of which decode server (``Registration.seat``)."""
-    control: tuple[str, int] = ("", 0)
-    """The decode rank's control socket (``Registration.ip``, ``port``): its destinations
-    must name it (statuses and abort acknowledgements go there)."""
-
-    @property
-    def server(self) -> str:
-        """The decode server this rank belongs to (its seat's address; an older decode
-        without a seat: its control socket's host)."""
-        return self.seat.split(" ")[0] if self.seat else self.control[0]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class _Dest:
     """One decode rank's destination for a room (from a
     :class:`~kvbridge.wire.room_messages.Destination`), kept in SGLang's
@@ -210,11 +153,6 @@ class _Dest:
     state_row: int | None = None
 
 
-def _rows(layout: RowLayout | None) -> int:
-    """Descriptors of a peer's metadata or state buffers (a row of each buffer each)."""
-    return 0 if layout is None else len(layout.ptrs) * max(0, int(layout.rows))
-
-
 class PrefillSide:
     """The prefill rank's part of :class:`~.manager.KVBridgeKVManager` (a mixin: it
     uses the manager's transport, tables, geometry, config and SGLang's status table).
@@ -225,8 +163,32 @@ class PrefillSide:
 
     def _init_prefill(self, args) -> None:
         """State and threads of a prefill rank (the manager's constructor, once)."""
-        self.peers: PeerTable[str, _Peer] = PeerTable(self.transport, self._count)
-        """Registered decode ranks by agent, each in its ``Registration.seat``."""
+        self.registrations = Registrations(
+            PrefillRank(
+                transport=self.config.transport,
+                wire_dtype=self.config.wire_dtype,
+                data_path=self.config.resolved_data_path,
+                compat=self.compat_info,
+                disclose=self.secret is not None,
+                page_size=self.kv_args.page_size,
+                geometry=self.geometry,
+                packed=self.packed,
+                window_geometry=self.window_geometry,
+                state_layout=self.state_layout,
+                state_split=self.state_split,
+                aux_layout=self.aux_layout,
+                tp_size=self.attn_tp_size,
+                tp_rank=self.attn_tp_rank,
+                total_kv_heads=self._total_kv_heads(),
+            ),
+            self.transport,
+            self._count,
+            self.check_peer_aux_buffer_count,
+        )
+        self.peers = self.registrations.peers
+        """Registered decode ranks by agent (what the transfer thread writes to)."""
+        self._refused = self.registrations.refused
+        """Decode agent -> why its registration was refused (its rooms fail with it)."""
         self._inflight: dict[int, list] = {}
         self._seen_done: dict[int, int] = {}
         """Room -> how many of its first in-flight transfers completed (:meth:`_raise_failed`)."""
@@ -235,7 +197,6 @@ class PrefillSide:
         self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
         self._first_post: dict[int, float] = {}
         self._packed_runs: dict[int, list[Run]] = {}  # room -> our staging runs
-        self._refused: dict[str, str] = {}  # decode agent -> why its registration was refused
         self._early_rooms: OrderedDict[int, float] = OrderedDict()
         """Rooms with a destination but no request here when it came -> when they are
         dropped (:meth:`_keep_early`)."""
@@ -292,228 +253,11 @@ class PrefillSide:
             self._refuse_unauthenticated(exc)
             return
         if isinstance(msg, wire.Registration):
-            self._add_peer(msg)
+            self.registrations.register(msg)
         elif isinstance(msg, wire.Destination):
             self._add_destination(msg)
         else:
             log.warning("kvbridge: unexpected %s on the prefill control socket", type(msg).__name__)
-
-    def _add_peer(self, reg: wire.Registration) -> None:
-        try:
-            part = self._pairing(reg)
-            cut = self._state_cut(reg)
-            self._admit(reg)
-        except IncompatiblePeerError as exc:
-            log.error("kvbridge: refused decode %s: %s", reg.agent, exc)
-            self._refused[reg.agent] = str(exc)
-            while len(self._refused) > MAX_PEERS:  # the oldest refusals are forgotten
-                self._refused.pop(next(iter(self._refused)))
-            return
-        if reg.agent in self.peers:  # only this thread adds peers
-            return
-        # No waiting probe: this is the control thread, which every room's destination
-        # also passes through; a decode that does not answer shows at its first write.
-        agent = self.transport.add_peer(reg.transport_md, probe=False)
-        kv = self.transport.prepare(
-            reg.geometry.slot_table(), memory=reg.geometry.memory, peer=agent
-        )
-        aux = self.transport.prepare(reg.aux.table(), memory="host", peer=agent)
-        staging = None
-        if part is not None:
-            chunks = staging_descs(reg.staging, self.packed.chunk(part.heads).nbytes)
-            staging = self.transport.prepare(chunks, memory=reg.staging.memory, peer=agent)
-        window = None
-        if reg.window is not None:
-            window = self.transport.prepare(
-                reg.window.slot_table(), memory=reg.window.memory, peer=agent
-            )
-        states = None
-        if reg.states is not None and cut is None:
-            states = self.transport.prepare(
-                reg.states.table(reg.geometry.device), memory=reg.geometry.memory, peer=agent
-            )
-        count = paired_count(self.aux_layout, reg.aux)
-        if count != len(self.aux_layout.ptrs) or count != len(reg.aux.ptrs):
-            self.check_peer_aux_buffer_count(reg.agent, len(reg.aux.ptrs))
-        peer = _Peer(
-            agent=agent,
-            kv=kv,
-            aux=aux,
-            geometry=reg.geometry,
-            aux_layout=reg.aux,
-            aux_count=count,
-            staging=staging,
-            part=part,
-            window=window,
-            window_geometry=reg.window,
-            states=states,
-            state_layout=reg.states,
-            state_cut=cut,
-            seat=reg.seat,
-            control=(reg.ip, reg.port),
-        )
-        # A restarted decode rank (same seat, new agent) replaces its old agent; the ranks
-        # of other decode servers, and of other DP replicas, stay.
-        gone = self.peers.put(reg.agent, reg.seat or None, peer)
-        self.peers.retire(gone)
-        for old in gone:
-            log.info(
-                "kvbridge: decode peer %s replaced by %s (restarted: %s)",
-                old.agent,
-                reg.agent,
-                reg.seat,
-            )
-        log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
-
-    def _admit(self, reg: wire.Registration) -> None:
-        """Refuse a registration beyond the peer table's limit of decode ranks
-        (:data:`~kvbridge.runtime.peers.MAX_PEERS`; one from a seat already registered
-        replaces its old agent) or whose cache claims more than
-        :data:`~kvbridge.runtime.node.MAX_PEER_SLOTS` slots, before anything is built for it."""
-        slots = reg.geometry.num_slots + _rows(reg.aux) + _rows(reg.states)
-        slots += 0 if reg.window is None else reg.window.num_slots
-        if slots > MAX_PEER_SLOTS:
-            raise IncompatiblePeerError(
-                f"decode {reg.agent} claims a cache of {slots} slots (pages, window pages, "
-                f"metadata and state rows), over the {MAX_PEER_SLOTS} kvbridge builds tables for",
-                fix="check the decode's KV cache size; a real one is far smaller",
-            )
-        if self.peers.full_for(reg.agent, reg.seat or None):
-            raise IncompatiblePeerError(
-                f"this prefill rank already has {self.peers.limit} decode peers",
-                fix=(
-                    "use fewer decode ranks per prefill server, or set a 'secret' so that only "
-                    "your own servers can register"
-                ),
-            )
-
-    def _check_compat(self, reg: wire.Registration) -> None:
-        """The decode's compatibility info against this rank's, by hash (as a vLLM
-        prefill checks a ``Hello``), before the registration's typed checks.
-
-        Raises:
-            IncompatiblePeerError: each property that differs with the decode's value,
-                and this prefill's only where the registration was authenticated (a
-                ``secret``): the text travels to the decode as its rooms' failure reason.
-        """
-        if reg.compat is None:
-            raise IncompatiblePeerError(
-                f"decode {reg.agent} sent no compatibility info (an earlier kvbridge)",
-                fix="run the same kvbridge version on the prefill and decode servers",
-            )
-        if compat_hash(reg.compat) == compat_hash(self.compat_info):
-            return
-        raise incompatible(
-            {
-                field: (ours if self.secret else UNDISCLOSED, theirs)
-                for field, (ours, theirs) in hashed_diff(self.compat_info, reg.compat).items()
-            },
-            what=f"decode {reg.agent}'s KV cache is incompatible with this prefill's",
-            sides=("prefill", "decode"),
-        )
-
-    def _pairing(self, reg: wire.Registration) -> Part | None:
-        """Check a decode's registration: on the packed path, the heads this rank moves
-        to it (:func:`.packed.room_part`; any TP sizes that pair); on the direct path
-        None (whole pages: equal TP sizes, or any for MLA, whose every rank holds the
-        whole latent cache; SGLang's rank mapping then picks the one prefill rank each
-        decode rank reads from and marks the others dummy).
-
-        Raises:
-            IncompatiblePeerError: why it cannot be served (its rooms then fail with
-                this reason), naming the fix.
-        """
-        mismatch = settings_mismatch(
-            f"decode {reg.agent}",
-            {
-                "transport": self.config.transport,
-                "wire_dtype": self.config.wire_dtype,
-                "data_path": self.config.resolved_data_path,
-            },
-            {"transport": reg.transport, "wire_dtype": reg.wire_dtype, "data_path": reg.data_path},
-        )
-        if mismatch is not None:
-            raise mismatch
-        self._check_compat(reg)
-        page, theirs = self.kv_args.page_size, reg.page_size or reg.geometry.spec.block_size
-        if reg.prefix_cache and theirs % page:
-            raise IncompatiblePeerError(
-                f"it keeps a radix cache of its own, whose hits end on its pages of {theirs} "
-                "tokens, and this prefill's pages "
-                f"hold {page}: a room would start inside one of them",
-                fix=(
-                    "run the decode without --disaggregation-decode-enable-radix-cache, or give it "
-                    "a --page-size that is a multiple of the prefill's"
-                ),
-            )
-        check_windows(reg.window, self.window_geometry, packed=self.packed is not None)
-        p_tp, d_tp = self.attn_tp_size, reg.tp_size
-        check_states(
-            reg.states,
-            self.state_layout,
-            prefill_tp=p_tp,
-            decode_tp=d_tp,
-            their_split=reg.state_split,
-            my_split=self.state_split,
-        )
-        if self.packed is None:
-            if p_tp != d_tp and self.geometry.spec.layout != "latent":
-                raise IncompatiblePeerError(
-                    f"prefill attention TP {p_tp}, decode TP {d_tp}: the direct data path moves "
-                    "whole pages, and an "
-                    "SGLang page holds every KV head of its rank token by token",
-                    fix=(
-                        "set data_path 'packed' (exact values) or wire_dtype 'fp8' in "
-                        "KVBRIDGE_CONFIG on both instances"
-                    ),
-                )
-            if reg.geometry.spec != self.geometry.spec:
-                raise pages_differ(reg.geometry.spec, self.geometry.spec)
-            return None
-        mine = self.packed.geometry.spec
-        theirs = reg.packed_spec
-        if (
-            reg.staging is None
-            or theirs is None
-            or msgspec.structs.replace(theirs, num_kv_heads=mine.num_kv_heads) != mine
-        ):
-            raise pages_differ(theirs, mine)
-        total = self._total_kv_heads()
-        if reg.kv_heads and reg.kv_heads != total:
-            raise IncompatiblePeerError(
-                f"its model has {reg.kv_heads} KV heads, this prefill's {total}; serve the same "
-                "model on both"
-            )
-        part = room_part(
-            total, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, latent=mine.layout == "latent"
-        )
-        if part is None or (mine.num_kv_heads, theirs.num_kv_heads) != (
-            heads_per_rank(total, p_tp),
-            heads_per_rank(total, d_tp),
-        ):
-            raise IncompatiblePeerError(
-                f"decode rank {reg.tp_rank} of attention TP {d_tp} ({theirs.num_kv_heads} KV "
-                f"heads) does not pair with prefill rank {self.attn_tp_rank} of TP {p_tp} "
-                f"({mine.num_kv_heads} KV heads) for a model of {total}"
-            )
-        return part
-
-    def _state_cut(self, reg: wire.Registration) -> tuple | None:
-        """A decode of another attention TP size with state-space layers: per state
-        tensor, the segments of a slot's row this rank writes into the decode rank's
-        (:func:`.states.state_cut`, after :meth:`_pairing` accepted the split; raises
-        :class:`IncompatiblePeerError` as it does). None for an equal size (whole
-        rows) or a pool without states."""
-        p_tp, d_tp = self.attn_tp_size, reg.tp_size
-        if self.state_layout is None or p_tp == d_tp:
-            return None
-        if self.geometry.spec.layout == "latent":
-            kv_sources = latent_sources(p_tp, d_tp, reg.tp_rank)
-        else:
-            kv_sources = prefill_ranks(self._total_kv_heads(), p_tp, d_tp, reg.tp_rank)
-        return state_cut(
-            self.state_split, p_tp, d_tp, self.attn_tp_rank, reg.tp_rank, kv_sources=kv_sources
-        )
 
     def _add_destination(self, msg: wire.Destination) -> None:
         room = msg.room
@@ -1043,7 +787,7 @@ class PrefillSide:
         left the prompt's final states in the request's slot): write the slot's row of
         every state tensor into the destination's slot, on either data path (states
         are not packed); to a decode rank of another attention TP size, the parts of
-        the row it holds (``_Peer.state_cut``). Transfer thread."""
+        the row it holds (``DecodePeer.state_cut``). Transfer thread."""
         if row is None:
             raise PlanError("the last chunk names no state slot (SGLang's state indices)")
         src = self.state_layout.slots(row)
@@ -1061,7 +805,7 @@ class PrefillSide:
             xfers.append(self.transport.post("write", self.state_table, src, peer.states, dst))
             self._posted(room, dest, nbytes)
 
-    def _post_state_parts(self, xfers: list, peer: _Peer, row: int, dst_row: int) -> int:
+    def _post_state_parts(self, xfers: list, peer: DecodePeer, row: int, dst_row: int) -> int:
         """Write the segments of state slot ``row`` that ``peer`` (another attention TP
         size) holds into its slot ``dst_row``, as one transfer of one-post lists;
         returns the bytes (0: this rank holds none of the decode rank's states)."""
