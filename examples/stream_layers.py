@@ -27,8 +27,8 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.plan import plan_blocks
 from kvbridge.transports import create_transport
 from kvbridge.wire.codec import Codec
-from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Destination, Done, Hello, LayerDone, PeerId, Welcome
+from kvbridge.wire.peer_compat import CompatInfo
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 64, 32, 2, 64
 SPEC = CacheSpec(

@@ -25,7 +25,7 @@ from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 UNIT = 16
 

@@ -33,7 +33,7 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.core.rows import RowLayout
 from kvbridge.errors import IncompatiblePeerError
 from kvbridge.transports.testing import Local, Peer, unique
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 pytest.importorskip("mooncake.engine", reason="Mooncake is part of the SGLang suite's environment")
 
@@ -210,7 +210,7 @@ def test_a_destination_for_a_room_sglang_failed_before_it_came_is_answered_with_
 
 def test_a_decode_with_other_settings_is_refused_naming_each_and_the_fix() -> None:
     """The settings both sides must share (transport, wire_dtype, data_path) are checked
-    as the vLLM handshake checks them (``wire.compat.settings_mismatch``): one error
+    as the vLLM handshake checks them (``wire.peer_compat.settings_mismatch``): one error
     naming every difference, and the fix apart from the message."""
     from kvbridge.config import load_config
     from kvbridge.errors import IncompatiblePeerError

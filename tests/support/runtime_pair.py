@@ -15,7 +15,7 @@ from kvbridge.config import load_config
 from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.transports.loopback import LoopbackTransport
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 L, N, BS, H, HD = 4, 48, 16, 2, 32
 SPEC = CacheSpec(

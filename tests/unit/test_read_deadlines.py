@@ -18,8 +18,8 @@ from kvbridge.runtime.sidechannel import SideChannelServer
 from kvbridge.transports import zmqlimits
 from kvbridge.transports.notifier import ZmqNotifier
 from kvbridge.wire.codec import Codec
-from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Heartbeat, PeerId, Reply
+from kvbridge.wire.peer_compat import CompatInfo
 
 INFO = CompatInfo(
     model="m",

@@ -21,8 +21,8 @@ from kvbridge.runtime import node as node_module
 from kvbridge.runtime import sender as sender_module
 from kvbridge.runtime import sidechannel
 from kvbridge.wire.auth import mac, stamp
-from kvbridge.wire.compat import PROTOCOL_VERSION
 from kvbridge.wire.messages import Abort, Destination, Heartbeat, LayerDone, Release, Reply
+from kvbridge.wire.peer_compat import PROTOCOL_VERSION
 
 TICKET = "the-handoff-s-ticket"
 

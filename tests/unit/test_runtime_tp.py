@@ -35,7 +35,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.ops.format import FP8_DTYPE, PackedFormat
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.transports.loopback import LoopbackTransport
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 L, N, BS, HD, TOTAL = 3, 40, 16, 32, 4
 _names = itertools.count()

@@ -154,7 +154,7 @@ class HybridRank:
         from kvbridge.core.layout import CacheGeometry, CacheSpec
         from kvbridge.runtime.endpoint import Endpoint
         from kvbridge.transports.loopback import LoopbackTransport
-        from kvbridge.wire.compat import CompatInfo
+        from kvbridge.wire.peer_compat import CompatInfo
 
         self.tp, self.rank, self.heads = tp, rank, KV_HEADS // tp
         shape = (2, N, self.heads, BS, 2 * HD)

@@ -7,7 +7,7 @@ from kvbridge.core.layout import CacheGeometry, CacheSpec
 from kvbridge.errors import IncompatiblePeerError, ProtocolVersionError, WireError
 from kvbridge.wire import messages as m
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
-from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo, compat_diff, compat_hash
+from kvbridge.wire.peer_compat import PROTOCOL_VERSION, CompatInfo, compat_diff, compat_hash
 
 SPEC = CacheSpec(
     num_layers=2, block_size=32, num_kv_heads=2, head_dim=64, dtype="float32", layout="fused"

@@ -3,7 +3,7 @@
 vLLM's hybrid KV cache manager keeps layers of different kinds (full attention, sliding
 window) in *KV cache groups*, each with its own block ids for the same request: the
 prompt's ``p``-th block is block ``rows[g][p]`` in group ``g``, and every layer belongs
-to one group (:attr:`~kvbridge.wire.compat.CompatInfo.layer_groups`). A sliding-window
+to one group (:attr:`~kvbridge.wire.peer_compat.CompatInfo.layer_groups`). A sliding-window
 group holds nothing at positions that have left its window (vLLM's null block):
 :data:`NONE` there. An engine without groups (SGLang, vLLM with the manager off) has one
 row, and a table of one row is what a plain list of block ids means everywhere.

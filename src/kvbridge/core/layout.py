@@ -61,7 +61,7 @@ LAYOUTS: tuple[str, ...] = get_args(Layout)
 TOKEN_ROW_LAYOUTS = frozenset({"nhd", "hnd", "nhd_kv", "hnd_kv"})
 """Layouts that hold each (plane, token, head) as a row of ``head_dim`` values, whatever
 their order in the block: any two pack into the same rows
-(:attr:`~kvbridge.wire.compat.CompatInfo.layout_key`)."""
+(:attr:`~kvbridge.wire.peer_compat.CompatInfo.layout_key`)."""
 MemoryKind = Literal["host", "device"]
 
 #: Bytes per element of the cache dtypes kvbridge moves (torch dtype names, no prefix).

@@ -60,7 +60,7 @@ class StateTensor(msgspec.Struct, frozen=True, array_like=True):
 class StateLayout(msgspec.Struct, frozen=True, kw_only=True):
     """What one state block of a state-space layer holds, independent of the TP size:
     the engine adapter derives it from the model, both peers must agree on it (it is
-    part of the compatibility hash, :attr:`~kvbridge.wire.compat.CompatInfo.group_states`).
+    part of the compatibility hash, :attr:`~kvbridge.wire.peer_compat.CompatInfo.group_states`).
     """
 
     kind: str

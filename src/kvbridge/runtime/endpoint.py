@@ -20,8 +20,8 @@ from kvbridge.runtime.sender import Sender
 from kvbridge.runtime.sidechannel import SideChannelServer
 from kvbridge.runtime.stats import TransferStats
 from kvbridge.transports.common import TransportBase
-from kvbridge.wire.compat import CompatInfo
 from kvbridge.wire.messages import Abort, Destination, Heartbeat, Hello, Message, Release, Reply
+from kvbridge.wire.peer_compat import CompatInfo
 
 log = logging.getLogger(__name__)
 

@@ -63,8 +63,8 @@ from kvbridge.transports.common import TransportBase
 from kvbridge.transports.registry import create_transport
 from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import Codec
-from kvbridge.wire.compat import CompatInfo, settings_mismatch
 from kvbridge.wire.messages import Hello, Message, PeerId, Reply, Welcome
+from kvbridge.wire.peer_compat import CompatInfo, settings_mismatch
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from kvbridge.errors import IncompatiblePeerError, KVBridgeError, PeerUnreachabl
 from kvbridge.transports.zmqlimits import limit_socket
 from kvbridge.wire.auth import ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import MAX_FRAME_BYTES, Codec
-from kvbridge.wire.compat import compat_digests
 from kvbridge.wire.messages import Message, Reply
+from kvbridge.wire.peer_compat import compat_digests
 
 log = logging.getLogger(__name__)
 

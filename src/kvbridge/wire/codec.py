@@ -22,7 +22,8 @@ from typing import Annotated
 import msgspec
 
 from kvbridge.errors import IncompatiblePeerError, ProtocolVersionError, WireError
-from kvbridge.wire.compat import (
+from kvbridge.wire.messages import MAX_COMPAT_FIELDS, Message
+from kvbridge.wire.peer_compat import (
     PROTOCOL_VERSION,
     CompatInfo,
     compat_diff,
@@ -30,7 +31,6 @@ from kvbridge.wire.compat import (
     digest_diff,
     shared_value,
 )
-from kvbridge.wire.messages import MAX_COMPAT_FIELDS, Message
 
 #: Upper bound on a frame kvbridge will try to decode (a handshake with a large
 #: geometry is a few KiB; per-request messages are smaller still).
@@ -155,7 +155,7 @@ def incompatible(
     sides: tuple[str, str] = ("ours", "peer"),
 ) -> IncompatiblePeerError:
     """The one error for two instances whose compatibility info
-    (:class:`~kvbridge.wire.compat.CompatInfo`) differs, on either engine: ``what``,
+    (:class:`~kvbridge.wire.peer_compat.CompatInfo`) differs, on either engine: ``what``,
     then each property with the two sides' values (``diffs``: ``{field: (first,
     second)}``, named ``sides``; :data:`UNDISCLOSED` for a value not told), and the fix.
     Raised by :class:`Codec` (a vLLM handshake) and by the SGLang prefill at a decode's

@@ -2,7 +2,7 @@
 
 All are frozen msgspec Structs in one tagged union, :data:`Message`. Evolution rule:
 new fields get defaults and go at the end; a field's type never changes; a tag is never
-reused. Anything else needs a new :data:`~kvbridge.wire.compat.PROTOCOL_VERSION`.
+reused. Anything else needs a new :data:`~kvbridge.wire.peer_compat.PROTOCOL_VERSION`.
 
 Directions. The decode side (D) talks to the prefill side (P) over P's side channel;
 every such message is a request answered by a :class:`Reply`. P talks to D through
@@ -26,7 +26,7 @@ from typing import Annotated
 import msgspec
 
 from kvbridge.core.layout import CacheGeometry
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 MAX_BLOCK_IDS = 1 << 20
 """Block ids one list of a message may carry (a prompt of 16M tokens in 16-token blocks).
@@ -210,7 +210,7 @@ class Reply(_Msg, tag="reply"):
     salt: bytes = b""
     digests: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_COMPAT_FIELDS)] = {}
     """To ``incompatible``: per property peers must share, a digest of P's value under
-    :attr:`salt` (:func:`~kvbridge.wire.compat.compat_digests`): D names the properties
+    :attr:`salt` (:func:`~kvbridge.wire.peer_compat.compat_digests`): D names the properties
     that differ without learning P's values."""
 
 

@@ -1,5 +1,5 @@
 """The room-addressed messages of kvbridge's SGLang backend, between prefill and decode
-ranks, under the wire protocol version of :mod:`kvbridge.wire.compat`. Pure; no I/O.
+ranks, under the wire protocol version of :mod:`kvbridge.wire.peer_compat`. Pure; no I/O.
 
 They travel on SGLang's own control channel (each rank's ZMQ PULL socket, see
 :mod:`~kvbridge.adapters.sglang.manager`) as two frames ``[TAG, msgpack]`` next to
@@ -50,8 +50,8 @@ from kvbridge.core.states import StateTensor
 from kvbridge.errors import WireError
 from kvbridge.wire.auth import MAC_BYTES, STAMP_BYTES, ReplayGuard, mac, stamp, verify
 from kvbridge.wire.codec import UNDECODABLE, describe
-from kvbridge.wire.compat import PROTOCOL_VERSION, CompatInfo
 from kvbridge.wire.messages import StagingInfo
+from kvbridge.wire.peer_compat import PROTOCOL_VERSION, CompatInfo
 
 PROTOCOL = PROTOCOL_VERSION
 TAG = b"KVBRIDGE/%d" % PROTOCOL

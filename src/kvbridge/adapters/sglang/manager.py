@@ -88,7 +88,7 @@ from kvbridge.runtime.stats import StatsSnapshot
 from kvbridge.transports.registry import create_transport
 from kvbridge.wire import room_messages as wire
 from kvbridge.wire.auth import ReplayGuard
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 log = logging.getLogger(__name__)
 _c = compat.common()

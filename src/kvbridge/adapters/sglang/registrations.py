@@ -36,7 +36,7 @@ from kvbridge.runtime.packed import staging_descs
 from kvbridge.runtime.peers import MAX_PEERS, PeerTable
 from kvbridge.wire import room_messages as wire
 from kvbridge.wire.codec import UNDISCLOSED, incompatible
-from kvbridge.wire.compat import CompatInfo, compat_hash, hashed_diff, settings_mismatch
+from kvbridge.wire.peer_compat import CompatInfo, compat_hash, hashed_diff, settings_mismatch
 
 if TYPE_CHECKING:
     from kvbridge.runtime.packed import PackedPath

@@ -41,7 +41,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event
 from kvbridge.runtime.endpoint import Endpoint
 from kvbridge.runtime.stats import LIMIT_GAUGES, REQUEST_GAUGES, StatsSnapshot
-from kvbridge.wire.compat import CompatInfo
+from kvbridge.wire.peer_compat import CompatInfo
 
 if TYPE_CHECKING:
     import torch
