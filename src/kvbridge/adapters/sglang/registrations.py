@@ -157,6 +157,9 @@ class Registrations:
         """Decode agent -> why its registration was refused (the last :data:`MAX_PEERS`)."""
 
     def register(self, reg: wire.Registration) -> None:
+        """Check a decode rank's registration and keep it, or remember why it was
+        refused (logged; never raises for a bad registration). A second registration of
+        a kept agent changes nothing. Control thread only (the one writer)."""
         try:
             part = self.pairing(reg)
             cut = self.state_cut(reg)
