@@ -60,7 +60,6 @@ class _Prefill(PrefillSide):
         self.registrations = Registrations(_RANK, None, self._count, lambda *a: None)
         self.registrations.register = self.added.append  # what reaches it, recorded
         self.peers = self.registrations.peers  # as PrefillSide._init_prefill
-        self._refused = self.registrations.refused
         self.transfer_infos: dict[int, dict] = {}
         self.tombstones = Tombstones()
         self.packed = self.state_layout = self.deferred_bootstrap = None

@@ -90,9 +90,7 @@ class PeerTable(Generic[K, P]):
         """Whether a peer ``key`` in ``seat`` would exceed :attr:`limit`: it is new, and
         takes no seat a kept peer holds. Callers refuse it before building anything."""
         with self._lock:
-            known = key in self._peers or (
-                seat is not None and any(s == seat for s in self._seats.values())
-            )
+            known = key in self._peers or (seat is not None and seat in self._seats.values())
             return not known and len(self._peers) >= self.limit
 
     def put(self, key: K, seat: Hashable | None, peer: P, *, also: Iterable[K] = ()) -> list[P]:

@@ -32,7 +32,7 @@ import queue
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,9 +66,6 @@ from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.packed import Run
 from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 from kvbridge.wire import room_messages as wire
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 _c = compat.common()
@@ -187,8 +184,6 @@ class PrefillSide:
         )
         self.peers = self.registrations.peers
         """Registered decode ranks by agent (what the transfer thread writes to)."""
-        self._refused = self.registrations.refused
-        """Decode agent -> why its registration was refused (its rooms fail with it)."""
         self._inflight: dict[int, list] = {}
         self._seen_done: dict[int, int] = {}
         """Room -> how many of its first in-flight transfers completed (:meth:`_raise_failed`)."""
@@ -287,10 +282,9 @@ class PrefillSide:
         if not self._destination_allowed(msg):
             return
         reason = None
-        if not msg.is_dummy and msg.agent in self._refused:
-            reason = (
-                f"kvbridge: this prefill refused decode {msg.agent}: {self._refused[msg.agent]}"
-            )
+        refused = self.registrations.refused.get(msg.agent)
+        if not msg.is_dummy and refused is not None:
+            reason = f"kvbridge: this prefill refused decode {msg.agent}: {refused}"
         elif not msg.is_dummy and msg.agent not in self.peers:
             # A decode that registered with an earlier instance of this prefill.
             reason = (
