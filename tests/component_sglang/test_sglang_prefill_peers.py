@@ -5,8 +5,9 @@
   destination: adding the peer must not wait on that decode (a real Mooncake transport,
   the backend whose ``add_peer`` can wait on the peer, and a decode process that cannot
   answer: SIGSTOPped).
-- Decode ranks are told apart by seat (other servers, DP replicas), and a restarted
-  rank replaces its old agent (a recording stand-in transport).
+- Decode ranks are told apart by seat (other servers, DP replicas), a restarted rank
+  replaces its old agent, and no registration takes another's agent (a recording
+  stand-in transport).
 - A room SGLang failed before its destination came is answered with the failure.
 The servers' behaviour is in ``test_sglang_dp.py``."""
 
@@ -90,6 +91,9 @@ class _Transport:
     def __init__(self) -> None:
         self.removed: list[str] = []
 
+    def peer_name(self, metadata: bytes) -> str:
+        return metadata.decode()
+
     def add_peer(self, metadata: bytes, probe: bool = True) -> str:
         return metadata.decode()
 
@@ -154,6 +158,19 @@ def test_decode_ranks_of_other_servers_stay_peers_and_a_restarted_rank_replaces_
     assert len(prefill.peers) == 4 and transport.removed == ["sglang-decode-r0-aaa"]
     register("sglang-decode-r0-eee", "")  # registered already: nothing new
     assert (counted["peers_registered"], counted["peers_replaced"]) == (5, 1)
+
+
+def test_a_registration_with_another_agent_s_transport_metadata_is_refused() -> None:
+    """Adding it would have replaced the victim's transport peer (its tables released)
+    and kept the stranger under the victim's agent."""
+    transport = _Transport()
+    base = _registration(SimpleNamespace(agent_name="x", base=4096, metadata=b""))
+    prefill = _registrations(transport, base.aux, lambda **fields: None)
+    victim = msgspec.structs.replace(base, agent="victim", transport_md=b"victim", seat="a")
+    prefill.register(victim)
+    prefill.register(msgspec.structs.replace(victim, agent="stranger", seat="b"))
+    assert set(prefill.peers) == {"victim"} and transport.removed == []
+    assert "metadata of agent 'victim'" in prefill.refused["stranger"]
 
 
 class _SGLangManager:

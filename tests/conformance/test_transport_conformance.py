@@ -235,6 +235,22 @@ def test_bad_descriptors_and_peers_get_clear_errors(local: Local, peer: Peer) ->
     local.t.release(x)
 
 
+def test_peer_name_reads_the_agent_and_adds_nothing(local: Local, peer: Peer) -> None:
+    """Callers check the agent a peer's metadata names against its sender before
+    ``add_peer``, which would replace a known peer."""
+    assert local.t.peer_name(peer.metadata) == local.peer_id
+    md = decode_metadata(peer.metadata, local.t.name)
+    other = encode_metadata(msgspec.structs.replace(md, agent=unique("other")))
+    before = local.t.peers
+    assert local.t.peer_name(other) == decode_metadata(other, local.t.name).agent
+    assert local.t.peers == before
+    with pytest.raises(WireError, match="malformed"):
+        local.t.peer_name(b"\x93not metadata")
+    foreign = "mooncake" if local.t.name == "nixl" else "nixl"
+    with pytest.raises(IncompatiblePeerError, match="transport"):
+        local.t.peer_name(encode_metadata(PeerMetadata(transport=foreign, agent="x", payload=b"")))
+
+
 def test_second_handshake_with_a_live_peer_keeps_its_connection(transport_name: str) -> None:
     """Two ``kv_both`` instances that swap the prefill and decode roles shake hands
     again, and each side adds the other's unchanged metadata once more: tables prepared

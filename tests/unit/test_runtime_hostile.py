@@ -20,8 +20,17 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.runtime import node as node_module
 from kvbridge.runtime import sender as sender_module
 from kvbridge.runtime import sidechannel
+from kvbridge.transports.base import decode_metadata, encode_metadata
 from kvbridge.wire.auth import mac, stamp
-from kvbridge.wire.messages import Abort, Destination, Heartbeat, LayerDone, Release, Reply
+from kvbridge.wire.messages import (
+    Abort,
+    Destination,
+    Heartbeat,
+    Hello,
+    LayerDone,
+    Release,
+    Reply,
+)
 from kvbridge.wire.peer_compat import PROTOCOL_VERSION
 
 TICKET = "the-handoff-s-ticket"
@@ -117,6 +126,27 @@ def test_a_deeply_nested_notification_is_dropped_and_the_decode_receives_on(pde)
     P.node.transport.notify(D.node.transport.agent_name, b"\xc1 not msgpack")
     _push_one(P, D, "after", pa, da)  # the notification thread still takes the writes' notes
     assert _refused(D) == 2
+
+
+def test_a_handshake_with_a_kept_peer_s_transport_metadata_is_refused(pde) -> None:
+    """The attack: shake hands with the victim's transport metadata and cache. Verbatim, the
+    prefill wrote the stranger's transfers into the victim's memory and, when the stranger
+    went, removed the victim from its transport; altered, it released the victim's tables
+    at once."""
+    P, D, E, pa, da, _ = pde
+    D.node.connect(P.address)
+    victim = D.node.transport.metadata()
+    md = decode_metadata(victim, P.node.transport.name)
+    altered = encode_metadata(msgspec.structs.replace(md, regions=md.regions[:1]))
+    for metadata in (victim, altered):
+        hello = msgspec.structs.replace(
+            E.node._hello(Hello), transport_metadata=metadata, geometry=D.node.geometry
+        )
+        reply = _ask(E, P, hello)
+        assert not reply.ok and "which another peer" in reply.detail, reply
+    assert P.node.peer(E.node.id).agent == E.node.transport.agent_name
+    assert P.node.peer(D.node.id).agent == D.node.transport.agent_name
+    _push_one(P, D, "after", pa, da)
 
 
 def test_a_stranger_s_early_destination_takes_no_kv_and_fails_nothing(pde) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
+
+from kvbridge.errors import IncompatiblePeerError
 from kvbridge.runtime.peers import PeerTable
 
 
@@ -66,3 +69,12 @@ def test_drop_removes_the_peer_from_the_transport_once() -> None:
     assert table.drop("a") == _Peer("agent-a")
     assert table.drop("a") is None
     assert transport.removed == ["agent-a"] and len(table) == 0 and "a" not in table
+
+
+def test_a_peer_whose_metadata_names_a_kept_peer_s_agent_is_refused() -> None:
+    table, _, _ = _table()
+    table.put(("engine-a", 0, "e1"), ("engine-a", 0), _Peer("agent-a"))
+    with pytest.raises(IncompatiblePeerError, match=r"agent 'agent-a'.*engine-a/0/e1.*secret"):
+        table.check_agent(("engine-b", 0, "e2"), "agent-a", "engine-b#e2/r0")
+    table.check_agent(("engine-a", 0, "e1"), "agent-a", "engine-a#e1/r0")  # its own, again
+    table.check_agent(("engine-b", 0, "e2"), "agent-b", "engine-b#e2/r0")  # a new agent

@@ -240,6 +240,9 @@ class Node:
                 f"peer {msg.peer} sent a cache spec that contradicts its compatibility info"
             )
         self._admit(msg)
+        # its metadata must not be a kept peer's: adding it would replace that peer
+        agent = self.transport.peer_name(msg.transport_metadata)
+        self._peers.check_agent(self._key(msg.peer), agent, msg.peer)
         split = self._split(msg, prefill)
         if msg.geometry.layer_bytes != self.geometry.layer_bytes and split is None:
             # the compat hash covers the state layers' shapes; a mismatch means a hand-made frame

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, Protocol, TypeVar
 
+from kvbridge.errors import IncompatiblePeerError
 from kvbridge.transports.base import Transport
 
 MAX_PEERS = 1024
@@ -83,6 +84,32 @@ class PeerTable(Generic[K, P]):
         """The keys, as of now (a copy)."""
         with self._lock:
             return iter(list(self._peers))
+
+    def check_agent(self, key: K, agent: str, who: object) -> None:
+        """Refuse peer ``key`` (``who``, for the message) whose transport metadata names
+        ``agent`` when another kept peer holds that agent. Called before the transport
+        sees the metadata: its ``add_peer`` would replace that peer (its tables
+        released), and a later retirement of ``key`` would remove it. A restart brings a
+        new agent (agents include the epoch), so no real peer takes another's.
+
+        Raises:
+            IncompatiblePeerError: naming both and the fix.
+        """
+        with self._lock:
+            holder = next((k for k, p in self._peers.items() if p.agent == agent), key)
+        if holder != key:
+            raise IncompatiblePeerError(
+                f"peer {who} sent the transport metadata of agent {agent!r}, which another "
+                f"peer ({self._peers_name(holder)}) holds: refused",
+                fix=(
+                    "give each instance its own transport metadata; a peer that copies "
+                    "another's is hostile: set a 'secret'"
+                ),
+            )
+
+    @staticmethod
+    def _peers_name(key: object) -> str:
+        return "/".join(map(str, key)) if isinstance(key, tuple) else str(key)
 
     # --- changing ------------------------------------------------------------------------
 

@@ -318,6 +318,17 @@ class TransportBase(abc.ABC):
             )
         )
 
+    def peer_name(self, metadata: bytes) -> str:
+        """The peer id (agent name) ``metadata`` names, checked as :meth:`add_peer`
+        checks it but added to nothing: callers compare it with who sent the metadata
+        before :meth:`add_peer`, which replaces a known peer whose metadata changed.
+
+        Raises:
+            WireError: malformed metadata.
+            IncompatiblePeerError: metadata of another transport.
+        """
+        return decode_metadata(metadata, self.name).agent
+
     def add_peer(self, metadata: bytes, *, probe: bool = True) -> str:
         """Load a peer's metadata; returns its peer id (its agent name).
 
@@ -333,7 +344,8 @@ class TransportBase(abc.ABC):
         ``kv_both`` instances swap the prefill and decode roles) changes nothing: the
         connection, its prepared tables and transfers in flight on them stay valid.
         Other metadata under a known peer id (the peer re-registered memory) replaces
-        the peer: its tables are released and the backend reconnects."""
+        the peer: its tables are released and the backend reconnects, so callers first
+        check with :meth:`peer_name` that the metadata is the sender's own."""
         self._check_open()
         md = decode_metadata(metadata, self.name)
         if md.agent == self.agent_name:

@@ -161,6 +161,7 @@ class Registrations:
         refused (logged; never raises for a bad registration). A second registration of
         a kept agent changes nothing. Control thread only (the one writer)."""
         try:
+            self.check_agent(reg)
             part = self.pairing(reg)
             cut = self.state_cut(reg)
             self.admit(reg)
@@ -225,6 +226,20 @@ class Registrations:
                 reg.seat,
             )
         log.info("kvbridge: registered decode peer %s (epoch %s)", reg.agent, reg.epoch)
+
+    def check_agent(self, reg: wire.Registration) -> None:
+        """Refuse a registration whose transport metadata names another agent than the
+        registration's: adding it would replace that agent's peer (its tables released)
+        and file this decode's rooms under another's name."""
+        agent = self._transport.peer_name(reg.transport_md)
+        if agent != reg.agent:
+            raise IncompatiblePeerError(
+                f"decode {reg.agent} sent the transport metadata of agent {agent!r}: refused",
+                fix=(
+                    "register with this rank's own transport metadata; a decode that sends "
+                    "another's is hostile: set a 'secret'"
+                ),
+            )
 
     def admit(self, reg: wire.Registration) -> None:
         """Refuse a registration beyond the peer table's limit of decode ranks
