@@ -21,6 +21,9 @@
                                       [--rates 1,2,3,3.5,4,5] [--rate-seconds 60] [--reps 5]
                                       [--quick] (2 rates, a few requests each; needs
                                       sglang-router: .venv-sglang or KVBRIDGE_ROUTER_PYTHON)
+    python benchmarks/run.py ttft     [--configs colocated,kvbridge-nixl,kvbridge-mooncake]
+                                      [--lengths 128] [--prompts 15] [--output-len 32]
+                                      (one request at a time, its TTFT in parts)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
@@ -54,6 +57,7 @@ import sglang_serving
 import soak
 import transfer
 import transport_costs
+import ttft_breakdown
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -888,6 +892,24 @@ def goodput_routine(args: argparse.Namespace) -> dict:
 GOODPUT_RATES = "1,2,3,3.5,4,5"
 
 
+def ttft_routine(args: argparse.Namespace) -> dict:
+    doc = {
+        "routine": "ttft",
+        "machine": machine(),
+        **ttft_breakdown.run(
+            (args.configs or ",".join(ttft_breakdown.CONFIGS)).split(","),
+            int(args.lengths or 128),
+            args.prompts or (3 if args.quick else 15),
+            args.output_len,
+            args.shape,
+            Path(args.out),
+            log=lambda m: console.print(f"[dim]{m}[/dim]"),
+        ),
+    }
+    console.print(_table("TTFT in parts (ms)", *ttft_breakdown.rows(doc)))
+    return doc
+
+
 def goodput_table(doc: dict) -> Group:
     slo = doc["slo"]
     return Group(
@@ -913,6 +935,7 @@ ROUTINES = {
     "transport-costs": (transport_costs_routine, plot_transport_costs, markdown_transport_costs),
     "soak": (soak_routine, soak.plot, markdown_soak),
     "goodput": (goodput_routine, goodput.plot, goodput.markdown),
+    "ttft": (ttft_routine, ttft_breakdown.plot, ttft_breakdown.markdown),
 }
 
 
