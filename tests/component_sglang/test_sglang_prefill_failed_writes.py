@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 try:
-    from kvbridge.adapters.sglang.prefill import PrefillSide, _Dest
+    from kvbridge.adapters.sglang.admission import DecodeDestination
+    from kvbridge.adapters.sglang.prefill import PrefillSide
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
         "tests/component_sglang needs .venv-sglang: bash scripts/setup-sglang.sh"
@@ -69,8 +70,8 @@ def _prefill(transport: LaterTransport) -> PrefillSide:
     return prefill
 
 
-def _dest() -> _Dest:
-    return _Dest(
+def _dest() -> DecodeDestination:
+    return DecodeDestination(
         agent="decode",
         endpoint="127.0.0.1",
         dst_port=1,

@@ -21,6 +21,8 @@ import msgspec
 import pytest
 
 try:
+    from kvbridge.adapters.sglang import compat
+    from kvbridge.adapters.sglang.admission import Admission
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide
     from kvbridge.adapters.sglang.registrations import PrefillRank, Registrations
     from kvbridge.wire import room_messages as wire
@@ -196,8 +198,20 @@ def test_a_destination_for_a_room_sglang_failed_before_it_came_is_answered_with_
     prefill = _Prefill()
     prefill.tombstones = Tombstones()
     sent: list[dict] = []
-    prefill.send_kv_status_message = lambda **kw: sent.append(kw)
     prefill.transfer_infos = {}
+    admission = Admission(
+        registrations=SimpleNamespace(peers={}, refused={}),
+        destinations=compat.RoomDestinations(prefill),
+        room_status=compat.RoomStatus(prefill),
+        tombstones=prefill.tombstones,
+        holder=lambda room: None,
+        send_status=lambda **kw: sent.append(kw),
+        count=lambda **fields: None,
+        epoch="e",
+        packed=False,
+        states=False,
+        lease_s=60.0,
+    )
     reason = "Request 7 timed out after 15.0s in KVPoll.Bootstrapping"
     prefill.record_failure(7, reason)
     assert prefill.failure_records == {7: reason}, "SGLang's own record is kept"
@@ -210,7 +224,7 @@ def test_a_destination_for_a_room_sglang_failed_before_it_came_is_answered_with_
         aux_index=0,
         required_dst_info_num=1,
     )
-    PrefillSide._add_destination(prefill, dest)
+    admission.destination(dest)
     assert sent == [
         {
             "targets": [("127.0.0.1", 5)],

@@ -201,13 +201,13 @@ def test_a_done_for_an_earlier_request_of_the_room_is_dropped(
 def test_a_destination_from_another_request_of_the_room_is_told_apart() -> None:
     """On the prefill: a sample's destination must not replace the one an earlier
     request of the room (same decode rank) still writes to; the prefill refuses it
-    (``PrefillSide._another_request_of``, used by ``_add_destination``)."""
+    (``Admission.another_request_of``, used by ``Admission.destination``)."""
     import numpy as np
 
-    from kvbridge.adapters.sglang.prefill import PrefillSide, _Dest
+    from kvbridge.adapters.sglang.admission import Admission, DecodeDestination
 
-    def dest(agent: str, nonce: int | None) -> _Dest:
-        return _Dest(
+    def dest(agent: str, nonce: int | None) -> DecodeDestination:
+        return DecodeDestination(
             agent=agent,
             endpoint="127.0.0.1",
             dst_port=1,
@@ -220,10 +220,22 @@ def test_a_destination_from_another_request_of_the_room_is_told_apart() -> None:
         )
 
     side = SimpleNamespace(transfer_infos={ROOM: {"d0": dest("d0", 1)}})
-    side.destinations = compat.RoomDestinations(side)
+    admission = Admission(
+        registrations=SimpleNamespace(peers={}, refused={}),
+        destinations=compat.RoomDestinations(side),
+        room_status=None,
+        tombstones=None,
+        holder=lambda room: None,
+        send_status=None,
+        count=None,
+        epoch="e",
+        packed=False,
+        states=False,
+        lease_s=60.0,
+    )
 
-    def another(d: _Dest, room: int = ROOM) -> bool:
-        return PrefillSide._another_request_of(side, room, d)
+    def another(d: DecodeDestination, room: int = ROOM) -> bool:
+        return admission.another_request_of(room, d)
 
     assert another(dest("d0", 2))  # same decode rank, another request
     assert not another(dest("d0", 1))  # the same request again

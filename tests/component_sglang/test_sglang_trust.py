@@ -24,10 +24,12 @@ import pytest
 
 try:
     from kvbridge.adapters.sglang import compat
+    from kvbridge.adapters.sglang.admission import Admission
     from kvbridge.adapters.sglang.decode import DecodeSide
     from kvbridge.adapters.sglang.manager import KVBridgeKVManager
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide, _c
     from kvbridge.adapters.sglang.registrations import DecodePeer, PrefillRank, Registrations
+    from kvbridge.adapters.sglang.rooms import SoleHolder
     from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
@@ -72,9 +74,20 @@ class _Prefill(PrefillSide):
         self.enable_deferred_decode_kv_release = False
         self._staging_outstanding: dict[int, int] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
-        self._early_rooms: OrderedDict[int, float] = OrderedDict()
         self.room_holders = weakref.WeakValueDictionary()  # room -> its sender
-        self.config = SimpleNamespace(timeouts=SimpleNamespace(lease_s=60.0))
+        self.admission = Admission(  # as PrefillSide._init_prefill makes it
+            registrations=self.registrations,
+            destinations=self.destinations,
+            room_status=self.room_status,
+            tombstones=self.tombstones,
+            holder=lambda room: SoleHolder._holder(self, room),
+            send_status=self.send_kv_status_message,
+            count=self._count,
+            epoch="e",
+            packed=False,
+            states=False,
+            lease_s=60.0,
+        )
 
     _authentic = KVBridgeKVManager._authentic
 
@@ -288,13 +301,13 @@ def test_destinations_for_rooms_without_a_request_are_bounded_and_expire(
     """A destination may come before the prefill's request; such rooms were kept with no
     bound and no end (a stranger's destinations for made-up rooms, or a room whose
     request never reached this prefill)."""
-    from kvbridge.adapters.sglang import prefill as prefill_module
+    from kvbridge.adapters.sglang import admission as admission_module
 
-    monkeypatch.setattr(prefill_module, "MAX_EARLY_ROOMS", 2)
+    monkeypatch.setattr(admission_module, "MAX_EARLY_ROOMS", 2)
     for room in (1, 2):
         dest = msgspec.structs.replace(_destination("d0", "10.0.0.2", 5000), room=room)
         prefill._prefill_handle(wire.encode(dest))
-    assert set(prefill.transfer_infos) == {1, 2} and len(prefill._early_rooms) == 2
+    assert set(prefill.transfer_infos) == {1, 2} and len(prefill.admission.early) == 2
     third = msgspec.structs.replace(_destination("d0", "10.0.0.2", 5000), room=3)
     prefill._prefill_handle(wire.encode(third))
     assert 3 not in prefill.transfer_infos
@@ -304,9 +317,9 @@ def test_destinations_for_rooms_without_a_request_are_bounded_and_expire(
     prefill.room_holders[1] = sender  # room 1's request arrived
     fourth = msgspec.structs.replace(third, room=4)
     prefill._prefill_handle(wire.encode(fourth))
-    assert set(prefill._early_rooms) == {2, 4}
-    prefill.config.timeouts.lease_s = 0.0  # their time has come: dropped with the next one
-    prefill._early_rooms = OrderedDict((r, 0.0) for r in prefill._early_rooms)
+    assert set(prefill.admission.early) == {2, 4}
+    prefill.admission.lease_s = 0.0  # their time has come: dropped with the next one
+    prefill.admission.early = OrderedDict((r, 0.0) for r in prefill.admission.early)
     prefill._prefill_handle(wire.encode(msgspec.structs.replace(third, room=5)))
     assert set(prefill.transfer_infos) == {1, 5}, "room 1 has its request: kept"
     assert set(prefill.request_status) == {ROOM, 1, 5}, "and so is SGLang's status of it"

@@ -322,10 +322,11 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Mana
         whose destination came before their request. Called
         every loop by the prefill's transfer thread and the decode's notification thread."""
         if self._metrics is not None:
+            admission = getattr(self, "admission", None)  # a prefill rank's
             self._metrics.set_levels(
                 peers=len(getattr(self, "peers", ())),
                 replay_entries=len(self.replays) + len(self.note_replays),
-                early_rooms=len(getattr(self, "_early_rooms", ())),
+                early_rooms=0 if admission is None else len(admission.early),
             )
 
     def _send_multipart_locked(self, endpoint: str, parts, is_ipv6: bool = False):

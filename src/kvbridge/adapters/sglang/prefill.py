@@ -8,7 +8,8 @@ Threads and who calls what:
   control socket: a decode's ``Registration`` (:mod:`kvbridge.wire.room_messages`;
   once per decode rank: checked, then its KV, metadata and staging tables prepared, by
   :class:`~.registrations.Registrations`), its
-  ``Destination`` per room, and abort notifications;
+  ``Destination`` per room, and abort notifications (both kept, answered or refused by
+  :class:`~.admission.Admission`);
 - SGLang's scheduler calls :meth:`PrefillSide.add_transfer_request` after each chunk's
   forward (queued, never blocks) and, per forward, :func:`plan_forward` through the
   hook of :func:`.compat.hook_layerwise` (per-layer streaming: the decode page
@@ -30,13 +31,12 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from kvbridge.adapters.sglang import compat
+from kvbridge.adapters.sglang.admission import Admission, DecodeDestination
 from kvbridge.adapters.sglang.lifecycle import Tombstones
 from kvbridge.adapters.sglang.packed import (
     Part,
@@ -50,7 +50,7 @@ from kvbridge.adapters.sglang.pools import (
     window_overlap,
 )
 from kvbridge.adapters.sglang.registrations import DecodePeer, PrefillRank, Registrations
-from kvbridge.adapters.sglang.rooms import SoleHolder, duplicate_reason
+from kvbridge.adapters.sglang.rooms import SoleHolder
 from kvbridge.adapters.sglang.states import state_slot
 from kvbridge.adapters.sglang.streaming import (
     ForwardPlan,
@@ -64,7 +64,6 @@ from kvbridge.adapters.sglang.streaming import (
 from kvbridge.errors import DeadlineExceeded, KVBridgeError, PlanError
 from kvbridge.runtime.device import record_device_event, wait_device_event
 from kvbridge.runtime.packed import Run
-from kvbridge.runtime.sender import MAX_EARLY_TRANSFERS as MAX_EARLY_ROOMS
 from kvbridge.wire import room_messages as wire
 
 log = logging.getLogger(__name__)
@@ -129,27 +128,6 @@ def stop_streaming(mgr) -> None:
         _streaming_managers.remove(mgr)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Dest:
-    """One decode rank's destination for a room (from a
-    :class:`~kvbridge.wire.room_messages.Destination`), kept in SGLang's
-    ``transfer_infos`` (through :class:`.compat.RoomDestinations`); SGLang's helpers
-    read ``endpoint``, ``dst_port``, ``is_dummy`` and ``required_dst_info_num``."""
-
-    agent: str
-    endpoint: str
-    dst_port: int
-    pages: np.ndarray
-    aux_index: int | None
-    required_dst_info_num: int
-    decode_prefix_len: int | None
-    is_dummy: bool
-    staging_first: int | None = None
-    window_pages: np.ndarray | None = None
-    nonce: int | None = None
-    state_row: int | None = None
-
-
 class PrefillSide:
     """The prefill rank's part of :class:`~.manager.KVBridgeKVManager` (a mixin: it
     uses the manager's transport, tables, geometry, config and SGLang's status table).
@@ -192,9 +170,6 @@ class PrefillSide:
         self._room_bytes: dict[int, dict[str, int]] = {}  # room -> decode agent -> bytes posted
         self._first_post: dict[int, float] = {}
         self._packed_runs: dict[int, list[Run]] = {}  # room -> our staging runs
-        self._early_rooms: OrderedDict[int, float] = OrderedDict()
-        """Rooms with a destination but no request here when it came -> when they are
-        dropped (:meth:`_keep_early`)."""
         self._num_layers = self.geometry.spec.num_layers
         self._start_layer = compat.start_layer(args)
         self._full_layers: dict[int, int] | None = None
@@ -203,6 +178,20 @@ class PrefillSide:
         until then: no layer is streamed)."""
         self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
         self.tombstones = Tombstones()
+        self.admission = Admission(
+            registrations=self.registrations,
+            destinations=self.destinations,
+            room_status=self.room_status,
+            tombstones=self.tombstones,
+            holder=lambda room: SoleHolder._holder(self, room),
+            send_status=self.send_kv_status_message,
+            count=self._count,
+            epoch=self.epoch,
+            packed=self.packed is not None,
+            states=self.state_layout is not None,
+            lease_s=self.config.timeouts.lease_s,
+        )
+        """Which decode destinations and aborts this rank acts on (control thread)."""
         self._thread("kvbridge-prefill-control", self._prefill_control_loop)
         self._thread("kvbridge-transfer", self._transfer_loop)
         if self.config.layerwise:
@@ -233,9 +222,9 @@ class PrefillSide:
         try:
             frames = self._authentic(frames)
         except wire.AuthenticationError as exc:
-            self._refuse_unauthenticated(exc)
+            self.admission.refuse_unauthenticated(exc)
             return
-        if frames and frames[0] == _c.ABORT_TAG and not self._abort_allowed(frames):
+        if frames and frames[0] == _c.ABORT_TAG and not self.admission.abort_allowed(frames):
             return
         if self.deferred_bootstrap is not None and self._handle_bootstrap_message(frames):
             return
@@ -245,197 +234,19 @@ class PrefillSide:
         try:
             msg = wire.decode(frames)
         except wire.AuthenticationError as exc:
-            self._refuse_unauthenticated(exc)
+            self.admission.refuse_unauthenticated(exc)
             return
         if isinstance(msg, wire.Registration):
             self.registrations.register(msg)
         elif isinstance(msg, wire.Destination):
-            self._add_destination(msg)
+            self.admission.destination(msg)
         else:
             log.warning("kvbridge: unexpected %s on the prefill control socket", type(msg).__name__)
-
-    def _add_destination(self, msg: wire.Destination) -> None:
-        room = msg.room
-        dest = _Dest(
-            agent=msg.agent,
-            endpoint=msg.ip,
-            dst_port=msg.port,
-            pages=wire.decode_pages(msg.pages),
-            aux_index=msg.aux_index,
-            required_dst_info_num=msg.required_dst_info_num,
-            decode_prefix_len=msg.decode_prefix_len,
-            is_dummy=msg.is_dummy,
-            staging_first=msg.staging_first,
-            window_pages=None if msg.window_pages is None else wire.decode_pages(msg.window_pages),
-            nonce=msg.nonce,
-            state_row=msg.state_row,
-        )
-        failed = self.tombstones.reason(room)
-        if failed is not None:
-            self.send_kv_status_message(
-                targets=[(msg.ip, msg.port)],
-                bootstrap_room=room,
-                status=KVPoll.Failed,
-                failure_reason=failed,
-            )
-            return
-        if not self._destination_allowed(msg):
-            return
-        reason = None
-        refused = self.registrations.refused.get(msg.agent)
-        if not msg.is_dummy and refused is not None:
-            reason = f"kvbridge: this prefill refused decode {msg.agent}: {refused}"
-        elif not msg.is_dummy and msg.agent not in self.peers:
-            # A decode that registered with an earlier instance of this prefill.
-            reason = (
-                f"kvbridge: unknown decode peer {msg.agent} (this prefill restarted; epoch "
-                f"{self.epoch})"
-            )
-        elif not msg.is_dummy and self.packed is not None and msg.staging_first is None:
-            reason = (
-                "kvbridge: the decode's staging buffer had no room for this request (packed data "
-                "path); raise staging_mb on the decode"
-            )
-        elif not msg.is_dummy and self.state_layout is not None and msg.state_row is None:
-            reason = (
-                "kvbridge: the decode named no state slot for this request's state-space layers "
-                "(its log says why)"
-            )
-        elif self._another_request_of(room, dest):
-            reason = duplicate_reason(room, "prefill")
-        elif not self._keep_early(room):
-            reason = (
-                f"kvbridge: this prefill rank already keeps destinations for {MAX_EARLY_ROOMS} "
-                "rooms it has no request for yet"
-            )
-        if reason is not None:
-            self._refuse_room(msg, reason)
-            return
-        if self.destinations.add(room, msg.agent, dest, msg.required_dst_info_num):
-            self.room_status.waiting_for_input(room)
-
-    def _destination_allowed(self, msg: wire.Destination) -> bool:
-        """Whether a destination may act on its room: it names the control socket its
-        agent registered (statuses go there, not to whoever sent it), and the room's
-        destinations so far came from the same decode server (the first one binds the
-        room to its server). Otherwise it is dropped, logged and counted, and nothing of
-        the room changes. Control thread."""
-        peer = self.peers.get(msg.agent)
-        why = None
-        if peer is not None and not msg.is_dummy and peer.control != (msg.ip, msg.port):
-            why = (
-                f"it names control socket {msg.ip}:{msg.port}, its agent registered "
-                f"{peer.control[0]}:{peer.control[1]}"
-            )
-        elif peer is not None:
-            owners = {
-                self.peers[a].server
-                for a in self.destinations.of(msg.room) or {}
-                if a in self.peers and a != msg.agent
-            }
-            if owners and peer.server not in owners:
-                why = f"the room belongs to decode server {', '.join(sorted(owners))}"
-        if why is None:
-            return True
-        self._count(messages_refused=1)
-        log.warning(
-            "kvbridge: refused a destination for room %s from %s: %s", msg.room, msg.agent, why
-        )
-        return False
-
-    def _abort_allowed(self, frames: list[bytes]) -> bool:
-        """Whether SGLang's abort frames may fail their room: once the room has
-        destinations, only from one of their decode ranks (the abort names its control
-        socket, SGLang 0.5.23 always does); before, it cannot be told (SGLang's own
-        behaviour: the room's id is the secret). Otherwise dropped, logged and counted.
-        Control thread."""
-        note = _c.AbortNotification.from_zmq(frames)
-        if note is None:
-            return True  # SGLang's handler drops it, logged
-        dests = self.destinations.of(note.room)
-        if not dests or (note.decode_ip, note.decode_port) in {
-            (d.endpoint, d.dst_port) for d in dests.values()
-        }:
-            return True
-        self._count(messages_refused=1)
-        log.warning(
-            "kvbridge: refused an abort of room %s from %s:%s, not one of the room's decode ranks",
-            note.room,
-            note.decode_ip,
-            note.decode_port,
-        )
-        return False
-
-    def _keep_early(self, room: int) -> bool:
-        """Whether a destination for ``room`` may be kept: always for a room this prefill
-        has a request (a sender) for; for one it has not (yet: the decode may be first),
-        within :data:`MAX_EARLY_ROOMS` such rooms, each dropped ``timeouts.lease_s`` after
-        its first destination unless a request took it by then, with the status SGLang
-        opened for it (a destination makes its room wait for input). Control thread."""
-        now = time.monotonic()
-        early = self._early_rooms
-        while early and next(iter(early.values())) <= now:
-            old, _ = early.popitem(last=False)
-            if SoleHolder._holder(self, old) is None:
-                self.destinations.forget(old)
-                self.room_status.forget_waiting(old)
-        if room in early or SoleHolder._holder(self, room) is not None:
-            return True
-        if len(early) >= MAX_EARLY_ROOMS:  # forget those a request took meanwhile
-            for taken in [r for r in early if SoleHolder._holder(self, r) is not None]:
-                del early[taken]
-        if len(early) >= MAX_EARLY_ROOMS:
-            return False
-        early[room] = now + self.config.timeouts.lease_s
-        return True
-
-    def _another_request_of(self, room: int, dest: _Dest) -> bool:
-        """Whether this prefill still keeps a destination for ``room`` from the same
-        decode rank but from another of its requests (their nonces differ): SGLang's
-        parallel sampling sends every sample on one room, and a sample's destination
-        must not replace the one an earlier request's writes and ``Done`` go to.
-        Destinations without a nonce (older decodes) are not compared."""
-        prior = self.destinations.get(room, dest.agent)
-        if prior is None or None in (prior.nonce, dest.nonce):
-            return False
-        return prior.nonce != dest.nonce
-
-    def _refuse_room(self, msg: wire.Destination, reason: str) -> None:
-        """Fail the room of a destination this prefill refuses: at the decode (a status
-        to its control socket) and here too (SGLang's router waits for both answers):
-        now, or, when its sender is not made yet, as it is (the tombstone)."""
-        self.send_kv_status_message(
-            targets=[(msg.ip, msg.port)],
-            bootstrap_room=msg.room,
-            status=KVPoll.Failed,
-            failure_reason=reason,
-        )
-        self.tombstones.add(msg.room, reason)
-        self.room_status.fail(msg.room, reason)
-
-    def _refuse_unauthenticated(self, exc: wire.AuthenticationError) -> None:
-        """A decode's message failed authentication (its ``secret`` differs from ours,
-        or one side has none). Nothing in it is trusted or kept, with one exception so
-        that a misconfigured pair fails at once naming the fix instead of at SGLang's
-        timeouts: a destination fails the room it names (here and at the decode's
-        address). Room ids are random 64-bit numbers the router draws, so a stranger
-        cannot aim this at other requests."""
-        msg = exc.unverified
-        self._count(messages_refused=1)
-        log.error(
-            "kvbridge: refused a decode's %s: %s",
-            type(msg).__name__ if msg is not None else "message",
-            exc,
-        )
-        if isinstance(msg, wire.Destination) and not msg.is_dummy:
-            self._refuse_room(
-                msg, f"kvbridge: this prefill refused the decode's destination: {exc}"
-            )
 
     def record_failure(self, bootstrap_room: int, failure_reason: str) -> None:
         """SGLang's record of why a room failed; on a prefill also a tombstone, so a
         decode destination that comes for the room later is answered with the failure
-        at once (:meth:`_add_destination`). SGLang fails some rooms before their
+        at once (:meth:`.Admission.destination`). SGLang fails some rooms before their
         destination arrives and never tells the decode: in its sender's constructor (a
         DP rank that does not match the room), at its bootstrap timeout. Any thread."""
         super().record_failure(bootstrap_room, failure_reason)
@@ -601,14 +412,19 @@ class PrefillSide:
         self._release_room(room, drain_s=self.config.timeouts.transfer_s)
         return True
 
-    def _dests(self, room: int) -> list[_Dest]:
+    def _dests(self, room: int) -> list[DecodeDestination]:
         infos = self.destinations.of(room)
         if infos is None:
             raise KeyError(f"room {room} has no destination")
         return [d for d in infos.values() if not d.is_dummy]
 
     def _post(
-        self, room: int, dests: list[_Dest], src_pages: np.ndarray, positions, layers=None
+        self,
+        room: int,
+        dests: list[DecodeDestination],
+        src_pages: np.ndarray,
+        positions,
+        layers=None,
     ) -> int:
         """Write ``src_pages`` (of ``layers``, default all) to the pages at ``positions``
         (a slice or an index array) of every destination's page list; returns the
@@ -683,7 +499,7 @@ class PrefillSide:
             seen += 1
         self._seen_done[room] = seen
 
-    def _posted(self, room: int, dest: _Dest, nbytes: int) -> None:
+    def _posted(self, room: int, dest: DecodeDestination, nbytes: int) -> None:
         """Account one write of ``nbytes`` to ``dest`` just posted for ``room`` (its
         abort waits for it; the decode's metrics count its bytes)."""
         self._staging_outstanding[room] += 1
@@ -693,7 +509,7 @@ class PrefillSide:
         self._count(transfers=1, bytes_sent=nbytes)
 
     def _post_window(
-        self, room: int, dests: list[_Dest], src_pages: np.ndarray | None, src_end: int
+        self, room: int, dests: list[DecodeDestination], src_pages: np.ndarray | None, src_end: int
     ) -> dict[str, tuple[int, int]]:
         """A sliding-window pool, after the room's last chunk: write the window layers'
         pages of the prompt's last window (SGLang's state indices on both sides, in
@@ -776,7 +592,7 @@ class PrefillSide:
             self._posted(room, dest, nbytes)
         return written
 
-    def _post_states(self, room: int, dests: list[_Dest], row: int | None) -> None:
+    def _post_states(self, room: int, dests: list[DecodeDestination], row: int | None) -> None:
         """A pool with state-space layers, after the room's last chunk (its forward has
         left the prompt's final states in the request's slot): write the slot's row of
         every state tensor into the destination's slot, on either data path (states
@@ -831,7 +647,7 @@ class PrefillSide:
         )
         return sum(n for _, n, _ in local)
 
-    def _window_chunks(self, dest: _Dest) -> int:
+    def _window_chunks(self, dest: DecodeDestination) -> int:
         """Packed path: the staging chunks of each part of ``dest``'s room run that hold
         a sliding-window pool's window layers (0 without one)."""
         if self.window_geometry is None:
@@ -897,7 +713,7 @@ class PrefillSide:
                 room, dests, span.src_pages[positions - span.lo], positions, group
             )
 
-    def _in_transfer_pages(self, chunk: _Chunk, dests: list[_Dest]) -> _Chunk:
+    def _in_transfer_pages(self, chunk: _Chunk, dests: list[DecodeDestination]) -> _Chunk:
         """``chunk`` (SGLang's pages and positions, in this prefill's pages) in transfer
         pages, when this prefill's pages are larger than the decode's
         (``transfer_block_size``): page ``p`` is transfer pages ``p * r .. p * r + r - 1``,
