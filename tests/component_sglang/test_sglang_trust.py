@@ -24,12 +24,10 @@ import pytest
 
 try:
     from kvbridge.adapters.sglang import compat
-    from kvbridge.adapters.sglang.admission import Admission
     from kvbridge.adapters.sglang.decode import DecodeSide
     from kvbridge.adapters.sglang.manager import KVBridgeKVManager
     from kvbridge.adapters.sglang.prefill import KVPoll, PrefillSide, _c
     from kvbridge.adapters.sglang.registrations import DecodePeer, PrefillRank, Registrations
-    from kvbridge.adapters.sglang.rooms import SoleHolder
     from kvbridge.wire import room_messages as wire
 except ImportError as exc:  # pragma: no cover
     raise RuntimeError(
@@ -75,19 +73,9 @@ class _Prefill(PrefillSide):
         self._staging_outstanding: dict[int, int] = {}
         self.req_to_decode_prefix_len: dict[int, int] = {}
         self.room_holders = weakref.WeakValueDictionary()  # room -> its sender
-        self.admission = Admission(  # as PrefillSide._init_prefill makes it
-            registrations=self.registrations,
-            destinations=self.destinations,
-            room_status=self.room_status,
-            tombstones=self.tombstones,
-            holder=lambda room: SoleHolder._holder(self, room),
-            send_status=self.send_kv_status_message,
-            count=self._count,
-            epoch="e",
-            packed=False,
-            states=False,
-            lease_s=60.0,
-        )
+        self.epoch = "e"
+        self.config = SimpleNamespace(timeouts=SimpleNamespace(lease_s=60.0))
+        self.admission = self._new_admission()  # as PrefillSide._init_prefill makes it
 
     _authentic = KVBridgeKVManager._authentic
 

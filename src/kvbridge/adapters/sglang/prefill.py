@@ -178,7 +178,17 @@ class PrefillSide:
         until then: no layer is streamed)."""
         self._work: queue.Queue[_Chunk | LayerReady | _Forget] = queue.Queue()
         self.tombstones = Tombstones()
-        self.admission = Admission(
+        self.admission = self._new_admission()
+        """Which decode destinations and aborts this rank acts on (control thread)."""
+        self._thread("kvbridge-prefill-control", self._prefill_control_loop)
+        self._thread("kvbridge-transfer", self._transfer_loop)
+        if self.config.layerwise:
+            _streaming_managers.append(self)
+
+    def _new_admission(self) -> Admission:
+        """This rank's :class:`~.admission.Admission`, over the manager's registrations,
+        SGLang's destinations and status table, and the tombstones (all made before)."""
+        return Admission(
             registrations=self.registrations,
             destinations=self.destinations,
             room_status=self.room_status,
@@ -191,11 +201,6 @@ class PrefillSide:
             states=self.state_layout is not None,
             lease_s=self.config.timeouts.lease_s,
         )
-        """Which decode destinations and aborts this rank acts on (control thread)."""
-        self._thread("kvbridge-prefill-control", self._prefill_control_loop)
-        self._thread("kvbridge-transfer", self._transfer_loop)
-        if self.config.layerwise:
-            _streaming_managers.append(self)
 
     # --- bootstrap registration (prefill) --------------------------------------------------
 
