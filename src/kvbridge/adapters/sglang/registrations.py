@@ -84,8 +84,8 @@ class DecodePeer:
     peer."""
 
     agent: str
-    """The decode rank at the transport (the agent its transport metadata names; its
-    registration's agent is the key it is kept under)."""
+    """The decode rank at the transport: the agent its transport metadata names, which
+    is its registration's, the key it is kept under (:meth:`Registrations.check_agent`)."""
     kv: DescTable
     """The decode's KV slots."""
     aux: DescTable
