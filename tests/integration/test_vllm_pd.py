@@ -146,6 +146,29 @@ def test_decode_fetches_only_what_its_prefix_cache_lacks(pd: PD, colocated: Vllm
     assert wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before == expected
 
 
+@pytest.mark.parametrize("n", [BLOCK, 3 * BLOCK + 5])
+def test_a_decode_continues_from_the_prefill_s_first_token(
+    pd: PD, colocated: VllmServer, n: int
+) -> None:
+    """P-first, the prefill's token handed on (a router that returns the prefill's first
+    token at once): the decode's prompt is the prefill's plus that token. It loads the
+    prefill's blocks and computes the rest; at ``n = BLOCK`` it asked for a block more
+    than the prefill's table and its read failed."""
+    prompt = fresh_prompt(n)
+    ref = complete(colocated.url, prompt, max_tokens=MAX_TOKENS)
+    p = complete(pd.p.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    before = metric(pd.d.url, RECEIVED)
+    d = complete(
+        pd.d.url,
+        prompt + p.token_ids,
+        max_tokens=MAX_TOKENS - 1,
+        kv_transfer_params=p.kv_transfer_params,
+    )
+    assert p.token_ids + d.token_ids == ref.token_ids
+    expected = -(-n // BLOCK) * BYTES_PER_BLOCK  # the prefill's blocks, no more
+    assert wait_metric(pd.d.url, RECEIVED, lambda v: v - before >= expected) - before == expected
+
+
 @pytest.mark.parametrize("first", ["decode", "prefill"])
 def test_push_works_whichever_side_sees_the_request_first(
     pd: PD, colocated: VllmServer, first: str

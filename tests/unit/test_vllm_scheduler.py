@@ -159,6 +159,33 @@ def test_transfer_blocks_cut_each_vllm_block_on_the_prefill_side_in_both_flows()
     assert [st.new_blocks for st in second] == [[28]] * 2
     held, params = s.request_finished(reqs["pull"], ([5, 2, 7],))
     assert held and params["kvbridge"]["remote_blocks"] == [20, 21, 22, 23, 8, 9, 10, 11, 28]
+    assert params["kvbridge"]["remote_tokens"] == params["remote_num_tokens"] == 70
+
+
+def test_a_p_first_decode_prompt_extending_the_prefill_s_loads_what_the_prefill_holds() -> None:
+    """A decode asked to continue from the prefill's first token (its prompt is the
+    prefill's and that token) loads the prefill's 64 tokens and computes the 65th; it
+    asked for 65, one block more than the prefill's table, and its read failed."""
+    s = SchedulerSide(32, "eng", "127.0.0.1")
+    req = SimpleNamespace(
+        request_id="d",
+        num_prompt_tokens=65,
+        status=FINISHED_OK[0],
+        kv_transfer_params={
+            "kvbridge": {
+                "transfer_id": "t",
+                "role": "decode",
+                "flow": "pull",
+                "prefill": _PREFILL,
+                "remote_blocks": [4, 9],
+                "remote_tokens": 64,
+            }
+        },
+    )
+    assert s.matched_tokens(req, 0) == (64, True)
+    s.after_alloc(req, _blocks([1, 2, 3]), 64)
+    task = s.build_meta(_output()).recv[0]
+    assert task.block_ids == [1, 2] and task.num_tokens == 64 and task.remote_blocks == [4, 9]
 
 
 def test_a_transfer_block_size_that_does_not_divide_the_block_size_is_refused() -> None:

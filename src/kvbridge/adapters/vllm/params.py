@@ -16,7 +16,7 @@ locally): a client's typo costs compute, never correctness.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -119,6 +119,10 @@ class KVBridgeParams(msgspec.Struct, frozen=True):
     remote_group_blocks: list[list[int]] | None = None
     """P-first decode side, hybrid manager: the other KV cache groups' blocks for the
     same positions (:mod:`kvbridge.core.blocks`)."""
+    remote_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """P-first decode side: the prompt tokens the prefill's blocks hold. A decode whose
+    prompt is longer (the prefill's with its first token appended) loads these and
+    computes the rest; None (an older prefill): the decode's prompt is the prefill's."""
     ticket: str = ""
     """The transfer's ticket (:func:`new_ticket`): the proxy gives both sides the same one
     in the push flow, the prefill draws one for a P-first request and returns it to the
@@ -135,6 +139,7 @@ class Handoff(msgspec.Struct, frozen=True):
     prefill: PrefillAddress | None = None
     remote_blocks: list[int] | None = None
     remote_group_blocks: list[list[int]] | None = None
+    remote_tokens: int | None = None
     ticket: str = ""
 
     def remote_table(self) -> BlockTable | None:
@@ -176,6 +181,7 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
             prefill=kb.prefill,
             remote_blocks=kb.remote_blocks,
             remote_group_blocks=kb.remote_group_blocks,
+            remote_tokens=kb.remote_tokens,
             # a P-first prefill draws the ticket it returns (pull_response); a pushed
             # request given none (an older proxy) is bound to its first decode instance
             ticket=kb.ticket
@@ -225,6 +231,7 @@ def pull_response(
                 prefill=prefill,
                 remote_blocks=blocks,
                 remote_group_blocks=groups or None,
+                remote_tokens=num_tokens,
                 ticket=ticket,
             )
         ),

@@ -237,9 +237,15 @@ class SchedulerSide:
 
     def _to_load(self, request) -> int:
         """Decode side: the prompt tokens whose KV the prefill sends (all but the last
-        :attr:`backoff`; none when the prompt is no longer than that)."""
+        :attr:`backoff`; none when the prompt is no longer than that), at most those its
+        blocks hold (P-first: a decode prompt that extends the prefill's, e.g. by the
+        prefill's first token, computes the rest itself)."""
         n = request.num_prompt_tokens
-        return n - self.backoff if n > self.backoff else 0
+        n = n - self.backoff if n > self.backoff else 0
+        h = self.handoff(request)
+        if h is not None and h.remote_tokens is not None:
+            n = min(n, h.remote_tokens)
+        return n
 
     def matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode side: the prompt tokens this instance lacks, loaded asynchronously.
