@@ -173,6 +173,9 @@ def test_a_registration_with_another_agent_s_transport_metadata_is_refused() -> 
     prefill.register(msgspec.structs.replace(victim, agent="stranger", seat="b"))
     assert set(prefill.peers) == {"victim"} and transport.removed == []
     assert "metadata of agent 'victim'" in prefill.refused["stranger"]
+    # under the kept agent's own name: nothing recorded that would fail its rooms
+    prefill.register(msgspec.structs.replace(victim, transport_md=b"stranger", seat="b"))
+    assert set(prefill.peers) == {"victim"} and "victim" not in prefill.refused
 
 
 class _SGLangManager:

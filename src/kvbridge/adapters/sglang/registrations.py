@@ -159,7 +159,10 @@ class Registrations:
     def register(self, reg: wire.Registration) -> None:
         """Check a decode rank's registration and keep it, or remember why it was
         refused (logged; never raises for a bad registration). A second registration of
-        a kept agent changes nothing. Control thread only (the one writer)."""
+        a kept agent changes nothing, nor is it checked: a refusal recorded under a kept
+        agent would fail all its rooms. Control thread only (the one writer)."""
+        if reg.agent in self.peers:  # only this thread adds peers
+            return
         try:
             self.check_agent(reg)
             part = self.pairing(reg)
@@ -170,8 +173,6 @@ class Registrations:
             self.refused[reg.agent] = str(exc)
             while len(self.refused) > MAX_PEERS:  # the oldest refusals are forgotten
                 self.refused.pop(next(iter(self.refused)))
-            return
-        if reg.agent in self.peers:  # only this thread adds peers
             return
         # No waiting probe: this is the control thread, which every room's destination
         # also passes through; a decode that does not answer shows at its first write.
