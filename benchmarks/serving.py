@@ -70,6 +70,8 @@ class Config:
     d_role: str = "kv_consumer"
     env: dict[str, str] = field(default_factory=dict)
     kvbridge: bool = False
+    proxy_args: tuple[str, ...] = ()
+    """More ``kvbridge proxy`` options (``--first-token``)."""
 
 
 def configs(storage: Path) -> dict[str, Config]:
@@ -94,6 +96,21 @@ def configs(storage: Path) -> dict[str, Config]:
                     "kv_connector_extra_config": {"transport": "mooncake"},
                 },
                 kvbridge=True,
+            ),
+            # the prefill's first token for prompts up to 4,096 tokens (not in the default
+            # set; `--configs` picks them)
+            *(
+                Config(
+                    f"kvbridge-{t}-first-token",
+                    "pd",
+                    {
+                        "kv_connector": "KVBridgeConnector",
+                        "kv_connector_extra_config": {"transport": t},
+                    },
+                    kvbridge=True,
+                    proxy_args=("--first-token", "4096"),
+                )
+                for t in ("nixl", "mooncake")
             ),
             # the packed path (not in the default set; `--configs` picks them): exact
             # values through staging, and FP8 on the wire
@@ -244,6 +261,7 @@ class Deployment:
                     self.servers["decode"].url,
                     self.cfg.flow,
                     self.logs / "proxy.log",
+                    extra_args=self.cfg.proxy_args,
                 )
         except BaseException:
             self.__exit__()

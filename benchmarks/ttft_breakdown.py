@@ -31,8 +31,15 @@ Parts of the pair's TTFT, which add up to it by construction:
 - ``decode first step``: the decode computes the last prompt position and samples.
 
 Colocated: ``HTTP`` (client TTFT less the engine's), ``API server``, ``queue``,
-``forward``. Set-up as :mod:`serving` (pinned cores, the ``bench`` model), with vLLM's
-stats interval at 1 s so that kvbridge's metrics show each request within a second.
+``forward``. With the prefill's first token (``kvbridge proxy --first-token``) the
+client's first token is the prefill's: ``proxy + HTTP`` (client TTFT less the prefill
+engine's: the prefill's answer, then the first event, through the proxy), the prefill's
+``API server`` and ``queue + prefill forward``; the decode's part (the whole P-first
+transfer, its first step) moves to the second token, which the table reports too (the
+time from the first token to the second, median).
+
+Set-up as :mod:`serving` (pinned cores, the ``bench`` model), with vLLM's stats interval
+at 1 s so that kvbridge's metrics show each request within a second.
 """
 
 from __future__ import annotations
@@ -54,7 +61,14 @@ from kvbridge.demo.model import build_tiny_model, default_model_dir
 from kvbridge.demo.run import prom, stream
 from kvbridge.demo.servers import random_prompt
 
-CONFIGS = ("colocated", "colocated+spinner", "kvbridge-nixl", "kvbridge-mooncake")
+CONFIGS = (
+    "colocated",
+    "colocated+spinner",
+    "kvbridge-nixl",
+    "kvbridge-mooncake",
+    "kvbridge-nixl-first-token",
+    "kvbridge-mooncake-first-token",
+)
 """``colocated+spinner``: colocated with a process that spins on ``sched_yield`` on the
 decode's core, as the decode instance's idle worker does for a second after each step
 (vLLM's shared-memory queue busy-waits ``busy_loop_s = 1``): the pair's machine without
@@ -105,7 +119,9 @@ def _one(
 
 
 def parts(kind: str, client_ms: float, engines: dict[str, dict[str, float]]) -> dict[str, float]:
-    """One request's TTFT in :data:`PARTS` (module docstring); they sum to ``client_ms``."""
+    """One request's TTFT in :data:`PARTS` (module docstring); they sum to ``client_ms``.
+    ``kind``: ``colocated``, ``pd`` (the decode's first token) or ``first-token`` (the
+    prefill's)."""
     if kind == "colocated":
         c = engines["colocated"]
         return {
@@ -115,6 +131,12 @@ def parts(kind: str, client_ms: float, engines: dict[str, dict[str, float]]) -> 
         }
     p, d = engines["prefill"], engines["decode"]
     prefill = p["queue"] + p["prefill"]
+    if kind == "first-token":
+        return {
+            "proxy + HTTP": client_ms - p["ttft"],
+            "API server": p["ttft"] - prefill,
+            "queue + prefill forward": prefill,
+        }
     return {
         "proxy + HTTP": client_ms - d["ttft"],
         "API server": d["ttft"] - d["queue"] - d["prefill"],
@@ -146,6 +168,7 @@ def rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
                 *(f"{c['ttft_median_ms'] / colocated['ttft_median_ms']:.2f}x" for c in cfgs),
             ]
         )
+    body.append(["2nd token after the 1st, median", *(ms(c.get("second_median_ms")) for c in cfgs)])
     body.append(["TPOT, median", *(ms(c["tpot_median_ms"]) for c in cfgs)])
     return ["ms", *names], body
 
@@ -230,6 +253,7 @@ def run(
     for name in names:
         cfg = all_configs[name.removesuffix("+spinner")]
         cfg = dataclasses.replace(cfg, env={**cfg.env, "VLLM_LOG_STATS_INTERVAL": "1"})
+        kind = "first-token" if "--first-token" in cfg.proxy_args else cfg.kind
         logs = fresh_dir(raw / name)
         log(f"{name}: starting")
         spin = _spinner(cpus[-1]) if name.endswith("+spinner") else contextlib.nullcontext()
@@ -241,7 +265,8 @@ def run(
                 roles = {k: s.url for k, s in dep.servers.items()}
                 keys = {
                     role: ("ttft", "queue", "prefill", "e2e")
-                    + (("exposed",) if role == "prefill" else ())
+                    # P-first (the prefill's token) counts no exposed transfer
+                    + (("exposed",) if role == "prefill" and kind == "pd" else ())
                     for role in roles
                 }
                 before = {role: prom(url, prefix="vllm:") for role, url in roles.items()}
@@ -252,17 +277,19 @@ def run(
                     {
                         "client_ttft_ms": client_ms,
                         "client_tpot_ms": 1e3 * timing.tpot_s,
+                        "client_second_ms": 1e3 * (timing.second_s or 0.0),
                         "engines": engines,
-                        "parts": parts(cfg.kind, client_ms, engines),
+                        "parts": parts(kind, client_ms, engines),
                     }
                 )
             med = statistics.median(r["client_ttft_ms"] for r in rows)
             traced = min(rows, key=lambda r: abs(r["client_ttft_ms"] - med))
             result["configs"][name] = {
-                "kind": cfg.kind,
+                "kind": kind,
                 "requests": rows,
                 "ttft_median_ms": med,
                 "tpot_median_ms": statistics.median(r["client_tpot_ms"] for r in rows),
+                "second_median_ms": statistics.median(r["client_second_ms"] for r in rows),
                 "median_parts": {
                     k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"]
                 },

@@ -97,6 +97,7 @@ def _proxy(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         read_timeout=args.read_timeout,
         max_connections=args.max_connections,
+        first_token=args.first_token,
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(proxy, args.host, args.port))
@@ -283,6 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=4096,
         help="open connections to the instances at most (default 4096)",
+    )
+    p.add_argument(
+        "--first-token",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help=(
+            "push flow: a streamed completion whose prompt is at most TOKENS long (a text "
+            "prompt: characters) gets its first token from the prefill, streamed at once, "
+            "and the decode continues from it (0, the default: never)"
+        ),
     )
     p.set_defaults(func=_proxy)
     p = sub.add_parser(

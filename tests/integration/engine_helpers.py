@@ -128,7 +128,12 @@ class ProxyProcess:
     """``kvbridge proxy`` in a process of its own, in front of the given instances."""
 
     def __init__(
-        self, prefill: list[str], decode: list[str], flow: str = "push", log: Path | None = None
+        self,
+        prefill: list[str],
+        decode: list[str],
+        flow: str = "push",
+        log: Path | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -143,6 +148,7 @@ class ProxyProcess:
             flow,
             "--timeout",
             "60",
+            *extra_args,
         ]
         for u in prefill:
             args += ["--prefill", u]

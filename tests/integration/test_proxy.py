@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 from engine_helpers import (
+    BLOCK,
     COMMON_ARGS,
+    LEASES_EXPIRED,
     RECEIVED,
     ProxyProcess,
     blocks_bytes,
@@ -251,6 +253,121 @@ def test_prefill_rejecting_the_request_cancels_decode(servers, tmp_path: Path) -
         assert complete(d.url, random_prompt(10, seed=2), max_tokens=2).token_ids
     finally:
         proxy.stop()
+
+
+# --- the prefill's first token ---------------------------------------------------------
+
+
+def sse_events(url: str, body: dict) -> list[dict]:
+    """Stream a completion from ``url``: its events, decoded, up to ``[DONE]``."""
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(dict(body, stream=True)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for raw in resp:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                return events
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    raise AssertionError(f"the stream ended without [DONE] after {events}")
+
+
+def stitched(events: list[dict]) -> dict:
+    """What a client reads from a stream: text, ids, how it ended, its usage, and the
+    ids it was sent under."""
+    choices = [c for e in events for c in e["choices"]]
+    return {
+        "text": "".join(c["text"] for c in choices),
+        "token_ids": [t for c in choices for t in c["token_ids"] or ()],
+        "prompt_token_ids": [t for c in choices for t in c["prompt_token_ids"] or ()],
+        "finish_reason": [c["finish_reason"] for c in choices][-1],
+        "stop_reason": [c["stop_reason"] for c in choices][-1],
+        "usage": [e["usage"] for e in events if e.get("usage")],
+        "ids": len({e["id"] for e in events}),
+    }
+
+
+@pytest.fixture(scope="module")
+def first_token_proxy(servers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    """The push flow with the prefill's first token, in front of P and D2 (vLLM's default
+    failure policy: a decode whose KV does not come fails, it does not recompute)."""
+    proc = ProxyProcess(
+        [servers.p.url],
+        [servers.d2.url],
+        extra_args=["--first-token", "4096"],
+        log=tmp_path_factory.mktemp("proxylog") / "first-token.log",
+    )
+    yield proc
+    proc.stop()
+
+
+STREAM = {
+    "max_tokens": MAX_TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+
+
+@pytest.mark.parametrize("n", [5, BLOCK, 3 * BLOCK + 5])
+def test_the_first_token_comes_from_the_prefill_and_the_decode_continues(
+    first_token_proxy: ProxyProcess, servers, n: int
+) -> None:
+    """A streamed completion through ``--first-token``: the client reads colocated's
+    answer (text, ids, usage, one id), the decode's prompt was one token longer than the
+    client's (it continued from the prefill's token, not computed the first itself), it
+    loaded the prefill's blocks and no more, and nothing is held afterwards."""
+    p, d, c = servers.p, servers.d2, servers.c
+    (prompt,) = fresh_prompts([n])
+    before = idle_state((p, d))
+    received, prompts = metric(d.url, RECEIVED), metric(d.url, "vllm:prompt_tokens_total")
+    got = stitched(sse_events(first_token_proxy.url, dict(STREAM, prompt=prompt)))
+    want = stitched(sse_events(c.url, dict(STREAM, prompt=prompt)))
+    assert got == want
+    assert want["ids"] == 1 and len(want["usage"]) == MAX_TOKENS + 1, "a stream to compare with"
+    assert metric(d.url, "vllm:prompt_tokens_total") - prompts == n + 1
+    expected = blocks_bytes([n])
+    assert received_since((d,), {d.url: received}, expected) == expected
+    check_idle((p, d), before)
+
+
+def test_a_text_prompt_takes_the_prefill_s_first_token_too(
+    first_token_proxy: ProxyProcess, servers
+) -> None:
+    p, d, c = servers.p, servers.d2, servers.c
+    body = dict(STREAM, prompt=f"the quick brown fox {uuid.uuid4().hex} jumps over the dog")
+    prompts = metric(d.url, "vllm:prompt_tokens_total")
+    got = stitched(sse_events(first_token_proxy.url, body))
+    assert got == stitched(sse_events(c.url, body))
+    n = len(got["prompt_token_ids"])
+    assert metric(d.url, "vllm:prompt_tokens_total") - prompts == n + 1
+    check_idle((p, d))
+
+
+def test_a_first_token_that_ends_the_request_is_the_answer_and_frees_the_prefill(
+    first_token_proxy: ProxyProcess, servers
+) -> None:
+    """The prefill's token is a stop token: the client gets colocated's answer from the
+    prefill alone, no decode runs, and the prefill holds no blocks for one (without
+    ``first_token`` it would hold them until its lease ran out, 60 s)."""
+    p, d, c = servers.p, servers.d2, servers.c
+    (prompt,) = fresh_prompts([2 * BLOCK + 1])
+    t0 = reference(c, prompt, 1).token_ids[0]
+    body = dict(STREAM, prompt=prompt, ignore_eos=False, stop_token_ids=[t0])
+    before = idle_state((p, d))
+    prompts, leases = metric(d.url, "vllm:prompt_tokens_total"), metric(p.url, LEASES_EXPIRED)
+    got = stitched(sse_events(first_token_proxy.url, body))
+    want = stitched(sse_events(c.url, body))
+    assert got == want and want["finish_reason"] == "stop" and want["stop_reason"] == t0
+    assert metric(d.url, "vllm:prompt_tokens_total") == prompts, "no decode request"
+    check_idle((p, d), before)
+    assert metric(p.url, LEASES_EXPIRED) == leases
 
 
 # --- two prefill instances, two decode instances ---------------------------------------

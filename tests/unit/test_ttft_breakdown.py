@@ -37,3 +37,12 @@ def test_a_disaggregated_request_in_parts_that_sum_to_its_ttft() -> None:
     }
     assert list(got) == list(ttft_breakdown.PARTS)
     assert sum(got.values()) == pytest.approx(176.0)
+
+
+def test_with_the_prefill_s_first_token_the_ttft_is_the_prefill_s() -> None:
+    engines = {
+        "prefill": {"ttft": 127.0, "queue": 1.0, "prefill": 120.0, "exposed": 0.0},
+        "decode": {"ttft": 60.0, "queue": 30.0, "prefill": 25.0},  # the second token's
+    }
+    got = ttft_breakdown.parts("first-token", 131.0, engines)
+    assert got == {"proxy + HTTP": 4.0, "API server": 6.0, "queue + prefill forward": 121.0}

@@ -162,6 +162,40 @@ def test_transfer_blocks_cut_each_vllm_block_on_the_prefill_side_in_both_flows()
     assert params["kvbridge"]["remote_tokens"] == params["remote_num_tokens"] == 70
 
 
+@pytest.mark.parametrize(
+    ("status", "first_token", "held"),
+    [
+        (RequestStatus.FINISHED_STOPPED, True, False),
+        (RequestStatus.FINISHED_LENGTH_CAPPED, True, True),
+        (RequestStatus.FINISHED_STOPPED, False, True),
+    ],
+)
+def test_a_first_token_prefill_that_stopped_at_its_token_hands_nothing_over(
+    status: RequestStatus, first_token: bool, held: bool
+) -> None:
+    """A P-first prefill whose decode continues from its first token (``first_token``,
+    the proxy's first-token flow) and which that token ended (a stop token): no decode
+    comes, so its transfer is given up at once (the workers free the blocks) and it
+    returns no parameters. One capped at its ``max_tokens`` hands over; and a plain
+    P-first prefill that stopped does too (its decode computes its own first token)."""
+    s = SchedulerSide(32, "eng", "127.0.0.1")
+    s.set_handshake({(0, 0): KVBridgeHandshake(address="h:7000", epoch="e0", engine_id="eng")})
+    kb = {"transfer_id": "t", "role": "prefill", "flow": "pull", "first_token": first_token}
+    req = SimpleNamespace(
+        request_id="p", num_prompt_tokens=40, status=status, kv_transfer_params={"kvbridge": kb}
+    )
+    assert s.matched_tokens(req, 0) == (0, False)
+    s.after_alloc(req, None, 0)
+    s.build_meta(_output(new=[("p", 0, [5, 2])], scheduled={"p": 40}))
+    kept, params = s.request_finished(req, ([5, 2],))
+    assert kept, "the blocks stay held until the workers let go of them"
+    aborted = s.build_meta(_output()).abort_send
+    if held:
+        assert aborted == {} and params["kvbridge"]["remote_tokens"] == 40
+    else:
+        assert aborted == {"p": "t"} and params is None
+
+
 def test_a_p_first_decode_prompt_extending_the_prefill_s_loads_what_the_prefill_holds() -> None:
     """A decode asked to continue from the prefill's first token (its prompt is the
     prefill's and that token) loads the prefill's 64 tokens and computes the 65th; it
@@ -527,6 +561,27 @@ def test_kv_cache_groups_reach_the_workers_as_tables_with_vllm_s_null_block_as_n
     # gets it with the blocks; one per request
     assert len(first.ticket) >= 20 and handoff.ticket == first.ticket
     assert kvparams.parse({"do_remote_decode": True}, "p").ticket != first.ticket
+
+
+def test_a_first_token_request_to_a_sliding_window_prefill_is_computed_whole() -> None:
+    """The prefill's token of a ``first_token`` request is the client's first: it must
+    be sampled from the whole prompt. A model whose decode computes the last prompt
+    token (``backoff``) then has nothing to hand off: the prefill computes the request
+    as a plain one and answers parameters that make the decode compute the prompt."""
+    s = SchedulerSide(32, "eng", "127.0.0.1", windows=(0, 40))
+    kb = {"transfer_id": "t", "role": "prefill", "flow": "pull", "first_token": True}
+    p = _prompt_req("p", 70, {"kvbridge": kb})
+    s.on_new_request(p)
+    s.after_alloc(p, None, 0)
+    assert p.num_prompt_tokens == 70, "the whole prompt, not all but its last token"
+    sent = s.build_meta(
+        _hybrid_output(new=[("p", 0, ([1, 2, 3], [5, 6, 7]))], scheduled={"p": 70})
+    ).send
+    assert sent == []
+    assert s.request_finished(p, ([1, 2, 3], [5, 6, 7])) == (
+        False,
+        {"do_remote_prefill": False, "do_remote_decode": False},
+    )
 
 
 def test_sliding_window_prefill_leaves_the_last_token_and_one_token_prompts_stay_local() -> None:

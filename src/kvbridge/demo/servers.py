@@ -339,11 +339,13 @@ def _request(req: urllib.request.Request, timeout: float) -> bytes:
 @dataclass
 class Timing:
     """One streamed greedy request: time to the first token, mean time per later token,
-    and the generated token ids."""
+    the generated token ids, and the time from the first token to the second (None: a
+    single token)."""
 
     ttft_s: float
     tpot_s: float
     token_ids: list[int]
+    second_s: float | None = None
 
 
 def timed_stream(
@@ -366,7 +368,7 @@ def timed_stream(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     start = time.perf_counter()
-    first = last = None
+    first = last = second = None
     ids: list[int] = []
     with _opener.open(req, timeout=timeout) as resp:
         for raw in resp:
@@ -380,19 +382,27 @@ def timed_stream(
             new = got[len(ids) :] if cumulative else got
             if new:
                 now = time.perf_counter()
+                if first is not None and second is None and len(ids) == 1:
+                    second = now - first
                 first = first or now
                 last = now
                 ids += new
     if first is None or last is None:
         raise ServerError(f"POST {url}: the stream ended without a token")
-    return Timing(first - start, (last - first) / max(1, len(ids) - 1), ids)
+    return Timing(first - start, (last - first) / max(1, len(ids) - 1), ids, second)
 
 
 def start_proxy(
-    prefill_url: str, decode_url: str, flow: str, log_path: Path, timeout: float = 60.0
+    prefill_url: str,
+    decode_url: str,
+    flow: str,
+    log_path: Path,
+    timeout: float = 60.0,
+    extra_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``kvbridge proxy`` in front of one prefill and one decode instance; return
-    the process and its URL once ``/health`` answers (the caller terminates it)."""
+    """Start ``kvbridge proxy`` in front of one prefill and one decode instance (with
+    ``extra_args``); return the process and its URL once ``/health`` answers (the caller
+    terminates it)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
@@ -400,7 +410,7 @@ def start_proxy(
             [
                 sys.executable, "-m", "kvbridge.cli", "proxy",
                 "--prefill", prefill_url, "--decode", decode_url,
-                "--port", str(port), "--flow", flow,
+                "--port", str(port), "--flow", flow, *extra_args,
             ],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip

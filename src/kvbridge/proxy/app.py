@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvbridge.proxy import firsttoken
 from kvbridge.proxy.pool import Instance, Pool
 from kvbridge.wire.auth import new_ticket
 from kvbridge.wire.codec import describe
@@ -199,13 +200,19 @@ class Proxy:
         read_timeout: float = 600.0,
         connect_timeout: float = 10.0,
         max_connections: int = 4096,
+        first_token: int = 0,
     ) -> None:
         """``timeout``: seconds a request may take end to end (None: no cap);
         ``read_timeout``: seconds an upstream may send nothing; ``max_connections``: open
         upstream connections at most (aiohttp's default, 100, queued the 101st concurrent
-        request behind the others)."""
+        request behind the others); ``first_token``: in the push flow, streamed
+        completions whose prompt is at most this long take their first token from the
+        prefill (:mod:`kvbridge.proxy.firsttoken`; 0: none do)."""
         if flow not in FLOWS:
             raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {flow!r}")
+        if first_token < 0:
+            raise ValueError(f"first_token must be 0 or more tokens, got {first_token}")
+        self.first_token = first_token
         self.prefill = Pool("prefill", prefill)
         self.decode = Pool("decode", decode)
         self.flow = flow
@@ -325,6 +332,8 @@ class Proxy:
                 try:
                     if self.flow in ("pull", "sequential"):
                         return await self._pull(request, path, body, p, d)
+                    if firsttoken.eligible(path, body, self.first_token):
+                        return await self._first_token(request, path, body, p, d)
                     return await self._push(request, path, body, p, d)
                 except UpstreamError as exc:
                     other = None if retried or not exc.retry else self.prefill.pick(avoid=p)
@@ -631,33 +640,111 @@ class Proxy:
             raise _error(
                 502, f"decode instance {d.url} failed mid-response: {type(exc).__name__}: {exc}"
             ) from exc
+        await self._pump(out, d, upstream, first)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out
+
+    async def _pump(
+        self,
+        out: web.StreamResponse,
+        d: Instance,
+        upstream: aiohttp.ClientResponse,
+        first: bytes = b"",
+        stitch: firsttoken.Stitch | None = None,
+    ) -> None:
+        """Copy decode ``d``'s stream to the client's (``out``, prepared), after its
+        ``first`` bytes, through ``stitch`` when given. The decode failing ends the
+        client's stream with an error event (:meth:`_end_stream`); the client hanging up
+        ends the copy (the caller's release of ``upstream`` makes vLLM abort it)."""
         tail = b"\n\n"  # the stream's last bytes: whether it stopped between two events
         try:
             if first:
                 await _to_client(out, first)
                 tail = (tail + first)[-2:]
             async for chunk in upstream.content.iter_any():
-                await _to_client(out, chunk)
-                tail = (tail + chunk)[-2:]
+                data = chunk if stitch is None else stitch.feed(chunk)
+                if data:
+                    await _to_client(out, data)
+                    tail = (tail + data)[-2:]
+            if stitch is not None and (rest := stitch.rest()):
+                await _to_client(out, rest)
+                tail = (tail + rest)[-2:]
         except _ClientGone:
             # the client hung up: not the decode's failure; leaving closes the upstream
             # request, which makes the decode abort it
             log.debug("a client of %s hung up mid-stream", d.url)
-            return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # the status line is sent: end the stream as vLLM's server ends a failed one
             self._down(d, f"{type(exc).__name__}: {exc}")
             message = f"decode instance {d.url} failed mid-stream: {type(exc).__name__}: {exc}"
-            log.warning("%s", message)
-            event = b"data: " + json.dumps(_error(502, message).body).encode()
-            event += b"\n\ndata: [DONE]\n\n"
-            with contextlib.suppress(_ClientGone):
-                await _to_client(out, event if tail == b"\n\n" else b"\n\n" + event)
+            await _end_stream(out, message, tail)
         else:
             d.served += 1
+
+    async def _first_token(
+        self, request: web.Request, path: str, body: dict[str, Any], p: Instance, d: Instance
+    ) -> web.StreamResponse:
+        """The prefill's first token (:mod:`kvbridge.proxy.firsttoken`): prefill ``p``
+        first; its token streamed to the client at once; then decode ``d`` continues
+        from it. Until the client has the token a failure is the prefill's (retried
+        elsewhere as in the other flows); after, it ends the stream with an error event.
+        A client gone before the decode opened leaves the prefill's blocks to its lease,
+        as in the P-first flow."""
+        result = await self._call_prefill(p, path, firsttoken.prefill_body(body, uuid.uuid4().hex))
+        try:
+            first = firsttoken.First(result)
+        except firsttoken.MalformedAnswer as exc:
+            raise _error(502, f"prefill instance {p.url} answered with {exc}") from None
+        stitch = firsttoken.Stitch(body, first)
+        out = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+            },
+        )
+        await out.prepare(request)
+        try:
+            await _to_client(out, stitch.opening())
+            if not first.last:
+                try:
+                    d_resp = await self._open(d, path, firsttoken.decode_body(body, first))
+                except UpstreamError as exc:
+                    await _end_stream(out, _message(exc, f"decode instance {d.url}"))
+                else:
+                    try:
+                        await self._pump(out, d, d_resp, stitch=stitch)
+                    finally:
+                        d_resp.release()
+        except _ClientGone:
+            log.debug("a client hung up after its first token")
+            return out
         with contextlib.suppress(ConnectionError):
             await out.write_eof()
         return out
+
+
+def _message(exc: UpstreamError, who: str) -> str:
+    """What an upstream's error says, for an error event, prefixed with ``who``."""
+    body = exc.body
+    if isinstance(body, bytes):
+        with contextlib.suppress(ValueError, RecursionError):
+            body = json.loads(body)
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        body = body["error"].get("message", body)
+    return f"{who} answered {exc.status}: {str(body)[:1000]}"
+
+
+async def _end_stream(out: web.StreamResponse, message: str, tail: bytes = b"\n\n") -> None:
+    """End the client's stream (its status line sent) with an error event and
+    ``[DONE]``, as vLLM's server ends a failed stream; ``tail``: the stream's last two
+    bytes so far (an event cut short is ended first)."""
+    log.warning("%s", message)
+    event = b"data: " + json.dumps(_error(502, message).body).encode()
+    event += b"\n\ndata: [DONE]\n\n"
+    with contextlib.suppress(_ClientGone):
+        await _to_client(out, event if tail == b"\n\n" else b"\n\n" + event)
 
 
 def _is_error_event(first: bytes) -> bool:

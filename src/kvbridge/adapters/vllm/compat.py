@@ -99,7 +99,8 @@ def model_kv_heads(model_config) -> int:
     return 1 if is_mla(model_config) else model_config.get_total_num_kv_heads()
 
 
-FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+FINISHED_OK = (FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
 """Request statuses after which the prefill's KV is complete and worth sending."""
 
 NULL_BLOCK_ID = 0
@@ -342,6 +343,7 @@ def state_block(block_ids) -> int:
 
 
 __all__ = [
+    "FINISHED_LENGTH",
     "FINISHED_OK",
     "NULL_BLOCK_ID",
     "SUPPORTED",

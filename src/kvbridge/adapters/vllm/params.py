@@ -123,6 +123,10 @@ class KVBridgeParams(msgspec.Struct, frozen=True):
     """P-first decode side: the prompt tokens the prefill's blocks hold. A decode whose
     prompt is longer (the prefill's with its first token appended) loads these and
     computes the rest; None (an older prefill): the decode's prompt is the prefill's."""
+    first_token: bool = False
+    """P-first prefill side: the decode continues from this request's first token (the
+    ``kvbridge proxy`` streamed it to the client), so a request that its first token
+    ended (an EOS or stop token) has nothing to hand over: its blocks are not held."""
     ticket: str = ""
     """The transfer's ticket (:func:`new_ticket`): the proxy gives both sides the same one
     in the push flow, the prefill draws one for a P-first request and returns it to the
@@ -140,6 +144,7 @@ class Handoff(msgspec.Struct, frozen=True):
     remote_blocks: list[int] | None = None
     remote_group_blocks: list[list[int]] | None = None
     remote_tokens: int | None = None
+    first_token: bool = False
     ticket: str = ""
 
     def remote_table(self) -> BlockTable | None:
@@ -182,6 +187,7 @@ def parse(params: dict[str, Any] | None, request_id: str) -> Handoff | None:
             remote_blocks=kb.remote_blocks,
             remote_group_blocks=kb.remote_group_blocks,
             remote_tokens=kb.remote_tokens,
+            first_token=kb.first_token,
             # a P-first prefill draws the ticket it returns (pull_response); a pushed
             # request given none (an older proxy) is bound to its first decode instance
             ticket=kb.ticket

@@ -68,6 +68,7 @@ from typing import Any
 
 from kvbridge.adapters.vllm import params as kvparams
 from kvbridge.adapters.vllm.compat import (
+    FINISHED_LENGTH,
     FINISHED_OK,
     NULL_BLOCK_ID,
     block_updates,
@@ -211,12 +212,23 @@ class SchedulerSide:
     def on_new_request(self, request) -> None:
         """vLLM added ``request``. A prefill handing off a model with sliding-window or
         state-space layers computes all but the last :attr:`backoff` prompt tokens
-        (module docstring); a prompt no longer than that is not handed off."""
+        (module docstring); a prompt no longer than that is not handed off, nor is a
+        request whose first token goes to the client (``first_token``)."""
         h = self.handoff(request)
         if not self.backoff or h is None or h.role != "prefill" or h.flow == "discover":
             return
         req_id = request.request_id
-        if request.num_prompt_tokens <= self.backoff:
+        if h.first_token:
+            # its token goes to the client as the first (kvbridge proxy --first-token):
+            # sampled from the whole prompt, so there is nothing left for a decode to load
+            # and compute the last token of; the decode computes the prompt itself
+            log.info(
+                "kvbridge: request %s: its first token is the client's, so it is computed "
+                "whole and not handed off (this model's decode computes its last prompt "
+                "token itself)",
+                req_id,
+            )
+        elif request.num_prompt_tokens <= self.backoff:
             log.info(
                 "kvbridge: request %s (%d tokens) is computed without a handoff: its decode "
                 "computes it too",
@@ -501,7 +513,11 @@ class SchedulerSide:
                 )
             return False, None  # never computed, nothing was sent or held
         self._held.add(req_id)
-        if request.status not in FINISHED_OK:
+        if request.status not in FINISHED_OK or (
+            h.first_token and request.status != FINISHED_LENGTH
+        ):
+            # ended early, or its first token ended it (no decode continues from it):
+            # the workers give the transfer up and report the blocks free
             self._abort_send[req_id] = p.transfer_id
             return True, None
         if p.flow == "pull":
