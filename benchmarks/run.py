@@ -24,6 +24,8 @@
     python benchmarks/run.py ttft     [--configs colocated,kvbridge-nixl,kvbridge-mooncake]
                                       [--lengths 128] [--prompts 15] [--output-len 32]
                                       (one request at a time, its TTFT in parts)
+    python benchmarks/run.py pump     [--reps 5] (NIXL's notification pump: idle CPU and
+                                      notification latency, by what its owners expect)
     .venv-sglang/bin/python benchmarks/run.py sglang
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goodput
 import ops
 import ops_host
+import pump
 import serving
 import sglang_serving
 import soak
@@ -926,6 +929,18 @@ def goodput_table(doc: dict) -> Group:
     )
 
 
+def pump_routine(args: argparse.Namespace) -> dict:
+    reps = args.reps or (2 if args.quick else 5)
+    doc = {
+        "routine": "pump",
+        "machine": machine(),
+        "reps": reps,
+        **pump.run(reps, log=lambda m: console.print(f"[dim]{m}[/dim]")),
+    }
+    console.print(_table("NIXL notification pump", *pump.rows(doc)))
+    return doc
+
+
 ROUTINES = {
     "transfer": (transfer_routine, plot_transfer, markdown_transfer),
     "serving": (serving_routine, plot_serving, markdown_serving),
@@ -936,6 +951,7 @@ ROUTINES = {
     "soak": (soak_routine, soak.plot, markdown_soak),
     "goodput": (goodput_routine, goodput.plot, goodput.markdown),
     "ttft": (ttft_routine, ttft_breakdown.plot, ttft_breakdown.markdown),
+    "pump": (pump_routine, pump.plot, pump.markdown),
 }
 
 

@@ -35,6 +35,11 @@ class Manager:
         self.room_holders = weakref.WeakValueDictionary()
         self.room_status = compat.RoomStatus(self)  # as KVBridgeKVManager makes them
         self.destinations = compat.RoomDestinations(self)
+        self.wakes = 0
+        self.transport = SimpleNamespace(wake=self._wake)  # kvbridge's, told of each room
+
+    def _wake(self) -> None:
+        self.wakes += 1
 
     def record_failure(self, room: int, reason: str) -> None:
         self.failure_records[room] = reason
@@ -87,6 +92,7 @@ def test_a_second_request_on_a_held_room_fails_and_so_does_the_holder(
     mgr = Manager()
     first = Endpoint(mgr, ROOM)
     assert first.refused is None and mgr.room_holders[ROOM] is first
+    assert mgr.wakes == 1, "a room that holds wakes the transport's pump"
     with caplog.at_level(logging.WARNING):
         second = Endpoint(mgr, ROOM)
     assert (

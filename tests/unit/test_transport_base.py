@@ -191,6 +191,66 @@ def test_pump_survives_a_failing_step_and_stops() -> None:
     assert not pump._thread.is_alive()
 
 
+def _counting_pump(busy) -> tuple[Pump, threading.Semaphore]:
+    """A pump whose steps find nothing, each released on the semaphore, that waits a
+    minute between steps once idle (a test fails long before that)."""
+    steps = threading.Semaphore(0)
+
+    def step() -> int:
+        steps.release()
+        return 0
+
+    return Pump("test-pump", step, max_interval=1e-3, idle_interval=60.0, busy=busy), steps
+
+
+def _settle(steps: threading.Semaphore) -> None:
+    """Wait out the pump's quick first steps (its interval doubles from 0.1 ms)."""
+    while steps.acquire(timeout=1.0):
+        pass
+
+
+def test_an_idle_pump_waits_and_a_wake_makes_it_step_at_once() -> None:
+    pump, steps = _counting_pump(busy=lambda: False)
+    pump.start()
+    try:
+        _settle(steps)  # now waiting a minute
+        pump.wake()
+        assert steps.acquire(timeout=5), "a woken pump steps at once"
+    finally:
+        pump.stop()
+    assert not pump._thread.is_alive(), "stop ends an idle pump's wait"
+
+
+@pytest.mark.parametrize("busy", [lambda: True, lambda: 1 / 0], ids=["busy", "probe fails"])
+def test_a_busy_pump_keeps_polling(busy) -> None:
+    """Something is expected (or the probe cannot tell): the pump polls at its busy pace,
+    every millisecond here, not every minute."""
+    pump, steps = _counting_pump(busy=busy)
+    pump.start()
+    try:
+        assert all(steps.acquire(timeout=5) for _ in range(50))
+    finally:
+        pump.stop()
+
+
+def test_a_transport_is_busy_unless_every_probe_says_nothing_is_expected() -> None:
+    t = LoopbackTransport("demand")
+    try:
+        assert t._busy(), "no probe: always busy (the pump's pace before probes)"
+        expecting = {"rx": False, "tx": False}
+        rx, tx = (lambda: expecting["rx"]), (lambda: expecting["tx"])
+        t.add_demand(rx)
+        t.add_demand(tx)
+        assert not t._busy()
+        expecting["tx"] = True
+        assert t._busy()
+        t.remove_demand(tx)
+        assert not t._busy()
+        t.wake()  # no pump (loopback delivers at once): nothing to do
+    finally:
+        t.close()
+
+
 def test_unknown_transport_suggests_the_name() -> None:
     with pytest.raises(UnknownTransportError, match="did you mean 'mooncake'") as info:
         create_transport("moncake", None, agent_name="x")

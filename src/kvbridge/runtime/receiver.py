@@ -149,6 +149,10 @@ class Receiver:
         """Prefill addresses with a heartbeat in flight: at most one each, so that a
         slow prefill's beats cannot pile up in the I/O pool ahead of destinations."""
         self._pool = cf.ThreadPoolExecutor(4, thread_name_prefix="kvbridge-recv-io")
+        # the transport polls at its busy pace while receives are pending (their
+        # notifications, and the writes into our blocks, need it), slowly otherwise
+        self._expecting = lambda: bool(self._in)
+        node.transport.add_demand(self._expecting)
         self._stop = False
         self._threads = [
             threading.Thread(target=self._control, name="kvbridge-recv-control", daemon=True),
@@ -329,6 +333,7 @@ class Receiver:
             if not len(block_ids):  # D's prefix cache already holds everything
                 entry.req.complete(now)
             self._lock.notify()
+        self.node.transport.wake()
         return entry
 
     def abort(self, transfer_id: str, reason: str) -> bool:
@@ -936,6 +941,7 @@ class Receiver:
         for t in self._threads:
             t.join(5)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.node.transport.remove_demand(self._expecting)
 
 
 __all__ = ["Receiver"]

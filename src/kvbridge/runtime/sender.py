@@ -177,6 +177,10 @@ class Sender:
         self._layers = node.geometry.spec.num_layers
         self._lock = threading.Condition()
         self._out: dict[str, _Out] = {}
+        # the transport polls at its busy pace while transfers are tracked (a decode may
+        # read the blocks held for it, which needs our progress), slowly otherwise
+        self._holding = lambda: bool(self._out)
+        node.transport.add_demand(self._holding)
         self._early: dict[str, list[tuple[Destination | Release | Abort, float]]] = {}
         """Destinations (and idle ranks' releases, and aborts) that came before
         :meth:`track`, with the time they are dropped; unauthorised until then (the
@@ -246,6 +250,7 @@ class Sender:
                 ticket=ticket,
             )
             self._out[transfer_id] = out
+            self.node.transport.wake()
             if ready is not None and computed_tokens:
                 self._gates.append(_Gate(ready, transfer_id, _EVERY, computed_tokens, now))
             self._clear_tail(out, 0, blocks)
@@ -994,6 +999,7 @@ class Sender:
             self._stop = True
             self._lock.notify()
         self._thread.join(5)
+        self.node.transport.remove_demand(self._holding)
 
 
 __all__ = ["Ready", "Sender"]

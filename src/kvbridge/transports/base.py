@@ -17,11 +17,14 @@ Lifecycle (one transport per worker process, owned by the engine adapter)::
     t.wait(x, timeout)  # or: poll(x) until True
     t.release(x)
     t.take_notifications(timeout)                          # the target side
+    t.add_demand(probe); t.wake()   # when something is expected (see below)
     t.close()
 
 Threads: every method may be called from any thread. Notifications are collected by a
 pump thread per transport (which also drives backend progress) and each is handed to
-exactly one :meth:`~Transport.take_notifications` caller.
+exactly one :meth:`~Transport.take_notifications` caller. A backend without a blocking
+wait (NIXL) is polled: at a busy pace while its owners expect something (their
+:meth:`~Transport.add_demand` probes), slowly otherwise.
 
 Errors: methods raise only :class:`~kvbridge.errors.TransportError` subclasses and
 :class:`~kvbridge.errors.DeadlineExceeded`; backend exceptions are mapped at the edge.
@@ -29,7 +32,7 @@ Errors: methods raise only :class:`~kvbridge.errors.TransportError` subclasses a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
@@ -159,6 +162,9 @@ class Transport(Protocol):
     def release(self, xfer: Xfer) -> None: ...
     def notify(self, peer: str, payload: bytes) -> None: ...
     def take_notifications(self, timeout: float = 0.0) -> list[Notification]: ...
+    def add_demand(self, probe: Callable[[], bool]) -> None: ...
+    def remove_demand(self, probe: Callable[[], bool]) -> None: ...
+    def wake(self) -> None: ...
     def close(self) -> None: ...
 
 

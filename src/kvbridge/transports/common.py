@@ -162,14 +162,21 @@ class Inbox:
             self._cond.notify_all()
 
 
+IDLE_INTERVAL = 0.05
+"""Seconds between a polled pump's steps while nothing is expected (:class:`Pump`)."""
+
+
 class Pump:
     """A daemon thread calling ``step`` until stopped; ``step`` returns how much work it
     found.
 
     A ``blocking`` step waits for work itself (briefly, so stop stays prompt) and is
-    called back to back. Otherwise idle steps back off from ``min_interval`` to
-    ``max_interval`` seconds: NIXL has no blocking "wait for notification" call, so it is
-    polled, reacting within ``max_interval``.
+    called back to back. Otherwise steps are polled (NIXL has no blocking "wait for
+    notification" call): after a step that found nothing the interval doubles from
+    ``min_interval`` up to ``max_interval`` seconds while ``busy()`` says something is
+    expected, up to ``idle_interval`` while it does not; :meth:`wake` makes the next
+    step come at once. ``busy`` is called from the pump's thread after every empty step:
+    cheap, thread-safe, never blocking; an exception counts as busy.
     """
 
     def __init__(
@@ -179,19 +186,39 @@ class Pump:
         min_interval: float = 1e-4,
         max_interval: float = 2e-3,
         blocking: bool = False,
+        idle_interval: float = IDLE_INTERVAL,
+        busy: Callable[[], bool] = lambda: True,
     ) -> None:
         self._step = step
-        self._stop = threading.Event()
+        self._busy = busy
+        self._stopped = False
+        self._wake = threading.Event()
+        """Set to end the current wait: by :meth:`wake` and by :meth:`stop`."""
         self._min, self._max = (0.0, 0.0) if blocking else (min_interval, max_interval)
+        self._idle = 0.0 if blocking else max(idle_interval, self._max)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._errors = 0
+        self.steps = 0
+        """Steps taken so far (read by benchmarks and tests)."""
 
     def start(self) -> None:
         self._thread.start()
 
+    def wake(self) -> None:
+        """Take the next step now, and poll at the busy pace from there. Any thread."""
+        self._wake.set()
+
+    def _is_busy(self) -> bool:
+        try:
+            return bool(self._busy())
+        except Exception:  # a broken probe must not slow notifications
+            log.exception("%s: the busy probe failed", self._thread.name)
+            return True
+
     def _run(self) -> None:
         interval = self._min
-        while not self._stop.is_set():
+        while not self._stopped:
+            self.steps += 1
             try:
                 found = self._step()
             except Exception:  # keep pumping: one bad poll must not stop notifications
@@ -201,12 +228,18 @@ class Pump:
                         "%s: notification poll failed (%d so far)", self._thread.name, self._errors
                     )
                 found = 0
-            interval = self._min if found else min(interval * 2, self._max)
-            if interval:
-                self._stop.wait(interval)
+            if found:
+                interval = self._min
+            else:
+                ceiling = self._max if self._is_busy() else self._idle
+                interval = min(max(interval * 2, self._min), ceiling)
+            if interval and self._wake.wait(interval):
+                self._wake.clear()
+                interval = self._min
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
+        self._stopped = True
+        self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -244,6 +277,8 @@ class TransportBase(abc.ABC):
         self._xfers: set[Xfer] = set()
         self._inbox = Inbox()
         self._pump: Pump | None = None
+        self._demand: tuple[Callable[[], bool], ...] = ()
+        """:meth:`add_demand`'s probes (replaced whole, read by the pump's thread)."""
         self._closed = False
         self._reached: set[str] = set()
         """Peers a transfer has completed with; a failure before that is 'unreachable'."""
@@ -267,8 +302,36 @@ class TransportBase(abc.ABC):
             self._inbox.put(got)
             return len(got)
 
-        self._pump = Pump(f"kvbridge-{self.name}-pump", step, blocking=blocking)
+        self._pump = Pump(f"kvbridge-{self.name}-pump", step, blocking=blocking, busy=self._busy)
         self._pump.start()
+
+    # --- demand: how often a polled pump runs ---------------------------------------------
+
+    def add_demand(self, probe: Callable[[], bool]) -> None:
+        """From now on the pump polls the backend at its busy pace (every 2 ms at most)
+        only while a transfer of ours is in flight or some ``probe()`` is true, and
+        every :data:`IDLE_INTERVAL` otherwise (a transport with no probe is always
+        busy). A probe says whether its owner expects notifications or a peer's
+        transfers into or out of our memory (which need our progress): a receiver with
+        receives pending, a sender holding blocks a peer may read. Called from the
+        pump's thread: cheap, thread-safe, never blocking. Its owner calls :meth:`wake`
+        when it starts expecting, and :meth:`remove_demand` when it closes."""
+        with self._lock:
+            self._demand = (*self._demand, probe)
+
+    def remove_demand(self, probe: Callable[[], bool]) -> None:
+        with self._lock:
+            self._demand = tuple(p for p in self._demand if p is not probe)
+
+    def wake(self) -> None:
+        """Poll the backend now and at the busy pace from there (the caller now expects
+        something: :meth:`add_demand`). Cheap; any thread."""
+        if self._pump is not None:
+            self._pump.wake()
+
+    def _busy(self) -> bool:
+        demand = self._demand
+        return not demand or bool(self._xfers) or any(probe() for probe in demand)
 
     def _check_open(self) -> None:
         if self._closed:

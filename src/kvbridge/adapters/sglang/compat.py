@@ -170,6 +170,11 @@ class RoomStatus:
         self._poll = common().KVPoll
         self._concluded = (self._poll.Success, self._poll.Failed)
 
+    def any(self) -> bool:
+        """Whether SGLang keeps a status for some room (in flight, or concluded and not
+        yet cleared). Any thread; constant time (the transport's pump asks it)."""
+        return bool(self._mgr.request_status)
+
     def known(self, room: int) -> bool:
         """Whether SGLang keeps a status for ``room``."""
         return room in self._mgr.request_status

@@ -182,6 +182,9 @@ class KVBridgeKVManager(PrefillSide, DecodeSide, compat.TopologyRowHook, _c.Mana
             agent_name=f"sglang-{role}-r{args.engine_rank}-{self.epoch}",
             memory=self.memory,
         )
+        # the transport polls at its busy pace while SGLang keeps a room (its writes and
+        # notifications need it), slowly otherwise; each new room wakes it (.rooms)
+        self.transport.add_demand(self.room_status.any)
         self._stop = threading.Event()
         self.room_holders: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         """Room -> the sender or receiver holding it (:mod:`.rooms`); scheduler thread."""

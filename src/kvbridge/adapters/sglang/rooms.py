@@ -100,6 +100,7 @@ class SoleHolder:
         if holder is None:
             mgr.room_holders[room] = self
             self.nonce = next(_nonces)
+            mgr.transport.wake()  # the room's KV and notifications are to come
             return None
         reason = duplicate_reason(room, side)
         self.duplicate = reason
