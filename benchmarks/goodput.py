@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from report import md_table
 from serving import fresh_dir, run_bench_client
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
@@ -903,14 +904,6 @@ def health_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, out
 
 
-def _table_md(head: list[str], body: list[list[str]], left: int) -> list[str]:
-    return [
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * left + "---:|" * (len(head) - left),
-        *("| " + " | ".join(row) + " |" for row in body),
-    ]
-
-
 def markdown(doc: dict[str, Any]) -> str:
     m, st, slo = doc["machine"], doc["setup"], doc["slo"]
     mx = st["mix"]
@@ -929,9 +922,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{slo['tpot_ms']:.1f} ms ({slo['tpot_factor']:g}x its unloaded median TPOT); "
         "goodput: requests per second meeting both."
     )
-    lines = [intro, "", *_table_md(*rows(doc), left=3), ""]
+    lines = [intro, "", *md_table(*rows(doc), left=3), ""]
     lines += ["Unloaded (one request at a time; medians):", ""]
-    lines += [*_table_md(*unloaded_rows(doc), left=1), ""]
+    lines += [*md_table(*unloaded_rows(doc), left=1), ""]
     p = st["probe"]
     lines += [
         (
@@ -943,11 +936,11 @@ def markdown(doc: dict[str, Any]) -> str:
             "computed an arrived request's token."
         ),
         "",
-        *_table_md(*arrival_rows(doc), left=1),
+        *md_table(*arrival_rows(doc), left=1),
         "",
         "Health over each configuration's whole run (after warm-up):",
         "",
-        *_table_md(*health_rows(doc), left=1),
+        *md_table(*health_rows(doc), left=1),
     ]
     return "\n".join(lines) + "\n"
 

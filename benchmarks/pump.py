@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from report import md_table
+
 MODES = ("always", "expecting", "idle")
 IDLE_S = 4.0
 NOTES = 60
@@ -155,9 +157,7 @@ def markdown(doc: dict[str, Any]) -> str:
         [
             intro,
             "",
-            "| " + " | ".join(head) + " |",
-            "|---|" + "---:|" * (len(head) - 1),
-            *("| " + " | ".join(r) + " |" for r in body),
+            *md_table(head, body),
             "",
         ]
     )

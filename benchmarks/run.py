@@ -61,6 +61,7 @@ import soak
 import transfer
 import transport_costs
 import ttft_breakdown
+from report import md_table
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -324,14 +325,7 @@ def serving_table(doc: dict) -> Table:
 
 def _markdown(intro: str, head: list[str], rows: list[list[str]], left: int = 0) -> str:
     """A paragraph, then a Markdown table whose first ``left`` columns are left-aligned."""
-    lines = [
-        intro,
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * left + "---:|" * (len(head) - left),
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    return "\n".join([intro, "", *md_table(head, rows, left)]) + "\n"
 
 
 def markdown_serving(doc: dict) -> str:

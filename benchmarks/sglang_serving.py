@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from report import md_table
 from serving import LengthResult, fresh_dir
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
@@ -417,13 +418,6 @@ def stage_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, table
 
 
-def _md_table(head: list[str], table: list[list[str]]) -> list[str]:
-    """A markdown table: first column left-aligned, the others right-aligned."""
-    return ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)] + [
-        "| " + " | ".join(row) + " |" for row in table
-    ]
-
-
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     v = m["versions"]
@@ -438,7 +432,7 @@ def markdown(doc: dict[str, Any]) -> str:
             "TTFT)."
         ),
         "",
-        *_md_table(head, table),
+        *md_table(head, table),
     ]
     head, table = stage_rows(doc)
     if table:
@@ -453,7 +447,7 @@ def markdown(doc: dict[str, Any]) -> str:
                 "the decode's first step, the router)."
             ),
             "",
-            *_md_table(head, table),
+            *md_table(head, table),
         ]
     for name, error in doc["errors"].items():
         lines += ["", f"`{name}` did not run:", "", "```", error.strip(), "```"]

@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from report import md_table
 from serving import Deployment, configs, fresh_dir, warm_up
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
@@ -186,9 +187,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         intro,
         "",
-        "| " + " | ".join(head) + " |",
-        "|---|" + "---:|" * (len(head) - 1),
-        *("| " + " | ".join(r) + " |" for r in body),
+        *md_table(head, body),
         "",
     ]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
+from upstreams import serve as _serve
 
 from kvbridge.proxy.app import Proxy
 from kvbridge.proxy.firsttoken import First, MalformedAnswer, Stitch, eligible
@@ -185,15 +186,6 @@ def test_an_error_event_from_the_decode_passes_unchanged() -> None:
 
 
 # --- through the proxy, against stand-in upstreams --------------------------------------
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
 
 
 async def _run(

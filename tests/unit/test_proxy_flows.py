@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from upstreams import serve as _serve
 
 from kvbridge.proxy.app import Proxy, UpstreamError
 
@@ -27,17 +28,6 @@ def _completions_app(handle: Any) -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/completions", handle)
     return app
-
-
-async def _serve(app: web.Application, **runner_kw: Any) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on a free loopback port: its runner (to clean up) and its URL;
-    ``runner_kw``: for :class:`aiohttp.web.AppRunner`."""
-    runner = web.AppRunner(app, **runner_kw)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
 
 
 async def _through_proxy(

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from aiohttp import web
+from upstreams import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -78,12 +79,9 @@ class StandIns:
     async def serve(self, app: web.Application) -> str:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/health", self.metrics)
-        runner = web.AppRunner(app, handler_cancellation=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, url = await serve(app, handler_cancellation=True)
         self.runners.append(runner)
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return url
 
     async def soak(self, duration: float, clients: int, timeout: float = 10.0) -> soak.Tally:
         p_app, d_app = web.Application(), web.Application()
