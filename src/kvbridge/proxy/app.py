@@ -689,8 +689,9 @@ class Proxy:
         first; its token streamed to the client at once; then decode ``d`` continues
         from it. Until the client has the token a failure is the prefill's (retried
         elsewhere as in the other flows); after, it ends the stream with an error event.
-        A client gone before the decode opened leaves the prefill's blocks to its lease,
-        as in the P-first flow."""
+        A client gone before the decode opened, or a decode that refuses the request
+        outright (an HTTP error before any event), leaves the prefill's blocks to its
+        lease, as in the P-first flow."""
         result = await self._call_prefill(p, path, firsttoken.prefill_body(body, uuid.uuid4().hex))
         try:
             first = firsttoken.First(result)
