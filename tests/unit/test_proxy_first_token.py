@@ -17,8 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from upstreams import serve as _serve
 
+from kvbridge.proxy import firsttoken
 from kvbridge.proxy.app import Proxy
-from kvbridge.proxy.firsttoken import First, MalformedAnswer, Stitch, eligible
+from kvbridge.proxy.firsttoken import First, MalformedAnswer, OversizedEvent, Stitch, eligible
 
 PATH = "/v1/completions"
 BASE = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "temperature": 0}
@@ -179,6 +180,55 @@ def test_a_first_token_that_ended_the_request_is_the_whole_stream() -> None:
     assert done == "[DONE]"
 
 
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+_vllm_keys = st.sampled_from(["id", "choices", "usage", "prompt_token_ids", "completion_tokens"])
+_event_bytes = st.one_of(
+    st.binary(max_size=64),  # anything at all
+    st.dictionaries(_vllm_keys, _json, max_size=4).map(  # vLLM's keys, any values
+        lambda d: b"data: " + json.dumps(d).encode()
+    ),
+    _json.map(lambda v: b"data: " + json.dumps(v).encode()),
+)
+
+
+@given(events=st.lists(_event_bytes, max_size=8), cuts=st.lists(st.integers(0, 4000)))
+def test_no_stream_of_the_decode_s_stops_the_stitching(
+    events: list[bytes], cuts: list[int]
+) -> None:
+    """The decode's stream is network input: whatever its events hold, cut wherever,
+    :meth:`Stitch.feed` never raises (one that raised would end the client's stream
+    without its error event), gives what the stream fed whole gives, and keeps only an
+    unended event back."""
+    stream = b"".join(e + b"\n\n" for e in events)
+    body = dict(BASE, return_token_ids=True, stream_options={"include_usage": True})
+    whole = Stitch(body, First(_answer()))
+    expected = whole.feed(stream)
+    stitch = Stitch(body, First(_answer()))
+    points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    out = b"".join(stitch.feed(stream[a:b]) for a, b in itertools.pairwise(points))
+    assert out == expected
+    assert stitch.rest() == whole.rest() == stream.split(b"\n\n")[-1]
+
+
+def test_an_event_whose_choices_are_not_a_list_passes() -> None:
+    stitch = Stitch(BASE, First(_answer()))
+    assert json.loads(stitch.feed(b'data: {"choices": 5}\n\n')[6:])["choices"] == 5
+
+
+def test_an_event_that_never_ends_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode sends bytes without ending an event: the stitching waits for the end
+    only up to :data:`~kvbridge.proxy.firsttoken.MAX_EVENT_BYTES`."""
+    monkeypatch.setattr(firsttoken, "MAX_EVENT_BYTES", 1000)
+    stitch = Stitch(BASE, First(_answer()))
+    assert stitch.feed(b"data: " + b"x" * 900) == b""
+    with pytest.raises(OversizedEvent, match="without ending an event"):
+        stitch.feed(b"x" * 200)
+
+
 def test_an_error_event_from_the_decode_passes_unchanged() -> None:
     stitch = Stitch(BASE, First(_answer()))
     error = b'data: {"error": {"message": "boom", "code": 500}}\n\n'
@@ -270,6 +320,25 @@ def test_a_decode_that_refuses_the_continuation_ends_the_stream_with_an_error() 
     assert status == 200 and first["choices"][0]["text"] == " hi" and done == "[DONE]"
     assert "prompt too long" in error["error"]["message"]
     assert "decode instance" in error["error"]["message"]
+
+
+def test_a_decode_event_that_never_ends_ends_the_client_s_stream_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(firsttoken, "MAX_EVENT_BYTES", 1000)
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for _ in range(8):
+            await out.write(b"data: " + b"x" * 500)
+        await out.write_eof()
+        return out
+
+    status, data, _, _ = asyncio.run(_run(_answer(), endless, BASE))
+    first, error, done = _events(data)
+    assert status == 200 and first["choices"][0]["text"] == " hi" and done == "[DONE]"
+    assert "without ending an event" in error["error"]["message"]
 
 
 def test_a_prefill_answer_without_ids_is_a_502_naming_it() -> None:

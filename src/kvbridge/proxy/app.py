@@ -679,6 +679,8 @@ class Proxy:
             self._down(d, f"{type(exc).__name__}: {exc}")
             message = f"decode instance {d.url} failed mid-stream: {type(exc).__name__}: {exc}"
             await _end_stream(out, message, tail)
+        except firsttoken.OversizedEvent as exc:
+            await _end_stream(out, f"decode instance {d.url} {exc}", tail)
         else:
             d.served += 1
 

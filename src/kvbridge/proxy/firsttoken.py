@@ -80,6 +80,10 @@ _OFF: dict[str, tuple[Any, ...]] = {
 }
 """Fields in :data:`FIELDS` allowed only at these values (their defaults)."""
 
+MAX_EVENT_BYTES = 16 << 20
+"""The longest event of the decode's stream :class:`Stitch` waits for the end of (vLLM's
+longest, the first with the prompt's ids, is ~8 bytes a token)."""
+
 
 def prompt_size(body: dict[str, Any]) -> int | None:
     """A request's one prompt's size: token ids, or a text's characters (at least its
@@ -142,6 +146,11 @@ class MalformedAnswer(ValueError):
     """The prefill's answer lacks what the decode's request is built from."""
 
 
+class OversizedEvent(ValueError):
+    """The decode's stream sent more than :data:`MAX_EVENT_BYTES` without ending an
+    event (:meth:`Stitch.feed`)."""
+
+
 class First:
     """The prefill's answer, read: its first token and what the decode needs."""
 
@@ -194,7 +203,9 @@ class Stitch:
 
     Contract: :meth:`opening` once, first; then :meth:`feed` with every chunk of the
     decode's stream, in order, as it comes (events may be cut anywhere); its output goes
-    to the client as it is. One per request; not thread-safe (the proxy's event loop).
+    to the client as it is. An event that is not vLLM's passes as it came; one longer than
+    :data:`MAX_EVENT_BYTES` raises :class:`OversizedEvent`. One per request; not
+    thread-safe (the proxy's event loop).
     """
 
     def __init__(self, body: dict[str, Any], first: First) -> None:
@@ -251,6 +262,11 @@ class Stitch:
         counting the prefill's token as output, the prompt ids the client's."""
         self._buffer += chunk
         *events, self._buffer = self._buffer.split(b"\n\n")
+        if len(self._buffer) > MAX_EVENT_BYTES:
+            raise OversizedEvent(
+                f"sent {len(self._buffer)} bytes without ending an event (at most "
+                f"{MAX_EVENT_BYTES})"
+            )
         return b"".join(self._patch(e) for e in events)
 
     def _patch(self, event: bytes) -> bytes:
@@ -263,7 +279,8 @@ class Stitch:
         if not isinstance(data, dict) or "error" in data:
             return event + b"\n\n"
         data["id"] = self._id
-        for choice in data.get("choices") or ():
+        choices = data.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
             if isinstance(choice, dict) and choice.get("prompt_token_ids") is not None:
                 choice["prompt_token_ids"] = None  # the client had them with the first token
         usage = data.get("usage")
@@ -285,8 +302,10 @@ def _event(data: dict[str, Any]) -> bytes:
 
 __all__ = [
     "FIELDS",
+    "MAX_EVENT_BYTES",
     "First",
     "MalformedAnswer",
+    "OversizedEvent",
     "Stitch",
     "decode_body",
     "eligible",
