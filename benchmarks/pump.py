@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from report import md_table
+from report import md_report, measured_on
 
 MODES = ("always", "expecting", "idle")
 IDLE_S = 4.0
@@ -148,19 +148,12 @@ def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     head, body = rows(doc)
     intro = (
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), nixl "
+        f"{measured_on(m)}, nixl "
         f"{m['versions'].get('nixl')}: {doc['reps']} samples per mode, alternated; CPU over "
         f"{doc['idle_s']:.0f} s with nothing happening, {doc['notes']} notifications per "
         "sample (`benchmarks/pump.py` says what each mode is)."
     )
-    return "\n".join(
-        [
-            intro,
-            "",
-            *md_table(head, body),
-            "",
-        ]
-    )
+    return md_report(intro, head, body)
 
 
 def plot(doc: dict[str, Any], path) -> None:

@@ -11,3 +11,14 @@ def md_table(head: list[str], rows: list[list[str]], left: int = 1) -> list[str]
         "|" + "---|" * left + "---:|" * (len(head) - left),
         *("| " + " | ".join(row) + " |" for row in rows),
     ]
+
+
+def measured_on(machine: dict) -> str:
+    """A report's opening words: when and on what it was measured (``machine``: the
+    report's ``machine`` entry)."""
+    return f"Measured {machine['date']} on {machine['cpus']} CPUs ({machine['platform']})"
+
+
+def md_report(intro: str, head: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A report: the ``intro`` paragraph, then the table (:func:`md_table`)."""
+    return "\n".join([intro, "", *md_table(head, rows, left)]) + "\n"

