@@ -4,6 +4,7 @@ and the registry's error messages."""
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import threading
 from pathlib import Path
@@ -221,16 +222,21 @@ def test_an_idle_pump_waits_and_a_wake_makes_it_step_at_once() -> None:
     assert not pump._thread.is_alive(), "stop ends an idle pump's wait"
 
 
-@pytest.mark.parametrize("busy", [lambda: True, lambda: 1 / 0], ids=["busy", "probe fails"])
-def test_a_busy_pump_keeps_polling(busy) -> None:
+@pytest.mark.parametrize(
+    ("busy", "logged"), [(lambda: True, 0), (lambda: 1 / 0, 1)], ids=["busy", "probe fails"]
+)
+def test_a_busy_pump_keeps_polling(busy, logged: int, caplog: pytest.LogCaptureFixture) -> None:
     """Something is expected (or the probe cannot tell): the pump polls at its busy pace,
-    every millisecond here, not every minute."""
+    every millisecond here, not every minute; a failing probe is logged once, not at
+    every step."""
     pump, steps = _counting_pump(busy=busy)
-    pump.start()
-    try:
-        assert all(steps.acquire(timeout=5) for _ in range(50))
-    finally:
-        pump.stop()
+    with caplog.at_level(logging.ERROR, logger="kvbridge.transports.common"):
+        pump.start()
+        try:
+            assert all(steps.acquire(timeout=5) for _ in range(50))
+        finally:
+            pump.stop()
+    assert len(caplog.records) == logged
 
 
 def test_a_transport_is_busy_unless_every_probe_says_nothing_is_expected() -> None:

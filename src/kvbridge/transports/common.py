@@ -198,6 +198,7 @@ class Pump:
         self._idle = 0.0 if blocking else max(idle_interval, self._max)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._errors = 0
+        self._probe_errors = 0
         self.steps = 0
         """Steps taken so far (read by benchmarks and tests)."""
 
@@ -212,7 +213,11 @@ class Pump:
         try:
             return bool(self._busy())
         except Exception:  # a broken probe must not slow notifications
-            log.exception("%s: the busy probe failed", self._thread.name)
+            self._probe_errors += 1
+            if self._probe_errors == 1 or self._probe_errors % 1000 == 0:
+                log.exception(
+                    "%s: the busy probe failed (%d so far)", self._thread.name, self._probe_errors
+                )
             return True
 
     def _run(self) -> None:
@@ -230,8 +235,8 @@ class Pump:
                 found = 0
             if found:
                 interval = self._min
-            else:
-                ceiling = self._max if self._is_busy() else self._idle
+            else:  # (a blocking pump's paces are all 0: no probe to ask)
+                ceiling = self._max if self._idle == self._max or self._is_busy() else self._idle
                 interval = min(max(interval * 2, self._min), ceiling)
             if interval and self._wake.wait(interval):
                 self._wake.clear()
