@@ -30,6 +30,11 @@
                                       [--configs colocated,sglang-mooncake_cpu,...]
                                       [--lengths 128,512,1024,2048,4096] [--prompts 8]
                                       [--output-len 32] [--shape bench] [--quick]
+    .venv-sglang/bin/python benchmarks/run.py sglang-ttft
+                                      [--configs colocated,kvbridge-nixl-layer,...]
+                                      [--lengths 128] [--prompts 15] [--reps 25]
+                                      (the same on SGLang, then per layer against per
+                                      chunk, --reps pairs interleaved, per --transports)
 
 Each routine prints a table, and writes ``<out>/<routine>.json`` (every sample, the
 machine, the versions), ``<out>/<routine>.png`` and ``<out>/<routine>.md`` (the table
@@ -57,6 +62,7 @@ import ops_host
 import pump
 import serving
 import sglang_serving
+import sglang_ttft
 import soak
 import transfer
 import transport_costs
@@ -902,6 +908,27 @@ def ttft_routine(args: argparse.Namespace) -> dict:
     return doc
 
 
+def sglang_ttft_routine(args: argparse.Namespace) -> dict:
+    doc = {
+        "routine": "sglang-ttft",
+        "machine": machine(),
+        **sglang_ttft.run(
+            (args.configs or ",".join(sglang_ttft.CONFIGS)).split(","),
+            int(args.lengths or 128),
+            args.prompts or (3 if args.quick else 15),
+            args.output_len,
+            args.shape,
+            Path(args.out),
+            log=lambda m: console.print(f"[dim]{m}[/dim]"),
+            transports=tuple(t for t in args.transports.split(",") if t),
+            pairs=args.reps or (4 if args.quick else 25),
+        ),
+    }
+    console.print(_table("SGLang TTFT in parts (ms)", *ttft_breakdown.rows(doc)))
+    console.print(_table("per layer vs per chunk, interleaved", *sglang_ttft.ab_rows(doc)))
+    return doc
+
+
 def goodput_table(doc: dict) -> Group:
     slo = doc["slo"]
     return Group(
@@ -940,6 +967,7 @@ ROUTINES = {
     "soak": (soak_routine, soak.plot, markdown_soak),
     "goodput": (goodput_routine, goodput.plot, goodput.markdown),
     "ttft": (ttft_routine, ttft_breakdown.plot, ttft_breakdown.markdown),
+    "sglang-ttft": (sglang_ttft_routine, ttft_breakdown.plot, sglang_ttft.markdown),
     "pump": (pump_routine, pump.plot, pump.markdown),
 }
 

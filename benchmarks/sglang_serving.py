@@ -124,20 +124,21 @@ class SglangLengthResult(LengthResult):
         }
 
 
-def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+def stage_totals(url: str, histograms: tuple[str, ...] = ()) -> dict[str, tuple[float, float]]:
     """``{stage: (sum of seconds, count)}`` of the per-stage latency histogram that an SGLang
-    server started with ``--enable-metrics`` serves at ``/metrics``."""
+    server started with ``--enable-metrics`` serves at ``/metrics``, and the same under
+    their own names for the other histograms named in ``histograms`` (label sets summed)."""
     resp = requests.get(f"{url}/metrics", timeout=10)
     resp.raise_for_status()
     totals: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(resp.text):
-        if family.name != STAGE_METRIC:
+        if family.name != STAGE_METRIC and family.name not in histograms:
             continue
         for sample in family.samples:
-            stage = sample.labels.get("stage")
-            if stage is None or not sample.name.endswith(("_sum", "_count")):
+            key = sample.labels.get("stage") if family.name == STAGE_METRIC else family.name
+            if key is None or not sample.name.endswith(("_sum", "_count")):
                 continue
-            t = totals.setdefault(stage, [0.0, 0.0])
+            t = totals.setdefault(key, [0.0, 0.0])
             t[sample.name.endswith("_count")] += sample.value
     return {k: (v[0], v[1]) for k, v in totals.items()}
 

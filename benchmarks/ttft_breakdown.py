@@ -149,7 +149,8 @@ def parts(kind: str, client_ms: float, engines: dict[str, dict[str, float]]) -> 
 
 
 def rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """The table: per configuration, the parts of its median request and the medians."""
+    """The table: per configuration, the parts of its median request and the medians
+    (``doc["parts"]``: the parts' names in order, :data:`PARTS` when absent)."""
     names = list(doc["configs"])
     cfgs = [doc["configs"][n] for n in names]
     colocated = doc["configs"].get("colocated")  # the ratio's base: alone on its core
@@ -157,7 +158,8 @@ def rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     def ms(v: float | None) -> str:
         return "" if v is None else f"{v:.1f}"
 
-    body = [[part, *(ms(c["traced"]["parts"].get(part)) for c in cfgs)] for part in PARTS]
+    parts_ = doc.get("parts", PARTS)  # another engine's breakdown names its own
+    body = [[part, *(ms(c["traced"]["parts"].get(part)) for c in cfgs)] for part in parts_]
     body.append(["TTFT of that request", *(ms(c["traced"]["client_ttft_ms"]) for c in cfgs)])
     body.append(
         [f"TTFT, median of {len(cfgs[0]['requests'])}", *(ms(c["ttft_median_ms"]) for c in cfgs)]
@@ -200,7 +202,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     seen: set[str] = set()
     for y, name in enumerate(names):
         left = 0.0
-        for i, part in enumerate(PARTS):
+        for i, part in enumerate(doc.get("parts", PARTS)):
             v = doc["configs"][name]["traced"]["parts"].get(part)
             if v is None or v <= 0:  # a negative residual: the table has it
                 continue

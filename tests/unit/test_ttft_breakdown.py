@@ -1,6 +1,6 @@
-"""The TTFT breakdown's arithmetic (``benchmarks/ttft_breakdown.py``): which engine
-durations make which part, worked out by hand; the benchmark itself runs on real vLLM
-(``benchmarks/run.py ttft``)."""
+"""The TTFT breakdowns' arithmetic (``benchmarks/ttft_breakdown.py``, ``sglang_ttft.py``):
+which engine durations make which part, worked out by hand; the benchmarks themselves run
+on real vLLM and SGLang (``benchmarks/run.py ttft``, ``sglang-ttft``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import ttft_breakdown  # benchmarks/ is not a package: on sys.path above
+import sglang_ttft  # benchmarks/ is not a package: on sys.path above
+import ttft_breakdown
 
 
 def test_a_colocated_request_in_parts() -> None:
@@ -46,3 +47,51 @@ def test_with_the_prefill_s_first_token_the_ttft_is_the_prefill_s() -> None:
     }
     got = ttft_breakdown.parts("first-token", 131.0, engines)
     assert got == {"proxy + HTTP": 4.0, "API server": 6.0, "queue + prefill forward": 121.0}
+
+
+# --- SGLang (benchmarks/sglang_ttft.py) -----------------------------------------------
+
+TTFT, QUEUE = sglang_ttft.TTFT, sglang_ttft.QUEUE
+
+
+def test_a_colocated_sglang_request_in_parts() -> None:
+    server = {TTFT: 540.0, QUEUE: 2.0, "request_process": 1.0, "prefill_forward": 530.0}
+    got = sglang_ttft.parts(545.0, {"colocated": server})
+    assert got == {
+        "router + HTTP": 5.0,
+        "tokenizer + detokenizer": 7.0,  # 540 - (1 + 2 + 530)
+        "intake + bootstrap": 1.0,
+        "queue": 2.0,
+        "prefill forward": 530.0,
+    }
+
+
+def test_a_disaggregated_sglang_request_in_parts_that_sum_to_its_ttft() -> None:
+    prefill = {
+        QUEUE: 1.0,
+        "prefill_bootstrap": 7.0,  # waiting for the decode's destination
+        "prefill_forward": 400.0,
+        "prefill_transfer_kv_cache": 2.0,
+    }
+    decode = {
+        TTFT: 420.0,
+        QUEUE: 0.5,
+        "decode_prepare": 0.5,
+        "decode_bootstrap": 5.0,
+        "decode_transferred": 407.5,  # until the KV is in: 413 after intake, 410 sent
+        "decode_waiting": 0.5,
+        "fake_output": 1.5,
+    }
+    got = sglang_ttft.parts(431.0, {"prefill": prefill, "decode": decode})
+    assert got == {
+        "router + HTTP": 11.0,  # 431 at the client, 420 at the decode's tokenizer
+        "tokenizer + detokenizer": 5.0,  # 420 - 415 in the decode's scheduler
+        "intake + bootstrap": 7.0,
+        "queue": 1.0,
+        "prefill forward": 400.0,
+        "transfer exposed": 2.0,
+        "notify (residual)": 3.0,  # 413 - (7 + 1 + 400 + 2)
+        "first output": 2.0,
+    }
+    assert list(got) == list(sglang_ttft.PARTS)
+    assert sum(got.values()) == pytest.approx(431.0)
