@@ -890,40 +890,39 @@ def goodput_routine(args: argparse.Namespace) -> dict:
 GOODPUT_RATES = "1,2,3,3.5,4,5"
 
 
-def ttft_routine(args: argparse.Namespace) -> dict:
-    doc = {
-        "routine": "ttft",
+def _breakdown(args: argparse.Namespace, routine: str, module, **extra) -> dict:
+    """A TTFT breakdown (``ttft``: :mod:`ttft_breakdown`; ``sglang-ttft``:
+    :mod:`sglang_ttft`): its ``run`` with the command line's settings."""
+    return {
+        "routine": routine,
         "machine": machine(),
-        **ttft_breakdown.run(
-            (args.configs or ",".join(ttft_breakdown.CONFIGS)).split(","),
+        **module.run(
+            (args.configs or ",".join(module.CONFIGS)).split(","),
             int(args.lengths or 128),
             args.prompts or (3 if args.quick else 15),
             args.output_len,
             args.shape,
             Path(args.out),
             log=lambda m: console.print(f"[dim]{m}[/dim]"),
+            **extra,
         ),
     }
+
+
+def ttft_routine(args: argparse.Namespace) -> dict:
+    doc = _breakdown(args, "ttft", ttft_breakdown)
     console.print(_table("TTFT in parts (ms)", *ttft_breakdown.rows(doc)))
     return doc
 
 
 def sglang_ttft_routine(args: argparse.Namespace) -> dict:
-    doc = {
-        "routine": "sglang-ttft",
-        "machine": machine(),
-        **sglang_ttft.run(
-            (args.configs or ",".join(sglang_ttft.CONFIGS)).split(","),
-            int(args.lengths or 128),
-            args.prompts or (3 if args.quick else 15),
-            args.output_len,
-            args.shape,
-            Path(args.out),
-            log=lambda m: console.print(f"[dim]{m}[/dim]"),
-            transports=tuple(t for t in args.transports.split(",") if t),
-            pairs=args.reps or (4 if args.quick else 25),
-        ),
-    }
+    doc = _breakdown(
+        args,
+        "sglang-ttft",
+        sglang_ttft,
+        transports=tuple(t for t in args.transports.split(",") if t),
+        pairs=args.reps or (4 if args.quick else 25),
+    )
     console.print(_table("SGLang TTFT in parts (ms)", *ttft_breakdown.rows(doc)))
     console.print(_table("per layer vs per chunk, interleaved", *sglang_ttft.ab_rows(doc)))
     return doc

@@ -58,16 +58,9 @@ from typing import Any
 
 from report import md_report, measured_on
 from serving import fresh_dir
-from sglang_serving import (
-    CONFIGS as SERVING_CONFIGS,
-)
-from sglang_serving import (
-    PAGE,
-    REQUEST_TIMEOUT_S,
-    Deployment,
-    stage_totals,
-    warm_up,
-)
+from sglang_serving import CONFIGS as SERVING_CONFIGS
+from sglang_serving import PAGE, REQUEST_TIMEOUT_S, Deployment, stage_totals, warm_up
+from ttft_breakdown import rows, summarize
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
 from kvbridge.demo.servers import random_prompt
@@ -235,22 +228,7 @@ def run(
                         "parts": parts(client_ms, servers),
                     }
                 )
-        med = statistics.median(r["client_ttft_ms"] for r in rows)
-        traced = min(rows, key=lambda r: abs(r["client_ttft_ms"] - med))
-        result["configs"][name] = {
-            "requests": rows,
-            "ttft_median_ms": med,
-            "tpot_median_ms": statistics.median(r["client_tpot_ms"] for r in rows),
-            "second_median_ms": statistics.median(r["client_second_ms"] for r in rows),
-            "median_parts": {
-                k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"]
-            },
-            "traced": traced,
-        }
-        log(
-            f"{name}: TTFT median {med:.1f} ms; the median request: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in traced["parts"].items())
-        )
+        result["configs"][name] = summarize(name, rows, log)
     ref = result["configs"].get("colocated")
     if ref is not None:  # the same prompts everywhere: outputs comparable token for token
         for c in result["configs"].values():
@@ -345,8 +323,6 @@ def ab_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    from ttft_breakdown import rows
-
     m = doc["machine"]
     head, body = rows(doc)
     if all("same" in c for c in doc["configs"].values()):

@@ -277,24 +277,30 @@ def run(
                         "parts": parts(kind, client_ms, engines),
                     }
                 )
-            med = statistics.median(r["client_ttft_ms"] for r in rows)
-            traced = min(rows, key=lambda r: abs(r["client_ttft_ms"] - med))
-            result["configs"][name] = {
-                "kind": kind,
-                "requests": rows,
-                "ttft_median_ms": med,
-                "tpot_median_ms": statistics.median(r["client_tpot_ms"] for r in rows),
-                "second_median_ms": statistics.median(r["client_second_ms"] for r in rows),
-                "median_parts": {
-                    k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"]
-                },
-                "traced": traced,
-            }
-            log(
-                f"{name}: TTFT median {med:.1f} ms; the median request: "
-                + ", ".join(f"{k} {v:.1f}" for k, v in traced["parts"].items())
-            )
+            result["configs"][name] = {"kind": kind, **summarize(name, rows, log)}
     return result
 
 
-__all__ = ["CONFIGS", "PARTS", "markdown", "parts", "plot", "rows", "run"]
+def summarize(name: str, rows: list[dict[str, Any]], log: Callable[[str], None]) -> dict[str, Any]:
+    """One configuration's entry of a breakdown report from its requests' ``rows`` (each
+    with ``client_ttft_ms``, ``client_tpot_ms``, ``client_second_ms`` and ``parts``):
+    the medians, and the request whose TTFT is the median (``traced``), which it logs."""
+    med = statistics.median(r["client_ttft_ms"] for r in rows)
+    traced = min(rows, key=lambda r: abs(r["client_ttft_ms"] - med))
+    log(
+        f"{name}: TTFT median {med:.1f} ms; the median request: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in traced["parts"].items())
+    )
+    return {
+        "requests": rows,
+        "ttft_median_ms": med,
+        "tpot_median_ms": statistics.median(r["client_tpot_ms"] for r in rows),
+        "second_median_ms": statistics.median(r["client_second_ms"] for r in rows),
+        "median_parts": {
+            k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"]
+        },
+        "traced": traced,
+    }
+
+
+__all__ = ["CONFIGS", "PARTS", "markdown", "parts", "plot", "rows", "run", "summarize"]
