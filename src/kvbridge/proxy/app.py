@@ -693,12 +693,22 @@ class Proxy:
         elsewhere as in the other flows); after, it ends the stream with an error event.
         A client gone before the decode opened, or a decode that refuses the request
         outright (an HTTP error before any event), leaves the prefill's blocks to its
-        lease, as in the P-first flow."""
+        lease, as in the P-first flow. A first token that is part of a character is not
+        streamed: the decode then answers the client's request whole (P-first)."""
         result = await self._call_prefill(p, path, firsttoken.prefill_body(body, uuid.uuid4().hex))
         try:
             first = firsttoken.First(result)
         except firsttoken.MalformedAnswer as exc:
             raise _error(502, f"prefill instance {p.url} answered with {exc}") from None
+        if not first.last and not first.whole:
+            # part of a character (First.whole): nothing sent yet; the decode computes
+            # the first token itself from the prefill's KV, as in the P-first flow
+            d_body = dict(body, kv_transfer_params=first.params) if first.params else body
+            d_resp, opening = await self._decode_answer(p, d, self._open(d, path, d_body))
+            try:
+                return await self._relay(request, d, d_resp, opening)
+            finally:
+                d_resp.release()
         stitch = firsttoken.Stitch(body, first)
         out = web.StreamResponse(
             status=200,
