@@ -301,11 +301,13 @@ def test_the_prefill_answers_first_and_the_decode_continues_from_its_token() -> 
     assert cont["kv_transfer_params"] == _answer()["kv_transfer_params"]
 
 
-def test_a_first_token_that_is_part_of_a_character_is_left_to_the_decode() -> None:
-    """vLLM writes U+FFFD for a token that is part of a multibyte character; a decode
-    continuing from it would put out prompt text (``First.whole``). The client gets the
-    decode's own answer to its request, P-first: nothing of the prefill's token."""
-    answer = _answer(text="\ufffd")
+@pytest.mark.parametrize("text", ["\ufffd", ""])
+def test_a_first_token_that_is_part_of_a_character_is_left_to_the_decode(text: str) -> None:
+    """vLLM writes U+FFFD, or nothing, for a token that is part of a multibyte
+    character; a decode continuing from it would put out prompt text (``First.whole``).
+    The client gets the decode's own answer to its request, P-first: nothing of the
+    prefill's token."""
+    answer = _answer(text=text)
     status, data, _, d_seen = asyncio.run(_run(answer, _streams, BASE))
     assert status == 200
     assert [c["text"] for e in _events(data)[:-1] for c in e["choices"]] == [" a", " b"]

@@ -173,9 +173,10 @@ class First:
         finish = choice.get("finish_reason")
         self.last = finish != "length" or not token_ids
         """The prefill's token ended the request (an EOS or stop token): no decode."""
-        self.whole = "\ufffd" not in text
+        self.whole = bool(text) and "\ufffd" not in text
         """The token's text is whole characters. A token that is part of one (vLLM's
-        text has U+FFFD for it) cannot be continued: the decode's detokenizer, primed
+        text is empty, holding it back, or has U+FFFD) cannot be continued: the decode's
+        detokenizer, primed
         with a prompt that ends mid-character, puts out prompt text with its first token
         (measured: vLLM 0.32, a byte-level tokenizer)."""
 
