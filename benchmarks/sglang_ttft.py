@@ -206,11 +206,8 @@ def run(
                 if dep.prefill_url is None
                 else {"prefill": dep.servers[0].url, "decode": dep.servers[1].url}
             )
-            keys = {role: (*STAGES[role], *HISTOGRAMS) for role in roles}
-            keys = {
-                r: k if r != "prefill" else tuple(x for x in k if x != TTFT)
-                for r, k in keys.items()
-            }
+            # the prefill's tokenizer streams no token to anyone: no TTFT of its own
+            keys = {r: (*STAGES[r], QUEUE, *(() if r == "prefill" else (TTFT,))) for r in roles}
             rows = []
             for i in range(requests):
                 prompt = random_prompt(length, seed=60_000 + i)  # the same for every config

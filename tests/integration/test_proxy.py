@@ -357,9 +357,7 @@ def test_a_text_prompt_takes_the_prefill_s_first_token_too(
 ) -> None:
     p, d, c = servers.p, servers.d2, servers.c
     texts = (f"the quick brown fox {uuid.uuid4().hex} jumps over the dog" for _ in range(50))
-    text = next(
-        t for t in texts if (o := complete(c.url, t, max_tokens=1).text) and "\ufffd" not in o
-    )
+    text = next(t for t in texts if starts_whole(c, t))
     body = dict(STREAM, prompt=text)
     before = idle_state((p, d))  # an earlier test's transfer may still wait for its lease
     prompts = metric(d.url, "vllm:prompt_tokens_total")
@@ -404,13 +402,19 @@ def _printable_ids() -> tuple[int, ...]:
     )
 
 
+def starts_whole(c: VllmServer, prompt: str | list[int]) -> bool:
+    """Whether colocated ``c``'s first output token for ``prompt`` is whole characters
+    (a partial one is left to the decode: the unit tests cover that). Empty text: vLLM
+    holds a partial character back."""
+    text = reference(c, prompt, 1).text
+    return bool(text) and "\ufffd" not in text
+
+
 def whole_first_token(c: VllmServer, n: int) -> list[int]:
-    """A fresh prompt of ``n`` tokens whose first output token is whole characters on
-    colocated ``c`` (a partial one is left to the decode: the unit tests cover that)."""
+    """A fresh prompt of ``n`` tokens that :func:`starts_whole` on ``c``."""
     for _ in range(50):
         (prompt,) = fresh_prompts([n])
-        text = reference(c, prompt, 1).text
-        if text and "\ufffd" not in text:  # empty: vLLM holds a partial character back
+        if starts_whole(c, prompt):
             return prompt
     raise AssertionError("50 prompts in a row began with part of a character")
 

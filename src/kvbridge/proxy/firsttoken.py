@@ -176,9 +176,8 @@ class First:
         self.whole = bool(text) and "\ufffd" not in text
         """The token's text is whole characters. A token that is part of one (vLLM's
         text is empty, holding it back, or has U+FFFD) cannot be continued: the decode's
-        detokenizer, primed
-        with a prompt that ends mid-character, puts out prompt text with its first token
-        (measured: vLLM 0.32, a byte-level tokenizer)."""
+        detokenizer, primed with a prompt that ends mid-character, puts out prompt text
+        with its first token (measured: vLLM 0.32, a byte-level tokenizer)."""
 
 
 def _ids(value: Any) -> bool:
