@@ -4,8 +4,10 @@ two handoff flows driven directly (as a proxy would), and Prometheus metrics rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
+
+import psutil
 
 from kvbridge.demo import servers as launch
 from kvbridge.demo.model import SHAPES
@@ -79,6 +83,39 @@ def start_all(servers: Sequence[VllmServer], timeout: float = 600) -> None:
     took 320 s beside the other test stream's engines). In a fixture this deadline is
     the bound (pytest-timeout counts test bodies only); in a test body, both are."""
     launch.start_all(servers, timeout)
+
+
+def port_holders(port: int) -> list[str]:
+    """``"pid name state"`` of each process with a TCP socket on local ``port`` (for a
+    failure message: who keeps a server from its port)."""
+    held = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port:
+            name = "?"
+            with contextlib.suppress(psutil.Error, TypeError):
+                name = " ".join(psutil.Process(conn.pid).cmdline()[:4])
+            held.append(f"{conn.pid} {name} {conn.status}")
+    return held
+
+
+def wait_port_free(port: int, timeout: float = 30.0) -> None:
+    """Return once a server can bind ``port`` on 127.0.0.1 as vLLM's does
+    (``SO_REUSEADDR``), e.g. before a killed server is restarted on its port; fail
+    naming the holders after ``timeout``. Polls: nothing signals a port's release."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise AssertionError(
+                        f"port {port} still taken after {timeout:.0f} s ({exc}); held by "
+                        f"{port_holders(port) or 'no process visible'}"
+                    ) from None
+        time.sleep(0.1)
 
 
 TP_HANDSHAKE_S = 30.0

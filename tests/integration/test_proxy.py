@@ -32,8 +32,10 @@ from engine_helpers import (
     idle_state,
     kv_args,
     metric,
+    port_holders,
     reference,
     start_all,
+    wait_port_free,
 )
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
@@ -576,7 +578,11 @@ def test_a_prefill_killed_under_load_costs_clients_seconds_and_comes_back(
             log_path=tmp_path / "P2-restarted.log",
         )
         servers.p2 = restarted  # the module's teardown stops it
-        start_all([restarted])
+        wait_port_free(restarted.port)
+        try:
+            start_all([restarted])
+        except ServerError as exc:  # CI, 2026-12-07: the bind failed; say who held the port
+            raise AssertionError(f"P2's port held by {port_holders(restarted.port)}") from exc
         before = p2_served()
         deadline = time.monotonic() + 60
         while p2_served() == before:  # the proxy's own probe notices it: nothing to wait on

@@ -63,6 +63,22 @@ def test_free_port_never_hands_out_a_port_twice_or_one_sglang_derives_from_anoth
     assert free_port() == other
 
 
+@pytest.mark.parametrize("taken", [15_000, 16_000, 17_000, 15_000 - 240])
+def test_free_port_keeps_out_of_mooncake_s_ports(
+    monkeypatch: pytest.MonkeyPatch, taken: int
+) -> None:
+    """A Mooncake transfer engine in any process binds ports at random in 15000-17000
+    (CI's vLLM stream drew from 10000-16999: a server could lose its port to one); an
+    SGLang server also listens 233-240 above its own. Such a draw is drawn anew."""
+    if servers._ephemeral_low() <= 17_001:
+        pytest.skip("no port range below the ephemeral one to draw from")
+    monkeypatch.setattr(servers, "_ports_handed_out", set())  # none drawn before
+    other = next(p for p in range(10_000, 14_000) if servers._may_hand_out(p))
+    draws = iter([taken, other])
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+    assert free_port() == other
+
+
 @pytest.fixture
 def sse() -> Iterator[tuple[str, list[list[str]]]]:
     """A server answering each POST with the next list of ``data:`` payloads."""

@@ -137,6 +137,9 @@ def free_port(host: str = "127.0.0.1") -> int:
       with DP or TP above 1), and SGLang draws its ``torch.distributed`` store port from
       22000-29999 (seen: a decode failing to start, its ``p + 234`` held by the prefill's
       store);
+    - not in 15000-17000, nor 233-240 below it: Mooncake's transfer engine binds its
+      handshake and TCP-transport ports at random there (``MC_MIN_RPC_PORT`` to
+      ``MC_MAX_RPC_PORT``), in any process on the machine, whenever one starts;
     - ``KVBRIDGE_PORT_RANGE=lo-hi`` (inclusive, inside the range above) narrows the draw:
       processes that start servers side by side (``make test``'s streams) each take a range
       of their own, so that one's choice cannot race another's slow bind."""
@@ -184,12 +187,22 @@ def _port_range() -> tuple[int, int]:
 def _may_hand_out(port: int) -> bool:
     if port == 0:
         return True  # the kernel's choice: checked once bound
+    if port in _MOONCAKE_PORTS_NEAR:
+        return False
     return port not in _ports_handed_out and not any(
         abs(port - q) in _SGLANG_DERIVED_PORTS for q in _ports_handed_out
     )
 
 
 _SGLANG_DERIVED_PORTS = range(233, 241)
+_MOONCAKE_PORTS = range(15_000, 17_001)
+"""Where Mooncake's transfer engine draws its ports (measured: 80 ports of 40 engines fell
+in 15027-16991; its ``MC_MIN_RPC_PORT`` and ``MC_MAX_RPC_PORT`` move them)."""
+_MOONCAKE_PORTS_NEAR = range(
+    _MOONCAKE_PORTS.start - _SGLANG_DERIVED_PORTS[-1], _MOONCAKE_PORTS.stop
+)
+"""Ports :func:`free_port` never hands out: Mooncake's, and those an SGLang server would
+derive into Mooncake's."""
 _SGLANG_STORE_PORTS_LOW = 22_000
 _ports_handed_out: set[int] = set()
 _ports_lock = threading.Lock()
