@@ -740,15 +740,21 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
         for r in doc["post"]
     ]
     waiter = [
-        [str(r["nice"]), f"{r['cpu_share']:.0%}", f"{r['resume_ms']:.0f}"] for r in doc["waiter"]
+        [r["wait"], str(r["nice"]), f"{r['cpu_share']:.0%}", f"{r['resume_ms']:.0f}"]
+        for r in doc["waiter"]
     ]
-    stream = doc.get("streaming", [])
-    base = next((r["median_gbps"] for r in stream if r["nice"] == 0), None)
+    stream = doc["streaming"]
+    base = {r["prompt"]: r["median_ms"] for r in stream if (r["wait"], r["nice"]) == ("spin", 10)}
     streaming = [
         [
+            r["prompt"],
+            f"{r['blocks']} x {r['block_bytes'] >> 10} KiB",
+            r["wait"],
             str(r["nice"]),
+            f"{r['median_ms']:.1f}",
+            f"{r['median_cpu_ms']:.1f}",
             f"{r['median_gbps']:.2f}",
-            f"{r['median_gbps'] / base:.2f}" if base else "-",
+            f"{r['median_ms'] / base[r['prompt']]:.2f}",
         ]
         for r in stream
     ]
@@ -763,16 +769,29 @@ def _transport_costs_tables(doc: dict) -> list[tuple[str, list[str], list[list[s
             post,
         ),
         (
-            f"Mooncake batch waiting on a stopped peer beside {busy} busy processes",
-            ["waiter_nice", "CPU taken (share of one core)", "done after resume (ms)"],
+            (
+                f"Mooncake transfer waiting on a stopped peer beside {busy} busy processes "
+                "(spin: the engine's busy wait; poll: kvbridge's)"
+            ),
+            ["wait", "waiter_nice", "CPU taken (share of one core)", "done after resume (ms)"],
             waiter,
         ),
         (
             (
-                f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one batch "
-                f"each of {transport_costs.BLOCKS} x 64 KiB), medians of {doc['reps']}"
+                f"Mooncake, a request's {transport_costs.LAYERS} layers posted at once (one "
+                f"transfer each), medians of {doc['reps']}; time against spin at nice 10 "
+                "(kvbridge before 2026-12-07)"
             ),
-            ["waiter_nice", "GB/s", "vs nice 0"],
+            [
+                "prompt",
+                "per layer",
+                "wait",
+                "waiter_nice",
+                "ms",
+                "sender CPU ms",
+                "GB/s",
+                "time vs spin at 10",
+            ],
             streaming,
         ),
     ]
@@ -808,17 +827,20 @@ def plot_transport_costs(doc: dict, path: Path) -> None:
     ax1.set_title("NIXL: prepared tables vs one-post lists", fontsize=10)
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
-    nices = [str(r["nice"]) for r in doc["waiter"]]
-    ax2.bar(nices, [r["cpu_share"] for r in doc["waiter"]])
-    ax2.set_xlabel("mooncake.waiter_nice")
+    ways = [f"{r['wait']}\nnice {r['nice']}" for r in doc["waiter"]]
+    ax2.bar(ways, [r["cpu_share"] for r in doc["waiter"]])
+    ax2.set_xlabel("way of waiting, mooncake.waiter_nice")
     ax2.set_ylabel("CPU taken while waiting (share of one core)")
-    ax2.set_title("Mooncake: a batch waiting on a stopped peer, CPUs busy", fontsize=10)
+    ax2.set_title("Mooncake: a transfer waiting on a stopped peer, CPUs busy", fontsize=10)
     ax2.grid(alpha=0.3, axis="y")
-    stream = doc.get("streaming", [])
-    ax3.bar([str(r["nice"]) for r in stream], [r["median_gbps"] for r in stream])
-    ax3.set_xlabel("mooncake.waiter_nice")
-    ax3.set_ylabel("GB/s (median)")
+    stream = doc["streaming"]
+    labels = [f"{r['prompt']}\n{r['wait']} {r['nice']}" for r in stream]
+    ax3.bar(labels, [r["median_cpu_ms"] for r in stream], label="sender CPU ms")
+    ax3.bar(labels, [r["median_ms"] for r in stream], fill=False, label="request ms")
+    ax3.set_yscale("log")
+    ax3.set_ylabel("ms (median)")
     ax3.set_title("Mooncake: a request's layers posted at once", fontsize=10)
+    ax3.legend(fontsize=8)
     ax3.grid(alpha=0.3, axis="y")
     fig.suptitle(
         f"kvbridge transport costs ({doc['machine']['date']}, {doc['machine']['cpus']} CPUs)",

@@ -13,17 +13,21 @@ descriptors picked at random from a 4096-entry table:
 Timed from building the descriptors to ``post`` returning; the wait is not timed. Each
 sample is the mean of ``CALLS`` posts; methods alternate sample by sample.
 
-``waiter``: Mooncake's ``batch_transfer_sync`` waits for its batch in a busy loop. One
-batch waits ``HOLD_S`` seconds on a peer process stopped with SIGSTOP, beside one busy
-process per CPU; measured: this process's CPU time in that window, and how long the
-batch takes to complete once the peer resumes, for each ``mooncake.waiter_nice``
-(0: the threads that wait keep the process's priority).
+``waiter``: how a Mooncake transfer is waited for. ``spin``: the engine's
+``batch_transfer_sync``, which waits in a busy loop (kvbridge's way until 2026-12-07,
+swapped back into the transport for this comparison); ``poll``: the transport as it is
+(a batch of one per descriptor, looked at with growing pauses). One transfer waits
+``HOLD_S`` seconds on a peer process stopped with SIGSTOP, beside one busy process per
+CPU; measured: this process's CPU time in that window, and how long the transfer takes
+to complete once the peer resumes, for each way and ``mooncake.waiter_nice`` of
+``WAITS`` (0: the threads that wait keep the process's priority).
 
-``streaming``: what those waiters cost a live transfer. A request's ``LAYERS`` layers
-posted at once, one Mooncake batch per layer of ``BLOCKS`` 64 KiB blocks at random
-places (as layer-wise streaming posts them), to a cache in a second process, then
-waited for; two transports alive side by side, one per ``waiter_nice`` of
-``STREAM_NICES``, timed alternately in the same run.
+``streaming``: what the waiting costs a live transfer. A request's ``LAYERS`` layers
+posted at once, one transfer per layer of ``blocks`` blocks at random places (as
+layer-wise streaming posts them), to a cache in a second process, then waited for;
+for each prompt of ``STREAM_SHAPES`` one transport per way and nice of ``STREAMS``,
+alive side by side and timed alternately in the same run: the request's time and
+this process's CPU time over it.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ CALLS = 50
 """Posts per timed sample."""
 TABLE = 4096
 """Descriptors in the prepared tables (4 KiB each)."""
-NICES = (0, 10, 19)
+WAITS = (("spin", 0), ("spin", 10), ("spin", 19), ("poll", 10))
+"""(way of waiting, ``waiter_nice``) pairs of the ``waiter`` section."""
 HOLD_S = 2.0
 """How long the batch waits on the stopped peer while CPU time is counted."""
 
@@ -118,6 +123,17 @@ def post_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
         b.close()
 
 
+def _wait_by(transport: object, wait: str) -> None:
+    """Make a Mooncake ``transport`` wait its transfers' way ``wait``: ``poll`` leaves it
+    as it is; ``spin`` swaps in the engine's busy-waiting ``batch_transfer_sync``."""
+    if wait == "spin":
+
+        def spin(engine, endpoint, src, dst, length, opcode) -> int:
+            return engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+
+        transport._move = spin  # type: ignore[attr-defined]
+
+
 def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
     from kvbridge.config import load_config
     from kvbridge.transports.testing import Local, Peer, unique
@@ -126,16 +142,17 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
         for _ in range(os.cpu_count() or 1)
     ]
-    samples: dict[int, list[tuple[float, float]]] = {nice: [] for nice in NICES}
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {w: [] for w in WAITS}
     try:
         for _ in range(reps):
-            for nice in NICES:
+            for wait, nice in WAITS:
                 cfg = load_config(
                     {"timeouts": {"transfer_s": 30}, "mooncake": {"waiter_nice": nice}}
                 )
                 with Peer("mooncake", unique("waiter-peer"), nbytes=8 << 20) as peer:
                     local = Local("mooncake", nbytes=8 << 20, config=cfg)
                     try:
+                        _wait_by(local.t, wait)
                         pid = local.connect(peer)
                         size = 1 << 20
                         lt = local.table(np.arange(8) * size, size)
@@ -147,12 +164,12 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
                             cpu = time.process_time() - c0
                         t0 = time.monotonic()
                         local.t.wait(x, 30)
-                        samples[nice].append((cpu, time.monotonic() - t0))
+                        samples[wait, nice].append((cpu, time.monotonic() - t0))
                     finally:
                         local.close()
                 log(
-                    f"waiter nice {nice}: {cpu:.2f} s CPU in {HOLD_S} s, done "
-                    f"{samples[nice][-1][1] * 1e3:.0f} ms after the peer resumed"
+                    f"{wait} at nice {nice}: {cpu:.2f} s CPU in {HOLD_S} s, done "
+                    f"{samples[wait, nice][-1][1] * 1e3:.0f} ms after the peer resumed"
                 )
     finally:
         for h in hogs:
@@ -160,6 +177,7 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
             h.wait()
     return [
         {
+            "wait": wait,
             "nice": nice,
             "busy_processes": len(hogs),
             "hold_s": HOLD_S,
@@ -167,63 +185,87 @@ def waiter_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
             "resume_ms": statistics.median(r for _, r in s) * 1e3,
             "samples": [{"cpu_s": c, "resume_s": r} for c, r in s],
         }
-        for nice, s in samples.items()
+        for (wait, nice), s in samples.items()
     ]
 
 
 LAYERS = 32
-BLOCKS = 64
-STREAM_NICES = (0, 10)
+STREAM_SHAPES = (("long", 64, 64 << 10), ("short", 2, 16 << 10))
+"""(prompt, blocks per layer, block bytes): a long prompt's layers, and a short one's (a
+128-token prompt of a small model, per layer)."""
+STREAMS = (("spin", 0), ("spin", 10), ("poll", 10))
+"""(way of waiting, ``waiter_nice``) of the transports compared in ``streaming``."""
 
 
 def streaming_costs(reps: int, log: Callable[[str], None]) -> list[dict]:
+    return [r for shape in STREAM_SHAPES for r in _streaming(*shape, reps, log)]
+
+
+def _streaming(
+    prompt: str, blocks: int, size: int, reps: int, log: Callable[[str], None]
+) -> list[dict]:
     from kvbridge.config import load_config
     from kvbridge.transports.testing import Local, Peer, unique
 
-    size, slots = 64 << 10, 2 * LAYERS * BLOCKS
+    slots = 2 * LAYERS * blocks
     rng = np.random.default_rng(1)
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {w: [] for w in STREAMS}
     with Peer("mooncake", unique("stream-peer"), nbytes=slots * size) as peer:
         sides = {}
         try:
-            for nice in STREAM_NICES:
+            for wait, nice in STREAMS:
                 local = Local(
                     "mooncake",
                     nbytes=slots * size,
                     config=load_config({"mooncake": {"waiter_nice": nice}}),
                 )
+                _wait_by(local.t, wait)
                 pid = local.connect(peer)
                 every = np.arange(slots)
-                sides[nice] = (
+                sides[wait, nice] = (
                     local,
                     local.table(every * size, size),
                     local.table(every * size, size, peer=pid, base=peer.base),
                 )
-            times: dict[int, list[float]] = {nice: [] for nice in STREAM_NICES}
             for _ in range(reps):
-                for nice, (local, lt, rt) in sides.items():
+                for key, (local, lt, rt) in sides.items():
                     picks = [
-                        rng.choice(slots, BLOCKS, replace=False).astype(np.int32)
+                        rng.choice(slots, blocks, replace=False).astype(np.int32)
                         for _ in range(LAYERS)
                     ]
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     xs = [local.t.post("write", lt, p, rt, p) for p in picks]
                     for x in xs:
                         local.t.wait(x, 60)
-                    times[nice].append(time.perf_counter() - t0)
+                    times[key].append((time.perf_counter() - t0, time.process_time() - c0))
                     for x in xs:
                         local.t.release(x)
         finally:
             for local, _, _ in sides.values():
                 local.close()
-    nbytes = LAYERS * BLOCKS * size
+    nbytes = LAYERS * blocks * size
     out = []
-    for nice, ts in times.items():
-        gbps = nbytes / statistics.median(ts) / 1e9
+    for (wait, nice), ts in times.items():
+        took = statistics.median(t for t, _ in ts)
+        cpu = statistics.median(c for _, c in ts)
         log(
-            f"streaming {LAYERS} layer batches at waiter_nice {nice}: {gbps:.2f} GB/s (median of "
-            f"{reps})"
+            f"{prompt} prompt, {LAYERS} layer transfers, {wait} at nice {nice}: "
+            f"{took * 1e3:.1f} ms, {cpu * 1e3:.1f} ms CPU (medians of {reps})"
         )
-        out.append({"nice": nice, "nbytes": nbytes, "times_s": ts, "median_gbps": gbps})
+        out.append(
+            {
+                "prompt": prompt,
+                "wait": wait,
+                "nice": nice,
+                "blocks": blocks,
+                "block_bytes": size,
+                "nbytes": nbytes,
+                "samples": [{"s": t, "cpu_s": c} for t, c in ts],
+                "median_ms": took * 1e3,
+                "median_cpu_ms": cpu * 1e3,
+                "median_gbps": nbytes / took / 1e9,
+            }
+        )
     return out
 
 

@@ -115,13 +115,12 @@ class MooncakeOptions(_Section):
     """Sets ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` unless already set."""
 
     waiter_nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 10
-    """Nice value of the threads that wait on the engine's batches (Linux, per thread;
-    0: leave them at the process's priority). The engine's ``batch_transfer_sync`` waits
-    for completion in a busy loop, a whole core per batch in flight, also while a peer
-    is slow or frozen. Measured beside one busy process per CPU (``benchmarks/run.py
-    transport-costs``, 2 CPUs): the waiting thread took 68% of a core at 0, 10% at 10,
-    2% at 19; it noticed completion 9-25, 24-35 and 88-140 ms after the peer resumed;
-    a request's layers streamed at 1.73x the bytes per second at 10 than at 0."""
+    """Nice value of the threads that submit transfers to the engine and wait for them
+    (Linux, per thread; 0: leave them at the process's priority). They no longer
+    busy-wait as the engine's own ``batch_transfer_sync`` does (a whole core per batch
+    in flight, also while a peer is slow or frozen); they look at pending transfers
+    with pauses, so this matters little now (``benchmarks/run.py transport-costs``
+    compares both ways at several values)."""
 
     progress_timeout_s: PositiveInt | None = None
     """Sets ``MC_TCP_PROGRESS_TIMEOUT_SEC`` unless already set: how long a TCP lane may

@@ -1,11 +1,11 @@
 """Mooncake's retry of a batch that fails while its peer is alive: a real engine and a
-real peer process on loopback; only the failures are injected (the engine's
-``batch_transfer_sync`` answers -1 a given number of times before it runs)."""
+real peer process on loopback; only the failures are injected (the transport's attempt
+at a transfer answers -1 a given number of times before it runs)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -18,24 +18,22 @@ pytestmark = pytest.mark.conformance
 KiB = 1 << 10
 
 
-class _FailingEngine:
-    """The real engine, whose next ``failures`` batches fail as a broken TCP lane's do
-    (rc -1, peer still answering probes) without moving anything."""
+class _FailingMoves:
+    """The transport's own attempt at one transfer (``_move``), whose next ``failures``
+    calls fail as a broken TCP lane's do (rc -1, peer still answering probes) without
+    moving anything."""
 
-    def __init__(self, engine: object, failures: int) -> None:
-        self._engine = engine
+    def __init__(self, move: Callable[..., int], failures: int) -> None:
+        self._move = move
         self.failures = failures
         self.batches = 0
 
-    def batch_transfer_sync(self, *args: object) -> int:
+    def __call__(self, *args: object) -> int:
         self.batches += 1
         if self.failures > 0:
             self.failures -= 1
             return -1
-        return self._engine.batch_transfer_sync(*args)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._engine, name)
+        return self._move(*args)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,7 @@ def pair() -> Iterator[tuple[Local, Peer]]:
             local.close()
 
 
-def _write(local: Local, peer: Peer, failures: int, seed: int) -> tuple[_FailingEngine, float]:
+def _write(local: Local, peer: Peer, failures: int, seed: int) -> tuple[_FailingMoves, float]:
     """Inject ``failures``, write 64 KiB with a notification; (engine, seconds taken).
     Raises what the transport raises."""
     from kvbridge.transports.mooncake import MooncakeTransport
@@ -61,8 +59,8 @@ def _write(local: Local, peer: Peer, failures: int, seed: int) -> tuple[_Failing
     peer.call("zero")
     lt = local.table(np.arange(n) * size, size)
     rt = local.table(np.arange(n) * size, size, peer=local.peer_id, base=peer.base)  # type: ignore[attr-defined]
-    real, flaky = t._engine, _FailingEngine(t._engine, failures)
-    t._engine = flaky
+    flaky = _FailingMoves(t._move, failures)
+    t._move = flaky  # type: ignore[method-assign]
     start = time.monotonic()
     try:
         x = t.post("write", lt, np.arange(n), rt, np.arange(n), notify=f"seed-{seed}".encode())
@@ -71,7 +69,7 @@ def _write(local: Local, peer: Peer, failures: int, seed: int) -> tuple[_Failing
         finally:
             t.release(x)
     finally:
-        t._engine = real
+        del t._move  # the class's again
     return flaky, time.monotonic() - start
 
 
@@ -159,26 +157,30 @@ def test_a_lane_that_moves_nothing_is_dropped_in_a_third_of_the_transfer_deadlin
     assert os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "7", "the user's setting wins"
 
 
-class _NiceRecorder(_FailingEngine):
-    """The real engine, recording the nice value of each thread that waits on a batch."""
+class _NiceRecorder:
+    """The real engine, recording the nice value of each thread that submits a batch
+    (and then waits for it)."""
 
     def __init__(self, engine: object) -> None:
-        super().__init__(engine, 0)
+        self._engine = engine
         self.nice: list[int] = []
 
-    def batch_transfer_sync(self, *args: object) -> int:
+    def batch_transfer_async(self, *args: object) -> int:
         import os
         import threading
 
         self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        return super().batch_transfer_sync(*args)
+        return self._engine.batch_transfer_async(*args)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
 
 
 @pytest.mark.parametrize("nice", [19, 0])
 def test_the_threads_waiting_on_batches_run_at_the_configured_nice(nice: int) -> None:
-    """``batch_transfer_sync`` busy-waits (a core per batch in flight); the pool threads
-    that call it run at ``mooncake.waiter_nice`` (0: the process's own priority), and
-    the batch still lands."""
+    """The pool threads that submit and wait for transfers run at
+    ``mooncake.waiter_nice`` (0: the process's own priority), and the transfer still
+    lands."""
     import os
 
     from kvbridge.config import load_config
@@ -254,3 +256,38 @@ def test_a_child_process_does_not_take_the_engine_settings_kvbridge_made_for_the
 
     assert child() == ["10", "30"], "the child follows its own config (transfer_s 30)"
     assert child(MC_TCP_PROGRESS_TIMEOUT_SEC="7") == ["7", "30"], "a value the user set wins"
+
+
+def test_a_transfer_waiting_on_a_stopped_peer_takes_no_core() -> None:
+    """The engine's own waits (``batch_transfer_sync``, ``get_batch_transfer_status``)
+    spin, a core per transfer in flight, for as long as the peer takes (on a small
+    machine: the serving engine's forward loses it). The transport's waiting thread,
+    at the process's own priority (``waiter_nice: 0``, where a spin takes all it
+    can), uses a small share of a core while a stopped peer holds a transfer, and the
+    transfer lands once the peer resumes."""
+    import time
+
+    from kvbridge.config import load_config
+    from kvbridge.errors import DeadlineExceeded
+
+    size, n = 1 << 20, 8  # more than the socket buffers hold: the transfer waits on the peer
+    config = load_config({"timeouts": {"transfer_s": 30}, "mooncake": {"waiter_nice": 0}})
+    with Peer("mooncake", unique("stopped-peer"), nbytes=n * size) as peer:
+        local = Local("mooncake", nbytes=n * size, config=config)
+        try:
+            pid = local.connect(peer)
+            local.buf[: n * size] = pattern(11, n * size)
+            lt = local.table(np.arange(n) * size, size)
+            rt = local.table(np.arange(n) * size, size, peer=pid, base=peer.base)
+            with peer.paused():
+                x = local.t.post("write", lt, np.arange(n), rt, np.arange(n))
+                c0, t0 = time.process_time(), time.monotonic()
+                with pytest.raises(DeadlineExceeded):
+                    local.t.wait(x, 1.0)
+                share = (time.process_time() - c0) / (time.monotonic() - t0)
+            local.t.wait(x, 30)
+            local.t.release(x)
+            assert share < 0.25, f"waiting took {share:.0%} of a core"
+            assert peer.call("digest", 0, n * size) == digest(local.buf[: n * size])
+        finally:
+            local.close()

@@ -7,11 +7,13 @@ metadata server), and what it avoids:
 
 - the protocol is validated here: the engine silently falls back to TCP for an unknown
   protocol string or when RDMA is asked for without a device;
-- a transfer is one ``batch_transfer_sync`` call, run on a thread pool *per peer* (the
-  engine releases the GIL). A batch to a frozen peer blocks its thread for a minute
-  and more whatever ``MC_TRANSFER_TIMEOUT`` says; per-peer pools keep that from
-  starving transfers to other peers. Descriptors are coalesced first (runs adjacent on
-  both sides merge): the engine pays per descriptor;
+- a transfer runs on a thread pool *per peer* (engine calls release the GIL): its
+  descriptors are submitted, each as a batch of one (``batch_transfer_async``), then
+  polled (``transfer_check_status``) with pauses growing to :data:`POLL_PAUSE_MAX_S`,
+  never waited on with the engine's own calls (below). A transfer to a frozen peer
+  holds its thread until the engine fails it; per-peer pools keep that from starving
+  transfers to other peers. Descriptors are coalesced first (runs adjacent on both
+  sides merge): the engine pays per descriptor;
 - notifications do not use the engine's ``TransferNotify``: it is delivered by an RPC
   under the engine's global lock, so one frozen peer stalls every transfer. They go
   over ZeroMQ (:mod:`.notifier`), sent by the worker after the engine reports the
@@ -29,12 +31,17 @@ metadata server), and what it avoids:
   ``transfer_s``: measured, a write to a peer that stops reading fails after exactly
   that time) and ``MC_LOG_LEVEL`` defaults to WARNING, as INFO logs every batch (each
   unless the user set it);
-- ``batch_transfer_sync`` waits for the batch in a busy loop (GIL released): one core
-  per batch in flight for as long as it takes (measured: 3.0 s of CPU in 3.0 s for a
-  batch to a stopped peer). On a small machine that starves the engine's own TCP
-  threads, the peer and the serving engine. The pool threads that make the call run at
-  nice ``waiter_nice`` (10; Linux, that thread alone), so the loop yields the CPU to
-  whatever else wants it (``MooncakeOptions.waiter_nice`` has the measurements);
+- the engine's ``batch_transfer_sync`` and ``get_batch_transfer_status`` wait in a busy
+  loop (GIL released): one core per batch in flight for as long as it takes (measured:
+  3.0 s of CPU in 3.0 s for a batch to a stopped peer), which on a small machine
+  starves the engine's TCP threads, the peer and the serving engine's forward (SGLang,
+  128 tokens, 2 CPUs: per layer cost the prefill's forward 20-25 ms more than per
+  chunk). ``transfer_check_status`` does not wait, but reads a batch's first task only:
+  hence batches of one. Measured side by side (``benchmarks/run.py transport-costs``,
+  2 CPUs): a request's 32 layer transfers took 0.82x the time with half the sending
+  process's CPU (64 x 64 KiB a layer), 0.56x with 44% (2 x 16 KiB), and waiting on a
+  stopped peer took 4% of a core against 10% (the busy wait at nice 10). The pool
+  threads still run at nice ``waiter_nice`` (Linux, that thread alone);
 - the engine returns -1 for any failure; the worker then runs ``send_probe`` to tell a
   dead peer from a rejected transfer and, while the peer answers, retries the batch
   after growing pauses (:data:`RETRY_PAUSES_S`): a TCP lane can fail transiently (an
@@ -51,6 +58,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -115,6 +123,17 @@ RETRY_PAUSES_S = (0.05, 0.5, 1.5)
 later ones outlast the cool-down after which Mooncake's TCP transport reconnects a
 failed lane (about 1 s); all of them together stay well inside any transfer
 deadline (``MC_TRANSFER_TIMEOUT`` is at least 5 s)."""
+
+
+POLL_PAUSE_FIRST_S = 20e-6
+"""The first pause between two looks at a pending descriptor; each later one doubles."""
+POLL_PAUSE_MAX_S = 0.5e-3
+"""The longest pause: what waiting costs a transfer beyond its completion, at most (a
+look costs about a microsecond; at this pace a long transfer's waiting thread wakes
+2,000 times a second)."""
+_BATCH_IDS = range(1, 1 << 63)
+"""What ``batch_transfer_async`` returns for a submitted batch (an address); 0 (refused)
+and 2**64 - 1 (the peer's segment would not open) are failures."""
 
 
 def progress_timeout_s(options: MooncakeOptions, transfer_timeout_s: float) -> int:
@@ -267,7 +286,7 @@ class MooncakeTransport(TransportBase):
         """Worker side: run one batch; on success send its notification, on failure
         probe the peer (every engine call here may block)."""
         engine = self._engine  # close() may drop the attribute while we run; not the engine
-        rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+        rc = self._move(engine, endpoint, src, dst, length, opcode)
         probe = 0
         for attempt, pause in enumerate(RETRY_PAUSES_S, 1):
             if rc == 0:
@@ -284,13 +303,53 @@ class MooncakeTransport(TransportBase):
                 attempt,
                 len(RETRY_PAUSES_S),
             )
-            rc = engine.batch_transfer_sync(endpoint, src, dst, length, opcode, None)
+            rc = self._move(engine, endpoint, src, dst, length, opcode)
             probe = 0
         if rc == 0:
             if notify is not None:
                 self._notifier.send(peer, self.agent_name, notify)
             return 0, 0
         return rc, (probe if probe != 0 else engine.send_probe(endpoint))
+
+    def _move(
+        self,
+        engine: TransferEngine,
+        endpoint: str,
+        src: list[int],
+        dst: list[int],
+        length: list[int],
+        opcode: object,
+    ) -> int:
+        """Worker side: move one transfer's descriptors, each a batch of one, and look at
+        them in order until each has ended; 0 if all landed, else the engine's failure
+        (-1 failed, -2 timed out) or -1 (refused, or no end within the engine's own
+        deadline for a batch of these bytes, as ``batch_transfer_sync`` gives: the
+        transfer timeout plus a second per GB). Returns only once no descriptor is left
+        that the engine reports as moving, or at that deadline."""
+        rc, ids = 0, []
+        for s, d, n in zip(src, dst, length, strict=True):
+            batch = engine.batch_transfer_async(endpoint, [s], [d], [n], opcode)
+            if batch not in _BATCH_IDS:
+                rc = -1
+                break  # those submitted are still waited for: their memory is in use
+            ids.append(batch)
+        deadline = time.monotonic() + self._engine_timeout_s + sum(length) / 1e9
+        for batch in ids:
+            pause = POLL_PAUSE_FIRST_S
+            while (status := engine.transfer_check_status(batch)) == 0:
+                if time.monotonic() > deadline:
+                    log.error(
+                        "kvbridge: Mooncake transfer to %s still moving %d descriptors "
+                        "after the engine's deadline; giving up on it",
+                        endpoint,
+                        len(ids) - ids.index(batch),
+                    )
+                    return -1
+                time.sleep(pause)  # the binding offers no completion event
+                pause = min(2 * pause, POLL_PAUSE_MAX_S)
+            if status != 1 and rc == 0:
+                rc = status
+        return rc
 
     def _log_probe(self, peer: str, future: cf.Future[tuple[int, int]]) -> None:
         """A background ``add_peer`` probe ended (its pool thread): a failure only
