@@ -177,7 +177,8 @@ class First:
         """The token's text is whole characters. A token that is part of one (vLLM's
         text is empty, holding it back, or has U+FFFD) cannot be continued: the decode's
         detokenizer, primed with a prompt that ends mid-character, puts out prompt text
-        with its first token (measured: vLLM 0.32, a byte-level tokenizer)."""
+        with its first token (measured: vLLM 0.32, a byte-level tokenizer; vLLM's
+        ``FastIncrementalDetokenizer``, vllm-project/vllm#48853)."""
 
 
 def _ids(value: Any) -> bool:
