@@ -48,6 +48,7 @@ from kvbridge.demo.servers import (
     post_json,
     random_prompt,
 )
+from kvbridge.proxy import firsttoken
 
 MAX_TOKENS = 10
 
@@ -408,8 +409,7 @@ def starts_whole(c: VllmServer, prompt: str | list[int]) -> bool:
     """Whether colocated ``c``'s first output token for ``prompt`` is whole characters
     (a partial one is left to the decode: the unit tests cover that). Empty text: vLLM
     holds a partial character back."""
-    text = reference(c, prompt, 1).text
-    return bool(text) and "\ufffd" not in text
+    return firsttoken.whole(reference(c, prompt, 1).text)
 
 
 def whole_first_token(c: VllmServer, n: int) -> list[int]:

@@ -449,6 +449,20 @@ class Proxy:
                 "kvbridge or NixlConnector as "
                 "kv_producer? connectors that share KV through storage need --flow sequential)",
             )
+        return await self._decode_from(request, path, body, params, p, d)
+
+    async def _decode_from(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        params: dict[str, Any] | None,
+        p: Instance,
+        d: Instance,
+    ) -> web.StreamResponse:
+        """Decode ``d`` answers the client's request whole from prefill ``p``'s KV
+        (``params``: the prefill's ``kv_transfer_params``), relayed to the client: the
+        P-first flows' second half."""
         d_resp, first = await self._decode_answer(
             p, d, self._open(d, path, dict(body, kv_transfer_params=params) if params else body)
         )
@@ -703,12 +717,7 @@ class Proxy:
         if not first.last and not first.whole:
             # part of a character (First.whole): nothing sent yet; the decode computes
             # the first token itself from the prefill's KV, as in the P-first flow
-            d_body = dict(body, kv_transfer_params=first.params) if first.params else body
-            d_resp, opening = await self._decode_answer(p, d, self._open(d, path, d_body))
-            try:
-                return await self._relay(request, d, d_resp, opening)
-            finally:
-                d_resp.release()
+            return await self._decode_from(request, path, body, first.params, p, d)
         stitch = firsttoken.Stitch(body, first)
         out = web.StreamResponse(
             status=200,

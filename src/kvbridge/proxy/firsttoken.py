@@ -173,12 +173,17 @@ class First:
         finish = choice.get("finish_reason")
         self.last = finish != "length" or not token_ids
         """The prefill's token ended the request (an EOS or stop token): no decode."""
-        self.whole = bool(text) and "\ufffd" not in text
-        """The token's text is whole characters. A token that is part of one (vLLM's
-        text is empty, holding it back, or has U+FFFD) cannot be continued: the decode's
-        detokenizer, primed with a prompt that ends mid-character, puts out prompt text
-        with its first token (measured: vLLM 0.32, a byte-level tokenizer; vLLM's
-        ``FastIncrementalDetokenizer``, vllm-project/vllm#48853)."""
+        self.whole = whole(text)
+        """The token's text is whole characters (:func:`whole`)."""
+
+
+def whole(text: str) -> bool:
+    """Whether a token's text is whole characters. For a token that is part of one,
+    vLLM's text is empty (held back) or has U+FFFD; such a token cannot be continued:
+    the decode's detokenizer, primed with a prompt that ends mid-character, puts out
+    prompt text with its first token (measured: vLLM 0.32, a byte-level tokenizer;
+    vLLM's ``FastIncrementalDetokenizer``, vllm-project/vllm#48853)."""
+    return bool(text) and "\ufffd" not in text
 
 
 def _ids(value: Any) -> bool:

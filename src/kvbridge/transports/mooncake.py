@@ -334,7 +334,7 @@ class MooncakeTransport(TransportBase):
                 break  # those submitted are still waited for: their memory is in use
             ids.append(batch)
         deadline = time.monotonic() + self._engine_timeout_s + sum(length) / 1e9
-        for batch in ids:
+        for i, batch in enumerate(ids):
             pause = POLL_PAUSE_FIRST_S
             while (status := engine.transfer_check_status(batch)) == 0:
                 if time.monotonic() > deadline:
@@ -342,7 +342,7 @@ class MooncakeTransport(TransportBase):
                         "kvbridge: Mooncake transfer to %s still moving %d descriptors "
                         "after the engine's deadline; giving up on it",
                         endpoint,
-                        len(ids) - ids.index(batch),
+                        len(ids) - i,
                     )
                     return -1
                 time.sleep(pause)  # the binding offers no completion event
