@@ -130,6 +130,27 @@ def test_pull_flow_reads_then_releases(pd) -> None:
     assert P.sender.wait_released(5) == ["q"]
 
 
+def test_a_prefill_wants_transport_progress_only_while_a_decode_may_read(pd) -> None:
+    """The prefill's transport polls at its busy pace while a P-first decode may read its
+    blocks (over UCX's TCP a read needs the target's progress), not while the prompt is
+    computed: a pump polling through the forward takes the prefill's core from it."""
+    P, D, _, _ = pd
+    busy = P.node.transport._busy
+    assert not busy(), "nothing tracked"
+    P.sender.track("q", [7, 8, 9], 40, pull=True)
+    P.sender.track("w", [1, 2], 40)  # push: its writes keep the transport busy themselves
+    for layer in range(L):
+        P.sender.layer_done("q", layer, 40)
+        P.sender.layer_done("w", layer, 40)
+    assert not busy(), "still computing: no decode can read yet"
+    P.sender.prefill_done("q")
+    assert busy(), "computed and handed over: the decode may read now"
+    D.receiver.expect_pull("q", P.address, P.epoch, [7, 8, 9], [7, 8, 9], 40)
+    assert D.receiver.wait_finished(5) == (["q"], [])
+    assert P.sender.wait_released(5) == ["q"]
+    assert not busy(), "released: nothing left to read"
+
+
 def test_destination_before_the_prefill_starts(pd) -> None:
     P, D, pa, da = pd
     D.receiver.expect_push("e", P.address, [40, 41], 64, skip_tokens=32)

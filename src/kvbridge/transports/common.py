@@ -318,7 +318,7 @@ class TransportBase(abc.ABC):
         every :data:`IDLE_INTERVAL` otherwise (a transport with no probe is always
         busy). A probe says whether its owner expects notifications or a peer's
         transfers into or out of our memory (which need our progress): a receiver with
-        receives pending, a sender holding blocks a peer may read. Called from the
+        receives pending, a sender whose computed blocks a peer may read. Called from the
         pump's thread: cheap, thread-safe, never blocking. Its owner calls :meth:`wake`
         when it starts expecting, and :meth:`remove_demand` when it closes."""
         with self._lock:
