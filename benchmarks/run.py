@@ -24,6 +24,9 @@
     python benchmarks/run.py ttft     [--configs colocated,kvbridge-nixl,kvbridge-mooncake]
                                       [--lengths 128] [--prompts 15] [--output-len 32]
                                       (one request at a time, its TTFT in parts)
+    python benchmarks/run.py ttft-interleaved [--transports nixl,mooncake] [--lengths 128]
+                                      [--reps 20] [--output-len 32] (colocated, push and
+                                      first-token in one deployment, rounds interleaved)
     python benchmarks/run.py pump     [--reps 5] (NIXL's notification pump: idle CPU and
                                       notification latency, by what its owners expect)
     .venv-sglang/bin/python benchmarks/run.py sglang
@@ -67,6 +70,7 @@ import soak
 import transfer
 import transport_costs
 import ttft_breakdown
+import ttft_interleaved
 from report import md_report, measured_on
 from rich.console import Console, Group
 from rich.table import Table
@@ -937,6 +941,27 @@ def ttft_routine(args: argparse.Namespace) -> dict:
     return doc
 
 
+def ttft_interleaved_routine(args: argparse.Namespace) -> dict:
+    doc = {
+        "routine": "ttft-interleaved",
+        "machine": machine(),
+        **ttft_interleaved.run(
+            tuple(t for t in args.transports.split(",") if t),
+            int(args.lengths or 128),
+            args.reps or (3 if args.quick else 20),
+            args.output_len,
+            args.shape,
+            Path(args.out),
+            log=lambda m: console.print(f"[dim]{m}[/dim]"),
+        ),
+    }
+    for t, group in doc["groups"].items():
+        console.print(
+            _table(f"{t}: TTFT in parts (ms), interleaved", *ttft_interleaved.group_rows(group))
+        )
+    return doc
+
+
 def sglang_ttft_routine(args: argparse.Namespace) -> dict:
     doc = _breakdown(
         args,
@@ -988,6 +1013,11 @@ ROUTINES = {
     "soak": (soak_routine, soak.plot, markdown_soak),
     "goodput": (goodput_routine, goodput.plot, goodput.markdown),
     "ttft": (ttft_routine, ttft_breakdown.plot, ttft_breakdown.markdown),
+    "ttft-interleaved": (
+        ttft_interleaved_routine,
+        ttft_interleaved.plot,
+        ttft_interleaved.markdown,
+    ),
     "sglang-ttft": (sglang_ttft_routine, ttft_breakdown.plot, sglang_ttft.markdown),
     "pump": (pump_routine, pump.plot, pump.markdown),
 }
@@ -1005,7 +1035,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help=(
             "timed repetitions per method, interleaved (default 15; 5 with --quick); goodput: "
-            "repetitions of the decode alone / under arrivals (default 5; 2 with --quick)"
+            "repetitions of the decode alone / under arrivals (default 5; 2 with --quick); "
+            "ttft-interleaved: rounds (default 20; 3 with --quick)"
         ),
     )
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")

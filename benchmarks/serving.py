@@ -72,6 +72,8 @@ class Config:
     kvbridge: bool = False
     proxy_args: tuple[str, ...] = ()
     """More ``kvbridge proxy`` options (``--first-token``)."""
+    engine_args: tuple[str, ...] = ()
+    """More ``vllm serve`` options for every instance of the configuration."""
 
 
 def configs(storage: Path) -> dict[str, Config]:
@@ -201,6 +203,7 @@ class Deployment:
             str(max_len),
             "--max-num-seqs",
             "8",
+            *cfg.engine_args,
         ]
         self.proxy: subprocess.Popen[bytes] | None = None
         self.logs = logs

@@ -254,31 +254,39 @@ def run(
         spin = _spinner(cpus[-1]) if name.endswith("+spinner") else contextlib.nullcontext()
         with Deployment(cfg, model, [length], logs, cpus) as dep, spin:
             warm_up(dep.url, [length], output_len, log)
-            rows = []
-            for i in range(requests):
-                prompt = random_prompt(length, seed=50_000 + i)  # the same for every config
-                roles = {k: s.url for k, s in dep.servers.items()}
-                keys = {
-                    role: ("ttft", "queue", "prefill", "e2e")
-                    # P-first (the prefill's token) counts no exposed transfer
-                    + (("exposed",) if role == "prefill" and kind == "pd" else ())
-                    for role in roles
-                }
-                before = {role: prom(url, prefix="vllm:") for role, url in roles.items()}
-                timing = stream(dep.url, prompt, output_len, timeout=120)
-                engines = {role: _one(url, before[role], keys[role]) for role, url in roles.items()}
-                client_ms = 1e3 * timing.ttft_s
-                rows.append(
-                    {
-                        "client_ttft_ms": client_ms,
-                        "client_tpot_ms": 1e3 * timing.tpot_s,
-                        "client_second_ms": 1e3 * (timing.second_s or 0.0),
-                        "engines": engines,
-                        "parts": parts(kind, client_ms, engines),
-                    }
-                )
+            roles = {k: s.url for k, s in dep.servers.items()}
+            rows = [
+                # the same prompts for every configuration
+                measure(dep.url, roles, kind, random_prompt(length, seed=50_000 + i), output_len)
+                for i in range(requests)
+            ]
             result["configs"][name] = {"kind": kind, **summarize(name, rows, log)}
     return result
+
+
+def measure(
+    url: str, roles: dict[str, str], kind: str, prompt: list[int], output_len: int
+) -> dict[str, Any]:
+    """One request of ``prompt`` sent to ``url`` (a server or a proxy), alone on the
+    instances ``roles`` (role -> URL: ``colocated``, or ``prefill`` and ``decode``), and
+    its TTFT in :func:`parts` of ``kind``: a row of :func:`summarize`."""
+    keys = {
+        role: ("ttft", "queue", "prefill", "e2e")
+        # P-first (the prefill's token) counts no exposed transfer
+        + (("exposed",) if role == "prefill" and kind == "pd" else ())
+        for role in roles
+    }
+    before = {role: prom(u, prefix="vllm:") for role, u in roles.items()}
+    timing = stream(url, prompt, output_len, timeout=120)
+    engines = {role: _one(u, before[role], keys[role]) for role, u in roles.items()}
+    client_ms = 1e3 * timing.ttft_s
+    return {
+        "client_ttft_ms": client_ms,
+        "client_tpot_ms": 1e3 * timing.tpot_s,
+        "client_second_ms": 1e3 * (timing.second_s or 0.0),
+        "engines": engines,
+        "parts": parts(kind, client_ms, engines),
+    }
 
 
 def summarize(name: str, rows: list[dict[str, Any]], log: Callable[[str], None]) -> dict[str, Any]:
@@ -303,4 +311,4 @@ def summarize(name: str, rows: list[dict[str, Any]], log: Callable[[str], None])
     }
 
 
-__all__ = ["CONFIGS", "PARTS", "markdown", "parts", "plot", "rows", "run", "summarize"]
+__all__ = ["CONFIGS", "PARTS", "markdown", "measure", "parts", "plot", "rows", "run", "summarize"]

@@ -1,4 +1,5 @@
-"""The TTFT breakdowns' arithmetic (``benchmarks/ttft_breakdown.py``, ``sglang_ttft.py``):
+"""The TTFT breakdowns' arithmetic (``benchmarks/ttft_breakdown.py``, ``sglang_ttft.py``,
+``ttft_interleaved.py``):
 which engine durations make which part, worked out by hand; the benchmarks themselves run
 on real vLLM and SGLang (``benchmarks/run.py ttft``, ``sglang-ttft``)."""
 
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import sglang_ttft  # benchmarks/ is not a package: on sys.path above
 import ttft_breakdown
+import ttft_interleaved
 
 
 def test_a_colocated_request_in_parts() -> None:
@@ -95,3 +97,14 @@ def test_a_disaggregated_sglang_request_in_parts_that_sum_to_its_ttft() -> None:
     }
     assert list(got) == list(sglang_ttft.PARTS)
     assert sum(got.values()) == pytest.approx(431.0)
+
+
+def test_interleaved_rounds_compare_each_request_with_colocated_s_of_the_same_round() -> None:
+    colocated = [{"client_ttft_ms": v} for v in (100.0, 120.0, 110.0)]
+    pair = [{"client_ttft_ms": v} for v in (105.0, 150.0, 110.0)]
+    got = ttft_interleaved.paired(colocated, pair)
+    assert got["ratios"] == pytest.approx([1.05, 1.25, 1.0])
+    assert got["ratio_median"] == pytest.approx(1.05)
+    assert got["diff_median_ms"] == pytest.approx(5.0)  # of +5, +30, 0
+    assert got["within_goal"] == 2  # 1.25 is over 1.10
+    assert got["rounds"] == 3
