@@ -28,9 +28,11 @@ from engine_helpers import (
     kv_args,
     metric,
     start_all,
+    wait_for,
     wait_metric,
 )
 
+from kvbridge.demo.run import prom
 from kvbridge.demo.servers import ServerError, VllmServer, complete, free_port, random_prompt
 from kvbridge.errors import DeadlineExceeded
 
@@ -40,6 +42,8 @@ P_CHUNK = ["--max-num-batched-tokens", "64", "--max-num-seqs", "64"]
 killed while P is sending dies long before P's last write, however late the test's scrape of
 P returns on a loaded machine (with 256-token chunks it once came after the last write)."""
 P_CONFIG = {"timeouts": {"lease_s": LEASE_S}}
+MID_TRANSFER_TRIES = 3
+"""Handoffs the mid-transfer kill test may start before one is seen mid-transfer."""
 D_CONFIG = {"timeouts": {"receive_s": 8, "heartbeat_s": 0.5, "handshake_s": 3}}
 
 
@@ -217,42 +221,58 @@ def test_decode_killed_mid_transfer_frees_the_prefill_s_blocks_at_once(
         handoff("push", cluster.p.url, cluster.d.url, warm, 2, cluster.address).token_ids
         == complete(cluster.c.url, warm, max_tokens=2).token_ids
     )
-    prompt = random_prompt(4000, seed=8)  # 63 chunks of 64 tokens (P_CHUNK)
-    tid = uuid.uuid4().hex
     failures = metric(cluster.p.url, FAILURES)
     expired = metric(cluster.p.url, LEASES_EXPIRED)
-    sent = metric(cluster.p.url, SENT)
     try:
         with ThreadPoolExecutor(2) as pool:
-            decode = pool.submit(
-                complete,
-                cluster.d.url,
-                prompt,
-                max_tokens=4,
-                timeout=60,
-                kv_transfer_params={
-                    "kvbridge": {"transfer_id": tid, "role": "decode", "prefill": cluster.address}
-                },
-            )
-            # D's destination first, so P writes each chunk's layers as it computes them for
-            # about 2 s (a destination reaching P after its prefill gets one write of
-            # everything, and the kill may then come after its last write: seen once, the
-            # transfer was counted sent and nothing failed)
-            destination_at_prefill(cluster.d.url)
-            prefill = pool.submit(
-                complete,
-                cluster.p.url,
-                prompt,
-                max_tokens=1,
-                timeout=60,
-                kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
-            )
-            assert (
-                wait_metric(
-                    cluster.p.url, SENDS_SENDING, lambda v: v >= 1, timeout=30, interval=0.02
+            for attempt in range(MID_TRANSFER_TRIES):
+                sent = metric(cluster.p.url, SENT)
+                # 63 chunks of 64 tokens (P_CHUNK); a new prompt per try (prefix caches)
+                prompt = random_prompt(4000, seed=8 + attempt)
+                tid = uuid.uuid4().hex
+                decode = pool.submit(
+                    complete,
+                    cluster.d.url,
+                    prompt,
+                    max_tokens=4,
+                    timeout=60,
+                    kv_transfer_params={
+                        "kvbridge": {
+                            "transfer_id": tid,
+                            "role": "decode",
+                            "prefill": cluster.address,
+                        }
+                    },
                 )
-                >= 1
-            ), "P never wrote to D"
+                # D's destination first, so P writes each chunk's layers as it computes them
+                # (a destination reaching P after its prefill gets one write of everything)
+                destination_at_prefill(cluster.d.url)
+                prefill = pool.submit(
+                    complete,
+                    cluster.p.url,
+                    prompt,
+                    max_tokens=1,
+                    timeout=60,
+                    kv_transfer_params={"kvbridge": {"transfer_id": tid, "role": "prefill"}},
+                )
+                # one scrape reads both: P sending, or P done (its writes all fell between
+                # two scrapes: the kill would come after the last, and nothing could fail)
+                seen = wait_for(
+                    lambda: prom(cluster.p.url, prefix="vllm:kvbridge_"),
+                    lambda m, sent=sent: m.get(SENDS_SENDING, 0.0) >= 1 or m.get(SENT, 0.0) > sent,
+                    timeout=30,
+                    interval=0.02,
+                )
+                if seen.get(SENDS_SENDING, 0.0) >= 1:
+                    break
+                assert seen.get(SENT, 0.0) > sent, "P never wrote to D"
+                assert len(prefill.result().token_ids) == 1
+                assert len(decode.result().token_ids) == 4
+            else:
+                pytest.fail(
+                    f"in {MID_TRANSFER_TRIES} tries P wrote the whole prompt between two scrapes "
+                    "of its /metrics: no kill could come mid-transfer (make P_CHUNK smaller)"
+                )
             cluster.d.kill()
             killed = time.monotonic()
             got = wait_metric(
