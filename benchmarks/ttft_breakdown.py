@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from report import md_report, measured_on
-from serving import Deployment, configs, fresh_dir, warm_up
+from serving import Config, Deployment, configs, fresh_dir, warm_up
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
 from kvbridge.demo.run import prom, stream
@@ -247,7 +247,7 @@ def run(
     result: dict[str, Any] = {"length": length, "output_len": output_len, "configs": {}}
     for name in names:
         cfg = all_configs[name.removesuffix("+spinner")]
-        cfg = dataclasses.replace(cfg, env={**cfg.env, "VLLM_LOG_STATS_INTERVAL": "1"})
+        cfg = per_request(cfg)
         kind = "first-token" if "--first-token" in cfg.proxy_args else cfg.kind
         logs = fresh_dir(raw / name)
         log(f"{name}: starting")
@@ -262,6 +262,12 @@ def run(
             ]
             result["configs"][name] = {"kind": kind, **summarize(name, rows, log)}
     return result
+
+
+def per_request(cfg: Config, **changes: Any) -> Config:
+    """``cfg`` (with ``changes``) whose instances export a request's histograms within a
+    second of it (vLLM's stats interval at 1 s), as :func:`measure` reads them."""
+    return dataclasses.replace(cfg, env={**cfg.env, "VLLM_LOG_STATS_INTERVAL": "1"}, **changes)
 
 
 def measure(
@@ -311,4 +317,15 @@ def summarize(name: str, rows: list[dict[str, Any]], log: Callable[[str], None])
     }
 
 
-__all__ = ["CONFIGS", "PARTS", "markdown", "measure", "parts", "plot", "rows", "run", "summarize"]
+__all__ = [
+    "CONFIGS",
+    "PARTS",
+    "markdown",
+    "measure",
+    "parts",
+    "per_request",
+    "plot",
+    "rows",
+    "run",
+    "summarize",
+]

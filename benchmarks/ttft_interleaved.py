@@ -24,7 +24,6 @@ needs:
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -32,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from report import md_report, measured_on
-from serving import Deployment, configs, fresh_dir, warm_up
-from ttft_breakdown import PARTS, measure, rows, summarize
+from serving import Config, Deployment, configs, fresh_dir, warm_up
+from ttft_breakdown import PARTS, measure, per_request, rows, summarize
 
 from kvbridge.demo.model import build_tiny_model, default_model_dir
 from kvbridge.demo.servers import random_prompt, start_proxy
@@ -59,11 +58,9 @@ def run(
     model = build_tiny_model(default_model_dir(shape), shape=shape)
     raw = out / "ttft-interleaved-raw"
     all_configs = configs(raw)
-    env = {"VLLM_LOG_STATS_INTERVAL": "1"}
 
-    def setup(name: str):
-        cfg = all_configs[name]
-        return dataclasses.replace(cfg, env={**cfg.env, **env}, engine_args=ENGINE_ARGS)
+    def setup(name: str) -> Config:
+        return per_request(all_configs[name], engine_args=ENGINE_ARGS)
 
     result: dict[str, Any] = {
         "length": length,
